@@ -1,0 +1,42 @@
+# Tandem: every target sets itself up; all are idempotent.
+SHELL   := /bin/bash
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROTOS  := $(wildcard proto/tandem/v1/*.proto)
+GEN     := $(PROTOS:.proto=_pb2.py)
+export UCX_NET_DEVICES ?= lo
+export UCX_WARN_UNUSED_ENV_VARS ?= n
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: setup run test proto bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	set -o pipefail; $(BIN)/python -m pip install -q -e '.[test]' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	$(BIN)/python -c "import torch, grpc, ucxx, ray, prometheus_client, hypothesis; print('setup ok: torch', torch.__version__)"
+	touch $(STAMP)
+
+proto: $(STAMP) $(GEN)
+
+proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $<
+
+run: proto
+	$(BIN)/tandem up
+
+test: proto
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: proto
+	$(BIN)/python bench/kvcore.py
+	$(BIN)/python bench/ucx_raw.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvcore services deploy bench tests
+
+clean:
+	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py* .pytest_cache
