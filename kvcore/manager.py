@@ -1,0 +1,320 @@
+"""KVCacheManager: the one facade the services see.
+
+Per request it keeps one block-table row per layer group. A row's length is the
+request's *extent* in pages (context + headroom); entries below a windowed group's stale
+boundary are ``NULL_PAGE``, so the count of valid entries is not the extent.
+
+Lifecycle rules (design.md §3):
+- the target (REQUIRED) group alone decides the prefix match length;
+- a windowed OPTIONAL group is reused only where its window is complete at the match
+  end; otherwise the match says from which position to recompute it;
+- a match ending inside a page copies that page into a private page for every group that
+  reuses it (copy-on-write), so shared pages are never written;
+- with ``KVLayout.SEPARATE`` the draft group is neither cached nor transferred.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcore import window as win
+from kvcore.capacity import split_capacity
+from kvcore.page_allocator import PageAllocator
+from kvcore.radix import RadixCache, TreeNode
+from kvcore.spec import NULL_PAGE, CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, cdiv
+from kvcore.stats import GroupStats, GroupUsage
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """What a request can reuse. ``num_tokens`` cached target tokens (full pages plus a
+    partial page); per group, ``compute_start`` is the first position whose KV the prefill
+    must compute, ``reused_pages`` the block-table prefix taken from the cache (``NULL_PAGE``
+    where the group holds nothing) and ``cow_pages`` the source of the partial page."""
+
+    num_tokens: int = 0
+    compute_start: dict[str, int] = field(default_factory=dict)
+    reused_pages: dict[str, list[int]] = field(default_factory=dict)
+    cow_pages: dict[str, int] = field(default_factory=dict)
+    node: TreeNode | None = None
+
+    @property
+    def recompute_start(self) -> int:
+        """First position any group must recompute (the target may need to re-run from
+        here, without writing its shared pages, to feed another group)."""
+        return min(self.compute_start.values(), default=0)
+
+
+@dataclass(slots=True)
+class TransferPages:
+    """Pages of one group that a transfer moves: block-table indices
+    [first_page, first_page + len(page_ids)), i.e. positions from first_page * P."""
+
+    first_page: int
+    page_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Request:
+    rows: dict[str, list[int]]
+    num_computed: int = 0
+    node: TreeNode | None = None
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, device: str | torch.device = "cpu",
+                 allocate_tensors: bool = True) -> None:
+        self.config = config
+        self.page = config.tokens_per_page
+        self.groups: dict[str, LayerGroupSpec] = {g.name: g for g in config.groups}
+        self.allocators = {g.name: PageAllocator(n)
+                           for g, n in zip(config.groups, split_capacity(config), strict=True)}
+        self.pools: dict[str, torch.Tensor] = {}
+        if allocate_tensors:
+            self.pools = {g.name: torch.zeros((self.allocators[g.name].num_pages,
+                                               *g.page_shape(self.page)),
+                                              dtype=g.torch_dtype, device=device)
+                          for g in config.groups}
+        self.cached_groups = [g.name for g in config.groups if self._is_cached(g)]
+        self.tree = (RadixCache({g: self.allocators[g] for g in self.cached_groups}, self.page)
+                     if config.enable_prefix_cache else None)
+        self.stats = {g: GroupStats() for g in self.groups}
+        self.requests: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------ prefix reuse
+
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """Reusable prefix of a prompt, leaving at least its last token to compute."""
+        match = PrefixMatch(compute_start={g: 0 for g in self.groups},
+                            reused_pages={g: [] for g in self.groups})
+        if self.tree is None or len(token_ids) < 2:
+            return match
+        radix = self.tree.match_prefix(token_ids[:-1])
+        m = radix.num_tokens + radix.partial_tokens
+        match.num_tokens, match.node = m, radix.node
+        for name in self.groups:
+            self._match_group(match, name, radix, m)
+        return match
+
+    def _match_group(self, match: PrefixMatch, name: str, radix, m: int) -> None:
+        spec = self.groups[name]
+        if name not in self.cached_groups:
+            match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
+            return
+        full = list(radix.pages[name])
+        partial = radix.partial_pages.get(name, NULL_PAGE) if radix.partial_tokens else None
+        first = win.window_start(m, spec.window) // self.page if m else 0
+        needed = full[first:] + ([partial] if partial is not None else [])
+        if NULL_PAGE in needed:  # only an OPTIONAL group can hold NULL pages
+            match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
+            return
+        match.compute_start[name] = m
+        match.reused_pages[name] = [NULL_PAGE] * first + full[first:]
+        if partial is not None:
+            match.cow_pages[name] = partial
+
+    # ------------------------------------------------------------ allocate / free
+
+    def can_allocate(self, num_tokens: int, match: PrefixMatch | None = None,
+                     num_computed: int = 0) -> bool:
+        """Whether ``allocate`` with the same arguments would find its pages."""
+        needs = self._new_pages(self._initial_rows(num_tokens, match, num_computed))
+        locked = self._path_evictable(match.node if match else None)
+        return all(needs[g] + (1 if match and g in match.cow_pages else 0)
+                   <= self._available(g) - locked.get(g, 0) for g in needs)
+
+    def allocate(self, request_id: str, num_tokens: int, match: PrefixMatch | None = None,
+                 num_computed: int = 0) -> None:
+        """Give a new request pages for positions [0, num_tokens + headroom), taking the
+        matched prefix. ``num_computed`` > 0 reserves pages whose KV arrives by transfer:
+        windowed groups then skip pages already out of the window."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already allocated")
+        rows = self._initial_rows(num_tokens, match, num_computed)
+        node = match.node if match and match.node is not None else None
+        if node is not None:
+            self.tree.lock(node)
+        for g in rows:
+            held = [p for p in (match.reused_pages.get(g, []) if match else []) if p != NULL_PAGE]
+            self.allocators[g].incref(held)
+        cow = match.cow_pages if match else {}
+        for g, src in cow.items():  # pin copy sources: making room may evict their node
+            self.allocators[g].incref([src])
+        self._take_new_pages(rows)
+        self._copy_partial_pages(match, rows)
+        for g, src in cow.items():
+            self.allocators[g].decref([src])
+        if match:
+            self._count_match(match, num_tokens)
+        self.requests[request_id] = _Request(rows=rows, num_computed=num_computed, node=node)
+
+    def can_extend(self, request_id: str, num_tokens: int) -> bool:
+        req = self._request(request_id)
+        needs = self._extension(req, num_tokens)
+        return all(needs[g] <= self._available(g) for g in needs)
+
+    def extend(self, request_id: str, num_tokens: int) -> None:
+        """Grow the extent to cover positions [0, num_tokens + headroom)."""
+        req = self._request(request_id)
+        needs = self._extension(req, num_tokens)
+        self._make_room(needs)
+        for g, n in needs.items():
+            req.rows[g].extend(self.allocators[g].allocate(n))
+
+    def advance(self, request_id: str, num_computed: int) -> None:
+        """Record that positions [0, num_computed) hold valid KV; release windowed pages no
+        later query can read. Rolling back speculative positions needs no call: they are
+        overwritten by later writes."""
+        req = self._request(request_id)
+        req.num_computed = num_computed
+        for g, row in req.rows.items():
+            end = min(win.stale_page_end(num_computed, self.groups[g].window, self.page), len(row))
+            stale = [p for p in row[:end] if p != NULL_PAGE]
+            if stale:
+                self.allocators[g].decref(stale)
+                row[:end] = [NULL_PAGE] * end
+
+    def free(self, request_id: str, token_ids: list[int] | None = None) -> None:
+        """End a request. With ``token_ids`` (the tokens at positions [0, num_computed)),
+        its whole pages are offered to the prefix cache first."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request_id {request_id!r} is not allocated")
+        if token_ids is not None and self.tree is not None:
+            n = min(len(token_ids), req.num_computed)
+            self.tree.insert(token_ids[:n], {g: req.rows[g] for g in self.cached_groups})
+        for g, row in req.rows.items():
+            self.allocators[g].decref([p for p in reversed(row) if p != NULL_PAGE])
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        del self.requests[request_id]
+
+    # ------------------------------------------------------------ views
+
+    def block_table(self, request_id: str, group: str) -> list[int]:
+        return list(self._request(request_id).rows[group])
+
+    def block_tables(self, request_ids: list[str], group: str,
+                     device: str | torch.device = "cpu") -> torch.Tensor:
+        """[batch, max_extent] int32, padded with NULL_PAGE."""
+        rows = [self._request(r).rows[group] for r in request_ids]
+        width = max((len(r) for r in rows), default=0)
+        out = torch.full((len(rows), width), NULL_PAGE, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            out[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        return out.to(device)
+
+    def transfer_pages(self, request_id: str, num_tokens: int) -> dict[str, TransferPages]:
+        """Pages holding positions [0, num_tokens) that a disaggregated transfer moves, per
+        group: windowed groups only inside the window, separate draft groups not at all.
+        Sender and receiver compute the same indices from the same ``num_tokens``."""
+        req = self._request(request_id)
+        out = {}
+        for g, row in req.rows.items():
+            spec = self.groups[g]
+            if self.config.layout == KVLayout.SEPARATE and spec.lifecycle == Lifecycle.OPTIONAL:
+                continue
+            first = win.stale_page_end(num_tokens, spec.window, self.page)
+            out[g] = TransferPages(first, row[first:cdiv(num_tokens, self.page)])
+        return out
+
+    def usage(self) -> dict[str, GroupUsage]:
+        cached = self.tree.num_cached_pages() if self.tree else {}
+        return {g: GroupUsage(used=a.num_used, total=a.num_pages, cached=cached.get(g, 0),
+                              evictable=self.tree.evictable.get(g, 0) if self.tree else 0)
+                for g, a in self.allocators.items()}
+
+    def num_request_pages(self, request_id: str) -> dict[str, int]:
+        """Valid (held) entries per group; compare with len(block_table) for the extent."""
+        return {g: sum(p != NULL_PAGE for p in row)
+                for g, row in self._request(request_id).rows.items()}
+
+    def reset_prefix_cache(self) -> None:
+        """Evict everything unlocked from the prefix cache."""
+        if self.tree is not None:
+            self.tree.evict({g: self.allocators[g].num_pages for g in self.cached_groups})
+
+    # ------------------------------------------------------------ internals
+
+    def _is_cached(self, spec: LayerGroupSpec) -> bool:
+        return not (self.config.layout == KVLayout.SEPARATE
+                    and spec.lifecycle == Lifecycle.OPTIONAL)
+
+    def _request(self, request_id: str) -> _Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request_id {request_id!r} is not allocated")
+        return req
+
+    def _extent(self, num_tokens: int) -> int:
+        return cdiv(num_tokens + self.config.headroom_tokens, self.page)
+
+    def _initial_rows(self, num_tokens: int, match: PrefixMatch | None,
+                      num_computed: int) -> dict[str, list[int | None]]:
+        """Rows with reused pages filled, NULL where nothing is held, None where a new
+        page goes."""
+        extent = self._extent(num_tokens)
+        rows = {}
+        for g, spec in self.groups.items():
+            reused = list(match.reused_pages.get(g, [])) if match else []
+            compute_start = match.compute_start[g] if match else 0
+            first_new = max(len(reused), compute_start // self.page,
+                            win.stale_page_end(num_computed, spec.window, self.page))
+            first_new = min(first_new, extent)
+            rows[g] = reused + [NULL_PAGE] * (first_new - len(reused)) + [None] * (extent - first_new)
+        return rows
+
+    @staticmethod
+    def _new_pages(rows: dict[str, list[int | None]]) -> dict[str, int]:
+        return {g: sum(p is None for p in row) for g, row in rows.items()}
+
+    def _take_new_pages(self, rows: dict[str, list[int | None]]) -> None:
+        needs = self._new_pages(rows)
+        self._make_room(needs)
+        for g, row in rows.items():
+            fresh = iter(self.allocators[g].allocate(needs[g]))
+            row[:] = [next(fresh) if p is None else p for p in row]
+
+    def _copy_partial_pages(self, match: PrefixMatch | None, rows: dict[str, list[int]]) -> None:
+        if match is None:
+            return
+        full = match.num_tokens // self.page
+        for g, src in match.cow_pages.items():
+            dst = rows[g][full]
+            if self.pools:
+                self.pools[g][dst].copy_(self.pools[g][src])
+
+    def _count_match(self, match: PrefixMatch, num_tokens: int) -> None:
+        for g, stats in self.stats.items():
+            hit = match.num_tokens if match.compute_start[g] == match.num_tokens else 0
+            stats.record(query_tokens=num_tokens, hit_tokens=hit,
+                         recomputed_tokens=match.num_tokens - match.compute_start[g])
+
+    def _extension(self, req: _Request, num_tokens: int) -> dict[str, int]:
+        extent = self._extent(num_tokens)
+        return {g: max(0, extent - len(row)) for g, row in req.rows.items()}
+
+    def _available(self, group: str) -> int:
+        evictable = self.tree.evictable.get(group, 0) if self.tree else 0
+        return self.allocators[group].num_free + evictable
+
+    def _path_evictable(self, node: TreeNode | None) -> dict[str, int]:
+        """Pages of unlocked nodes on the path to ``node``: locking it makes them unevictable."""
+        out: dict[str, int] = {}
+        while node is not None and node.lock_ref == 0:
+            for g, ps in node.pages.items():
+                out[g] = out.get(g, 0) + sum(p != NULL_PAGE for p in ps)
+            node = node.parent
+        return out
+
+    def _make_room(self, needs: dict[str, int]) -> None:
+        short = {g: n - self.allocators[g].num_free for g, n in needs.items()
+                 if n > self.allocators[g].num_free}
+        if short and self.tree is not None:
+            self.tree.evict(short)
+        for g, n in needs.items():
+            if not self.allocators[g].can_allocate(n):
+                raise RuntimeError(f"group {g}: {n} pages needed, "
+                                   f"{self.allocators[g].num_free} free: check can_allocate first")

@@ -1,0 +1,226 @@
+"""Radix prefix cache keyed by page-sized token runs, holding pages of every layer group.
+
+Five calls: ``match_prefix``, ``insert``, ``evict``, ``lock``, ``unlock``.
+
+Invariants:
+- every node's key is a whole number of pages (``len(key) % tokens_per_page == 0``) and
+  it holds, per group, one entry per page of its key; REQUIRED groups hold real pages,
+  OPTIONAL groups may hold ``NULL_PAGE`` where the page was released (out of window);
+- the tree owns one reference of every page it holds (``PageAllocator.incref``);
+- a node with ``lock_ref > 0`` is in use by a request, and so are all its ancestors;
+  only unlocked leaves are evicted, least recently used first;
+- ``evictable[group]`` counts the real pages held by unlocked nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from kvcore.page_allocator import PageAllocator
+from kvcore.spec import NULL_PAGE
+
+
+@dataclass(eq=False, slots=True)
+class TreeNode:
+    key: tuple[int, ...]
+    pages: dict[str, list[int]]  # per group, one entry per page of key
+    parent: TreeNode | None = field(default=None, repr=False)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict, repr=False)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def num_pages(self) -> int:
+        return len(next(iter(self.pages.values()))) if self.pages else 0
+
+
+@dataclass(slots=True)
+class RadixMatch:
+    """Full pages matched, and optionally one partially matched page after them."""
+
+    node: TreeNode  # deepest node of the full-page match (root if none)
+    num_tokens: int  # full-page tokens matched
+    pages: dict[str, list[int]]  # per group, the matched pages in position order
+    partial_tokens: int = 0  # tokens matched inside the next page (0 < n < tokens_per_page)
+    partial_pages: dict[str, int] = field(default_factory=dict)  # per group, source page
+
+
+class RadixCache:
+    def __init__(self, allocators: dict[str, PageAllocator], tokens_per_page: int) -> None:
+        self.allocators = allocators
+        self.page = tokens_per_page
+        self.root = TreeNode(key=(), pages={g: [] for g in allocators})
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable = {g: 0 for g in allocators}
+        self._clock = 0
+
+    # ---------------------------------------------------------------- public API
+
+    def match_prefix(self, tokens: list[int] | tuple[int, ...]) -> RadixMatch:
+        """Longest cached prefix of ``tokens``: whole pages, then a partial page.
+        The node ending the full-page match is split so it ends exactly there."""
+        tokens = tuple(tokens)
+        node, n = self.root, 0
+        pages: dict[str, list[int]] = {g: [] for g in self.allocators}
+        self._touch(node)
+        while n + self.page <= len(tokens):
+            child = node.children.get(tokens[n:n + self.page])
+            if child is None:
+                break
+            k = self._match_pages(child.key, tokens, n)
+            if k < child.num_pages():
+                child = self._split(child, k)
+            for g, ps in child.pages.items():
+                pages[g].extend(ps)
+            node, n = child, n + len(child.key)
+            self._touch(node)
+        match = RadixMatch(node=node, num_tokens=n, pages=pages)
+        self._match_partial(match, tokens)
+        return match
+
+    def insert(self, tokens: list[int] | tuple[int, ...], pages: dict[str, list[int]]) -> int:
+        """Cache the whole pages of ``tokens``; the tree takes its own references.
+        Returns the number of tokens that were already cached (pages not taken)."""
+        tokens = tuple(tokens[: len(tokens) // self.page * self.page])
+        node, n = self.root, 0
+        self._touch(node)
+        while n < len(tokens):
+            child = node.children.get(tokens[n:n + self.page])
+            if child is None:
+                self._add_leaf(node, tokens[n:], {g: ps[n // self.page:len(tokens) // self.page]
+                                                  for g, ps in pages.items()})
+                return n
+            k = self._match_pages(child.key, tokens, n)
+            if k < child.num_pages():
+                child = self._split(child, k)
+            self._fill_optional(child, pages, n // self.page)
+            node, n = child, n + len(child.key)
+            self._touch(node)
+        return n
+
+    def evict(self, needed: dict[str, int]) -> dict[str, int]:
+        """Evict unlocked leaves, least recently used first, until each group has freed
+        ``needed[group]`` pages or nothing is evictable. Returns pages freed per group."""
+        freed = {g: 0 for g in self.allocators}
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        while heap and any(freed[g] < needed.get(g, 0) for g in freed):
+            _, _, node = heapq.heappop(heap)
+            for g, ps in node.pages.items():
+                real = [p for p in ps if p != NULL_PAGE]
+                self.allocators[g].decref(real)
+                self.evictable[g] -= len(real)
+                freed[g] += len(real)
+            parent = node.parent
+            del parent.children[node.key[:self.page]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (one lock per request)."""
+        while node is not None:
+            if node.lock_ref == 0:
+                self._count_evictable(node, -1)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref < 0:
+                raise RuntimeError("unlock of an unlocked node")
+            if node.lock_ref == 0:
+                self._count_evictable(node, +1)
+            node = node.parent
+
+    # ---------------------------------------------------------------- helpers
+
+    def num_cached_pages(self) -> dict[str, int]:
+        counts = {g: 0 for g in self.allocators}
+        for node in self.nodes():
+            for g, ps in node.pages.items():
+                counts[g] += sum(p != NULL_PAGE for p in ps)
+        return counts
+
+    def nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _leaves(self) -> list[TreeNode]:
+        return [n for n in self.nodes() if not n.children and n is not self.root]
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        node.last_access = self._clock
+
+    def _match_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+        """Number of whole pages of ``key`` equal to ``tokens[start:]``."""
+        k = 0
+        for i in range(0, len(key), self.page):
+            if key[i:i + self.page] != tokens[start + i:start + i + self.page]:
+                break
+            k += 1
+        return k
+
+    def _match_partial(self, match: RadixMatch, tokens: tuple[int, ...]) -> None:
+        rest = tokens[match.num_tokens:match.num_tokens + self.page - 1]
+        if not rest:
+            return
+        best, best_len = None, 0
+        for child in match.node.children.values():
+            n = _common_prefix_len(child.key[:self.page], rest)
+            if n > best_len:
+                best, best_len = child, n
+        if best is not None:
+            match.partial_tokens = best_len
+            match.partial_pages = {g: ps[0] for g, ps in best.pages.items()}
+            self._touch(best)
+
+    def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Split ``node`` after ``num_pages`` pages; returns the new upper node."""
+        cut = num_pages * self.page
+        upper = TreeNode(key=node.key[:cut], pages={g: ps[:num_pages] for g, ps in node.pages.items()},
+                         parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access)
+        node.parent.children[upper.key[:self.page]] = upper
+        node.key = node.key[cut:]
+        node.pages = {g: ps[num_pages:] for g, ps in node.pages.items()}
+        node.parent = upper
+        upper.children[node.key[:self.page]] = node
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: dict[str, list[int]]) -> None:
+        node = TreeNode(key=key, pages={g: list(ps) for g, ps in pages.items()}, parent=parent)
+        for g, ps in node.pages.items():
+            self.allocators[g].incref([p for p in ps if p != NULL_PAGE])
+        parent.children[key[:self.page]] = node
+        self._touch(node)
+        self._count_evictable(node, +1)
+
+    def _fill_optional(self, node: TreeNode, pages: dict[str, list[int]], first: int) -> None:
+        """Take pages of groups the node lacks (NULL) where the inserted sequence has them."""
+        for g, held in node.pages.items():
+            new = pages[g][first:first + len(held)]
+            for i, p in enumerate(new):
+                if held[i] == NULL_PAGE and p != NULL_PAGE:
+                    held[i] = p
+                    self.allocators[g].incref([p])
+                    if node.lock_ref == 0:
+                        self.evictable[g] += 1
+
+    def _count_evictable(self, node: TreeNode, sign: int) -> None:
+        for g, ps in node.pages.items():
+            self.evictable[g] += sign * sum(p != NULL_PAGE for p in ps)
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
