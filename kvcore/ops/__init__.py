@@ -1,0 +1,29 @@
+"""Paged-KV ops over a layer group's pool
+``[num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]``.
+
+CUDA tensors go to the GPU kernels (kvcore.ops.gpu), others to the torch reference
+(kvcore.ops.reference), which defines the semantics.
+"""
+
+from kvcore.ops.dispatch import (
+    decode_attention,
+    paged_attention,
+    prefill_attention,
+    verify_attention,
+    write_kv,
+)
+from kvcore.ops.pages import copy_pages, pack_pages, unpack_pages
+from kvcore.ops.slots import query_positions, slot_mapping_for
+
+__all__ = [
+    "copy_pages",
+    "decode_attention",
+    "pack_pages",
+    "paged_attention",
+    "prefill_attention",
+    "query_positions",
+    "slot_mapping_for",
+    "unpack_pages",
+    "verify_attention",
+    "write_kv",
+]

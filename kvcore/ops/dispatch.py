@@ -1,0 +1,65 @@
+"""Public paged-KV ops: GPU kernels for CUDA tensors (when Triton is present), the torch
+reference otherwise. Both paths compute the same function; see kvcore.ops.reference."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from kvcore.ops import reference
+
+
+@functools.cache
+def _gpu_kernels() -> ModuleType | None:
+    try:
+        from kvcore.ops import gpu
+    except ImportError:
+        return None
+    return gpu
+
+
+def _on_gpu(t: torch.Tensor) -> ModuleType | None:
+    return _gpu_kernels() if t.is_cuda else None
+
+
+def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at slots (page * P + offset);
+    slot -1 is skipped. fp8 pools store a saturating cast."""
+    impl = _on_gpu(kv_pool) or reference
+    impl.write_kv(kv_pool, layer, key, value, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Varlen causal attention over paged K/V; see reference.paged_attention."""
+    impl = _on_gpu(query) or reference
+    return impl.paged_attention(query, kv_pool, layer, block_table, query_start_loc,
+                                seq_lens, scale, window)
+
+
+def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """query [batch, num_q_heads, head_dim], one token per sequence."""
+    impl = _on_gpu(query) or reference
+    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window)
+
+
+def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """query [batch, q_len, num_q_heads, head_dim], q_len = K + 1 tokens per sequence."""
+    impl = _on_gpu(query) or reference
+    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window)
+
+
+def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
+    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
+                           scale, window)

@@ -1,0 +1,168 @@
+"""Pure-torch reference of the paged-KV ops: the specification the GPU kernels match.
+
+Pool layout (see kvcore.spec): ``kv_pool [num_pages, num_layers, 2, num_kv_heads, P, head_dim]``.
+The token at position t of a sequence lives in page ``block_table[b, t // P]``, slot ``t % P``.
+
+Attention is computed in float32 over all sequences of a batch at once: each sequence's
+needed pages are gathered into one padded tensor, then a single masked attention runs.
+Pages holding no visible key (wholly out of the window, NULL, past the extent) are never
+gathered; NULL entries inside the gathered range are replaced by zeros, never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.ops.checks import check_attention, check_write
+from kvcore.spec import NULL_PAGE
+
+FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to the pool dtype; fp8 saturates at the format's max instead of producing NaN."""
+    if dtype in FP8_DTYPES:
+        fp8_max = torch.finfo(dtype).max
+        return x.float().clamp(-fp8_max, fp8_max).to(dtype)
+    return x.to(dtype)
+
+
+def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value ``[num_tokens, num_kv_heads, head_dim]`` of one layer at slots
+    ``page_id * P + offset``; slots equal to -1 are skipped."""
+    check_write(kv_pool, layer, key, value, slot_mapping)
+    tokens_per_page = kv_pool.shape[4]
+    keep = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[keep].long()
+    pages, offsets = slots // tokens_per_page, slots % tokens_per_page
+    kv_pool[pages, layer, 0, :, offsets] = to_pool_dtype(key[keep], kv_pool.dtype)
+    kv_pool[pages, layer, 1, :, offsets] = to_pool_dtype(value[keep], kv_pool.dtype)
+
+
+def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention of varlen queries over paged K/V.
+
+    query: [num_tokens, num_q_heads, head_dim]; block_table: [batch, max_pages];
+    query_start_loc: [batch + 1] cumulative query lengths; seq_lens: [batch] tokens of
+    each context including its query tokens. Query i of sequence b sits at position
+    ``seq_lens[b] - q_len_b + i`` and sees keys j with ``pos - window < j <= pos``
+    (no lower bound when window == 0). A row that sees no key outputs zeros.
+    Returns [num_tokens, num_q_heads, head_dim] in the query's dtype.
+    """
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window)
+    num_tokens, num_q_heads, head_dim = query.shape
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or block_table.shape[1] == 0:
+        return query.new_zeros(query.shape)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [batch]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
+    index_in_seq = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of_token]
+    max_q = int(q_lens.max())
+
+    q = query.new_zeros((batch, max_q, num_q_heads, head_dim), dtype=torch.float32)
+    q[seq_of_token, index_in_seq] = query.float()
+    keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, block_table, seq_lens,
+                                                    q_lens, window)
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
+    mask = _attention_mask(q_pos, q_lens, key_pos, key_ok, window)  # [batch, max_q, num_keys]
+    out = _masked_attention(q, keys, values, mask, scale)  # [batch, max_q, num_q_heads, hd]
+    return out[seq_of_token, index_in_seq].to(query.dtype)
+
+
+def _gather_context(kv_pool: torch.Tensor, layer: int, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, q_lens: torch.Tensor, window: int):
+    """Gather, per sequence, the pages from the first one any query can see to the last
+    one of the context. Returns keys/values [batch, num_kv_heads, num_keys, head_dim]
+    (float32, zeros where no page is held), key positions [batch, num_keys] and
+    key_ok [batch, num_keys] (held and inside the context)."""
+    tokens_per_page, max_pages = kv_pool.shape[4], block_table.shape[1]
+    seq_lens = seq_lens.long()
+    first_pos = torch.zeros_like(seq_lens)
+    if window > 0:
+        first_pos = (seq_lens - q_lens - window + 1).clamp_min(0)
+    first_page = first_pos // tokens_per_page  # [batch]
+    end_page = (seq_lens + tokens_per_page - 1) // tokens_per_page  # [batch], exclusive
+    num_pages = int((end_page - first_page).clamp_min(0).max())
+    page_index = first_page[:, None] + torch.arange(num_pages, device=kv_pool.device)
+    in_range = (page_index < end_page[:, None]) & (page_index < max_pages)
+    page_ids = block_table.gather(1, page_index.clamp(max=max_pages - 1)).long()
+    held = in_range & (page_ids != NULL_PAGE)  # [batch, num_pages]
+    pages = kv_pool[torch.where(held, page_ids, 0), layer].float()  # [b, n, 2, kvh, P, hd]
+    pages = torch.where(held[:, :, None, None, None, None], pages, 0.0)
+    batch, _, _, num_kv_heads, _, head_dim = pages.shape
+    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
+    offsets = torch.arange(num_pages * tokens_per_page, device=kv_pool.device)
+    key_pos = first_page[:, None] * tokens_per_page + offsets  # [batch, num_keys]
+    key_ok = held.repeat_interleave(tokens_per_page, dim=1) & (key_pos < seq_lens[:, None])
+    return kv[0], kv[1], key_pos, key_ok
+
+
+def _attention_mask(q_pos: torch.Tensor, q_lens: torch.Tensor, key_pos: torch.Tensor,
+                    key_ok: torch.Tensor, window: int) -> torch.Tensor:
+    """[batch, max_q, num_keys]: query row i of b may attend key column j."""
+    max_q = q_pos.shape[1]
+    q_ok = torch.arange(max_q, device=q_pos.device)[None, :] < q_lens[:, None]
+    mask = key_ok[:, None, :] & q_ok[:, :, None]
+    mask &= key_pos[:, None, :] <= q_pos[:, :, None]
+    if window > 0:
+        mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
+    return mask
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [batch, max_q, num_q_heads, hd]; keys/values [batch, num_kv_heads, num_keys, hd];
+    mask [batch, max_q, num_keys]. Query head h reads kv head h // group."""
+    batch, max_q, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    if keys.shape[2] == 0:
+        return q.new_zeros(q.shape)
+    q = q.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)  # rows: (g, i)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kvh, group*max_q, keys]
+    scores = scores.view(batch, num_kv_heads, group, max_q, -1)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    probs = (probs / denom).view(batch, num_kv_heads, group * max_q, -1)
+    out = torch.matmul(probs, values).view(batch, num_kv_heads, group, max_q, head_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_q_heads, head_dim)
+
+
+def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """One query token per sequence. query: [batch, num_q_heads, head_dim]."""
+    query_start_loc = _uniform_starts(seq_lens, 1)
+    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
+                           scale, window)
+
+
+def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """q_len (= K + 1) query tokens per sequence, causal inside the block.
+    query: [batch, q_len, num_q_heads, head_dim] -> same shape."""
+    if query.dim() != 4:
+        raise ValueError(f"query: expected [batch, q_len, num_q_heads, head_dim], "
+                         f"got {tuple(query.shape)}")
+    batch, q_len = query.shape[:2]
+    flat = query.reshape(batch * q_len, *query.shape[2:])
+    out = paged_attention(flat, kv_pool, layer, block_table, _uniform_starts(seq_lens, q_len),
+                          seq_lens, scale, window)
+    return out.view(query.shape)
+
+
+prefill_attention = paged_attention
+
+
+def _uniform_starts(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
+    """query_start_loc [batch + 1] of a batch whose sequences all have q_len tokens."""
+    batch = seq_lens.shape[0]
+    return torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device) * q_len

@@ -1,0 +1,62 @@
+"""Block-table conversions: token positions -> pool slots, query positions.
+
+A slot is ``page_id * tokens_per_page + offset``; -1 marks a write to skip (a position
+whose page is NULL, or past the block table's width).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcore.ops.checks import fail
+from kvcore.spec import NULL_PAGE
+
+IntsLike = int | Sequence[int] | torch.Tensor
+
+
+def _as_longs(x: IntsLike, batch: int, field: str, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.int64, device=device).reshape(-1)
+    if t.shape[0] != batch:
+        fail(field, f"has {t.shape[0]} entries for batch {batch}")
+    return t
+
+
+def slot_mapping_for(block_table: torch.Tensor, start_positions: IntsLike, lengths: IntsLike,
+                     tokens_per_page: int) -> torch.Tensor:
+    """Slots of positions ``start_b .. start_b + length_b - 1`` of every row b, concatenated.
+
+    block_table: [batch, max_pages] or one row [max_pages]. Returns [sum(lengths)] int64.
+    """
+    if tokens_per_page <= 0:
+        fail("tokens_per_page", f"must be > 0, got {tokens_per_page}")
+    table = block_table if block_table.dim() == 2 else block_table.reshape(1, -1)
+    if table.dim() != 2:
+        fail("block_table", f"expected [batch, max_pages], got {tuple(block_table.shape)}")
+    batch, max_pages = table.shape
+    starts = _as_longs(start_positions, batch, "start_positions", table.device)
+    lens = _as_longs(lengths, batch, "lengths", table.device)
+    if bool((starts < 0).any()) or bool((lens < 0).any()):
+        fail("start_positions", "starts and lengths must be >= 0")
+    row = torch.repeat_interleave(torch.arange(batch, device=table.device), lens)
+    offsets = torch.arange(row.shape[0], device=table.device) - (torch.cumsum(lens, 0) - lens)[row]
+    positions = starts[row] + offsets  # [num_tokens]
+    if max_pages == 0:
+        return torch.full_like(positions, -1)
+    page_index = positions // tokens_per_page
+    in_table = page_index < max_pages
+    page_ids = table[row, page_index.clamp(max=max_pages - 1)].long()
+    held = in_table & (page_ids != NULL_PAGE)
+    slots = page_ids * tokens_per_page + positions % tokens_per_page
+    return torch.where(held, slots, torch.full_like(slots, -1))
+
+
+def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Position of every query token: query i of sequence b is at ``seq_lens[b] - q_len_b + i``.
+    Returns [num_tokens] int64 (num_tokens = query_start_loc[-1])."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    batch = seq_lens.shape[0]
+    row = torch.repeat_interleave(torch.arange(batch, device=seq_lens.device), q_lens)
+    index_in_seq = torch.arange(row.shape[0], device=seq_lens.device) - query_start_loc[row]
+    return seq_lens.long()[row] - q_lens[row] + index_in_seq

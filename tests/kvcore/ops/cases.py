@@ -1,0 +1,109 @@
+"""Random paged-attention cases and a float64 dense attention to check them against.
+
+Every page a case does not hold (spare pages, pages released out of the window) is
+filled with NaN, and released pages are NULL in the block table: an op that reads one
+returns NaN and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.ops.reference import to_pool_dtype
+from kvcore.spec import NULL_PAGE, cdiv
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclass(slots=True)
+class Case:
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim]
+    kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, P, head_dim]
+    layer: int
+    block_table: torch.Tensor  # [batch, max_pages] int32
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    scale: float
+    window: int
+
+    def args(self) -> tuple:
+        return (self.query, self.kv_pool, self.layer, self.block_table, self.query_start_loc,
+                self.seq_lens, self.scale, self.window)
+
+
+def first_visible(seq_len: int, q_len: int, window: int) -> int:
+    """Lowest key position any query of the sequence can see."""
+    return max(0, seq_len - q_len - window + 1) if window else 0
+
+
+def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 16,
+              num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 32,
+              pool_dtype: torch.dtype = torch.bfloat16,
+              query_dtype: torch.dtype = torch.bfloat16, window: int = 0,
+              num_layers: int = 2, layer: int = 1, seed: int = 0, spare_pages: int = 3,
+              device: str = "cpu") -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [cdiv(s, tokens_per_page) for s in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    shape = (num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim)
+    pool = to_pool_dtype(torch.randn(shape, generator=gen), pool_dtype)
+    ids = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(pages_per_seq, default=0) + 1), NULL_PAGE,
+                       dtype=torch.int32)
+    poisoned = ids[sum(pages_per_seq):]
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        lo = first_visible(seq_len, q_len, window)
+        for k in range(pages_per_seq[b]):
+            page = ids.pop(0)
+            released = (k + 1) * tokens_per_page <= lo
+            table[b, k] = NULL_PAGE if released else page
+            if released:
+                poisoned.append(page)
+    pool[poisoned] = to_pool_dtype(torch.full(shape[1:], math.nan), pool_dtype)
+    num_tokens = sum(q_lens)
+    query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(query_dtype)
+    starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return Case(query.to(device), pool.to(device), layer, table.to(device), starts.to(device),
+                torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                head_dim ** -0.5, window)
+
+
+def dense_attention(case: Case) -> torch.Tensor:
+    """float64 attention gathered position by position; never touches a key it must not."""
+    pool = case.kv_pool.cpu()
+    table = case.block_table.cpu()
+    query = case.query.cpu().double()
+    starts = case.query_start_loc.tolist()
+    tokens_per_page = pool.shape[4]
+    group = query.shape[1] // pool.shape[3]
+    out = torch.zeros_like(query)
+    for b, seq_len in enumerate(case.seq_lens.tolist()):
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            lo = max(0, pos - case.window + 1) if case.window else 0
+            keys, values = [], []
+            for j in range(lo, pos + 1):
+                page = int(table[b, j // tokens_per_page])
+                assert page != NULL_PAGE, "a visible position has no page"
+                kv = pool[page, case.layer, :, :, j % tokens_per_page].double()  # [2, kvh, hd]
+                keys.append(kv[0])
+                values.append(kv[1])
+            if not keys:
+                continue
+            k = torch.stack(keys).repeat_interleave(group, dim=1)  # [n, q_heads, hd]
+            v = torch.stack(values).repeat_interleave(group, dim=1)
+            q = query[starts[b] + i]  # [q_heads, hd]
+            probs = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * case.scale, dim=-1)
+            out[starts[b] + i] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+def assert_matches_dense(out: torch.Tensor, case: Case) -> None:
+    ref = dense_attention(case)
+    assert out.dtype == case.query.dtype and out.shape == case.query.shape
+    tol = TOLERANCE[case.query.dtype]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
