@@ -1,0 +1,61 @@
+"""64-bit UCX tags of KV transfer messages.
+
+UCX matches tags per *worker*, not per endpoint, so a tag alone must tell every
+message a worker can receive apart. A tag is laid out as
+
+    bits 63..24  request key: 40 bits of BLAKE2b(request id), stable across processes
+    bits 23..16  group index: the layer group's index in the cache config (0..255)
+    bits 15..0   chunk: the message's index within that group (0..65535)
+
+``request_tag`` is the per-request base (low 24 bits zero); it is what a
+reservation carries as ``transfer_tag``. Group indices past the cache's groups are
+free for per-request side messages (aux state, acks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+GROUP_BITS = 8
+CHUNK_BITS = 16
+REQUEST_BITS = 64 - GROUP_BITS - CHUNK_BITS
+MAX_GROUPS = 1 << GROUP_BITS
+MAX_CHUNKS = 1 << CHUNK_BITS
+_LOW_BITS = GROUP_BITS + CHUNK_BITS
+
+
+def request_tag(request_id: str) -> int:
+    """Base tag of a request: its 40-bit key in bits 63..24, zeros below.
+
+    Uses BLAKE2b, not ``hash()``, whose value differs between processes.
+    """
+    if not request_id:
+        raise ValueError("request_id: must be non-empty")
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    key = int.from_bytes(digest, "little") >> (64 - REQUEST_BITS)
+    return key << _LOW_BITS
+
+
+def message_tag(base_tag: int, group_index: int, chunk: int) -> int:
+    """Tag of one message: ``base_tag`` (from :func:`request_tag`) plus group and chunk."""
+    if not 0 <= base_tag < 1 << 64 or base_tag & ((1 << _LOW_BITS) - 1):
+        raise ValueError(f"base_tag: must be a 64-bit tag with its low {_LOW_BITS} bits "
+                         f"zero, got {base_tag:#x}")
+    if not 0 <= group_index < MAX_GROUPS:
+        raise ValueError(f"group_index: must be in [0, {MAX_GROUPS}), got {group_index}")
+    if not 0 <= chunk < MAX_CHUNKS:
+        raise ValueError(f"chunk: must be in [0, {MAX_CHUNKS}), got {chunk}")
+    return base_tag | group_index << CHUNK_BITS | chunk
+
+
+def make_tag(request_id: str, group_index: int, chunk: int) -> int:
+    """Tag of chunk ``chunk`` of group ``group_index`` of request ``request_id``."""
+    return message_tag(request_tag(request_id), group_index, chunk)
+
+
+def split_tag(tag: int) -> tuple[int, int, int]:
+    """Inverse of :func:`message_tag`: (base_tag, group_index, chunk)."""
+    if not 0 <= tag < 1 << 64:
+        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag}")
+    base = tag & ~((1 << _LOW_BITS) - 1)
+    return base, (tag >> CHUNK_BITS) & (MAX_GROUPS - 1), tag & (MAX_CHUNKS - 1)

@@ -1,0 +1,281 @@
+"""UCX transport for KV pages: tagged messages between worker processes.
+
+Two ways to reach a peer, chosen per connection:
+
+- ``UcxPath.WORKER_ADDRESS`` (default, bulk data): the peer's UCX worker address
+  travels out of band (in ``RankInfo``, as bytes) and the endpoint is made from it
+  with endpoint error handling off. UCX may then use every transport it has: shared
+  memory (sysv for small messages, cma zero-copy reads for large ones) on one host,
+  cuda_ipc between GPUs. It is about 10x faster than TCP on one host. The price:
+  UCX reports no peer failure, so every receive has a timeout and every send may.
+- ``UcxPath.LISTENER`` (TCP): the peer runs a listener; ``create_endpoint`` forces
+  endpoint error handling, which rules shared memory out, so only TCP is left. It
+  suits a cross-host fallback and reports a dead peer as an error.
+
+Receive semantics. UCX matches tags per worker, so a receive names only its tag
+(see :mod:`kvcore.transfer.tags`), not a peer. A receive never posts a UCX request
+before its message is there: it probes for the tag until the deadline, then receives
+the matched message through its handle. So a receive that times out leaves nothing
+behind. A matched message cannot be cancelled (UCX cancels only unmatched
+receives): if its data has not landed by the deadline (the sender died mid-message),
+the receive raises ``TransferTimeout`` and the buffer stays owned by UCX until
+``close()``.
+
+A send that times out aborts the endpoint (which cancels its in-flight sends, so
+the source buffer is free again) and forgets the peer; ``connect`` again to reuse it.
+
+One transport per process: ``ucxx`` keeps a single UCX worker per process, and its
+progress runs in ``ucxx``'s default mode (a progress thread asleep in epoll; never a
+polling mode, which would burn a core while idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.transfer.buffers import as_ucx_array
+
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+"""Environment that pins UCX to loopback (tests, benchmarks); set it before ``import ucxx``."""
+
+SPIN_S = 2e-4  # seconds a receive re-probes every loop turn before backing off
+POLL_S = 1e-3  # seconds between probes after that
+
+
+class UcxPath(enum.Enum):
+    WORKER_ADDRESS = "worker_address"  # any transport (shm, cma, cuda_ipc); no failure reports
+    LISTENER = "listener"  # TCP only; a dead peer raises
+
+
+class TransferError(RuntimeError):
+    """A message could not be moved."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A message did not complete before its deadline."""
+
+
+class TransportClosed(TransferError):
+    """The transport is closed (or was never started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UcxEndpointInfo:
+    """How peers reach this transport; mirrors the ``UcxEndpoint`` proto message."""
+
+    worker_address: bytes  # UCX worker address, as published in RankInfo
+    host: str = ""  # listener host
+    port: int = 0  # listener port; 0 = no listener
+
+
+class UcxTransport:
+    """Tagged, timed send/recv of contiguous buffers to named peers.
+
+    Invariants: ``connect(peer_id)`` opens the send direction to that peer only
+    (receives need no connection); a peer id maps to at most one endpoint; after
+    ``close()`` every call raises ``TransportClosed``.
+    """
+
+    def __init__(self, listen: bool = False, host: str = "127.0.0.1", port: int = 0):
+        """``listen``: also accept TCP connections on ``host:port`` (0 = any free port)."""
+        if not 0 <= port < 1 << 16:
+            raise ValueError(f"port: must be in [0, 65536), got {port}")
+        self._listen, self._host, self._port = listen, host, port
+        self._ucxx: Any = None
+        self._context: Any = None  # ucxx ApplicationContext
+        self._listener: Any = None
+        self._endpoints: dict[str, Any] = {}  # peer id -> ucxx Endpoint (send direction)
+        self._accepted: list[Any] = []  # endpoints peers opened through the listener
+        self._started = self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create (or join) the process's UCX worker; start the listener if asked.
+
+        Call from inside the event loop that will run the transfers.
+        """
+        if self._closed:
+            raise TransportClosed("transport: closed; create a new one")
+        if self._started:
+            return
+        import ucxx
+
+        self._ucxx = ucxx
+        self._context = ucxx.core._get_ctx()  # the process's worker; ucxx has no public getter
+        self._context.continuous_ucx_progress()
+        if self._listen:
+            self._listener = ucxx.create_listener(self._on_accept, port=self._port)
+        self._started = True
+
+    def local_info(self) -> UcxEndpointInfo:
+        self._check_open()
+        port = self._listener.port if self._listener is not None else 0
+        address = self._ucxx.get_worker_address().tobytes()
+        return UcxEndpointInfo(address, self._host if port else "", port)
+
+    async def close(self) -> None:
+        """Abort every endpoint (cancelling their in-flight sends) and stop listening.
+
+        Idempotent. Receives waiting for a message raise ``TransportClosed``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for endpoint in [*self._endpoints.values(), *self._accepted]:
+            endpoint.abort()
+        self._endpoints.clear()
+        self._accepted.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    # ------------------------------------------------------------------ peers
+
+    async def connect(self, peer_id: str, info: UcxEndpointInfo,
+                      path: UcxPath = UcxPath.WORKER_ADDRESS) -> None:
+        """Open the send direction to ``peer_id``; ValueError naming the bad field."""
+        self._check_open()
+        if not peer_id:
+            raise ValueError("peer_id: must be non-empty")
+        if peer_id in self._endpoints:
+            raise ValueError(f"peer_id: {peer_id!r} is already connected")
+        if path == UcxPath.WORKER_ADDRESS:
+            endpoint = await self._connect_by_address(info)
+        elif path == UcxPath.LISTENER:
+            endpoint = await self._connect_by_listener(info)
+        else:
+            raise ValueError(f"path: must be a UcxPath, got {path!r}")
+        if self._closed:  # closed while connecting
+            endpoint.abort()
+            raise TransportClosed("transport: closed while connecting")
+        self._endpoints[peer_id] = endpoint
+
+    def is_connected(self, peer_id: str) -> bool:
+        return peer_id in self._endpoints
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Abort the endpoint to ``peer_id`` (cancels its in-flight sends); no-op if absent."""
+        endpoint = self._endpoints.pop(peer_id, None)
+        if endpoint is not None:
+            endpoint.abort()
+
+    async def _connect_by_address(self, info: UcxEndpointInfo) -> Any:
+        if not info.worker_address:
+            raise ValueError("worker_address: empty; the peer has no UCX worker")
+        address = self._ucxx.get_ucx_address_from_buffer(info.worker_address)
+        return await self._ucxx.create_endpoint_from_worker_address(
+            address, endpoint_error_handling=False)
+
+    async def _connect_by_listener(self, info: UcxEndpointInfo) -> Any:
+        if not info.host:
+            raise ValueError("host: empty; the peer has no listener")
+        if not 0 < info.port < 1 << 16:
+            raise ValueError(f"port: must be in [1, 65536) for the listener path, got {info.port}")
+        try:
+            return await self._ucxx.create_endpoint(info.host, info.port)
+        except Exception as e:  # ucxx raises its own error types
+            raise TransferError(f"connect to {info.host}:{info.port} failed: {e}") from e
+
+    async def _on_accept(self, endpoint: Any) -> None:
+        """Keep peers' listener endpoints alive (dropping one closes the peer's side)."""
+        if self._closed:
+            endpoint.abort()
+            return
+        self._accepted = [ep for ep in self._accepted if not ep.closed]
+        self._accepted.append(endpoint)
+
+    # ------------------------------------------------------------------ messages
+
+    async def send(self, peer_id: str, buffer: Any, tag: int,
+                   timeout_s: float | None = None) -> None:
+        """Send ``buffer``'s bytes to ``peer_id`` under ``tag``.
+
+        Returns once the buffer may be reused. On timeout (``timeout_s`` seconds, None =
+        wait forever) the peer's endpoint is aborted and forgotten; raises
+        ``TransferTimeout``.
+        """
+        self._check_open()
+        endpoint = self._endpoints.get(peer_id)
+        if endpoint is None:
+            raise ValueError(f"peer_id: {peer_id!r} is not connected")
+        array = as_ucx_array(buffer, writable=False)
+        request = _background(endpoint.send(array, tag=_check_tag(tag), force_tag=True))
+        try:
+            await asyncio.wait_for(asyncio.shield(request), timeout_s)
+        except TimeoutError:
+            await self.disconnect(peer_id)
+            raise TransferTimeout(f"send of tag {tag:#x} to {peer_id!r} not done "
+                                  f"after {timeout_s} s; endpoint aborted") from None
+        except Exception as e:
+            self._check_open()
+            raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {e}") from e
+
+    async def recv(self, buffer: Any, tag: int, timeout_s: float) -> None:
+        """Receive the message tagged ``tag`` into ``buffer``, whose size must match.
+
+        Raises ``TransferTimeout`` if the message has not landed within ``timeout_s``
+        seconds; the sender's identity plays no part (tags are per worker).
+        """
+        self._check_open()
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        array = as_ucx_array(buffer, writable=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s)
+        if probe.length != array.nbytes:
+            await self._discard(probe)
+            raise TransferError(f"recv of tag {tag:#x}: message has {probe.length} bytes, "
+                                f"buffer has {array.nbytes}")
+        request = _background(self._receive_matched(array, probe))
+        try:
+            await asyncio.wait_for(asyncio.shield(request), max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise TransferTimeout(f"recv of tag {tag:#x}: message matched but its data did "
+                                  f"not land within {timeout_s} s") from None
+
+    async def _wait_for_message(self, tag: int, deadline: float, timeout_s: float) -> Any:
+        """Probe (and dequeue) the message tagged ``tag``: every loop turn for SPIN_S
+        seconds, then every POLL_S seconds until ``deadline`` (event-loop time)."""
+        loop = asyncio.get_running_loop()
+        spin_until = loop.time() + SPIN_S
+        while True:
+            self._check_open()
+            probe = self._context.tag_probe(tag, remove=True)
+            if probe.matched:
+                return probe
+            now = loop.time()
+            if now >= deadline:
+                raise TransferTimeout(f"recv of tag {tag:#x}: no message within {timeout_s} s")
+            await asyncio.sleep(0 if now < spin_until else min(POLL_S, deadline - now))
+
+    async def _receive_matched(self, array: Any, probe: Any) -> None:
+        await self._context.recv_with_handle(array, probe)
+
+    async def _discard(self, probe: Any) -> None:
+        """Drain a dequeued message that will not be delivered (UCX requires it)."""
+        await self._receive_matched(as_ucx_array(bytearray(probe.length), writable=True),
+                                    probe)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("transport: closed")
+        if not self._started:
+            raise TransportClosed("transport: not started; call start() first")
+
+
+def _check_tag(tag: int) -> int:
+    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
+        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
+    return tag
+
+
+def _background(coro: Any) -> asyncio.Task:
+    """Run ``coro`` as a task whose late failure (after a timeout) is not reported."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
