@@ -1,0 +1,55 @@
+"""Builders for small caches whose page ids can be followed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore import CacheConfig, KVCacheManager, KVLayout, LayerGroupSpec, Lifecycle, Owner
+
+N = -1  # NULL_PAGE, short for expected rows
+
+
+def make_config(*, page: int = 4, window: int = 8, k: int = 2, target_pages: int = 32,
+                draft_pages: int = 32, layout: KVLayout = KVLayout.UNIFIED,
+                draft_layers: int = 1, draft_dtype: str = "float32",
+                prefix_cache: bool = True) -> CacheConfig:
+    target = LayerGroupSpec("target", Owner.TARGET, num_layers=2, num_kv_heads=2, head_dim=4,
+                            dtype="float32")
+    draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=draft_layers, num_kv_heads=1,
+                           head_dim=4, dtype=draft_dtype, window=window,
+                           lifecycle=Lifecycle.OPTIONAL)
+    return CacheConfig(groups=(target, draft), tokens_per_page=page,
+                       num_pages=(target_pages, draft_pages), num_spec_tokens=k,
+                       layout=layout, enable_prefix_cache=prefix_cache)
+
+
+def make_manager(**kwargs) -> KVCacheManager:
+    return KVCacheManager(make_config(**kwargs))
+
+
+def rows(manager: KVCacheManager, request_id: str) -> tuple[list[int], list[int]]:
+    return manager.block_table(request_id, "target"), manager.block_table(request_id, "draft")
+
+
+def run_request(manager: KVCacheManager, request_id: str, tokens: list[int],
+                cache: bool = True) -> None:
+    """Prefill ``tokens`` in one step with whatever prefix matches, then free (and cache)."""
+    match = manager.match_prefix(tokens)
+    assert manager.can_allocate(len(tokens), match)
+    manager.allocate(request_id, len(tokens), match)
+    manager.advance(request_id, len(tokens))
+    manager.free(request_id, tokens if cache else None)
+
+
+def assert_empty(manager: KVCacheManager) -> None:
+    """No request holds pages; after dropping the prefix cache every page is free."""
+    assert not manager.requests
+    manager.reset_prefix_cache()
+    for name, usage in manager.usage().items():
+        assert usage.used == 0, name
+        assert sorted(manager.allocators[name].free_queue) == list(range(usage.total))
+
+
+@pytest.fixture
+def manager() -> KVCacheManager:
+    return make_manager()
