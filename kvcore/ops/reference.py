@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.ops.checks import check_attention, check_write
+from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.spec import NULL_PAGE
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
@@ -139,9 +140,8 @@ def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      window: int = 0) -> torch.Tensor:
     """One query token per sequence. query: [batch, num_q_heads, head_dim]."""
-    query_start_loc = _uniform_starts(seq_lens, 1)
-    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
-                           scale, window)
+    starts = uniform_query_start_loc(seq_lens, 1)
+    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window)
 
 
 def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
@@ -154,15 +154,10 @@ def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          f"got {tuple(query.shape)}")
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
-    out = paged_attention(flat, kv_pool, layer, block_table, _uniform_starts(seq_lens, q_len),
-                          seq_lens, scale, window)
+    starts = uniform_query_start_loc(seq_lens, q_len)
+    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window)
     return out.view(query.shape)
 
 
 prefill_attention = paged_attention
 
-
-def _uniform_starts(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
-    """query_start_loc [batch + 1] of a batch whose sequences all have q_len tokens."""
-    batch = seq_lens.shape[0]
-    return torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device) * q_len

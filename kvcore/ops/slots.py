@@ -60,3 +60,9 @@ def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> to
     row = torch.repeat_interleave(torch.arange(batch, device=seq_lens.device), q_lens)
     index_in_seq = torch.arange(row.shape[0], device=seq_lens.device) - query_start_loc[row]
     return seq_lens.long()[row] - q_lens[row] + index_in_seq
+
+
+def uniform_query_start_loc(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
+    """query_start_loc [batch + 1] int32 of a batch whose sequences all have q_len tokens."""
+    batch = seq_lens.shape[0]
+    return torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device) * q_len

@@ -85,17 +85,14 @@ def dense_attention(case: Case) -> torch.Tensor:
         for i in range(q_len):
             pos = seq_len - q_len + i
             lo = max(0, pos - case.window + 1) if case.window else 0
-            keys, values = [], []
-            for j in range(lo, pos + 1):
-                page = int(table[b, j // tokens_per_page])
-                assert page != NULL_PAGE, "a visible position has no page"
-                kv = pool[page, case.layer, :, :, j % tokens_per_page].double()  # [2, kvh, hd]
-                keys.append(kv[0])
-                values.append(kv[1])
-            if not keys:
+            if pos < lo:
                 continue
-            k = torch.stack(keys).repeat_interleave(group, dim=1)  # [n, q_heads, hd]
-            v = torch.stack(values).repeat_interleave(group, dim=1)
+            positions = torch.arange(lo, pos + 1)
+            pages = table[b, positions // tokens_per_page].long()
+            assert bool((pages != NULL_PAGE).all()), "a visible position has no page"
+            kv = pool[pages, case.layer, :, :, positions % tokens_per_page].double()
+            k = kv[:, 0].repeat_interleave(group, dim=1)  # [n, q_heads, hd]
+            v = kv[:, 1].repeat_interleave(group, dim=1)
             q = query[starts[b] + i]  # [q_heads, hd]
             probs = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * case.scale, dim=-1)
             out[starts[b] + i] = torch.einsum("hn,nhd->hd", probs, v)

@@ -1,0 +1,81 @@
+"""GPU paged-KV ops: the reference's functions, same names and arguments, on Triton kernels.
+
+Importing this module fails without Triton; kvcore.ops then keeps the reference.
+decode_attention and verify_attention never synchronize with the host (their query
+length is static), so they can be captured in a CUDA graph; paged_attention reads the
+longest query length back once per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.ops.checks import check_attention, check_write, fail
+from kvcore.ops.slots import uniform_query_start_loc
+from kvcore.ops.triton_attention import launch_attention
+from kvcore.ops.triton_write import launch_write_kv
+
+
+def _require_contiguous_pool(kv_pool: torch.Tensor) -> None:
+    if not kv_pool.is_contiguous():
+        fail("kv_pool", "must be contiguous")
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    check_write(kv_pool, layer, key, value, slot_mapping)
+    _require_contiguous_pool(kv_pool)
+    launch_write_kv(kv_pool, layer, _unit_last_stride(key), _unit_last_stride(value),
+                    slot_mapping)
+
+
+def _attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+               block_table: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, window: int,
+               max_q_len: int) -> torch.Tensor:
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window)
+    _require_contiguous_pool(kv_pool)
+    query = _unit_last_stride(query)
+    block_table = _unit_last_stride(block_table)
+    out = torch.empty_like(query)
+    return launch_attention(out, query, kv_pool, layer, block_table, query_start_loc,
+                            seq_lens, scale, window, max_q_len)
+
+
+def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_q_len = int(q_lens.max()) if q_lens.numel() else 0
+    return _attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale,
+                      window, max_q_len)
+
+
+def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    starts = uniform_query_start_loc(seq_lens, 1)
+    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1)
+
+
+def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    if query.dim() != 4:
+        fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
+    batch, q_len = query.shape[:2]
+    flat = query.reshape(batch * q_len, *query.shape[2:])
+    starts = uniform_query_start_loc(seq_lens, q_len)
+    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len)
+    return out.view(query.shape)
+
+
+def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
+                           scale, window)

@@ -1,0 +1,200 @@
+"""Triton paged attention: one kernel for decode, verify and prefill over a cached prefix.
+
+A program owns (sequence, block of BLOCK_Q query tokens, kv head, context split). Its
+rows are every (query token, q head) pair of that kv head, so each K/V page is read once
+for all GROUP query heads that share it (GQA packing); row r is query token
+r // GROUP_PAD and head r % GROUP_PAD of the group. Keys are walked BLOCK_N positions
+at a time, each position resolved through the block table to (page, offset), so any
+page size works and a block may span pages. Loads are masked to positions inside
+[first visible, last query] of the split: a NULL page or a slot past the context is
+never read. With NUM_SPLITS > 1 each split writes a normalized partial output and its
+log2-sum-exp, and a second kernel combines them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+TINY = 1e-30
+NEG_BIG = -1e30  # initial running max: finite, so fully masked rows stay NaN-free
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, kv_ptr, block_table_ptr, starts_ptr,
+    seq_lens_ptr, layer_offset, num_q_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_page, stride_kv, stride_head, stride_bt, scale_log2, window,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0) // num_q_blocks
+    first_q = (tl.program_id(0) % num_q_blocks) * BLOCK_Q
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(starts_ptr + seq)
+    q_len = tl.load(starts_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if first_q >= q_len:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    row_q = first_q + rows // GROUP_PAD  # query index inside the sequence
+    row_head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (row_q < q_len) & (rows % GROUP_PAD < GROUP) & (rows < BLOCK_Q * GROUP_PAD)
+    row_pos = seq_len - q_len + row_q  # [BLOCK_M] position of each row's query
+    row_token = (q_start + row_q).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+
+    # keys this block can see: [kv_lo, kv_hi); split s takes one BLOCK_N-aligned chunk
+    kv_hi = seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(seq_len - q_len + first_q - window + 1, 0)
+    aligned_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - aligned_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = aligned_lo + split * chunk
+    split_hi = tl.minimum(split_lo + chunk, kv_hi)
+
+    kv_base = kv_ptr + layer_offset + kv_head * stride_head
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(split_lo, split_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        in_range = (pos >= kv_lo) & (pos < split_hi)
+        page = tl.load(table_row + pos // PAGE, mask=in_range, other=-1)
+        key_ok = in_range & (page >= 0)
+        slot = page.to(tl.int64) * stride_page + (pos % PAGE) * HEAD_DIM
+        kv_off = slot[:, None] + dims[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(kv_base + stride_kv + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_ok[None, :] & (pos[None, :] <= row_pos[:, None])
+        if HAS_WINDOW:
+            visible &= pos[None, :] > row_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, TINY)[:, None]
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out_off = row_token[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        part_row = (row_token * tl.num_programs(1) * GROUP + row_head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, TINY)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads,
+                    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = token * num_heads + head
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS,
+                  other=float("-inf"))  # [SPLITS_PAD]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    part = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM
+                   + dims[None, :], mask=(w > 0)[:, None] & (dims < HEAD_DIM)[None, :],
+                   other=0.0)  # [SPLITS_PAD, BLOCK_D]
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), TINY)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+               torch.float32: tl.float32}
+
+
+def _dot_dtype(pool_dtype: torch.dtype, query_dtype: torch.dtype):
+    """Operand dtype of the two matmuls: the pool's if 16/32-bit; fp8 K/V widen exactly to
+    the query's 16-bit dtype (bf16 for an fp32 query)."""
+    if pool_dtype in _DOT_DTYPES:
+        return _DOT_DTYPES[pool_dtype]
+    return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_splits(num_programs: int, device: torch.device, waves: int = 2,
+                   max_splits: int = 64) -> int:
+    """Context splits so that a small batch still fills the chip (``waves`` programs per
+    SM); 1 once the batch alone does."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    return max(1, min(max_splits, triton.cdiv(waves * num_sms, num_programs)))
+
+
+def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tensor,
+                     layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
+                     num_splits: int | None = None, block_n: int = 64,
+                     num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+    """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
+    every sequence's query length; splits apply only when it is <= 16 (decode/verify)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    batch, num_kv_heads = seq_lens.shape[0], kv_pool.shape[3]
+    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+        return out.zero_()
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if max_q_len <= 16:
+        block_q = triton.next_power_of_2(max_q_len)
+    else:
+        block_q = max(1, 128 // group_pad)
+    block_m = max(16, block_q * group_pad)
+    num_q_blocks = triton.cdiv(max_q_len, block_q)
+    programs = batch * num_q_blocks * num_kv_heads
+    if num_splits is None:
+        num_splits = default_splits(programs, query.device) if max_q_len <= 16 else 1
+    part_out = part_lse = out  # unused placeholders when there is one split
+    if num_splits > 1:
+        part_out = query.new_empty((num_tokens, num_q_heads, num_splits, head_dim),
+                                   dtype=torch.float32)
+        part_lse = query.new_empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32)
+    dot_dtype = _dot_dtype(kv_pool.dtype, query.dtype)
+    grid = (batch * num_q_blocks, num_kv_heads, num_splits)
+    _attention_kernel[grid](
+        out, part_out, part_lse, query, kv_pool, block_table, query_start_loc, seq_lens,
+        layer * kv_pool.stride(1), num_q_blocks, query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1), kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
+        block_table.stride(0), scale * LOG2E, window,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=kv_pool.shape[4], HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_WINDOW=window > 0,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages)
+    if num_splits > 1:
+        _combine_kernel[(num_tokens, num_q_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_q_heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+    return out
