@@ -94,10 +94,8 @@ def dense_us(batch: int, length: int, q_len: int) -> float | None:
     v = torch.randn_like(k)
     q = torch.randn((batch, Q_HEADS, q_len, HEAD_DIM), device="cuda", dtype=torch.bfloat16)
     mask = verify_mask(q_len, length)
-    us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                        enable_gqa=True))
-    del k, v
-    return us
+    return time_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          enable_gqa=True))
 
 
 def gather_us(pool, table, batch: int, length: int, q_len: int) -> float | None:
@@ -158,24 +156,23 @@ def sweep(rows: list) -> None:
     shapes = [(torch.bfloat16, 16, 64, 8192, 1), (torch.bfloat16, 16, 1, 32768, 1),
               (torch.bfloat16, 16, 16, 8192, 8), (FP8, 16, 64, 8192, 1),
               (torch.bfloat16, 128, 64, 8192, 8)]
+    configs = [(block_n, warps, stages, 2) for block_n in (32, 64, 128)
+               for warps, stages in ((4, 2), (4, 3), (8, 3))]
     for dtype, page, batch, length, q_len in shapes:
         pool, table = make_pool(batch, length, page, dtype)
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    for waves in ((1, 2, 4) if batch <= 16 else (2,)):
-                        splits = default_splits(batch * KV_HEADS, pool.device, waves=waves)
-                        fn = attention_fn(pool, table, batch, length, q_len, block_n=block_n,
-                                          num_warps=warps, num_stages=stages,
-                                          num_splits=splits)
-                        us = time_us(fn)
-                        rate = gbps(kv_bytes(batch, length, dtype), us)
-                        rows.append(dict(sweep=True, kv=str(dtype), page=page, batch=batch,
-                                         length=length, q_len=q_len, block_n=block_n,
-                                         warps=warps, stages=stages, waves=waves, us=us))
-                        print(f"{str(dtype)[6:10]} P{page} B{batch} L{length} q{q_len}: "
-                              f"{block_n:4d} {warps} {stages} {waves} -> {us:8.1f} us "
-                              f"{rate:6.0f} GB/s", flush=True)
+        waves = [(64, 4, 2, 1), (64, 4, 2, 4)] if batch <= 16 else []
+        for block_n, warps, stages, wave in configs + waves:
+            splits = default_splits(batch * KV_HEADS, pool.device, waves=wave)
+            fn = attention_fn(pool, table, batch, length, q_len, block_n=block_n,
+                              num_warps=warps, num_stages=stages, num_splits=splits)
+            us = time_us(fn)
+            rate = gbps(kv_bytes(batch, length, dtype), us)
+            rows.append(dict(sweep=True, kv=str(dtype), page=page, batch=batch, length=length,
+                             q_len=q_len, block_n=block_n, warps=warps, stages=stages,
+                             waves=wave, splits=splits, us=us))
+            print(f"{str(dtype)[6:10]} P{page} B{batch} L{length} q{q_len}: {block_n:4d} "
+                  f"{warps} {stages} {wave} ({splits:2d} splits) -> {us:8.1f} us "
+                  f"{rate:6.0f} GB/s", flush=True)
         del pool, table
         torch.cuda.empty_cache()
 
@@ -187,26 +184,37 @@ def page_moves(copy_gbps: float, rows: list) -> None:
         pool = torch.randn((1024, 32, 2, KV_HEADS, page, HEAD_DIM), device="cuda",
                            dtype=torch.bfloat16)
         ids = torch.randperm(1024, device="cuda")[:256]
-        packed = pack_pages(pool, ids)
-        moved = 2 * packed.numel() * packed.element_size()  # read + write
-        for name, fn in (("pack", lambda: pack_pages(pool, ids)),
-                         ("unpack", lambda: unpack_pages(pool, ids, packed)),
-                         ("pack 4 heads", lambda: pack_pages(pool, ids, heads=slice(0, 4)))):
+        for name, fn, moved in page_move_fns(pool, ids):
             us = time_us(fn)
-            rate = gbps(moved / (2 if "heads" in name else 1), us)
+            rate = gbps(moved, us)
             rows.append(dict(op=name, page=page, us=us, gbps=rate))
             print(f"P{page:<4} {name:13s} {us:9.1f} us {rate:7.0f} GB/s "
                   f"{100 * rate / copy_gbps:5.1f}% of copy", flush=True)
-        del pool, packed
+        del pool
+    for tokens in (64, 256, 8192):
+        us = write_kv_us(tokens)
+        moved = 2 * 2 * tokens * KV_HEADS * HEAD_DIM * 2  # K and V, read + write
+        rows.append(dict(op="write_kv", tokens=tokens, us=us))
+        print(f"write_kv {tokens:5d} tokens: {us:7.1f} us {gbps(moved, us):6.0f} GB/s",
+              flush=True)
+
+
+def page_move_fns(pool: torch.Tensor, ids: torch.Tensor) -> list:
+    """(name, fn, bytes read + written) of pack, unpack and a half-heads pack."""
+    packed = pack_pages(pool, ids)
+    moved = 2 * packed.numel() * packed.element_size()
+    return [("pack", lambda: pack_pages(pool, ids), moved),
+            ("unpack", lambda: unpack_pages(pool, ids, packed), moved),
+            ("pack 4 heads", lambda: pack_pages(pool, ids, heads=slice(0, 4)), moved / 2)]
+
+
+def write_kv_us(tokens: int) -> float:
+    """One layer's K/V write of ``tokens`` tokens into scattered slots."""
     pool = torch.randn((4096, 1, 2, KV_HEADS, 16, HEAD_DIM), device="cuda",
                        dtype=torch.bfloat16)
-    for tokens in (64, 256, 8192):
-        kv = torch.randn((2, tokens, KV_HEADS, HEAD_DIM), device="cuda", dtype=torch.bfloat16)
-        slots = torch.randperm(4096 * 16, device="cuda")[:tokens]
-        us = time_us(lambda: write_kv(pool, 0, kv[0], kv[1], slots))
-        rows.append(dict(op="write_kv", tokens=tokens, us=us))
-        print(f"write_kv {tokens:5d} tokens: {us:7.1f} us "
-              f"{gbps(2 * kv.numel() * 2, us):6.0f} GB/s", flush=True)
+    kv = torch.randn((2, tokens, KV_HEADS, HEAD_DIM), device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(4096 * 16, device="cuda")[:tokens]
+    return time_us(lambda: write_kv(pool, 0, kv[0], kv[1], slots))
 
 
 def prefill_rows(rows: list) -> None:
