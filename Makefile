@@ -32,8 +32,8 @@ test: proto
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: proto
-	$(BIN)/python bench/kvcore.py
-	$(BIN)/python bench/ucx_raw.py
+	$(BIN)/python -m bench.kvcore
+	$(BIN)/python -m bench.ucx_raw
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvcore services deploy bench tests

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvcore import window as win
@@ -61,6 +62,7 @@ class _Request:
     rows: dict[str, list[int]]
     num_computed: int = 0
     node: TreeNode | None = None
+    first_held: dict[str, int] = field(default_factory=dict)  # per group: entries below are NULL
 
 
 class KVCacheManager:
@@ -82,6 +84,8 @@ class KVCacheManager:
                      if config.enable_prefix_cache else None)
         self.stats = {g: GroupStats() for g in self.groups}
         self.requests: dict[str, _Request] = {}
+        self._windowed = [(g.name, g.window) for g in config.groups if g.window > 0]
+        self._target = config.groups[0].name
 
     # ------------------------------------------------------------ prefix reuse
 
@@ -136,9 +140,8 @@ class KVCacheManager:
         node = match.node if match and match.node is not None else None
         if node is not None:
             self.tree.lock(node)
-        for g in rows:
-            held = [p for p in (match.reused_pages.get(g, []) if match else []) if p != NULL_PAGE]
-            self.allocators[g].incref(held)
+        for g, row in rows.items():
+            self.allocators[g].incref([p for p in row if p is not None and p != NULL_PAGE])
         cow = match.cow_pages if match else {}
         for g, src in cow.items():  # pin copy sources: making room may evict their node
             self.allocators[g].incref([src])
@@ -148,7 +151,9 @@ class KVCacheManager:
             self.allocators[g].decref([src])
         if match:
             self._count_match(match, num_tokens)
-        self.requests[request_id] = _Request(rows=rows, num_computed=num_computed, node=node)
+        first_held = {g: _first_held(row) for g, row in rows.items()}
+        self.requests[request_id] = _Request(rows=rows, num_computed=num_computed, node=node,
+                                             first_held=first_held)
 
     def can_extend(self, request_id: str, num_tokens: int) -> bool:
         req = self._request(request_id)
@@ -169,12 +174,44 @@ class KVCacheManager:
         overwritten by later writes."""
         req = self._request(request_id)
         req.num_computed = num_computed
-        for g, row in req.rows.items():
-            end = min(win.stale_page_end(num_computed, self.groups[g].window, self.page), len(row))
-            stale = [p for p in row[:end] if p != NULL_PAGE]
-            if stale:
-                self.allocators[g].decref(stale)
-                row[:end] = [NULL_PAGE] * end
+        for g, window in self._windowed:
+            row, first = req.rows[g], req.first_held[g]
+            end = min(max(0, num_computed - window + 1) // self.page, len(row))
+            if end > first:
+                self.allocators[g].decref(row[first:end])
+                row[first:end] = [NULL_PAGE] * (end - first)
+                req.first_held[g] = end
+
+    def can_extend_batch(self, request_ids: list[str], num_tokens: list[int]) -> bool:
+        """Whether ``extend_batch`` finds pages for every request at once."""
+        new = sum(self._growth(request_ids, num_tokens).values())
+        return all(new <= self._available(g) for g in self.groups)
+
+    def extend_batch(self, request_ids: list[str], num_tokens: list[int]) -> None:
+        """``extend`` for a whole batch, allocating every group's new pages in one call."""
+        growth = self._growth(request_ids, num_tokens)
+        if not growth:
+            return
+        total = sum(growth.values())
+        self._make_room({g: total for g in self.groups})
+        for g, allocator in self.allocators.items():
+            fresh, i = allocator.allocate(total), 0
+            for rid, k in growth.items():
+                self.requests[rid].rows[g].extend(fresh[i:i + k])
+                i += k
+
+    def advance_batch(self, request_ids: list[str], num_computed: list[int]) -> None:
+        for rid, n in zip(request_ids, num_computed, strict=True):
+            self.advance(rid, n)
+
+    def _growth(self, request_ids: list[str], num_tokens: list[int]) -> dict[str, int]:
+        """New pages per request (same for every group: all rows share the extent)."""
+        out, page, head, target = {}, self.page, self.config.headroom_tokens, self._target
+        for rid, n in zip(request_ids, num_tokens, strict=True):
+            k = (n + head + page - 1) // page - len(self._request(rid).rows[target])
+            if k > 0:
+                out[rid] = k
+        return out
 
     def free(self, request_id: str, token_ids: list[int] | None = None) -> None:
         """End a request. With ``token_ids`` (the tokens at positions [0, num_computed)),
@@ -186,7 +223,7 @@ class KVCacheManager:
             n = min(len(token_ids), req.num_computed)
             self.tree.insert(token_ids[:n], {g: req.rows[g] for g in self.cached_groups})
         for g, row in req.rows.items():
-            self.allocators[g].decref([p for p in reversed(row) if p != NULL_PAGE])
+            self.allocators[g].decref(row[req.first_held[g]:][::-1])  # tail pages reused last
         if req.node is not None:
             self.tree.unlock(req.node)
         del self.requests[request_id]
@@ -201,10 +238,10 @@ class KVCacheManager:
         """[batch, max_extent] int32, padded with NULL_PAGE."""
         rows = [self._request(r).rows[group] for r in request_ids]
         width = max((len(r) for r in rows), default=0)
-        out = torch.full((len(rows), width), NULL_PAGE, dtype=torch.int32)
+        out = np.full((len(rows), width), NULL_PAGE, dtype=np.int32)
         for i, row in enumerate(rows):
-            out[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        return out.to(device)
+            out[i, :len(row)] = row
+        return torch.from_numpy(out).to(device)
 
     def transfer_pages(self, request_id: str, num_tokens: int) -> dict[str, TransferPages]:
         """Pages holding positions [0, num_tokens) that a disaggregated transfer moves, per
@@ -260,15 +297,15 @@ class KVCacheManager:
         for g, spec in self.groups.items():
             reused = list(match.reused_pages.get(g, [])) if match else []
             compute_start = match.compute_start[g] if match else 0
-            first_new = max(len(reused), compute_start // self.page,
-                            win.stale_page_end(num_computed, spec.window, self.page))
-            first_new = min(first_new, extent)
+            stale = min(win.stale_page_end(num_computed, spec.window, self.page), extent)
+            reused[:stale] = [NULL_PAGE] * min(stale, len(reused))
+            first_new = min(max(len(reused), compute_start // self.page, stale), extent)
             rows[g] = reused + [NULL_PAGE] * (first_new - len(reused)) + [None] * (extent - first_new)
         return rows
 
     @staticmethod
     def _new_pages(rows: dict[str, list[int | None]]) -> dict[str, int]:
-        return {g: sum(p is None for p in row) for g, row in rows.items()}
+        return {g: row.count(None) for g, row in rows.items()}
 
     def _take_new_pages(self, rows: dict[str, list[int | None]]) -> None:
         needs = self._new_pages(rows)
@@ -304,8 +341,8 @@ class KVCacheManager:
         """Pages of unlocked nodes on the path to ``node``: locking it makes them unevictable."""
         out: dict[str, int] = {}
         while node is not None and node.lock_ref == 0:
-            for g, ps in node.pages.items():
-                out[g] = out.get(g, 0) + sum(p != NULL_PAGE for p in ps)
+            for g, n in node.num_held().items():
+                out[g] = out.get(g, 0) + n
             node = node.parent
         return out
 
@@ -318,3 +355,11 @@ class KVCacheManager:
             if not self.allocators[g].can_allocate(n):
                 raise RuntimeError(f"group {g}: {n} pages needed, "
                                    f"{self.allocators[g].num_free} free: check can_allocate first")
+
+
+def _first_held(row: list[int]) -> int:
+    """Index of the first held entry: NULL entries of a row form a leading run."""
+    for i, p in enumerate(row):
+        if p != NULL_PAGE:
+            return i
+    return len(row)

@@ -33,6 +33,10 @@ class TreeNode:
     def num_pages(self) -> int:
         return len(next(iter(self.pages.values()))) if self.pages else 0
 
+    def num_held(self) -> dict[str, int]:
+        """Real (non-NULL) pages per group; NULLs appear in OPTIONAL groups only."""
+        return {g: len(ps) - ps.count(NULL_PAGE) for g, ps in self.pages.items()}
+
 
 @dataclass(slots=True)
 class RadixMatch:
@@ -160,6 +164,8 @@ class RadixCache:
 
     def _match_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
         """Number of whole pages of ``key`` equal to ``tokens[start:]``."""
+        if tokens[start:start + len(key)] == key:
+            return len(key) // self.page
         k = 0
         for i in range(0, len(key), self.page):
             if key[i:i + self.page] != tokens[start + i:start + i + self.page]:
@@ -171,8 +177,10 @@ class RadixCache:
         rest = tokens[match.num_tokens:match.num_tokens + self.page - 1]
         if not rest:
             return
-        best, best_len = None, 0
+        best, best_len, first = None, 0, rest[0]
         for child in match.node.children.values():
+            if child.key[0] != first:
+                continue
             n = _common_prefix_len(child.key[:self.page], rest)
             if n > best_len:
                 best, best_len = child, n
@@ -213,8 +221,8 @@ class RadixCache:
                         self.evictable[g] += 1
 
     def _count_evictable(self, node: TreeNode, sign: int) -> None:
-        for g, ps in node.pages.items():
-            self.evictable[g] += sign * sum(p != NULL_PAGE for p in ps)
+        for g, n in node.num_held().items():
+            self.evictable[g] += sign * n
 
 
 def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
