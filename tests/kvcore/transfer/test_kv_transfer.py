@@ -1,0 +1,128 @@
+"""A request's unified pages move between two real processes over UCX, bit-exactly.
+
+The "prefill" process fills its pools with seeded random bits, sends request "r"; the
+"decode" process reserves pages, receives into them and reports what landed. The parent
+rebuilds the sender's pools from the seed and compares page by page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from kvcore import KVLayout
+from kvcore.transfer.ucx import LOOPBACK_ENV
+from tests.kvcore.conftest import make_manager
+
+NUM_TOKENS = 22
+HIDDEN = 8
+TIMEOUT_S = 10.0
+CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtype="bfloat16")
+
+
+def seeded_manager(layout: KVLayout, seed: int):
+    """A manager whose pools hold seeded random bits, with request "r" prefilled (sender)."""
+    m = make_manager(layout=layout, **CONFIG)
+    gen = torch.Generator().manual_seed(seed)
+    for pool in m.pools.values():
+        bits = pool.view(torch.uint8)
+        bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=gen))
+    m.allocate("r", NUM_TOKENS)
+    m.advance("r", NUM_TOKENS)
+    return m
+
+
+def _child(role: str, layout: KVLayout, conn) -> None:
+    os.environ.update(LOOPBACK_ENV)
+    asyncio.run(_session(role, layout, conn))
+
+
+async def _session(role: str, layout: KVLayout, conn) -> None:
+    from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent
+    from kvcore.transfer.ucx import TransferTimeout, UcxEndpointInfo
+
+    manager = seeded_manager(layout, 7) if role == "prefill" else make_manager(layout=layout,
+                                                                               **CONFIG)
+    agent = KVTransferAgent(manager, hidden_size=HIDDEN)
+    await agent.start()
+    conn.send(dataclasses.astuple(agent.endpoint()))
+    peer = UcxEndpointInfo(*await asyncio.to_thread(conn.recv))
+    await agent.connect("peer", peer)
+    if role == "prefill":
+        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32))
+        usage = await agent.send_request("r", NUM_TOKENS, "peer", aux, TIMEOUT_S)
+        await agent.ping("peer", "pair-1", TIMEOUT_S)
+        conn.send({"bytes": usage.bytes})
+    else:
+        manager.allocate("r", NUM_TOKENS, num_computed=NUM_TOKENS)
+        aux, usage = await agent.receive_request("r", NUM_TOKENS, "peer", TIMEOUT_S)
+        await agent.pong("peer", "pair-1", TIMEOUT_S)
+        landed = {g: (p.first_page, p.page_ids,
+                      manager.pools[g][p.page_ids].view(torch.uint8).clone())
+                  for g, p in manager.transfer_pages("r", NUM_TOKENS).items()}
+        manager.free("r")
+        try:  # nobody sends request "s": the receive times out, and nothing leaks
+            manager.allocate("s", 8, num_computed=8)
+            await agent.receive_request("s", 8, "peer", 0.3)
+            silent = "no error"
+        except TransferTimeout:
+            silent = "TransferTimeout"
+        manager.free("s")
+        conn.send({"aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist()),
+                   "bytes": usage.bytes, "landed": landed, "silent": silent,
+                   "used": {g: u.used for g, u in manager.usage().items()}})
+    await agent.close()
+
+
+def run_pair(layout: KVLayout) -> tuple[dict, dict]:
+    ctx = mp.get_context("spawn")
+    pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
+    procs = {r: ctx.Process(target=_child, args=(r, layout, pipes[r][1]), daemon=True)
+             for r in pipes}
+    for p in procs.values():
+        p.start()
+    try:
+        parent = {r: pipes[r][0] for r in pipes}
+        infos = {r: _recv(parent[r]) for r in parent}
+        parent["prefill"].send(infos["decode"])
+        parent["decode"].send(infos["prefill"])
+        return _recv(parent["prefill"]), _recv(parent["decode"])
+    finally:
+        for p in procs.values():
+            p.join(timeout=TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+
+
+def _recv(conn):
+    if not conn.poll(30):
+        raise TimeoutError("child process did not answer")
+    return conn.recv()
+
+
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.SEPARATE])
+def test_pages_of_every_group_land_bit_exactly(layout):
+    sent, got = run_pair(layout)
+    sender = seeded_manager(layout, 7)
+    expected = sender.transfer_pages("r", NUM_TOKENS)
+    groups = {"target", "draft"} if layout == KVLayout.UNIFIED else {"target"}
+    assert set(got["landed"]) == groups
+    for g in groups:
+        first, ids, bits = got["landed"][g]
+        assert first == expected[g].first_page
+        assert len(ids) == len(expected[g].page_ids)
+        assert torch.equal(bits, sender.pools[g][expected[g].page_ids].view(torch.uint8))
+    if layout == KVLayout.UNIFIED:  # the draft's window at 22 covers pages 3..5 only
+        assert got["landed"]["draft"][0] == 3
+        assert len(got["landed"]["draft"][1]) == 3
+    page_bytes = {g: sender.groups[g].page_bytes(4) for g in groups}
+    assert got["bytes"] == sent["bytes"] == {g: page_bytes[g] * len(expected[g].page_ids)
+                                             for g in groups}
+    assert got["aux"] == (NUM_TOKENS, 42, [float(i) for i in range(HIDDEN)])
+    assert got["silent"] == "TransferTimeout"
+    assert got["used"] == {"target": 0, "draft": 0}
