@@ -153,9 +153,8 @@ def attention_row(pool, table, dtype, page, batch, length, q_len, copy_gbps, bas
 def sweep(rows: list) -> None:
     """Block size, warps, stages and split waves at a few shapes, for choosing defaults."""
     print("\nsweep: block_n warps stages waves -> us")
-    shapes = [(torch.bfloat16, 16, 64, 8192, 1), (torch.bfloat16, 16, 1, 32768, 1),
-              (torch.bfloat16, 16, 16, 8192, 8), (FP8, 16, 64, 8192, 1),
-              (torch.bfloat16, 128, 64, 8192, 8)]
+    shapes = [(torch.bfloat16, 16, 1, 32768, 1), (FP8, 16, 64, 8192, 1),
+              (torch.bfloat16, 16, 64, 8192, 8)]
     configs = [(block_n, warps, stages, 2) for block_n in (32, 64, 128)
                for warps, stages in ((4, 2), (4, 3), (8, 3))]
     for dtype, page, batch, length, q_len in shapes:

@@ -6,13 +6,15 @@ CUDA tensors go to the GPU kernels (kvcore.ops.gpu), others to the torch referen
 """
 
 from kvcore.ops.dispatch import (
+    copy_pages,
     decode_attention,
+    pack_pages,
     paged_attention,
     prefill_attention,
+    unpack_pages,
     verify_attention,
     write_kv,
 )
-from kvcore.ops.pages import copy_pages, pack_pages, unpack_pages
 from kvcore.ops.slots import query_positions, slot_mapping_for
 
 __all__ = [

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from kvcore.ops import reference
+from kvcore.ops import pages, reference
 
 
 @functools.cache
@@ -63,3 +63,22 @@ def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     """Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
     return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
                            scale, window)
+
+
+def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
+               heads: slice | None = None) -> torch.Tensor:
+    """Contiguous copy of pages ``page_ids`` (optionally only kv heads ``heads``):
+    [n, num_layers, 2, num_heads, P, head_dim]. The transfer primitive."""
+    return (_on_gpu(kv_pool) or pages).pack_pages(kv_pool, page_ids, heads)
+
+
+def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
+                 heads: slice | None = None) -> None:
+    """Write ``packed`` (from pack_pages) into pages ``page_ids``; bit-exact."""
+    (_on_gpu(kv_pool) or pages).unpack_pages(kv_pool, page_ids, packed, heads)
+
+
+def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
+               dst_page_ids: torch.Tensor) -> None:
+    """Copy whole pages src[i] -> dst[i]; all sources are read before any write."""
+    (_on_gpu(kv_pool) or pages).copy_pages(kv_pool, src_page_ids, dst_page_ids)

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops.checks import check_attention, check_write, fail
+from kvcore.ops.checks import (
+    check_attention,
+    check_packed,
+    check_page_ids,
+    check_pool,
+    check_write,
+    fail,
+)
 from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.ops.triton_attention import launch_attention
+from kvcore.ops.triton_pages import launch_pack, launch_unpack
 from kvcore.ops.triton_write import launch_write_kv
 
 
@@ -79,3 +87,36 @@ def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                       seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
                            scale, window)
+
+
+def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
+               heads: slice | None = None) -> torch.Tensor:
+    check_pool(kv_pool)
+    check_page_ids(kv_pool, page_ids, "page_ids")
+    _require_contiguous_pool(kv_pool)
+    num_heads = len(range(*heads.indices(kv_pool.shape[3]))) if heads else kv_pool.shape[3]
+    shape = (page_ids.shape[0], kv_pool.shape[1], 2, num_heads, *kv_pool.shape[4:])
+    packed = kv_pool.new_empty(shape)
+    launch_pack(kv_pool, page_ids, packed, heads)
+    return packed
+
+
+def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
+                 heads: slice | None = None) -> None:
+    check_pool(kv_pool)
+    check_page_ids(kv_pool, page_ids, "page_ids")
+    check_packed(kv_pool, page_ids, packed, heads)
+    _require_contiguous_pool(kv_pool)
+    if packed.device != kv_pool.device:
+        fail("packed", f"on {packed.device}, kv_pool on {kv_pool.device}")
+    launch_unpack(kv_pool, page_ids, packed.contiguous(), heads)
+
+
+def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
+               dst_page_ids: torch.Tensor) -> None:
+    """Two launches (gather, then scatter), so every source is read before any write."""
+    check_page_ids(kv_pool, dst_page_ids, "dst_page_ids")
+    if src_page_ids.shape != dst_page_ids.shape:
+        fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for "
+             f"{src_page_ids.shape[0]} sources")
+    unpack_pages(kv_pool, dst_page_ids, pack_pages(kv_pool, src_page_ids))

@@ -12,17 +12,17 @@ import torch
 
 from kvcore.ops.checks import check_packed, check_page_ids, check_pool, fail
 
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Same-size integer view: index ops on it move bytes for every float dtype (fp8 too)."""
-    return t.view(_BITS_DTYPES[t.element_size()])
+    return t.view(BITS_DTYPES[t.element_size()])
 
 
 def _head_view(kv_pool: torch.Tensor, heads: slice | None) -> torch.Tensor:
     """The pool's bits restricted to a kv-head range (a view: writes land in the pool)."""
-    bits = _bits(kv_pool)
+    bits = as_bits(kv_pool)
     return bits if heads is None else bits[:, :, :, heads]
 
 
@@ -43,7 +43,7 @@ def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Te
     check_packed(kv_pool, page_ids, packed, heads)
     if packed.device != kv_pool.device:
         fail("packed", f"on {packed.device}, kv_pool on {kv_pool.device}")
-    _head_view(kv_pool, heads).index_copy_(0, page_ids.long(), _bits(packed))
+    _head_view(kv_pool, heads).index_copy_(0, page_ids.long(), as_bits(packed))
 
 
 def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
@@ -56,5 +56,5 @@ def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
     if src_page_ids.shape != dst_page_ids.shape:
         fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for "
              f"{src_page_ids.shape[0]} sources")
-    bits = _bits(kv_pool)
+    bits = as_bits(kv_pool)
     bits.index_copy_(0, dst_page_ids.long(), bits.index_select(0, src_page_ids.long()))

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-TINY = 1e-30
-NEG_BIG = -1e30  # initial running max: finite, so fully masked rows stay NaN-free
+TINY = tl.constexpr(1e-30)
+NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, so masked rows stay NaN-free
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CLAMP: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     first_q = (tl.program_id(0) % num_q_blocks) * BLOCK_Q
@@ -54,6 +54,8 @@ def _attention_kernel(
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh
                 + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if Q_CLAMP > 0:  # a bf16/fp32 query narrowed to fp16 saturates instead of overflowing
+        q = tl.clamp(q.to(tl.float32), -Q_CLAMP, Q_CLAMP)
     q = q.to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
 
     # keys this block can see: [kv_lo, kv_hi); split s takes one BLOCK_N-aligned chunk
@@ -132,12 +134,10 @@ _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
                torch.float32: tl.float32}
 
 
-def _dot_dtype(pool_dtype: torch.dtype, query_dtype: torch.dtype):
+def _dot_dtype(pool_dtype: torch.dtype):
     """Operand dtype of the two matmuls: the pool's if 16/32-bit; fp8 K/V widen exactly to
-    the query's 16-bit dtype (bf16 for an fp32 query)."""
-    if pool_dtype in _DOT_DTYPES:
-        return _DOT_DTYPES[pool_dtype]
-    return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
+    fp16 (e4m3 fits fp16; the fp8 -> fp16 conversion is native on sm89+, -> bf16 is not)."""
+    return _DOT_DTYPES.get(pool_dtype, tl.float16)
 
 
 @functools.cache
@@ -156,7 +156,7 @@ def default_splits(num_programs: int, device: torch.device, waves: int = 2,
 def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tensor,
                      layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
-                     num_splits: int | None = None, block_n: int = 64,
+                     num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
     every sequence's query length; splits apply only when it is <= 16 (decode/verify)."""
@@ -180,7 +180,10 @@ def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tens
         part_out = query.new_empty((num_tokens, num_q_heads, num_splits, head_dim),
                                    dtype=torch.float32)
         part_lse = query.new_empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32)
-    dot_dtype = _dot_dtype(kv_pool.dtype, query.dtype)
+    if block_n is None:  # measured on H200: wider blocks pay where bytes per block are few
+        block_n = 128 if kv_pool.element_size() == 1 or num_splits >= 8 else 64
+    dot_dtype = _dot_dtype(kv_pool.dtype)
+    q_clamp = 65504.0 if dot_dtype == tl.float16 and query.dtype != torch.float16 else 0.0
     grid = (batch * num_q_blocks, num_kv_heads, num_splits)
     _attention_kernel[grid](
         out, part_out, part_lse, query, kv_pool, block_table, query_start_loc, seq_lens,
@@ -191,6 +194,7 @@ def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tens
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=kv_pool.shape[4], HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_WINDOW=window > 0,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        Q_CLAMP=q_clamp,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages)
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
