@@ -1,0 +1,101 @@
+"""Self-attention with a pluggable KV context.
+
+The model code is the same for serving and training; only the context differs:
+- :class:`PagedContext` writes K/V into a layer group's page pool and attends through
+  kvcore's paged attention (the serving path);
+- :class:`DenseContext` attends over a dense ``[batch, seq_len]`` block with causal
+  SDPA (training and plain reference runs).
+Both apply the same rule: a query at position q sees keys in (q - window, q]
+(window 0 = no lower bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcore.ops import paged_attention, write_kv
+from services.engine.models.layers import apply_rotary
+
+
+class KVContext(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class PagedContext:
+    """One forward's view of one layer group. Queries of sequence b are the positions
+    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; their K/V are written before attending."""
+
+    kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
+    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    window: int = 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
+        return paged_attention(q, self.kv_pool, layer, self.block_table, self.query_start_loc,
+                               self.seq_lens, scale, self.window)
+
+
+@dataclass(slots=True)
+class DenseContext:
+    """Tokens laid out as ``batch`` rows of ``seq_len`` positions 0..seq_len-1."""
+
+    batch: int
+    seq_len: int
+    window: int = 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        q4, k4, v4 = (self._heads_first(t) for t in (q, k, v))  # [batch, heads, seq, hd]
+        if self.window > 0:
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.mask(q.device),
+                                                 scale=scale, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """[seq_len, seq_len] bool: query i sees key j iff i - window < j <= i."""
+        i = torch.arange(self.seq_len, device=device)[:, None]
+        j = torch.arange(self.seq_len, device=device)[None, :]
+        return (j <= i) & (j > i - self.window)
+
+    def _heads_first(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.batch, self.seq_len, *t.shape[1:]).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with RoPE. ``input_size`` may differ from ``hidden_size``
+    (the EAGLE-3 layer reads [embedding, hidden] concatenated)."""
+
+    def __init__(self, input_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: KVContext, layer: int) -> torch.Tensor:
+        """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))

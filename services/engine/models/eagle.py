@@ -1,0 +1,93 @@
+"""The drafter: an EAGLE-3-style head on top of the target.
+
+KV convention (fixed; transfer and prefix caching rely on it): the drafter's slot at
+position j is computed from the embedding of token t_j and a hidden row h_j:
+- h_j = f_{j-1} = fc(concat of the target's low/mid/high layer outputs at j-1), zeros for
+  j = 0, for every slot whose token is known (prompt, accepted tokens);
+- h_j = g_{j-1}, the drafter's own output at j-1, for the speculative slots of a chain.
+So a slot computed from true features depends only on tokens [0..j] and is cached by token
+prefix like the target's KV.
+
+Tensor names follow the published EAGLE-3 layout: ``fc``, ``midlayer.*``, ``norm``, and
+optionally ``lm_head`` with ``d2t``/``t2d`` (a reduced draft vocabulary) and
+``embed_tokens``. Extra decoder layers, if any, are ``layers.{i}.*``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.models.attention import Attention, KVContext
+from services.engine.models.config import EagleConfig
+from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
+from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+class Eagle3Layer(nn.Module):
+    """Reads [input_layernorm(embedding), hidden_norm(hidden)] (2 * hidden_size wide);
+    the residual stream starts from ``hidden``."""
+
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(2 * c.hidden_size, c.hidden_size, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, rope, ctx, 0)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: EagleConfig, own_head: bool = False,
+                 own_embed: bool = False) -> None:
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.aux_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers - 1))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+        own_head = own_head or c.draft_vocab_size < c.vocab_size
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False) if own_head else None
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None
+        if c.draft_vocab_size < c.vocab_size:
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features: aux [num_tokens, 3 * hidden_size] -> f [num_tokens, hidden_size]."""
+        return self.fc(aux)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: KVContext, target: LlamaForCausalLM) -> torch.Tensor:
+        """input_ids, positions [num_tokens]; hidden [num_tokens, hidden_size] (the h_j of
+        the module docstring). Returns g [num_tokens, hidden_size], before the final norm."""
+        rope = self.rotary(positions)
+        embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None \
+            else target.embed(input_ids)
+        x = self.midlayer(embeds, hidden.to(embeds.dtype), rope, ctx)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, ctx, i + 1)
+        return x
+
+    def compute_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """g [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over target ids;
+        ids outside a reduced draft vocabulary get -inf."""
+        h = self.norm(g)
+        if self.lm_head is None:
+            return F.linear(h, target.head_weight).float()
+        logits = self.lm_head(h).float()  # [num_rows, draft_vocab_size]
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return logits
+        full = logits.new_full((h.shape[0], self.config.vocab_size), float("-inf"))
+        ids = torch.arange(self.config.draft_vocab_size, device=h.device) + self.d2t
+        full[:, ids] = logits
+        return full

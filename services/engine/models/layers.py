@@ -1,0 +1,83 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU.
+
+Tensors are flat over tokens: ``[num_tokens, ...]``; positions are absolute token indices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and returned in x's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """[head_dim // 2] float32 angular frequencies, after ``linear`` or ``llama3`` scaling."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq.float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, short ones kept, smooth
+    interpolation between ``low_freq_factor`` and ``high_freq_factor``."""
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    is_mid = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(is_mid, mid, out)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the HF Llama convention): pairs (i, i + head_dim / 2)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] float32."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, hd / 2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,90 @@
+"""The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU).
+
+Module names are the Hugging Face ones (``model.layers.3.self_attn.q_proj``...), so a
+state dict loads from HF safetensors without renaming. Attention goes through a
+:class:`KVContext`, so the same weights serve paged inference and dense training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.models.attention import Attention, KVContext
+from services.engine.models.config import LlamaConfig
+from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
+
+
+@dataclass(slots=True)
+class TargetOutput:
+    hidden: torch.Tensor  # [num_tokens, hidden_size], after the final norm
+    aux: torch.Tensor | None  # [num_tokens, len(aux_layer_ids) * hidden_size], or None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). ``c`` is a LlamaConfig or
+    an EagleConfig (the drafter's extra layers)."""
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim,
+                                   getattr(c, "attention_bias", False))
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext,
+                layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: KVContext,
+                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        rope = self.rotary(positions)
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        kept = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, ctx, i)
+            if i in aux_layer_ids:
+                kept[i] = x
+        aux = [kept[i] for i in aux_layer_ids]
+        return TargetOutput(self.norm(x), torch.cat(aux, dim=-1) if aux else None)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]: the LM head (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: KVContext,
+                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids, positions [num_tokens]; aux collects the listed layers' outputs."""
+        return self.model(input_ids, positions, ctx, aux_layer_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] float32."""
+        return F.linear(hidden, self.head_weight).float()

@@ -1,0 +1,75 @@
+"""Load and save Hugging Face-style model folders: ``config.json`` + ``*.safetensors``.
+
+Every tensor of the checkpoint must map to a parameter and every parameter must be
+present: a mismatch raises ValueError naming the tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from services.engine.models.config import (
+    EagleConfig,
+    LlamaConfig,
+    read_config_json,
+    write_config_json,
+)
+from services.engine.models.eagle import Eagle3Drafter
+from services.engine.models.llama import LlamaForCausalLM
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path: no *.safetensors in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
+
+
+def load_target(folder: str | Path, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    config = LlamaConfig.from_dict(read_config_json(folder))
+    model = LlamaForCausalLM(config)
+    _load_into(model, read_state_dict(folder), folder)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    config = EagleConfig.from_dict(read_config_json(folder))
+    state = read_state_dict(folder)
+    model = Eagle3Drafter(config, own_head="lm_head.weight" in state,
+                          own_embed="embed_tokens.weight" in state)
+    _load_into(model, state, folder)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_model(model: LlamaForCausalLM | Eagle3Drafter, folder: str | Path,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json and model.safetensors (floating tensors cast to ``dtype``)."""
+    write_config_json(folder, model.config)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], folder: str | Path) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"model_path: {folder} does not match the architecture: "
+                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"model_path: tensor {name} has shape {tuple(t.shape)}, "
+                             f"expected {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
