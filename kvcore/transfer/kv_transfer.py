@@ -32,31 +32,36 @@ from kvcore.transfer.ucx import TransferError, UcxEndpointInfo, UcxTransport
 AUX_GROUP = MAX_GROUPS - 1  # tag group index of the aux-state message
 ACK_GROUP = MAX_GROUPS - 2  # tag group index of the receiver's acknowledgement
 PING_GROUP = MAX_GROUPS - 3  # tag group index of the pairing test transfer
-_AUX_HEADER = struct.Struct("<qqq")  # prompt length, first token, number of hidden values
+_AUX_HEADER = struct.Struct("<qqq128s")  # prompt length, first token, hidden values, sender id
 _ACK = struct.Struct("<q")
 
 
 @dataclass(slots=True)
 class AuxState:
     """What a decode-side drafter starts from: the first sampled token, the target's hidden
-    features at the last prompt position, and the prompt length (tokens)."""
+    features at the last prompt position, and the prompt length (tokens). ``sender_id``
+    names the sending worker (at most 128 bytes), whom the receiver acknowledges."""
 
     prompt_len: int
     first_token: int
     hidden: torch.Tensor  # [hidden_size], float32 on the wire
+    sender_id: str = ""
 
     def to_bytes(self) -> bytes:
         values = self.hidden.detach().to("cpu", torch.float32).contiguous()
-        return _AUX_HEADER.pack(self.prompt_len, self.first_token, values.numel()) + \
+        sender = self.sender_id.encode()
+        if len(sender) > 128:
+            raise ValueError(f"sender_id: at most 128 bytes, got {len(sender)}")
+        return _AUX_HEADER.pack(self.prompt_len, self.first_token, values.numel(), sender) + \
             values.numpy().tobytes()
 
     @staticmethod
     def from_bytes(data: bytes | bytearray) -> AuxState:
-        prompt_len, first_token, n = _AUX_HEADER.unpack_from(data)
+        prompt_len, first_token, n, sender = _AUX_HEADER.unpack_from(data)
         hidden = torch.frombuffer(bytearray(data[_AUX_HEADER.size:]), dtype=torch.float32)
         if hidden.numel() != n:
             raise TransferError(f"aux state: {hidden.numel()} hidden values, header says {n}")
-        return AuxState(prompt_len, first_token, hidden)
+        return AuxState(prompt_len, first_token, hidden, sender.rstrip(b"\0").decode())
 
     @staticmethod
     def wire_size(hidden_size: int) -> int:
@@ -131,10 +136,11 @@ class KVTransferAgent:
 
     # ------------------------------------------------------------------ receiver
 
-    async def receive_request(self, request_id: str, num_tokens: int, peer_id: str,
+    async def receive_request(self, request_id: str, num_tokens: int,
                               timeout_s: float) -> tuple[AuxState, TransferUsage]:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
-        num_computed=num_tokens)``, then acknowledge to ``peer_id``."""
+        num_computed=num_tokens)``, then acknowledge to the sender the aux state names
+        (which must be connected)."""
         base, usage = request_tag(request_id), TransferUsage()
         for group, pages in self.manager.transfer_pages(request_id, num_tokens).items():
             start = time.perf_counter()
@@ -156,8 +162,8 @@ class KVTransferAgent:
         if aux.prompt_len != num_tokens:
             raise TransferError(f"request {request_id!r}: aux state is for {aux.prompt_len} "
                                 f"tokens, reserved {num_tokens}")
-        await self.transport.send(peer_id, _ACK.pack(num_tokens), message_tag(base, ACK_GROUP, 0),
-                                  timeout_s)
+        await self.transport.send(aux.sender_id, _ACK.pack(num_tokens),
+                                  message_tag(base, ACK_GROUP, 0), timeout_s)
         return aux, usage
 
     # ------------------------------------------------------------------ pairing test

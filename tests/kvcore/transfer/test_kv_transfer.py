@@ -52,28 +52,29 @@ async def _session(role: str, layout: KVLayout, conn) -> None:
     await agent.start()
     conn.send(dataclasses.astuple(agent.endpoint()))
     peer = UcxEndpointInfo(*await asyncio.to_thread(conn.recv))
-    await agent.connect("peer", peer)
+    peer_id = "decode" if role == "prefill" else "prefill"
+    await agent.connect(peer_id, peer)
     if role == "prefill":
-        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32))
-        usage = await agent.send_request("r", NUM_TOKENS, "peer", aux, TIMEOUT_S)
-        await agent.ping("peer", "pair-1", TIMEOUT_S)
+        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "prefill")
+        usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S)
+        await agent.ping("decode", "pair-1", TIMEOUT_S)
         conn.send({"bytes": usage.bytes})
     else:
         manager.allocate("r", NUM_TOKENS, num_computed=NUM_TOKENS)
-        aux, usage = await agent.receive_request("r", NUM_TOKENS, "peer", TIMEOUT_S)
-        await agent.pong("peer", "pair-1", TIMEOUT_S)
+        aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
+        await agent.pong("prefill", "pair-1", TIMEOUT_S)
         landed = {g: (p.first_page, p.page_ids,
                       manager.pools[g][p.page_ids].view(torch.uint8).clone())
                   for g, p in manager.transfer_pages("r", NUM_TOKENS).items()}
         manager.free("r")
         try:  # nobody sends request "s": the receive times out, and nothing leaks
             manager.allocate("s", 8, num_computed=8)
-            await agent.receive_request("s", 8, "peer", 0.3)
+            await agent.receive_request("s", 8, 0.3)
             silent = "no error"
         except TransferTimeout:
             silent = "TransferTimeout"
         manager.free("s")
-        conn.send({"aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist()),
+        conn.send({"aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist(), aux.sender_id),
                    "bytes": usage.bytes, "landed": landed, "silent": silent,
                    "used": {g: u.used for g, u in manager.usage().items()}})
     await agent.close()
@@ -123,6 +124,6 @@ def test_pages_of_every_group_land_bit_exactly(layout):
     page_bytes = {g: sender.groups[g].page_bytes(4) for g in groups}
     assert got["bytes"] == sent["bytes"] == {g: page_bytes[g] * len(expected[g].page_ids)
                                              for g in groups}
-    assert got["aux"] == (NUM_TOKENS, 42, [float(i) for i in range(HIDDEN)])
+    assert got["aux"] == (NUM_TOKENS, 42, [float(i) for i in range(HIDDEN)], "prefill")
     assert got["silent"] == "TransferTimeout"
     assert got["used"] == {"target": 0, "draft": 0}
