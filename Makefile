@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard proto/tandem/v1/*.proto)
-GEN     := $(PROTOS:.proto=_pb2.py)
+GEN     := proto/tandem/v1/.generated
 export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 
 proto: $(STAMP) $(GEN)
 
-proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $<
+$(GEN): $(PROTOS) $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
 
 run: proto
 	$(BIN)/tandem up

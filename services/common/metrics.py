@@ -1,0 +1,68 @@
+"""Prometheus metrics of every service, with the names design.md §5 fixes.
+
+One ``Metrics`` per process, on its own registry, served over HTTP by ``serve_metrics``.
+Units: seconds and bytes; counters end in ``_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
+
+
+class Metrics:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tandem_requests", "Finished requests", ["role", "status"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
+                              ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed tokens",
+                             ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency", ["role"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("tandem_request_queue_seconds", "Time before a request is scheduled",
+                               ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tandem_requests_running", "Requests running", ["role"], registry=r)
+        self.waiting = Gauge("tandem_requests_waiting", "Requests waiting", ["role"], registry=r)
+        self.pages_used = Gauge("tandem_kv_pages_used", "KV pages held", ["group"], registry=r)
+        self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"],
+                                 registry=r)
+        self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up",
+                                      ["group"], registry=r)
+        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens reused", ["group"],
+                                   registry=r)
+        self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved", ["group"],
+                                      registry=r)
+        self.transfer_failures = Counter("tandem_kv_transfer_failures", "Failed KV transfers",
+                                         ["group"], registry=r)
+        self.transfer_seconds = Histogram("tandem_kv_transfer_seconds", "Wall time of one "
+                                          "request's KV transfer", buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_drafts = Counter("tandem_spec_drafts", "Decode steps that verified a draft",
+                                   ["origin"], registry=r)
+        self.spec_draft_tokens = Counter("tandem_spec_draft_tokens", "Draft tokens proposed",
+                                         ["origin"], registry=r)
+        self.spec_accepted = Counter("tandem_spec_accepted_tokens", "Draft tokens accepted",
+                                     ["origin"], registry=r)
+        self.spec_accepted_per_position = Counter("tandem_spec_accepted_tokens_per_position",
+                                                  "Accepted draft tokens by position", ["position"],
+                                                  registry=r)
+        self.spec_al = Histogram("tandem_spec_acceptance_length", "Tokens emitted per verify step",
+                                 ["origin"], buckets=AL_BUCKETS, registry=r)
+        self.registrations = Counter("tandem_peer_registrations", "Peer registrations",
+                                     ["result"], registry=r)
+
+    def set_pages(self, usage: dict) -> None:
+        """``usage``: group -> object with ``used`` and ``total`` (kvcore.GroupUsage)."""
+        for group, u in usage.items():
+            self.pages_used.labels(group).set(u.used)
+            self.pages_total.labels(group).set(u.total)
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> int:
+    """Serve ``/metrics`` over HTTP on ``host:port`` (0 = any free port); returns the port."""
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_address[1]
