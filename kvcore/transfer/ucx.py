@@ -86,7 +86,11 @@ class UcxTransport:
     """
 
     def __init__(self, listen: bool = False, host: str = "127.0.0.1", port: int = 0):
-        """``listen``: also accept TCP connections on ``host:port`` (0 = any free port)."""
+        """``listen``: also accept TCP connections on ``port`` (0 = any free port).
+
+        ``host`` is the address peers are told to dial; ucxx itself binds the listener
+        on every interface (it takes no bind address).
+        """
         if not 0 <= port < 1 << 16:
             raise ValueError(f"port: must be in [0, 65536), got {port}")
         self._listen, self._host, self._port = listen, host, port
