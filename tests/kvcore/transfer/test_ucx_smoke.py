@@ -83,8 +83,13 @@ async def _peer_session(role: int, conn) -> None:
     await transport.close()
 
 
-def _recv_or_fail(conn, what: str):
-    assert conn.poll(TIMEOUT_S + CHILD_JOIN_S), f"no {what} from a peer in time"
+def _recv_or_fail(conn, what: str, peers: list) -> object:
+    """The next message on ``conn``; fails at once if a peer has exited."""
+    deadline = time.monotonic() + TIMEOUT_S + CHILD_JOIN_S
+    while not conn.poll(0.1):
+        exit_codes = [p.exitcode for p in peers]
+        assert exit_codes == [None, None], f"a peer exited before its {what}: {exit_codes}"
+        assert time.monotonic() < deadline, f"no {what} from a peer in time"
     return conn.recv()
 
 
@@ -96,10 +101,10 @@ def test_two_processes_move_buffers_bit_exactly_both_ways():
     try:
         for p in peers:
             p.start()
-        infos = [_recv_or_fail(pipes[r][0], "endpoint info") for r in range(2)]
+        infos = [_recv_or_fail(pipes[r][0], "endpoint info", peers) for r in range(2)]
         for role in range(2):
             pipes[role][0].send(infos[1 - role])
-        results = [_recv_or_fail(pipes[r][0], "result") for r in range(2)]
+        results = [_recv_or_fail(pipes[r][0], "result", peers) for r in range(2)]
         for role in range(2):
             pipes[role][0].send("done")
         for p in peers:
