@@ -1,0 +1,361 @@
+"""The router: the client API (tandem.v1.Tandem) and the workers' registry (Registration).
+
+A request flows: choose a READY (prefill, decode) pair -> Reserve pages on the decode
+worker -> Prefill (which pushes the pages over UCX and returns the first token) ->
+Decode (streams the rest). A request that has emitted nothing is retried on another
+pair when a worker is unavailable; afterwards a failure ends it with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.metrics import Metrics
+from services.engine.tokenizer import ByteTokenizer
+from services.router.pairing import pair_workers
+from services.router.registry import PairState, Registry
+from services.router.validation import RequestError, validate_generate
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_ATTEMPTS = 3
+STATS_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    model_id: str = ""
+    vocab_size: int = 264
+    max_model_len: int = 2048  # tokens, prompt plus completion
+    default_max_tokens: int = 128
+    num_spec_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Inflight:
+    start: float = field(default_factory=time.monotonic)
+    call: grpc.aio.Call | None = None
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class _Usage:
+    prefill: cpb.Usage = field(default_factory=cpb.Usage)
+    decode: cpb.Usage = field(default_factory=cpb.Usage)
+
+    def merged(self) -> cpb.Usage:
+        out = cpb.Usage()
+        out.CopyFrom(self.decode)
+        for name in ("prompt_tokens", "cached_tokens"):
+            setattr(out, name, getattr(self.prefill, name))
+        out.cached_tokens_per_group.extend(self.prefill.cached_tokens_per_group)
+        out.transfers.extend(self.prefill.transfers)
+        out.completion_tokens = self.decode.completion_tokens + 1  # + the prefill's first token
+        return out
+
+
+class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
+    def __init__(self, limits: ModelLimits, metrics: Metrics, tokens_per_page: int = 16,
+                 token: str = "") -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.token = token
+        self.registry = Registry(tokens_per_page)
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.inflight: dict[str, _Inflight] = {}
+        self.tokenizer = ByteTokenizer()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ registration
+
+    async def Register(self, request: reg.RegisterRequest, context) -> reg.RegisterResponse:
+        info = request.rank_info
+        if self.token and request.token != self.token:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token: does not match")
+        if not info.instance_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")
+        if info.role == rpb.ROLE_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.role: unspecified")
+        if not info.grpc_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.grpc_address: empty")
+        old = self.channels.pop(info.instance_id, None)
+        if old is not None:
+            await old.close()
+        self.channels[info.instance_id] = grpc.aio.insecure_channel(info.grpc_address)
+        for prefill_id, decode_id in self.registry.add(info):
+            self._spawn(self._pair(prefill_id, decode_id))
+        self.metrics.registrations.labels("accepted").inc()
+        return reg.RegisterResponse(accepted=True)
+
+    async def _pair(self, prefill_id: str, decode_id: str) -> None:
+        workers = self.registry.workers
+        if prefill_id not in workers or decode_id not in workers:
+            return
+        state, reason = await pair_workers(self.channels, workers[prefill_id].info,
+                                           workers[decode_id].info, self.token)
+        self.registry.set_pair(prefill_id, decode_id, state, reason)
+        result = "accepted" if state == PairState.READY else "refused"
+        self.metrics.registrations.labels(result).inc()
+
+    async def Deregister(self, request, context) -> reg.DeregisterResponse:
+        removed = self.registry.remove(request.instance_id)
+        channel = self.channels.pop(request.instance_id, None)
+        if channel is not None:
+            await channel.close()
+        return reg.DeregisterResponse(removed=removed)
+
+    async def ListPeers(self, request, context) -> reg.ListPeersResponse:
+        return reg.ListPeersResponse(peers=[w.info for w in self.registry.workers.values()
+                                            if request.role in (rpb.ROLE_UNSPECIFIED, w.role)])
+
+    async def Heartbeat(self, request, context) -> reg.HeartbeatResponse:
+        known = request.instance_id in self.registry.workers
+        return reg.HeartbeatResponse(registered=known, interval_ms=1000)
+
+    def pair_states(self) -> dict[tuple[str, str], tuple[str, str]]:
+        return {k: (p.state.value, p.reason) for k, p in self.registry.pairs.items()}
+
+    # ------------------------------------------------------------------ client API
+
+    async def Health(self, request, context) -> cpb.HealthResponse:
+        serving = self.registry.is_serving()
+        prefill = len(self.registry.ids(rpb.ROLE_PREFILL)) + len(self.registry.ids(rpb.ROLE_BOTH))
+        decode = len(self.registry.ids(rpb.ROLE_DECODE)) + len(self.registry.ids(rpb.ROLE_BOTH))
+        refused = [f"{p}->{d}: {pair.reason}" for (p, d), pair in self.registry.pairs.items()
+                   if pair.state in (PairState.REFUSED, PairState.FAILED)]
+        return cpb.HealthResponse(
+            status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
+            num_prefill_workers=prefill, num_decode_workers=decode,
+            message="" if serving else ("no ready prefill/decode pair. " + "; ".join(refused)))
+
+    async def ModelInfo(self, request, context) -> cpb.ModelInfoResponse:
+        lim = self.limits
+        workers = [w.info for w in self.registry.workers.values()]
+        first = workers[0] if workers else rpb.RankInfo()
+        return cpb.ModelInfoResponse(model_id=lim.model_id or first.model_id,
+                                     drafter_id=first.drafter_id, drafter_kind=first.drafter_kind,
+                                     num_spec_tokens=lim.num_spec_tokens,
+                                     max_model_len=lim.max_model_len, vocab_size=lim.vocab_size,
+                                     default_max_tokens=lim.default_max_tokens, workers=workers)
+
+    async def Abort(self, request, context) -> cpb.AbortResponse:
+        handle = self.inflight.get(request.request_id)
+        if handle is None:
+            return cpb.AbortResponse(found=False)
+        handle.aborted = True
+        if handle.call is not None:
+            handle.call.cancel()
+        return cpb.AbortResponse(found=True)
+
+    async def Generate(self, request: cpb.GenerateRequest, context):
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.inflight:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
+        try:
+            token_ids = validate_generate(request, self.limits, self.tokenizer)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        handle = self.inflight[rid] = _Inflight()
+        start = time.monotonic()
+        self.metrics.running.labels("router").inc()
+        status = "error"
+        try:
+            async for response in self._generate(rid, token_ids, request, handle):
+                yield response
+                if response.WhichOneof("payload") == "complete":
+                    status = cpb.FinishReason.Name(response.complete.finish_reason).split("_")[-1]
+        finally:
+            self.inflight.pop(rid, None)
+            self.metrics.running.labels("router").dec()
+            self.metrics.requests.labels("router", status.lower()).inc()
+            self.metrics.e2e.labels("router").observe(time.monotonic() - start)
+
+    async def _generate(self, rid: str, token_ids: list[int], request: cpb.GenerateRequest,
+                        handle: _Inflight):
+        excluded: set[str] = set()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for _ in range(MAX_ATTEMPTS):
+            pair = self.registry.choose_pair(token_ids, excluded)
+            if pair is None:
+                break
+            prefill, decode = pair
+            try:
+                first = await self._prefill_on(rid, token_ids, request, handle, prefill, decode)
+            except _Retry as e:
+                excluded.add(e.worker_id)
+                continue
+            except _Abort:
+                yield _complete(rid, cpb.FINISH_REASON_ABORT, cpb.Usage())
+                return
+            except _Fail as e:
+                yield _error(rid, e.message)
+                yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
+                return
+            async for response in self._stream(rid, token_ids, request, handle, first, decode,
+                                               decoder):
+                yield response
+            return
+        message = "no ready prefill/decode pair" + (f" (tried {sorted(excluded)})" if excluded else "")
+        yield _error(rid, message)
+        yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
+
+    async def _prefill_on(self, rid, token_ids, request, handle, prefill, decode):
+        """Reserve on ``decode``, prefill on ``prefill``; returns (response, usage)."""
+        decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
+        prefill_stub = wpb_grpc.PrefillWorkerStub(self.channels[prefill.id])
+        try:
+            reserved = await decode_stub.Reserve(wpb.ReserveRequest(request_id=rid,
+                                                                    prompt_len=len(token_ids)))
+        except grpc.aio.AioRpcError as e:
+            raise _classify(e, decode.id) from None
+        prefill.inflight += 1
+        decode.inflight += 1
+        try:
+            call = prefill_stub.Prefill(wpb.PrefillRequest(
+                request_id=rid, prompt_token_ids=token_ids, sampling=request.sampling,
+                speculative=request.speculative, reservation=reserved.reservation))
+            handle.call = call
+            response = await call
+            self.registry.index.record(prefill.id, token_ids)
+            return response
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            await self._release(decode_stub, rid)
+            if handle.aborted:
+                raise _Abort() from None
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise _classify(e, prefill.id) from None
+        finally:
+            handle.call = None
+            prefill.inflight -= 1
+            decode.inflight -= 1
+
+    async def _stream(self, rid, token_ids, request, handle, first, decode, decoder):
+        usage = _Usage(prefill=first.usage)
+        yield _chunk(rid, [first.first_token_id], decoder.decode(
+            self.tokenizer.decode_bytes([first.first_token_id])))
+        self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
+        decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
+        if first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
+            await self._release(decode_stub, rid)
+            yield _complete(rid, first.finish_reason, usage.merged())
+            return
+        decode.inflight += 1
+        call = decode_stub.Decode(wpb.DecodeRequest(
+            request_id=rid, prompt_token_ids=token_ids, first_token_id=first.first_token_id,
+            sampling=request.sampling, speculative=request.speculative))
+        handle.call = call
+        last = time.monotonic()
+        try:
+            async for message in call:
+                kind = message.WhichOneof("payload")
+                if kind == "chunk":
+                    now = time.monotonic()
+                    self.metrics.itl.labels("router").observe(now - last)
+                    last = now
+                    text = decoder.decode(self.tokenizer.decode_bytes(list(message.chunk.token_ids)))
+                    yield _chunk(rid, list(message.chunk.token_ids), text)
+                elif kind == "error":
+                    yield cpb.GenerateResponse(request_id=rid, error=message.error)
+                else:
+                    usage.decode = message.complete.usage
+                    yield _complete(rid, message.complete.finish_reason, usage.merged())
+                    return
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if handle.aborted:
+                yield _complete(rid, cpb.FINISH_REASON_ABORT, usage.merged())
+                return
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            yield _error(rid, f"decode worker {decode.id}: {e.code().name}: {e.details()}")
+            yield _complete(rid, cpb.FINISH_REASON_ERROR, usage.merged())
+        finally:
+            handle.call = None
+            decode.inflight -= 1
+            if not call.done():
+                call.cancel()
+
+    @staticmethod
+    async def _release(stub, rid: str) -> None:
+        try:
+            await stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass  # the worker is gone or the lease already expired: nothing is held
+
+    # ------------------------------------------------------------------ background
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def poll_stats(self) -> None:
+        """Refresh every worker's free pages and health, forever."""
+        while True:
+            for worker in list(self.registry.workers.values()):
+                channel = self.channels.get(worker.id)
+                if channel is None:
+                    continue
+                stub = (wpb_grpc.DecodeWorkerStub if worker.role == rpb.ROLE_DECODE
+                        else wpb_grpc.PrefillWorkerStub)(channel)
+                try:
+                    stats = await stub.Stats(wpb.StatsRequest(), timeout=2)
+                    target = stats.groups[0] if stats.groups else None
+                    worker.free_pages = (target.num_pages_total - target.num_pages_used
+                                         if target else 0)
+                    worker.healthy = True
+                except (grpc.aio.AioRpcError, AttributeError):
+                    worker.healthy = False
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for channel in self.channels.values():
+            await channel.close()
+
+
+class _Retry(Exception):
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Fail(Exception):
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _classify(error: grpc.aio.AioRpcError, worker_id: str) -> Exception:
+    if error.code() in RETRYABLE:
+        return _Retry(worker_id)
+    return _Fail(f"worker {worker_id}: {error.code().name}: {error.details()}")
+
+
+def _chunk(rid: str, token_ids: list[int], text: str) -> cpb.GenerateResponse:
+    return cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(token_ids=token_ids, text=text))
+
+
+def _complete(rid: str, reason: int, usage: cpb.Usage) -> cpb.GenerateResponse:
+    return cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(finish_reason=reason,
+                                                                      usage=usage))
+
+
+def _error(rid: str, message: str, field_name: str = "") -> cpb.GenerateResponse:
+    return cpb.GenerateResponse(request_id=rid, error=cpb.Error(message=message, field=field_name))
