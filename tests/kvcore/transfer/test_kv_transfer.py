@@ -26,7 +26,9 @@ CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtyp
 
 
 def seeded_manager(layout: KVLayout, seed: int):
-    """A manager whose pools hold seeded random bits, with request "r" prefilled (sender)."""
+    """A manager whose pools hold seeded random bits, with request "r" prefilled (sender).
+    Children report plain bytes and lists: tensors through a pipe travel as file
+    descriptors, which a child exiting first would close."""
     m = make_manager(layout=layout, **CONFIG)
     gen = torch.Generator().manual_seed(seed)
     for pool in m.pools.values():
@@ -64,7 +66,7 @@ async def _session(role: str, layout: KVLayout, conn) -> None:
         aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
         await agent.pong("prefill", "pair-1", TIMEOUT_S)
         landed = {g: (p.first_page, p.page_ids,
-                      manager.pools[g][p.page_ids].view(torch.uint8).clone())
+                      manager.pools[g][p.page_ids].view(torch.uint8).numpy().tobytes())
                   for g, p in manager.transfer_pages("r", NUM_TOKENS).items()}
         manager.free("r")
         try:  # nobody sends request "s": the receive times out, and nothing leaks
@@ -117,7 +119,7 @@ def test_pages_of_every_group_land_bit_exactly(layout):
         first, ids, bits = got["landed"][g]
         assert first == expected[g].first_page
         assert len(ids) == len(expected[g].page_ids)
-        assert torch.equal(bits, sender.pools[g][expected[g].page_ids].view(torch.uint8))
+        assert bits == sender.pools[g][expected[g].page_ids].view(torch.uint8).numpy().tobytes()
     if layout == KVLayout.UNIFIED:  # the draft's window at 22 covers pages 3..5 only
         assert got["landed"]["draft"][0] == 3
         assert len(got["landed"]["draft"][1]) == 3
