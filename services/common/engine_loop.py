@@ -1,0 +1,96 @@
+"""EngineLoop: runs an engine's steps off the event loop and fans out their outputs.
+
+Invariant: the engine and its cache manager are mutated only by the engine thread
+while a step runs, and only by the event-loop thread between steps (``call``). Page
+transfers read and write pages of parked or reserved requests, which no step touches,
+so they run on the event loop at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+
+class EngineLoop:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the event-loop thread between two steps; returns its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((lambda: fn(*args), future))
+        self._wake.set()
+        return await future
+
+    async def outputs(self, request_id: str, submit: Callable[[], Any]) -> AsyncIterator[Any]:
+        """Submit a request (``submit`` runs between steps) and yield its outputs until the
+        finished one. Cancelling the iteration aborts the request in the engine."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            await self.call(submit)
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.call(self.engine.abort, request_id))
+
+    async def _run(self) -> None:
+        while True:
+            self._run_calls()
+            if self.engine.has_unfinished():
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as e:  # a broken step fails its requests, not the server
+                    self._fail_all(e)
+                    continue
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif not self._calls:
+                self._wake.clear()
+                await self._wake.wait()
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, queue in list(self._streams.items()):
+            queue.put_nowait(RuntimeError(f"engine step failed: {error}"))
+            try:
+                self.engine.abort(rid)
+            except KeyError:
+                pass
