@@ -1,0 +1,66 @@
+"""Engine configuration: models, device, cache geometry and batching limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcore import KVLayout
+from kvcore.spec import dtype_from_name
+
+DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """``num_spec_tokens`` is K, the drafts per verify step; 0 (or no ``drafter``) runs
+    the target alone. KV memory is ``num_pages`` (target, draft) pages when given, else
+    ``kv_cache_bytes`` split by kvcore's capacity rule. Token counts are per step:
+    decode takes K + 1 per request, prefill chunks take the rest of
+    ``max_num_batched_tokens``, at most ``max_prefill_chunk`` per request."""
+
+    model: str
+    drafter: str | None = None
+    num_spec_tokens: int = 4
+    device: str = "cpu"
+    dtype: str = ""  # "" = float32 on CPU, bfloat16 on CUDA
+    tokens_per_page: int = 16
+    num_pages: tuple[int, ...] = ()
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_prefill_chunk: int = 512
+    max_model_len: int = 0  # 0 = the target's max_position_embeddings
+    layout: KVLayout = KVLayout.UNIFIED
+    enable_prefix_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: a target model folder is required")
+        if self.num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens: must be >= 0, got {self.num_spec_tokens}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device: {e}") from None
+        if not self.dtype:
+            self.dtype = DEFAULT_DTYPES.get(torch.device(self.device).type, "float32")
+        dtype_from_name(self.dtype)
+        for name in ("tokens_per_page", "kv_cache_bytes", "max_num_seqs",
+                     "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len: must be >= 0, got {self.max_model_len}")
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError(f"layout: must be a KVLayout, got {self.layout!r}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None and self.num_spec_tokens > 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)

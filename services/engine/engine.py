@@ -1,0 +1,306 @@
+"""The engine: one process serving many requests with speculative decoding.
+
+    engine = Engine(EngineConfig(model="models/tiny-target", drafter="models/tiny-drafter"))
+    outputs = engine.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+
+Streaming use: ``add_request`` then call ``step`` while ``has_unfinished``; each step
+returns the news of every request it touched. For disaggregated serving, a prefill worker
+adds requests with ``prefill_only=True`` (they finish with reason "prefilled", an
+``AuxState`` and their pages kept until ``release``), and a decode worker continues them
+with ``add_prefilled`` once their pages have landed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from kvcore import CacheConfig, KVCacheManager, KVLayout, LayerGroupSpec, Lifecycle, Owner
+from kvcore.spec import cdiv
+from services.engine.config import EngineConfig
+from services.engine.models import load_drafter, load_target
+from services.engine.rejection import rejection_sample
+from services.engine.request import AuxState, Request, RequestOutput, Status
+from services.engine.runner import DRAFT_GROUP, TARGET_GROUP, ModelRunner, Span, TargetRun
+from services.engine.sampler import probs_from_logits, sample
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.speculative import Drafts, draft, sampling_tensors, verify_spans
+from services.engine.stats import SpecStats
+from services.engine.step_outputs import StepOutputs
+from services.engine.tokenizer import ByteTokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.target = load_target(config.model, self.device, config.torch_dtype)
+        self.drafter = None
+        if config.speculative:
+            self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype)
+            self.drafter.config.check_target(self.target.config)
+        self.k = config.num_spec_tokens if self.drafter is not None else 0
+        self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
+        self.manager = KVCacheManager(self._cache_config(), self.device)
+        self.runner = ModelRunner(self.target, self.drafter, self.manager, self.device)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk, self.k, self.drafter is not None)
+        self.tokenizer = ByteTokenizer()
+        self.out = StepOutputs(self.tokenizer, self._eos_ids(), self.k > 0)
+        self.requests: dict[str, Request] = {}
+        self.stats: dict[str, SpecStats] = {}
+        self._seeds = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------ public API
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        """Queue a request; returns its id. Raises ValueError naming the bad field."""
+        sampling = self._check_sampling(sampling)
+        prompt_ids = self._prompt_ids(prompt)
+        request_id = self._new_id(request_id)
+        self._check_fits(len(prompt_ids), sampling.max_tokens)
+        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), prefill_only)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], aux: AuxState,
+                      sampling: SamplingParams | None = None) -> None:
+        """Start decoding a request whose pages were reserved with
+        ``manager.allocate(request_id, n, num_computed=n)`` and filled by a transfer."""
+        sampling = self._check_sampling(sampling)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if request_id not in self.manager.requests:
+            raise ValueError(f"request_id: {request_id!r} has no allocated pages")
+        n = aux.prompt_len
+        if n != len(prompt_ids) or n < 1:
+            raise ValueError(f"aux: prompt_len {n} does not match {len(prompt_ids)} prompt tokens")
+        self._check_fits(n, sampling.max_tokens)
+        origin = "transferred" if self.config.layout == KVLayout.UNIFIED else "cold"
+        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), origin=origin)
+        req.status = Status.DECODE
+        req.num_computed = req.target_write_start = req.draft_valid = n
+        req.pending_start, req.pending_tokens = n, [aux.first_token_id]
+        req.pending_features = aux.hidden.reshape(1, -1).to(self.device, self.config.torch_dtype)
+        self.requests[request_id] = req
+        self.out.append(req, [aux.first_token_id])
+        if req.finish_reason is not None:
+            self._finish(req)
+            return
+        self.scheduler.add_running(req)
+
+    def release(self, request_id: str) -> None:
+        """Free a parked prefill-only request's pages (offering them to the prefix cache)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.PARKED:
+            raise ValueError(f"request_id: {request_id!r} is not a parked prefill")
+        self.manager.free(request_id, req.tokens[:req.cacheable_len])
+        del self.requests[request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its final output comes with the next step."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is Status.PARKED:
+            self.release(request_id)
+            return True
+        req.finish_reason = "abort"
+        self._finish(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self.out.has_pending()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.prefill or plan.decode:
+            drafts = draft(self.runner, plan.decode, self.k) if self.k and plan.decode else None
+            spans = [Span(r.request_id, s.start, r.tokens[s.start:s.end], r.target_write_start)
+                     for r, s in plan.prefill] + verify_spans(plan.decode, drafts)
+            run = self.runner.run_target(spans)
+            offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
+            if self.drafter is not None and plan.prefill:
+                self._draft_prefill(plan.prefill, run, offsets)
+            self._finish_prefills(plan.prefill, run, offsets)
+            self._finish_decodes(plan.decode, drafts, run, offsets[len(plan.prefill):])
+        return self.out.flush()
+
+    def generate(self, prompts: list[str | list[int]],
+                 sampling: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; final outputs in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling: {len(params)} entries for {len(prompts)} prompts")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids) and self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    # ------------------------------------------------------------ step phases
+
+    def _draft_prefill(self, prefill, run: TargetRun, offsets: list[int]) -> None:
+        """Drafter slots of the chunks' positions: slot j reads t_j and f_{j-1}."""
+        spans, hidden = [], []
+        for i, (req, span) in enumerate(prefill):
+            first = req.last_feature if req.last_feature is not None and span.start > 0 \
+                else torch.zeros_like(run.features[0])
+            hidden += [first[None], run.features[offsets[i]:offsets[i + 1] - 1]]
+            spans.append(Span(req.request_id, span.start, req.tokens[span.start:span.end],
+                              req.draft_write_start))
+        self.runner.run_drafter(spans, torch.cat(hidden))
+
+    def _finish_prefills(self, prefill, run: TargetRun, offsets: list[int]) -> None:
+        done = [(i, req) for i, (req, span) in enumerate(prefill) if span.end == req.prefill_end]
+        for i, (req, span) in enumerate(prefill):
+            req.prefill_pos = span.end
+            req.num_computed = max(req.num_computed, span.end)
+            req.draft_valid = span.end if self.drafter is not None else req.num_computed
+            if run.features is not None:
+                req.last_feature = run.features[offsets[i + 1] - 1]
+            self.manager.advance(req.request_id, req.num_computed)
+        if not done:
+            return
+        reqs = [req for _, req in done]
+        logits = self.runner.target_logits(run.hidden[[offsets[i + 1] - 1 for i, _ in done]])
+        probs = probs_from_logits(logits, *sampling_tensors(reqs, self.device))
+        for req, token in zip(reqs, sample(probs, [r.generator for r in reqs]).tolist(),
+                              strict=True):
+            self._start_decode(req, token)
+
+    def _start_decode(self, req: Request, token: int) -> None:
+        n = req.num_computed
+        req.pending_start, req.pending_tokens = n, [token]
+        if req.last_feature is not None:
+            req.pending_features = req.last_feature[None]
+        if req.prefill_only:
+            req.output_ids.append(token)
+            req.status = Status.PARKED
+            req.aux = AuxState(token, req.last_feature.float().cpu() if req.last_feature
+                               is not None else torch.zeros(0), n)
+            self.scheduler.remove(req)
+            self.out.park(req)
+            return
+        req.status = Status.DECODE
+        self.out.append(req, [token])
+        if req.finish_reason is not None:
+            self._finish(req)
+
+    def _finish_decodes(self, decode: list[Request], drafts: Drafts | None, run: TargetRun,
+                        offsets: list[int]) -> None:
+        if not decode:
+            return
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
+        logits = self.runner.target_logits(run.hidden[rows.to(self.device)])
+        probs = probs_from_logits(logits, *sampling_tensors(decode, self.device, self.k + 1))
+        probs = probs.view(len(decode), self.k + 1, -1)
+        draft_ids = drafts.token_ids if drafts is not None \
+            else torch.zeros(len(decode), 0, dtype=torch.long, device=self.device)
+        draft_probs = drafts.probs if drafts is not None else probs[:, :0]
+        verdict = rejection_sample(probs, draft_probs, draft_ids,
+                                   [r.generator for r in decode])
+        accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
+        ids = draft_ids.tolist()
+        for i, req in enumerate(decode):
+            self._advance_decode(req, ids[i][:accepted[i]] + [nexts[i]], run, offsets[i])
+
+    def _advance_decode(self, req: Request, emitted: list[int], run: TargetRun, row: int) -> None:
+        n, a = req.num_computed, len(emitted) - 1
+        req.spec.record(self.k, a)
+        self.stats.setdefault(req.origin, SpecStats()).record(self.k, a)
+        self.out.append(req, emitted)
+        req.num_computed = n + a + 1
+        req.pending_start, req.pending_tokens = n + 1, emitted
+        if run.features is not None:
+            req.pending_features = run.features[row:row + a + 1]
+        req.draft_valid = n + 1 if self.drafter is not None else req.num_computed
+        self.manager.advance(req.request_id, req.num_computed)
+        if req.finish_reason is not None:
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        if req.request_id in self.manager.requests:
+            self.manager.free(req.request_id, req.tokens[:req.cacheable_len])
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        self.out.finish(req)
+        del self.requests[req.request_id]
+
+    # ------------------------------------------------------------ setup and checks
+
+    def _cache_config(self) -> CacheConfig:
+        t = self.target.config
+        groups = [LayerGroupSpec(TARGET_GROUP, Owner.TARGET, t.num_hidden_layers,
+                                 t.num_key_value_heads, t.head_dim, dtype=self.config.dtype)]
+        if self.drafter is not None:
+            d = self.drafter.config
+            groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
+                                         d.num_key_value_heads, d.head_dim, dtype=self.config.dtype,
+                                         window=d.sliding_window, lifecycle=Lifecycle.OPTIONAL))
+        c = self.config
+        return CacheConfig(groups=tuple(groups), tokens_per_page=c.tokens_per_page,
+                           num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
+                           max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
+                           num_spec_tokens=self.k, draft_block_width=1, layout=c.layout,
+                           enable_prefix_cache=c.enable_prefix_cache)
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = self.target.config.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        return frozenset(ids) if ids else frozenset([self.tokenizer.eos_id])
+
+    def _check_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        return sampling
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.target.config.vocab_size
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        return ids
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt: {prompt_len} tokens leave no room in the context of "
+                             f"{self.max_model_len}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} exceed "
+                             f"the context of {self.max_model_len}")
+        need = cdiv(prompt_len + max_tokens + self.manager.config.headroom_tokens,
+                    self.manager.page)
+        total = self.manager.allocators[TARGET_GROUP].num_pages
+        if need > total:
+            raise ValueError(f"prompt: needs {need} KV pages, the cache holds {total}")
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        return request_id
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        if sampling.greedy:
+            return None
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        return torch.Generator(device=self.device).manual_seed(seed)

@@ -1,0 +1,48 @@
+"""Speculative verification (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative
+Sampling").
+
+For one request with K drafts x_1..x_K drawn from the drafter's q_i, and the target's p_i
+at the K + 1 verified positions:
+- *accepted*: x_i is kept while u_i < p_i(x_i) / q_i(x_i) (u_i ~ U[0, 1));
+- *recovered*: at the first rejection i, one token is drawn from norm(max(0, p_i - q_i));
+- *bonus*: when all K are kept, one token is drawn from p_{K+1}.
+The emitted tokens then follow the target's distribution exactly. Greedy rows have
+one-hot p and q, which turns the rule into "keep drafts while they equal the target's
+argmax, then emit the target's argmax".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampler import sample, uniforms
+
+
+@dataclass(slots=True)
+class Verdict:
+    num_accepted: torch.Tensor  # [batch] int64, in [0, K]
+    next_tokens: torch.Tensor  # [batch] int64: the recovered or bonus token
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_ids: torch.Tensor,
+                     generators: list[torch.Generator | None]) -> Verdict:
+    """target_probs [batch, K + 1, vocab]; draft_probs [batch, K, vocab]; draft_ids
+    [batch, K]. Rows whose generator is None must be greedy (one-hot p and q)."""
+    batch, k = draft_ids.shape
+    p_draft = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
+    q_draft = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+    u = uniforms(batch, k, generators, target_probs.device)
+    keep = u * q_draft < p_draft  # u < p / q, with q > 0 for a drawn draft
+    num_accepted = keep.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    rows = torch.arange(batch, device=draft_ids.device)
+    p_next = target_probs[rows, num_accepted]  # [batch, vocab]
+    q_next = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)[rows, num_accepted]
+    residual = (p_next - q_next).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p == q leaves no residual: the rejection had probability 0, fall back to p
+    final = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    return Verdict(num_accepted, sample(final, generators))

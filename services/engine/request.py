@@ -1,0 +1,116 @@
+"""A request's state inside the engine, and what the engine hands back.
+
+Positions: the request's tokens are ``prompt_ids + output_ids``; the target holds valid KV
+for positions [0, num_computed), and num_computed == len(tokens) - 1 while decoding (the
+last token's KV is written by the next verify). The drafter's slots [0, draft_valid) are
+exact (computed from true target features); the slots from ``pending_start`` on are
+computed by the next draft forward from ``pending_tokens`` and ``pending_features``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.sampling import SamplingParams
+from services.engine.stats import SpecStats, Usage
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages
+    PREFILL = "prefill"  # admitted; prompt chunks still to run
+    DECODE = "decode"
+    PARKED = "parked"  # prefill-only request done; holds its pages until released
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class AuxState:
+    """What a decode worker needs, besides the pages, to continue a prefilled request."""
+
+    first_token_id: int  # t_n, sampled from the prefill's last logits
+    hidden: torch.Tensor  # [hidden_size] float32: f_{n-1}, the drafter's input for slot n
+    prompt_len: int  # n
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request. ``text`` and ``token_ids`` cover the whole output
+    so far (cut before a matched stop string once finished)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "prefilled"
+    usage: Usage
+    aux: AuxState | None = None
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Target positions [start, end) that this step's prefill chunk runs."""
+
+    start: int
+    end: int
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                 generator: torch.Generator | None, prefill_only: bool = False,
+                 origin: str = "local") -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.sampling = sampling
+        self.generator = generator
+        self.prefill_only = prefill_only
+        self.origin = origin
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_text_len: int | None = None  # output text length before a matched stop
+        self.spec = SpecStats()
+        self.reset_kv_state()
+
+    def reset_kv_state(self) -> None:
+        """Forget everything tied to pages (on admission and preemption)."""
+        self.num_computed = 0
+        self.prefill_pos = 0  # next position the prefill runs
+        self.prefill_end = 0  # positions the prefill covers (len(tokens) at admission)
+        self.target_write_start = 0
+        self.draft_write_start = 0
+        self.draft_valid = 0
+        self.last_feature: torch.Tensor | None = None  # [hidden] f_{num_computed - 1}
+        self.pending_start = 0
+        self.pending_tokens: list[int] = []
+        self.pending_features: torch.Tensor | None = None  # [len(pending_tokens), hidden]
+        self.aux: AuxState | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def cacheable_len(self) -> int:
+        """Leading positions whose KV is exact in every group (offered to the prefix cache)."""
+        return min(self.num_computed, self.draft_valid)
+
+    def usage(self, speculative: bool) -> Usage:
+        al = self.spec.acceptance_length if speculative else (1.0 if self.spec.num_steps else 0.0)
+        return Usage(len(self.prompt_ids), len(self.output_ids), al)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one engine step runs: prefill chunks and decode (draft + verify) requests."""
+
+    prefill: list[tuple[Request, PrefillSpan]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)

@@ -1,0 +1,47 @@
+"""Per-step bookkeeping of what each request gained, turned into RequestOutputs."""
+
+from __future__ import annotations
+
+from services.engine.request import Request, RequestOutput, Status
+from services.engine.stopping import append_tokens, output_text
+from services.engine.tokenizer import ByteTokenizer
+
+
+class StepOutputs:
+    def __init__(self, tokenizer: ByteTokenizer, eos_ids: frozenset[int],
+                 speculative: bool) -> None:
+        self.tokenizer, self.eos_ids, self.speculative = tokenizer, eos_ids, speculative
+        self._touched: dict[str, Request] = {}
+        self._new: dict[str, list[int]] = {}
+
+    def append(self, req: Request, token_ids: list[int]) -> None:
+        """Append under the stop rules (see stopping.append_tokens)."""
+        appended = append_tokens(req, token_ids, self.tokenizer, self.eos_ids)
+        self._touch(req).extend(appended)
+
+    def park(self, req: Request) -> None:
+        """A prefill-only request: its one token was appended without stop checks."""
+        self._touch(req).append(req.output_ids[-1])
+
+    def finish(self, req: Request) -> None:
+        self._touch(req)
+
+    def has_pending(self) -> bool:
+        return bool(self._touched)
+
+    def flush(self) -> list[RequestOutput]:
+        outs = [self._output(req, self._new[rid]) for rid, req in self._touched.items()]
+        self._touched, self._new = {}, {}
+        return outs
+
+    def _touch(self, req: Request) -> list[int]:
+        self._touched[req.request_id] = req
+        return self._new.setdefault(req.request_id, [])
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        parked = req.status is Status.PARKED
+        finished = parked or req.status is Status.FINISHED
+        return RequestOutput(req.request_id, new, list(req.output_ids),
+                             output_text(req, self.tokenizer), finished,
+                             "prefilled" if parked else req.finish_reason,
+                             req.usage(self.speculative), req.aux if parked else None)
