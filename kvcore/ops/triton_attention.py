@@ -157,7 +157,8 @@ def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tens
                      layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None
+                     ) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
     every sequence's query length; splits apply only when it is <= 16 (decode/verify)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -180,8 +181,12 @@ def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tens
         part_out = query.new_empty((num_tokens, num_q_heads, num_splits, head_dim),
                                    dtype=torch.float32)
         part_lse = query.new_empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32)
-    if block_n is None:  # measured on H200: wider blocks pay where bytes per block are few
-        block_n = 128 if kv_pool.element_size() == 1 or num_splits >= 8 else 64
+    fp8_decode = kv_pool.element_size() == 1 and max_q_len <= 16
+    wide = fp8_decode or num_splits >= 8 or (block_m == 32 and num_splits == 1)
+    if block_n is None:  # H200 sweeps: wide blocks for fp8, verify rows and many splits
+        block_n = 128 if wide else 64
+    if num_stages is None:
+        num_stages = 3 if fp8_decode else 2
     dot_dtype = _dot_dtype(kv_pool.dtype)
     q_clamp = 65504.0 if dot_dtype == tl.float16 and query.dtype != torch.float16 else 0.0
     grid = (batch * num_q_blocks, num_kv_heads, num_splits)
