@@ -1,27 +1,115 @@
-"""The ``tandem`` command line."""
+"""The ``tandem`` command line: ``up`` (a local cluster), ``router``, ``worker``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import subprocess
 import sys
+import time
+
+from deploy.local import LocalCluster
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
+DEFAULT_DRAFTER = os.path.join(HERE, "models", "tiny-drafter")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model folder (config.json + "
+                   "*.safetensors); default: the bundled tiny target")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter folder; 'none' = no drafter")
+    p.add_argument("-k", "--num-spec-tokens", type=int, default=4, help="draft tokens per step (K)")
+    p.add_argument("--layout", choices=["unified", "separate"], default="unified",
+                   help="unified: draft KV moves with the target's; separate: the baseline")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", default="", help="KV/model dtype; default float32 on CPU, bf16 on CUDA")
+    p.add_argument("--tokens-per-page", type=int, default=16)
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV memory per worker, MiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def engine_config(args: argparse.Namespace):
+    from kvcore import KVLayout
+    from services.engine.config import EngineConfig
+
+    drafter = None if args.drafter in ("", "none") else args.drafter
+    return EngineConfig(model=args.model, drafter=drafter, num_spec_tokens=args.num_spec_tokens,
+                        device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
+                        kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
+                        layout=KVLayout(args.layout), enable_prefix_cache=not args.no_prefix_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving "
-                                     "with speculative decoding over a unified target+draft KV cache")
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM "
+                                     "serving with speculative decoding over a unified "
+                                     "target+draft KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start a local cluster (router, prefill, decode) on 127.0.0.1")
-    up.add_argument("--device", default="cpu", help="torch device of the workers (default: cpu)")
+    up = sub.add_parser("up", help="run a local cluster (router, prefill and decode processes) "
+                        "on 127.0.0.1 until interrupted")
+    add_engine_args(up)
+    up.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    up.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    up.add_argument("--aggregated", type=int, default=0,
+                    help="aggregated workers (prefill+decode in one process) instead of P/D")
+    up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
+    router = sub.add_parser("router", help="run the router")
+    router.add_argument("--model", default=DEFAULT_MODEL, help="target folder (for its limits)")
+    router.add_argument("-k", "--num-spec-tokens", type=int, default=4)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=50051)
+    router.add_argument("--metrics-port", type=int, default=0)
+    router.add_argument("--tokens-per-page", type=int, default=16)
+    worker = sub.add_parser("worker", help="run one worker")
+    worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    add_engine_args(worker)
+    worker.add_argument("--router", default="", help="router host:port to register with")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=0)
+    worker.add_argument("--metrics-port", type=int, default=0)
+    worker.add_argument("--instance-id", default="")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "up":
-        print("tandem up: the local cluster needs the router, prefill and decode services, "
-              "which are not built yet.", file=sys.stderr)
-        return 2
+    if args.command == "router":
+        from services.router.main import model_limits, run_router
+
+        limits = model_limits(args.model, args.num_spec_tokens)
+        asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
+                               args.tokens_per_page))
+    elif args.command == "worker":
+        from services.common.serve import run_worker
+        from services.common.worker import WorkerConfig
+
+        config = WorkerConfig(role=args.role, engine=engine_config(args), host=args.host,
+                              port=args.port, metrics_port=args.metrics_port, router=args.router,
+                              instance_id=args.instance_id)
+        asyncio.run(run_worker(config))
+    else:
+        return run_up(args)
     return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    cluster = LocalCluster.from_args(args)
+    try:
+        cluster.start()
+        print(cluster.describe(), flush=True)
+        while cluster.alive():
+            time.sleep(0.5)
+        print("a process exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, subprocess.SubprocessError) as e:
+        print(f"tandem up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
 
 
 if __name__ == "__main__":

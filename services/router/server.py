@@ -139,6 +139,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         return cpb.HealthResponse(
             status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
             num_prefill_workers=prefill, num_decode_workers=decode,
+            num_ready_pairs=len(self.registry.ready_pairs()),
             message="" if serving else ("no ready prefill/decode pair. " + "; ".join(refused)))
 
     async def ModelInfo(self, request, context) -> cpb.ModelInfoResponse:
@@ -208,9 +209,45 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                                                decoder):
                 yield response
             return
+        worker = self.registry.choose_aggregated(token_ids, excluded)
+        if worker is not None:
+            async for response in self._forward(rid, token_ids, request, handle, worker):
+                yield response
+            return
         message = "no ready prefill/decode pair" + (f" (tried {sorted(excluded)})" if excluded else "")
         yield _error(rid, message)
         yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
+
+    async def _forward(self, rid, token_ids, request, handle, worker):
+        """Aggregated serving: the worker runs the whole request behind its own client API."""
+        forwarded = cpb.GenerateRequest(request_id=rid, token_ids=cpb.TokenIds(ids=token_ids),
+                                        sampling=request.sampling, speculative=request.speculative)
+        call = cpb_grpc.TandemStub(self.channels[worker.id]).Generate(forwarded)
+        handle.call = call
+        worker.inflight += 1
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first = True
+        try:
+            async for message in call:
+                if message.WhichOneof("payload") == "chunk":
+                    if first:
+                        self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
+                        first = False
+                    ids = list(message.chunk.token_ids)
+                    message.chunk.text = decoder.decode(self.tokenizer.decode_bytes(ids))
+                yield message
+            self.registry.index.record(worker.id, token_ids)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if handle.aborted:
+                yield _complete(rid, cpb.FINISH_REASON_ABORT, cpb.Usage())
+                return
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            yield _error(rid, f"worker {worker.id}: {e.code().name}: {e.details()}")
+            yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
+        finally:
+            handle.call = None
+            worker.inflight -= 1
 
     async def _prefill_on(self, rid, token_ids, request, handle, prefill, decode):
         """Reserve on ``decode``, prefill on ``prefill``; returns (response, usage)."""

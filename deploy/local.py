@@ -1,0 +1,164 @@
+"""A local cluster on 127.0.0.1: one router process and worker processes registering with it.
+
+Each process prints one line naming its gRPC address and metrics URL; the cluster is
+ready when the router reports SERVING (every pair registered and test-transferred).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+_ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
+
+
+@dataclass(slots=True)
+class Process:
+    name: str
+    popen: subprocess.Popen
+    grpc: str = ""
+    metrics: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+class LocalCluster:
+    def __init__(self, worker_args: list[str], router_args: list[str],
+                 roles: list[str | tuple[str, list[str]]],
+                 port: int = 0, env: dict[str, str] | None = None,
+                 start_timeout_s: float = 120.0, expected_pairs: int | None = None) -> None:
+        """``roles``: one entry per worker, a role or (role, extra worker arguments)."""
+        self.worker_args, self.router_args = worker_args, router_args
+        self.extra = [r[1] if isinstance(r, tuple) else [] for r in roles]
+        self.roles = [r[0] if isinstance(r, tuple) else r for r in roles]
+        self.port = port
+        self.env = {**os.environ, **LOOPBACK_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.expected_pairs = expected_pairs
+        self.processes: list[Process] = []
+
+    @classmethod
+    def from_args(cls, args) -> LocalCluster:
+        engine = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.num_spec_tokens),
+                  "--layout", args.layout, "--device", args.device,
+                  "--tokens-per-page", str(args.tokens_per_page),
+                  "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs)]
+        if args.dtype:
+            engine += ["--dtype", args.dtype]
+        if args.no_prefix_cache:
+            engine.append("--no-prefix-cache")
+        router = ["--model", args.model, "-k", str(args.num_spec_tokens),
+                  "--tokens-per-page", str(args.tokens_per_page)]
+        roles = (["both"] * args.aggregated if args.aggregated
+                 else ["prefill"] * args.prefill + ["decode"] * args.decode)
+        return cls(engine, router, roles, port=args.port)
+
+    @property
+    def router_address(self) -> str:
+        return self.processes[0].grpc
+
+    def start(self) -> None:
+        router = self._spawn("router", ["router", "--port", str(self.port), *self.router_args])
+        self._wait_endpoint(router)
+        for i, role in enumerate(self.roles):
+            self._spawn(f"{role}-{i}", ["worker", "--role", role, "--router", router.grpc,
+                                        "--instance-id", f"{role}-{i}", *self.worker_args,
+                                        *self.extra[i]])
+        for p in self.processes[1:]:
+            self._wait_endpoint(p)
+        self.wait_serving()
+
+    def wait_serving(self) -> None:
+        """Wait until every prefill/decode pair is READY (or every aggregated worker joined)."""
+        from proto.tandem.v1 import client_pb2 as cpb
+        from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+
+        pairs = self.expected_pairs
+        if pairs is None:
+            pairs = self.roles.count("prefill") * self.roles.count("decode")
+        aggregated = self.roles.count("both")
+        deadline = time.monotonic() + self.start_timeout_s
+        health = cpb.HealthResponse()
+        with grpc.insecure_channel(self.router_address) as channel:
+            stub = cpb_grpc.TandemStub(channel)
+            while time.monotonic() < deadline:
+                health = stub.Health(cpb.HealthRequest(), timeout=5)
+                if health.num_ready_pairs >= pairs and health.num_decode_workers >= aggregated \
+                        and health.status == cpb.SERVING_STATUS_SERVING:
+                    return
+                self._check_alive()
+                time.sleep(0.2)
+        raise RuntimeError(f"cluster not serving after {self.start_timeout_s} s: "
+                           f"{health.num_ready_pairs}/{pairs} pairs ready; {health.message}")
+
+    def describe(self) -> str:
+        lines = [f"{p.name:<12} grpc={p.grpc}  metrics={p.metrics}" for p in self.processes]
+        return "\n".join(["tandem local cluster (Ctrl-C stops it):", *lines,
+                          f"clients: gRPC tandem.v1.Tandem at {self.router_address}"])
+
+    def alive(self) -> bool:
+        return all(p.popen.poll() is None for p in self.processes)
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            if p.popen.poll() is None:
+                p.popen.terminate()
+        for p in self.processes:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+    def kill(self, name: str) -> None:
+        for p in self.processes:
+            if p.name == name:
+                p.popen.kill()
+                p.popen.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + "".join(p.log[-40:]) for p in self.processes)
+
+    # ------------------------------------------------------------------ internals
+
+    def _spawn(self, name: str, argv: list[str]) -> Process:
+        popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], env=self.env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        process = Process(name, popen)
+        threading.Thread(target=_pump, args=(process,), daemon=True).start()
+        self.processes.append(process)
+        return process
+
+    def _wait_endpoint(self, process: Process) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline and not process.grpc:
+            if process.popen.poll() is not None:
+                raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n"
+                                   + "".join(process.log[-30:]))
+            time.sleep(0.05)
+        if not process.grpc:
+            raise RuntimeError(f"{process.name} printed no endpoint in {self.start_timeout_s} s")
+
+    def _check_alive(self) -> None:
+        for p in self.processes:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n"
+                                   + "".join(p.log[-30:]))
+
+
+def _pump(process: Process) -> None:
+    for line in process.popen.stdout:
+        process.log.append(line)
+        match = _ENDPOINT.search(line)
+        if match and not process.grpc:
+            process.grpc, process.metrics = match.group(1), match.group(2)
+        if os.environ.get("TANDEM_ECHO_LOGS"):
+            sys.stderr.write(f"[{process.name}] {line}")

@@ -1,0 +1,51 @@
+"""The aggregated worker: prefill and decode in one process, serving the client API itself
+(the router forwards to it). The A/B baseline against disaggregated serving."""
+
+from __future__ import annotations
+
+import grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+
+
+class AggregatedServicer(cpb_grpc.TandemServicer):
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+
+    async def Generate(self, request: cpb.GenerateRequest, context):
+        w, rid = self.worker, request.request_id
+        prompt = list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" \
+            else request.text
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
+        sent, last = 0, None
+        try:
+            submit = lambda: w.engine.add_request(prompt, sampling, rid)  # noqa: E731
+            async for out in w.loop.outputs(rid, submit):
+                last = out
+                if len(out.token_ids) > sent:
+                    yield cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(
+                        token_ids=out.token_ids[sent:]))
+                    sent = len(out.token_ids)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        w.record_spec_metrics()
+        usage = cpb.Usage(prompt_tokens=last.usage.prompt_tokens,
+                          completion_tokens=len(last.token_ids),
+                          acceptance_length=last.usage.acceptance_length)
+        w.metrics.requests.labels("both", last.finish_reason or "stop").inc()
+        yield cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(
+            finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),
+            usage=usage))
+
+    async def Abort(self, request, context) -> cpb.AbortResponse:
+        found = await self.worker.loop.call(self.worker.engine.abort, request.request_id)
+        return cpb.AbortResponse(found=found)
+
+    async def Health(self, request, context) -> cpb.HealthResponse:
+        return cpb.HealthResponse(status=cpb.SERVING_STATUS_SERVING, num_prefill_workers=1,
+                                  num_decode_workers=1)

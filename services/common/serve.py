@@ -1,0 +1,59 @@
+"""Running one worker process: engine, gRPC server, metrics, registration."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import SERVING, start_server
+from services.common.metrics import serve_metrics
+from services.common.peering import PeerRegistry
+from services.common.worker import WorkerBase, WorkerConfig
+
+
+async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
+                     stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints."""
+    worker = WorkerBase(config)
+    await worker.start()
+    peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token)
+
+    def add(server) -> None:
+        reg_grpc.add_RegistrationServicer_to_server(peers, server)
+        if config.role == "prefill":
+            from services.prefill.server import PrefillServicer
+            wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, peers), server)
+        elif config.role == "decode":
+            from services.decode.server import DecodeServicer
+            wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+        else:
+            from services.aggregated.server import AggregatedServicer
+            cpb_grpc.add_TandemServicer_to_server(AggregatedServicer(worker), server)
+
+    server, health, port = await start_server(add, config.host, config.port)
+    worker.grpc_address = f"{config.host}:{port}"
+    metrics_port = serve_metrics(worker.metrics, config.host, config.metrics_port)
+    await health.set("", SERVING)
+    print(f"{config.role} {config.instance_id} grpc={worker.grpc_address} "
+          f"metrics=http://{config.host}:{metrics_port}/metrics", flush=True)
+    registration = asyncio.ensure_future(worker.register_forever())
+    if ready is not None:
+        ready.set()
+    await _wait_for_stop(stop)
+    registration.cancel()
+    await server.stop(grace=1)
+    await worker.stop()
+
+
+async def _wait_for_stop(stop: asyncio.Event | None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()

@@ -1,0 +1,159 @@
+"""The decode worker: reserves pages, receives them over UCX, and decodes.
+
+Reserve -> pages for prompt + headroom in every group, and a receive posted for them,
+under a lease; Decode -> waits for the pages and aux state to land, then streams tokens;
+Release -> gives back a reservation that will not be decoded. A reservation whose
+transfer or Decode does not come within the lease is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kvcore import KVLayout
+from kvcore.transfer.kv_transfer import AuxState, TransferUsage
+from kvcore.transfer.tags import request_tag
+from kvcore.transfer.ucx import TransferError
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+
+
+@dataclass(slots=True)
+class _Reservation:
+    prompt_len: int
+    deadline: float  # monotonic seconds
+    receive: asyncio.Task  # -> (AuxState, TransferUsage)
+    decoding: bool = False
+
+
+class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+        self.reserved: dict[str, _Reservation] = {}
+
+    async def Reserve(self, request: wpb.ReserveRequest, context) -> wpb.ReserveResponse:
+        w, rid, n = self.worker, request.request_id, request.prompt_len
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+        if n < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_len: must be >= 1")
+        if rid in self.reserved or rid in w.engine.manager.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
+        if not await w.loop.call(self._reserve_pages, rid, n):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no free pages for {n} tokens")
+        lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
+        receive = asyncio.ensure_future(w.agent.receive_request(rid, n, min(
+            lease_s, w.config.transfer_timeout_s)))
+        receive.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive)
+        asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
+        return wpb.ReserveResponse(reservation=self._reservation_proto(rid, n, lease_s))
+
+    def _reserve_pages(self, rid: str, n: int) -> bool:
+        m = self.worker.engine.manager
+        if not m.can_allocate(n, num_computed=n):
+            return False
+        m.allocate(rid, n, num_computed=n)
+        if m.config.layout == KVLayout.SEPARATE:
+            self._blind_draft(rid, n)
+        return True
+
+    def _blind_draft(self, rid: str, n: int) -> None:
+        """SEPARATE layout: the draft's prompt window is not sent; its pages hold zeros, not a
+        previous request's KV, so the baseline drafter starts blind and deterministic."""
+        m = self.worker.engine.manager
+        for group, spec in m.groups.items():
+            if spec.owner.value == "draft":
+                pages = [p for p in m.block_table(rid, group) if p >= 0]
+                m.pools[group][pages] = 0
+
+    def _reservation_proto(self, rid: str, n: int, lease_s: float) -> wpb.Reservation:
+        w = self.worker
+        m = w.engine.manager
+        info = w.agent.endpoint()
+        return wpb.Reservation(
+            request_id=rid, decode_instance_id=w.config.instance_id,
+            num_tokens=n + m.config.headroom_tokens,
+            groups=[wpb.GroupPages(group=g, page_ids=m.block_table(rid, g)) for g in m.groups],
+            lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
+            ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host,
+                                port=info.port),
+            transfer_tag=request_tag(rid))
+
+    def _expire(self, rid: str) -> None:
+        res = self.reserved.get(rid)
+        if res is not None and not res.decoding:
+            asyncio.ensure_future(self._drop(rid))
+
+    async def _drop(self, rid: str) -> bool:
+        res = self.reserved.pop(rid, None)
+        if res is None:
+            return False
+        res.receive.cancel()
+        if rid in self.worker.engine.manager.requests and rid not in self.worker.engine.requests:
+            await self.worker.loop.call(self.worker.engine.manager.free, rid)
+        return True
+
+    async def Release(self, request: wpb.ReleaseRequest, context) -> wpb.ReleaseResponse:
+        res = self.reserved.get(request.request_id)
+        if res is not None and res.decoding:
+            return wpb.ReleaseResponse(released=False)
+        return wpb.ReleaseResponse(released=await self._drop(request.request_id))
+
+    async def Decode(self, request: wpb.DecodeRequest, context):
+        w, rid = self.worker, request.request_id
+        res = self.reserved.get(rid)
+        if res is None or res.decoding:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not reserved")
+        res.decoding = True
+        try:
+            aux, moved = await self._landed(res, request, context)
+            sampling = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            submit = lambda: w.engine.add_prefilled(rid, prompt, _engine_aux(aux), sampling)  # noqa: E731
+            sent = 1  # the first token came with the prefill's answer
+            last = None
+            async for out in w.loop.outputs(rid, submit):
+                last = out
+                if len(out.token_ids) > sent:
+                    yield wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=out.token_ids[sent:]))
+                    sent = len(out.token_ids)
+            w.record_spec_metrics()
+            usage = cpb.Usage(prompt_tokens=len(prompt), completion_tokens=len(last.token_ids) - 1,
+                              acceptance_length=last.usage.acceptance_length)
+            w.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
+            yield wpb.DecodeResponse(complete=cpb.Complete(
+                finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),
+                usage=usage))
+        finally:
+            self.reserved.pop(rid, None)
+            if rid in w.engine.manager.requests and rid not in w.engine.requests:
+                await asyncio.shield(w.loop.call(w.engine.manager.free, rid))
+
+    async def _landed(self, res: _Reservation, request, context) -> tuple[AuxState, TransferUsage]:
+        try:
+            aux, moved = await res.receive
+        except (TransferError, asyncio.CancelledError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pages did not land: {e!r}")
+        if aux.first_token != request.first_token_id or aux.prompt_len != len(
+                request.prompt_token_ids):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "first_token_id: differs from the transferred aux state")
+        return aux, moved
+
+    async def Stats(self, request, context) -> wpb.StatsResponse:
+        return self.worker.stats()
+
+
+def _engine_aux(aux: AuxState):
+    from services.engine.request import AuxState as EngineAux
+
+    return EngineAux(first_token_id=aux.first_token, hidden=aux.hidden, prompt_len=aux.prompt_len)

@@ -1,0 +1,50 @@
+"""Running the router process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from services.common.grpc_server import SERVING, start_server
+from services.common.metrics import Metrics, serve_metrics
+from services.common.serve import _wait_for_stop
+from services.router.server import ModelLimits, Router
+
+
+def model_limits(model_dir: str, num_spec_tokens: int, max_model_len: int = 0) -> ModelLimits:
+    """Limits the router validates against, from the target's config.json."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return ModelLimits(model_id=os.path.basename(os.path.normpath(model_dir)),
+                       vocab_size=config["vocab_size"],
+                       max_model_len=max_model_len or config["max_position_embeddings"],
+                       num_spec_tokens=num_spec_tokens)
+
+
+async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0,
+                     metrics_port: int = 0, tokens_per_page: int = 16, token: str = "",
+                     ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                     bound: dict | None = None) -> None:
+    metrics = Metrics("router")
+    router = Router(limits, metrics, tokens_per_page, token)
+
+    def add(server) -> None:
+        cpb_grpc.add_TandemServicer_to_server(router, server)
+        reg_grpc.add_RegistrationServicer_to_server(router, server)
+
+    server, health, port = await start_server(add, host, port)
+    metrics_port = serve_metrics(metrics, host, metrics_port)
+    await health.set("", SERVING)
+    print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics", flush=True)
+    if bound is not None:
+        bound.update(port=port, metrics_port=metrics_port, router=router)
+    poll = asyncio.ensure_future(router.poll_stats())
+    if ready is not None:
+        ready.set()
+    await _wait_for_stop(stop)
+    poll.cancel()
+    await router.close()
+    await server.stop(grace=1)

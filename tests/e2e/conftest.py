@@ -1,0 +1,77 @@
+"""Whole-cluster fixtures: real router and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from deploy.local import LocalCluster
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from tests.services.engine.helpers import write_pair
+
+K = 3
+PAGE = 4
+ENGINE = dict(tokens_per_page=PAGE, kv_cache_bytes=8 << 20, max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    return write_pair(tmp_path_factory.mktemp("pair"))
+
+
+def cluster_args(pair, layout: str = "unified", k: int = K) -> tuple[list[str], list[str]]:
+    target, drafter = map(str, pair)
+    worker = ["--model", target, "--drafter", drafter, "-k", str(k), "--layout", layout,
+              "--tokens-per-page", str(PAGE), "--kv-cache-mb", "8", "--max-num-seqs", "16"]
+    router = ["--model", target, "-k", str(k), "--tokens-per-page", str(PAGE)]
+    return worker, router
+
+
+def start_cluster(pair, roles, layout: str = "unified", **kwargs) -> LocalCluster:
+    worker, router = cluster_args(pair, layout)
+    cluster = LocalCluster(worker, router, roles, start_timeout_s=90, **kwargs)
+    try:
+        cluster.start()
+    except Exception:
+        print(cluster.logs())
+        cluster.stop()
+        raise
+    return cluster
+
+
+def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
+    """Run one request; returns (token ids, the complete message)."""
+    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(
+        max_tokens=max_tokens, **sampling))
+    tokens, complete = [], None
+    with grpc.insecure_channel(address) as channel:
+        for message in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
+            kind = message.WhichOneof("payload")
+            if kind == "chunk":
+                tokens += list(message.chunk.token_ids)
+            elif kind == "complete":
+                complete = message.complete
+            else:
+                raise AssertionError(f"error message: {message.error}")
+    return tokens, complete
+
+
+def worker_pages(cluster: LocalCluster) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per worker and group: (pages used, of which only the prefix cache holds)."""
+    out = {}
+    for p in cluster.processes[1:]:
+        with grpc.insecure_channel(p.grpc) as channel:
+            stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode")
+                    else wpb_grpc.PrefillWorkerStub)(channel)
+            stats = stub.Stats(wpb.StatsRequest(), timeout=5)
+        out[p.name] = {g.group: (g.num_pages_used, g.num_pages_cached) for g in stats.groups}
+    return out
+
+
+def assert_no_request_holds_pages(cluster: LocalCluster) -> None:
+    for name, groups in worker_pages(cluster).items():
+        for group, (used, cached) in groups.items():
+            assert used == cached, (name, group, used, cached)
