@@ -107,19 +107,27 @@ class KVTransferAgent:
     # ------------------------------------------------------------------ sender
 
     async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
-                           timeout_s: float) -> TransferUsage:
+                           timeout_s: float, dest: dict[str, list[int]] | None = None
+                           ) -> TransferUsage:
         """Push the pages holding positions [0, num_tokens) and the aux state to the peer,
-        then wait for its acknowledgement. Raises TransferError/TransferTimeout."""
+        then wait for its acknowledgement. Raises TransferError/TransferTimeout.
+
+        ``dest``: the receiver's block-table rows (from its reservation). Where a run of
+        pages is contiguous on both sides it moves straight from pool to pool; without
+        ``dest`` every group is packed into one message."""
         base, usage = request_tag(request_id), TransferUsage()
         for group, pages in self.manager.transfer_pages(request_id, num_tokens).items():
             start = time.perf_counter()
-            tag = message_tag(base, self.group_index[group], 0)
-            if pages.page_ids:
-                packed = self._pack(group, pages)
-                await self.transport.send(peer_id, packed, tag, timeout_s)
-                usage.bytes[group] = packed.numel() * packed.element_size()
-            else:
-                usage.bytes[group] = 0
+            index = self.group_index[group]
+            runs = _common_runs(pages, dest.get(group) if dest else None)
+            await self.transport.send(peer_id, _runs_header(runs, len(pages.page_ids)),
+                                      message_tag(base, index, 0), timeout_s)
+            usage.bytes[group] = 0
+            for chunk, (src, _dst, n) in enumerate(runs, start=1):
+                buffer = self._source(group, pages.page_ids, src, n)
+                await self.transport.send(peer_id, buffer, message_tag(base, index, chunk),
+                                          timeout_s)
+                usage.bytes[group] += buffer.numel() * buffer.element_size()
             usage.seconds[group] = time.perf_counter() - start
         await self.transport.send(peer_id, aux.to_bytes(), message_tag(base, AUX_GROUP, 0), timeout_s)
         ack = bytearray(_ACK.size)
@@ -129,10 +137,13 @@ class KVTransferAgent:
                                 f"{_ACK.unpack(ack)[0]} tokens, sent {num_tokens}")
         return usage
 
-    def _pack(self, group: str, pages: TransferPages) -> torch.Tensor:
+    def _source(self, group: str, page_ids: list[int], first: int, n: int) -> torch.Tensor:
+        """Pages page_ids[first:first+n]: a view of the pool when they are contiguous."""
         pool = self.manager.pools[group]
-        ids = torch.tensor(pages.page_ids, dtype=torch.int64, device=pool.device)
-        return pack_pages(pool, ids)
+        ids = page_ids[first:first + n]
+        if ids == list(range(ids[0], ids[0] + n)):
+            return pool[ids[0]:ids[0] + n]
+        return pack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device))
 
     # ------------------------------------------------------------------ receiver
 
@@ -144,17 +155,14 @@ class KVTransferAgent:
         base, usage = request_tag(request_id), TransferUsage()
         for group, pages in self.manager.transfer_pages(request_id, num_tokens).items():
             start = time.perf_counter()
-            if pages.page_ids:
-                pool = self.manager.pools[group]
-                packed = torch.empty((len(pages.page_ids), *pool.shape[1:]), dtype=pool.dtype,
-                                     device=pool.device)
-                await self.transport.recv(packed, message_tag(base, self.group_index[group], 0),
-                                          timeout_s)
-                ids = torch.tensor(pages.page_ids, dtype=torch.int64, device=pool.device)
-                unpack_pages(pool, ids, packed)
-                usage.bytes[group] = packed.numel() * packed.element_size()
-            else:
-                usage.bytes[group] = 0
+            index = self.group_index[group]
+            header = torch.zeros(len(pages.page_ids) + 1, dtype=torch.int32)
+            await self.transport.recv(header, message_tag(base, index, 0), timeout_s)
+            usage.bytes[group] = 0
+            for chunk, (first, n) in enumerate(_header_runs(header), start=1):
+                usage.bytes[group] += await self._receive_run(
+                    group, pages.page_ids[first:first + n], message_tag(base, index, chunk),
+                    timeout_s)
             usage.seconds[group] = time.perf_counter() - start
         data = bytearray(AuxState.wire_size(self.hidden_size))
         await self.transport.recv(data, message_tag(base, AUX_GROUP, 0), timeout_s)
@@ -165,6 +173,18 @@ class KVTransferAgent:
         await self.transport.send(aux.sender_id, _ACK.pack(num_tokens),
                                   message_tag(base, ACK_GROUP, 0), timeout_s)
         return aux, usage
+
+    async def _receive_run(self, group: str, ids: list[int], tag: int, timeout_s: float) -> int:
+        """Receive one run straight into the pool when its pages are contiguous here."""
+        pool = self.manager.pools[group]
+        n = len(ids)
+        if ids == list(range(ids[0], ids[0] + n)):
+            await self.transport.recv(pool[ids[0]:ids[0] + n], tag, timeout_s)
+        else:
+            packed = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+            await self.transport.recv(packed, tag, timeout_s)
+            unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed)
+        return n * pool[0].numel() * pool.element_size()
 
     # ------------------------------------------------------------------ pairing test
 
@@ -190,3 +210,39 @@ def _ping_payload(nonce: str) -> bytes:
     """64 KiB derived from the nonce, so a stale or crossed echo cannot pass."""
     seed = nonce.encode()
     return (seed * (65536 // max(len(seed), 1) + 1))[:65536]
+
+
+def _common_runs(pages: TransferPages, dest: list[int] | None) -> list[tuple[int, int, int]]:
+    """Split the sent pages into runs contiguous on both sides: (first index, first index,
+    length). Without the receiver's ids, one run of everything (packed)."""
+    src = pages.page_ids
+    if not src:
+        return []
+    if dest is None:
+        return [(0, 0, len(src))]
+    dst = dest[pages.first_page:pages.first_page + len(src)]
+    if len(dst) != len(src) or any(p < 0 for p in dst):
+        raise TransferError(f"dest: {len(dst)} receiver pages for {len(src)} sent pages")
+    runs, start = [], 0
+    for i in range(1, len(src) + 1):
+        if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs.append((start, start, i - start))
+            start = i
+    return runs
+
+
+def _runs_header(runs: list[tuple[int, int, int]], num_pages: int) -> torch.Tensor:
+    """[num_pages + 1] int32: entry i is 1 where a run starts at page i (last entry unused)."""
+    header = torch.zeros(num_pages + 1, dtype=torch.int32)
+    for first, _, _ in runs:
+        header[first] = 1
+    header[num_pages] = len(runs)
+    return header
+
+
+def _header_runs(header: torch.Tensor) -> list[tuple[int, int]]:
+    starts = torch.nonzero(header[:-1]).flatten().tolist()
+    ends = [*starts[1:], header.numel() - 1]
+    if len(starts) != int(header[-1]):
+        raise TransferError(f"run header: {len(starts)} starts, {int(header[-1])} runs announced")
+    return [(a, b - a) for a, b in zip(starts, ends, strict=True)]

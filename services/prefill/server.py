@@ -47,7 +47,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
-            usage = await self._transfer(rid, prompt, final, decode_id, context)
+            dest = {g.group: list(g.page_ids) for g in request.reservation.groups}
+            usage = await self._transfer(rid, prompt, final, decode_id, dest, context)
         finally:
             if final is not None and final.finish_reason == "prefilled":
                 await w.loop.call(w.engine.release, rid)
@@ -56,7 +57,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
                                    finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
                                    usage=usage)
 
-    async def _transfer(self, rid, prompt, final, decode_id, context) -> cpb.Usage:
+    async def _transfer(self, rid, prompt, final, decode_id, dest, context) -> cpb.Usage:
         w = self.worker
         usage = self._usage(rid, prompt)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
@@ -66,7 +67,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         start = time.monotonic()
         try:
             moved = await w.agent.send_request(rid, len(prompt), decode_id, aux,
-                                               w.config.transfer_timeout_s)
+                                               w.config.transfer_timeout_s, dest)
         except TransferError as e:
             for group in w.engine.manager.groups:
                 w.metrics.transfer_failures.labels(group).inc()

@@ -52,17 +52,22 @@ async def _session(role: str, layout: KVLayout, conn) -> None:
                                                                                **CONFIG)
     agent = KVTransferAgent(manager, hidden_size=HIDDEN)
     await agent.start()
-    conn.send(dataclasses.astuple(agent.endpoint()))
-    peer = UcxEndpointInfo(*await asyncio.to_thread(conn.recv))
+    rows = None
+    if role == "decode":  # reserve first: the prefill side learns the rows, as from Reserve
+        manager.allocate("r", NUM_TOKENS, num_computed=NUM_TOKENS)
+        rows = {g: manager.block_table("r", g) for g in manager.groups}
+    conn.send((dataclasses.astuple(agent.endpoint()), rows))
+    info, peer_rows = await asyncio.to_thread(conn.recv)
+    peer = UcxEndpointInfo(*info)
     peer_id = "decode" if role == "prefill" else "prefill"
     await agent.connect(peer_id, peer)
     if role == "prefill":
         aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "prefill")
-        usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S)
+        dest = peer_rows if layout == KVLayout.UNIFIED else None  # both paths: direct and packed
+        usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S, dest)
         await agent.ping("decode", "pair-1", TIMEOUT_S)
         conn.send({"bytes": usage.bytes})
     else:
-        manager.allocate("r", NUM_TOKENS, num_computed=NUM_TOKENS)
         aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
         await agent.pong("prefill", "pair-1", TIMEOUT_S)
         landed = {g: (p.first_page, p.page_ids,
