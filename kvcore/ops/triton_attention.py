@@ -14,6 +14,7 @@ log2-sum-exp, and a second kernel combines them.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -153,57 +154,79 @@ def default_splits(num_programs: int, device: torch.device, waves: int = 2,
     return max(1, min(max_splits, triton.cdiv(waves * num_sms, num_programs)))
 
 
+@dataclass(slots=True)
+class AttentionConfig:
+    """Launch shape of one attention call; rows per program = block_m >= block_q * group_pad."""
+
+    group: int  # q heads per kv head
+    group_pad: int
+    block_q: int  # query tokens per program
+    block_m: int
+    num_q_blocks: int
+    num_splits: int
+    block_n: int  # key positions per loop step
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(num_q_heads: int, num_kv_heads: int, batch: int, max_q_len: int,
+                  fp8: bool, device: torch.device, num_splits: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> AttentionConfig:
+    """Defaults from H200 sweeps (docs/performance.md); any argument given wins."""
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    decode_like = max_q_len <= 16  # decode / verify: one query block, context splits
+    block_q = triton.next_power_of_2(max_q_len) if decode_like else max(1, 128 // group_pad)
+    block_m = max(16, block_q * group_pad)
+    num_q_blocks = triton.cdiv(max_q_len, block_q)
+    if num_splits is None:
+        programs = batch * num_q_blocks * num_kv_heads
+        num_splits = default_splits(programs, device) if decode_like else 1
+    fp8_decode = fp8 and decode_like
+    wide = fp8_decode or num_splits >= 8 or (block_m == 32 and num_splits == 1)
+    return AttentionConfig(
+        group, group_pad, block_q, block_m, num_q_blocks, num_splits,
+        block_n=block_n or (128 if wide else 64),
+        num_warps=num_warps or (4 if block_m <= 64 else 8),
+        num_stages=num_stages or (3 if fp8_decode else 2))
+
+
 def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tensor,
                      layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
-                     num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None
-                     ) -> torch.Tensor:
+                     **overrides) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
-    every sequence's query length; splits apply only when it is <= 16 (decode/verify)."""
+    every sequence's query length; ``overrides`` go to :func:`choose_config`."""
     num_tokens, num_q_heads, head_dim = query.shape
     batch, num_kv_heads = seq_lens.shape[0], kv_pool.shape[3]
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
         return out.zero_()
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    if max_q_len <= 16:
-        block_q = triton.next_power_of_2(max_q_len)
-    else:
-        block_q = max(1, 128 // group_pad)
-    block_m = max(16, block_q * group_pad)
-    num_q_blocks = triton.cdiv(max_q_len, block_q)
-    programs = batch * num_q_blocks * num_kv_heads
-    if num_splits is None:
-        num_splits = default_splits(programs, query.device) if max_q_len <= 16 else 1
+    cfg = choose_config(num_q_heads, num_kv_heads, batch, max_q_len,
+                        kv_pool.element_size() == 1, query.device, **overrides)
     part_out = part_lse = out  # unused placeholders when there is one split
-    if num_splits > 1:
-        part_out = query.new_empty((num_tokens, num_q_heads, num_splits, head_dim),
+    if cfg.num_splits > 1:
+        part_out = query.new_empty((num_tokens, num_q_heads, cfg.num_splits, head_dim),
                                    dtype=torch.float32)
-        part_lse = query.new_empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32)
-    fp8_decode = kv_pool.element_size() == 1 and max_q_len <= 16
-    wide = fp8_decode or num_splits >= 8 or (block_m == 32 and num_splits == 1)
-    if block_n is None:  # H200 sweeps: wide blocks for fp8, verify rows and many splits
-        block_n = 128 if wide else 64
-    if num_stages is None:
-        num_stages = 3 if fp8_decode else 2
+        part_lse = query.new_empty((num_tokens, num_q_heads, cfg.num_splits),
+                                   dtype=torch.float32)
     dot_dtype = _dot_dtype(kv_pool.dtype)
     q_clamp = 65504.0 if dot_dtype == tl.float16 and query.dtype != torch.float16 else 0.0
-    grid = (batch * num_q_blocks, num_kv_heads, num_splits)
+    grid = (batch * cfg.num_q_blocks, num_kv_heads, cfg.num_splits)
     _attention_kernel[grid](
         out, part_out, part_lse, query, kv_pool, block_table, query_start_loc, seq_lens,
-        layer * kv_pool.stride(1), num_q_blocks, query.stride(0), query.stride(1),
+        layer * kv_pool.stride(1), cfg.num_q_blocks, query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
         block_table.stride(0), scale * LOG2E, window,
-        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=kv_pool.shape[4], HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_WINDOW=window > 0,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        Q_CLAMP=q_clamp,
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages)
-    if num_splits > 1:
+        NUM_SPLITS=cfg.num_splits, GROUP=cfg.group, GROUP_PAD=cfg.group_pad,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_pool.shape[4],
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HAS_WINDOW=window > 0, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", Q_CLAMP=q_clamp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1), num_q_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
     return out
