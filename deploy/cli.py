@@ -21,8 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "*.safetensors); default: the bundled tiny target")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter folder; 'none' = no drafter")
     p.add_argument("-k", "--num-spec-tokens", type=int, default=4, help="draft tokens per step (K)")
-    p.add_argument("--layout", choices=["unified", "separate"], default="unified",
-                   help="unified: draft KV moves with the target's; separate: the baseline")
+    p.add_argument("--layout", choices=["auto", "unified", "separate"], default="auto",
+                   help="unified: the drafter's KV lives and moves with the target's; separate: "
+                   "the baseline (draft KV neither cached nor transferred); auto: unified when "
+                   "there is a drafter")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", default="", help="KV/model dtype; default float32 on CPU, bf16 on CUDA")
     p.add_argument("--tokens-per-page", type=int, default=16)
@@ -36,10 +38,17 @@ def engine_config(args: argparse.Namespace):
     from services.engine.config import EngineConfig
 
     drafter = None if args.drafter in ("", "none") else args.drafter
+    speculative = drafter is not None and args.num_spec_tokens > 0
+    if args.layout == "unified" and not speculative:
+        raise SystemExit("tandem: --layout unified keeps the drafter's KV pages in the target's "
+                         "cache manager and transfer, but no drafter runs here (--drafter "
+                         f"{args.drafter!r}, -k {args.num_spec_tokens}); use --layout separate "
+                         "or auto, or give a drafter and K > 0")
+    layout = "unified" if args.layout == "auto" else args.layout
     return EngineConfig(model=args.model, drafter=drafter, num_spec_tokens=args.num_spec_tokens,
                         device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                        layout=KVLayout(args.layout), enable_prefix_cache=not args.no_prefix_cache)
+                        layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    engine_config(args)  # refuse a configuration the workers would refuse, before starting any
     cluster = LocalCluster.from_args(args)
     try:
         cluster.start()

@@ -140,7 +140,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
             num_prefill_workers=prefill, num_decode_workers=decode,
             num_ready_pairs=len(self.registry.ready_pairs()),
-            message="" if serving else ("no ready prefill/decode pair. " + "; ".join(refused)))
+            message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused))
 
     async def ModelInfo(self, request, context) -> cpb.ModelInfoResponse:
         lim = self.limits

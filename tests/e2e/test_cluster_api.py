@@ -1,0 +1,127 @@
+"""The cluster as clients and operators see it: refusals, health, metrics, bad input, retries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from tests.e2e.conftest import assert_no_request_holds_pages, cluster_args, generate, start_cluster
+
+pytestmark = pytest.mark.slow
+PROMPT = list(range(1, 21))
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_pair):
+    """One prefill, one matching decode, and one decode with another K (refused)."""
+    cluster = start_cluster(tiny_pair, ["prefill", "decode", ("decode", ["-k", "2"])],
+                            expected_pairs=1)
+    yield cluster
+    cluster.stop()
+
+
+def test_a_mismatched_pair_is_refused_naming_the_field_and_both_values(mixed):
+    with grpc.insecure_channel(mixed.router_address) as channel:
+        health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
+    assert health.status == cpb.SERVING_STATUS_SERVING
+    assert health.num_ready_pairs == 1
+    assert health.message.startswith("prefill-0->decode-2: ")
+    router = mixed.processes[0]
+    text = urllib.request.urlopen(router.metrics, timeout=5).read().decode()
+    assert 'tandem_peer_registrations_total{result="refused"} 1.0' in text
+
+
+def test_the_refusal_names_num_spec_tokens_with_both_values(mixed):
+    reason = _pair_reason(mixed, "prefill-0", "decode-2")
+    assert "num_spec_tokens" in reason and "3" in reason and "2" in reason
+
+
+def test_traffic_goes_only_to_the_ready_pair(mixed):
+    for _ in range(3):
+        tokens, complete = generate(mixed.router_address, PROMPT, 8, temperature=0)
+        assert len(tokens) == 8
+    pages = _decode_requests_seen(mixed)
+    assert pages["decode-2"] == 0 and pages["decode-1"] > 0
+    assert_no_request_holds_pages(mixed)
+
+
+def test_every_process_serves_grpc_health_and_metrics(mixed):
+    for p in mixed.processes:
+        with grpc.insecure_channel(p.grpc) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                               timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, p.name
+        text = urllib.request.urlopen(p.metrics, timeout=5).read().decode()
+        assert "tandem_requests_total" in text or "tandem_peer_registrations_total" in text
+    generate(mixed.router_address, PROMPT, 8, temperature=0)
+    prefill = urllib.request.urlopen(mixed.processes[1].metrics, timeout=5).read().decode()
+    moved = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
+             for line in prefill.splitlines() if line.startswith("tandem_kv_transfer_bytes_total")}
+    assert moved['group="target"'] > 0 and moved['group="draft"'] > 0
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    (dict(), "prompt"),
+    (dict(text=""), "prompt"),
+    (dict(token_ids=cpb.TokenIds(ids=[])), "prompt.token_ids"),
+    (dict(token_ids=cpb.TokenIds(ids=[1, 99])), "prompt.token_ids"),
+    (dict(text="x", sampling=cpb.SamplingParams(temperature=-1)), "sampling.temperature"),
+    (dict(text="x", sampling=cpb.SamplingParams(top_p=2)), "sampling.top_p"),
+    (dict(text="x", sampling=cpb.SamplingParams(max_tokens=100000)), "sampling.max_tokens"),
+    (dict(text="x", sampling=cpb.SamplingParams(stop=[""])), "sampling.stop[0]"),
+    (dict(text="x", speculative=cpb.SpeculativeOptions(num_spec_tokens=9)),
+     "speculative.num_spec_tokens"),
+])
+def test_bad_requests_get_invalid_argument_naming_the_field(mixed, request_kwargs, field):
+    with grpc.insecure_channel(mixed.router_address) as channel:
+        stub = cpb_grpc.TandemStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.Generate(cpb.GenerateRequest(**request_kwargs), timeout=10))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith(field)
+    tokens, _ = generate(mixed.router_address, PROMPT, 4, temperature=0)  # still serving
+    assert len(tokens) == 4
+
+
+def test_unified_layout_without_a_drafter_fails_at_startup(tiny_pair):
+    worker, _ = cluster_args(tiny_pair)
+    worker[worker.index("--drafter") + 1] = "none"
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "worker", "--role", "decode",
+                             *worker], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "--layout unified" in result.stderr and "no drafter" in result.stderr
+
+
+def test_a_dead_prefill_worker_is_retried_around(tiny_pair):
+    cluster = start_cluster(tiny_pair, ["prefill", "prefill", "decode"])
+    try:
+        cluster.kill("prefill-0")
+        for _ in range(4):
+            tokens, complete = generate(cluster.router_address, PROMPT, 6, temperature=0)
+            assert len(tokens) == 6
+            assert complete.finish_reason == cpb.FINISH_REASON_LENGTH
+    finally:
+        cluster.stop()
+
+
+def _pair_reason(cluster, prefill: str, decode: str) -> str:
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
+    return health.message if f"{prefill}->{decode}" in health.message else ""
+
+
+def _decode_requests_seen(cluster) -> dict[str, float]:
+    out = {}
+    for p in cluster.processes:
+        if p.name.startswith("decode"):
+            text = urllib.request.urlopen(p.metrics, timeout=5).read().decode()
+            out[p.name] = sum(float(line.split()[-1]) for line in text.splitlines()
+                              if line.startswith('tandem_requests_total{role="decode"'))
+    return out
