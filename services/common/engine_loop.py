@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from services.common.faults import delay
+
 
 class EngineLoop:
     def __init__(self, engine: Any) -> None:
@@ -66,6 +68,8 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
+                    if delay("engine.step"):
+                        await asyncio.sleep(delay("engine.step"))
                 except Exception as e:  # a broken step fails its requests, not the server
                     self._fail_all(e)
                     continue

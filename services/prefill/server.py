@@ -8,6 +8,7 @@ prefix cache, whatever happened.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -17,6 +18,7 @@ from kvcore.transfer.ucx import TransferError
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.faults import delay
 from services.common.peering import PeerRegistry
 from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
 
@@ -64,6 +66,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             return usage
         aux = AuxState(len(prompt), final.aux.first_token_id, final.aux.hidden,
                        w.config.instance_id)
+        if delay("prefill.before_send"):
+            await asyncio.sleep(delay("prefill.before_send"))
         start = time.monotonic()
         try:
             moved = await w.agent.send_request(rid, len(prompt), decode_id, aux,

@@ -33,6 +33,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_ATTEMPTS = 3
 STATS_INTERVAL_S = 0.5
+STATS_TIMEOUT_S = 2.0  # a worker that does not answer Stats in time is unhealthy
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class _Inflight:
     start: float = field(default_factory=time.monotonic)
     call: grpc.aio.Call | None = None
     aborted: bool = False
+    workers: tuple[str, ...] = ()  # the workers the current call depends on
+    lost: str = ""  # a worker of ``workers`` found dead; its call was cancelled
 
 
 @dataclass(slots=True)
@@ -178,6 +181,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 yield response
                 if response.WhichOneof("payload") == "complete":
                     status = cpb.FinishReason.Name(response.complete.finish_reason).split("_")[-1]
+        except _Unavailable as e:
+            status = "unavailable"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self.inflight.pop(rid, None)
             self.metrics.running.labels("router").dec()
@@ -260,6 +266,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             raise _classify(e, decode.id) from None
         prefill.inflight += 1
         decode.inflight += 1
+        handle.workers, handle.lost = (prefill.id, decode.id), ""
         try:
             call = prefill_stub.Prefill(wpb.PrefillRequest(
                 request_id=rid, prompt_token_ids=token_ids, sampling=request.sampling,
@@ -272,11 +279,13 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             await self._release(decode_stub, rid)
             if handle.aborted:
                 raise _Abort() from None
+            if handle.lost:
+                raise _Retry(handle.lost) from None
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise _classify(e, prefill.id) from None
         finally:
-            handle.call = None
+            handle.call, handle.workers = None, ()
             prefill.inflight -= 1
             decode.inflight -= 1
 
@@ -294,7 +303,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         call = decode_stub.Decode(wpb.DecodeRequest(
             request_id=rid, prompt_token_ids=token_ids, first_token_id=first.first_token_id,
             sampling=request.sampling, speculative=request.speculative))
-        handle.call = call
+        handle.call, handle.workers = call, (decode.id,)
         last = time.monotonic()
         try:
             async for message in call:
@@ -315,12 +324,15 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             if handle.aborted:
                 yield _complete(rid, cpb.FINISH_REASON_ABORT, usage.merged())
                 return
+            if handle.lost or (isinstance(e, grpc.aio.AioRpcError)
+                               and e.code() == grpc.StatusCode.UNAVAILABLE):
+                raise _Unavailable(f"decode worker {decode.id} is unavailable") from None
             if isinstance(e, asyncio.CancelledError):
                 raise
             yield _error(rid, f"decode worker {decode.id}: {e.code().name}: {e.details()}")
             yield _complete(rid, cpb.FINISH_REASON_ERROR, usage.merged())
         finally:
-            handle.call = None
+            handle.call, handle.workers = None, ()
             decode.inflight -= 1
             if not call.done():
                 call.cancel()
@@ -349,14 +361,24 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 stub = (wpb_grpc.DecodeWorkerStub if worker.role == rpb.ROLE_DECODE
                         else wpb_grpc.PrefillWorkerStub)(channel)
                 try:
-                    stats = await stub.Stats(wpb.StatsRequest(), timeout=2)
+                    stats = await stub.Stats(wpb.StatsRequest(), timeout=STATS_TIMEOUT_S)
                     target = stats.groups[0] if stats.groups else None
                     worker.free_pages = (target.num_pages_total - target.num_pages_used
                                          if target else 0)
                     worker.healthy = True
                 except (grpc.aio.AioRpcError, AttributeError):
+                    if worker.healthy:
+                        self._lose(worker.id)
                     worker.healthy = False
             await asyncio.sleep(STATS_INTERVAL_S)
+
+    def _lose(self, worker_id: str) -> None:
+        """A worker failed its health poll: cancel every call that depends on it; requests
+        that emitted nothing are retried elsewhere, the others fail UNAVAILABLE."""
+        for handle in self.inflight.values():
+            if worker_id in handle.workers and handle.call is not None:
+                handle.lost = worker_id
+                handle.call.cancel()
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -372,6 +394,10 @@ class _Retry(Exception):
 
 class _Abort(Exception):
     pass
+
+
+class _Unavailable(Exception):
+    """A worker died under a request that already streamed tokens."""
 
 
 class _Fail(Exception):
