@@ -51,6 +51,12 @@ def engine_config(args: argparse.Namespace):
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache)
 
 
+def add_http_port_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-port", type=int, default=8000, help="router's OpenAI-compatible HTTP "
+                   "port (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics); "
+                   "0 = any free port, -1 = off")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM "
                                      "serving with speculative decoding over a unified "
@@ -64,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--aggregated", type=int, default=0,
                     help="aggregated workers (prefill+decode in one process) instead of P/D")
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
+    add_http_port_arg(up)
     router = sub.add_parser("router", help="run the router")
     router.add_argument("--model", default=DEFAULT_MODEL, help="target folder (for its limits)")
     router.add_argument("-k", "--num-spec-tokens", type=int, default=4)
@@ -71,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--metrics-port", type=int, default=0)
     router.add_argument("--tokens-per-page", type=int, default=16)
+    add_http_port_arg(router)
     worker = sub.add_parser("worker", help="run one worker")
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     add_engine_args(worker)
@@ -89,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
         limits = model_limits(args.model, args.num_spec_tokens)
         asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
-                               args.tokens_per_page))
+                               args.tokens_per_page,
+                               http_port=None if args.http_port < 0 else args.http_port))
     elif args.command == "worker":
         from services.common.serve import run_worker
         from services.common.worker import WorkerConfig

@@ -18,6 +18,7 @@ import grpc
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
+_HTTP = re.compile(r"http=(\S+)")
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class Process:
     popen: subprocess.Popen
     grpc: str = ""
     metrics: str = ""
+    http: str = ""  # the router's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
     log: list[str] = field(default_factory=list)
 
 
@@ -33,12 +35,15 @@ class LocalCluster:
     def __init__(self, worker_args: list[str], router_args: list[str],
                  roles: list[str | tuple[str, list[str]]],
                  port: int = 0, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 120.0, expected_pairs: int | None = None) -> None:
-        """``roles``: one entry per worker, a role or (role, extra worker arguments)."""
+                 start_timeout_s: float = 120.0, expected_pairs: int | None = None,
+                 http_port: int = 0) -> None:
+        """``roles``: one entry per worker, a role or (role, extra worker arguments).
+        ``http_port``: the router's OpenAI-compatible HTTP port (0 = any free, -1 = off)."""
         self.worker_args, self.router_args = worker_args, router_args
         self.extra = [r[1] if isinstance(r, tuple) else [] for r in roles]
         self.roles = [r[0] if isinstance(r, tuple) else r for r in roles]
         self.port = port
+        self.http_port = http_port
         self.env = {**os.environ, **LOOPBACK_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.expected_pairs = expected_pairs
@@ -58,14 +63,20 @@ class LocalCluster:
                   "--tokens-per-page", str(args.tokens_per_page)]
         roles = (["both"] * args.aggregated if args.aggregated
                  else ["prefill"] * args.prefill + ["decode"] * args.decode)
-        return cls(engine, router, roles, port=args.port)
+        return cls(engine, router, roles, port=args.port, http_port=args.http_port)
 
     @property
     def router_address(self) -> str:
         return self.processes[0].grpc
 
+    @property
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible base URL (``http://host:port``); "" when off."""
+        return self.processes[0].http
+
     def start(self) -> None:
-        router = self._spawn("router", ["router", "--port", str(self.port), *self.router_args])
+        router = self._spawn("router", ["router", "--port", str(self.port),
+                                        "--http-port", str(self.http_port), *self.router_args])
         self._wait_endpoint(router)
         for i, role in enumerate(self.roles):
             self._spawn(f"{role}-{i}", ["worker", "--role", role, "--router", router.grpc,
@@ -100,8 +111,10 @@ class LocalCluster:
 
     def describe(self) -> str:
         lines = [f"{p.name:<12} grpc={p.grpc}  metrics={p.metrics}" for p in self.processes]
-        return "\n".join(["tandem local cluster (Ctrl-C stops it):", *lines,
-                          f"clients: gRPC tandem.v1.Tandem at {self.router_address}"])
+        clients = [f"clients: gRPC tandem.v1.Tandem at {self.router_address}"]
+        if self.http_address:
+            clients.append(f"         OpenAI-compatible HTTP at {self.http_address}/v1")
+        return "\n".join(["tandem local cluster (Ctrl-C stops it):", *lines, *clients])
 
     def alive(self) -> bool:
         return all(p.popen.poll() is None for p in self.processes)
@@ -159,6 +172,8 @@ def _pump(process: Process) -> None:
         process.log.append(line)
         match = _ENDPOINT.search(line)
         if match and not process.grpc:
+            http = _HTTP.search(line)
+            process.http = http.group(1) if http else ""  # before grpc, which readers wait on
             process.grpc, process.metrics = match.group(1), match.group(2)
         if os.environ.get("TANDEM_ECHO_LOGS"):
             sys.stderr.write(f"[{process.name}] {line}")

@@ -11,6 +11,8 @@ from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.grpc_server import SERVING, start_server
 from services.common.metrics import Metrics, serve_metrics
 from services.common.serve import _wait_for_stop
+from services.router.http import HttpServer
+from services.router.openai_api import OpenAIServer
 from services.router.server import ModelLimits, Router
 
 
@@ -27,7 +29,9 @@ def model_limits(model_dir: str, num_spec_tokens: int, max_model_len: int = 0) -
 async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0,
                      metrics_port: int = 0, tokens_per_page: int = 16, token: str = "",
                      ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                     bound: dict | None = None) -> None:
+                     bound: dict | None = None, http_port: int | None = None) -> None:
+    """Serve until ``stop`` is set. Ports: 0 = any free port; ``http_port`` None = no
+    OpenAI-compatible HTTP server. Prints one line with the endpoints."""
     metrics = Metrics("router")
     router = Router(limits, metrics, tokens_per_page, token)
 
@@ -37,14 +41,21 @@ async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0
 
     server, health, port = await start_server(add, host, port)
     metrics_port = serve_metrics(metrics, host, metrics_port)
+    http = HttpServer(OpenAIServer(router).routes()) if http_port is not None else None
+    if http is not None:
+        http_port = await http.start(host, http_port)
     await health.set("", SERVING)
-    print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics", flush=True)
+    print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics"
+          + (f" http=http://{host}:{http_port}" if http else ""), flush=True)
     if bound is not None:
-        bound.update(port=port, metrics_port=metrics_port, router=router)
+        bound.update(port=port, metrics_port=metrics_port, router=router,
+                     http_port=http_port if http else None)
     poll = asyncio.ensure_future(router.poll_stats())
     if ready is not None:
         ready.set()
     await _wait_for_stop(stop)
     poll.cancel()
+    if http is not None:
+        await http.close()
     await router.close()
     await server.stop(grace=1)

@@ -1,0 +1,253 @@
+"""A small asyncio HTTP/1.1 server: keep-alive, JSON bodies, chunked streaming responses.
+
+Just enough for the router's OpenAI-compatible API and ``/metrics``: requests are read
+whole (``Content-Length`` or chunked bodies, at most ``MAX_BODY_BYTES``); a handler
+returns a ``Response`` (sent with ``Content-Length``) or a ``StreamingResponse`` (sent
+with ``Transfer-Encoding: chunked``, one HTTP chunk per item, e.g. one SSE event).
+Connections stay open between requests unless the client asks to close them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from urllib.parse import urlsplit
+
+MAX_BODY_BYTES = 16 << 20
+MAX_HEADERS = 100
+IDLE_TIMEOUT_S = 75.0  # a keep-alive connection with no new request is closed after this
+
+
+class HttpError(Exception):
+    """Ends a request with ``status``; ``body`` is sent as JSON."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(body)
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str  # without the query string
+    query: str
+    headers: dict[str, str]  # names lower-cased
+    body: bytes = b""
+
+    def json(self):
+        """The body parsed as JSON; raises HttpError(400) when it is not."""
+        try:
+            return json.loads(self.body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HttpError(400, {"error": {"message": f"body: not valid JSON ({e})",
+                                            "type": "invalid_request_error", "param": "body",
+                                            "code": None}}) from None
+
+
+@dataclass(slots=True)
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, payload, status: int = 200) -> Response:
+        return cls(status, json.dumps(payload).encode())
+
+
+@dataclass(slots=True)
+class StreamingResponse:
+    chunks: AsyncGenerator[bytes, None]  # closed (aclose) when the client goes away
+    status: int = 200
+    content_type: str = "text/event-stream"
+    headers: dict[str, str] = field(default_factory=lambda: {"Cache-Control": "no-cache"})
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
+
+
+class _BadRequest(Exception):
+    """The bytes on the wire are not an HTTP/1.1 request we accept: answer and close."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HttpServer:
+    """Serves ``routes``: path -> {method -> handler}. Unknown paths get 404, other
+    methods 405, a HttpError its status and body, any other exception 500."""
+
+    def __init__(self, routes: dict[str, dict[str, Handler]]) -> None:
+        self.routes = routes
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0 = any free port); returns the port."""
+        self._server = await asyncio.start_server(self._serve_connection, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._connections):
+            writer.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
+        try:
+            while True:
+                try:
+                    request = await _read_request(reader, writer)
+                except _BadRequest as e:
+                    await _send(writer, _error_response(e.status, str(e)), keep_alive=False)
+                    return
+                if request is None:
+                    return
+                keep_alive = _wants_keep_alive(request)
+                response = await self._dispatch(request)
+                if not await _send(writer, response, keep_alive) or not keep_alive:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _dispatch(self, request: Request) -> Response | StreamingResponse:
+        methods = self.routes.get(request.path)
+        if methods is None:
+            return _error_response(404, f"path: no route {request.path}")
+        handler = methods.get(request.method)
+        if handler is None:
+            response = _error_response(405, f"method: {request.method} not allowed on {request.path}")
+            response.headers["Allow"] = ", ".join(sorted(methods))
+            return response
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return Response.json(e.body, e.status)
+        except Exception as e:  # a bug in a handler must not kill the connection loop
+            return _error_response(500, f"{type(e).__name__}: {e}")
+
+
+def _error_response(status: int, message: str) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return Response.json({"error": {"message": message, "type": kind, "param": None,
+                                    "code": None}}, status)
+
+
+def _wants_keep_alive(request: Request) -> bool:
+    connection = request.headers.get("connection", "").lower()
+    if request.headers.get(":version") == "HTTP/1.0":
+        return connection == "keep-alive"
+    return connection != "close"
+
+
+async def _read_request(reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> Request | None:
+    """The next request on the connection; None when the client closed it."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), IDLE_TIMEOUT_S)
+    except ValueError:
+        raise _BadRequest(414, "request line: too long") from None
+    if not line:
+        return None
+    parts = line.decode("latin-1").strip().split()
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise _BadRequest(400, "request line: expected 'METHOD /path HTTP/1.1'")
+    method, target, version = parts
+    headers = await _read_headers(reader)
+    headers[":version"] = version
+    url = urlsplit(target)
+    request = Request(method.upper(), url.path, url.query, headers)
+    if headers.get("expect", "").lower() == "100-continue":
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.body = await _read_body(reader, headers)
+    return request
+
+
+async def _read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for _ in range(MAX_HEADERS + 1):
+        try:
+            line = await reader.readline()
+        except ValueError:
+            raise _BadRequest(431, "headers: a header line is too long") from None
+        if line in (b"\r\n", b"\n", b""):
+            return headers
+        name, sep, value = line.decode("latin-1").partition(":")
+        if not sep:
+            raise _BadRequest(400, f"headers: malformed line {line[:40]!r}")
+        headers[name.strip().lower()] = value.strip()
+    raise _BadRequest(431, f"headers: more than {MAX_HEADERS}")
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return await _read_chunked(reader)
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise _BadRequest(400, "content-length: not an integer") from None
+    if length < 0 or length > MAX_BODY_BYTES:
+        raise _BadRequest(413, f"content-length: must be in [0, {MAX_BODY_BYTES}]")
+    return await reader.readexactly(length)
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while True:
+        size_line = (await reader.readline()).split(b";")[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise _BadRequest(400, "body: malformed chunk size") from None
+        if size == 0:
+            await _read_headers(reader)  # trailers
+            return bytes(body)
+        if len(body) + size > MAX_BODY_BYTES:
+            raise _BadRequest(413, f"body: larger than {MAX_BODY_BYTES} bytes")
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)  # CRLF after the chunk
+
+
+def _head(status: int, headers: dict[str, str]) -> bytes:
+    reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+    lines = [f"HTTP/1.1 {status} {reason}"] + [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def _send(writer: asyncio.StreamWriter, response: Response | StreamingResponse,
+                keep_alive: bool) -> bool:
+    """Write the response; returns False when the client went away meanwhile."""
+    headers = {"Content-Type": response.content_type, **response.headers,
+               "Connection": "keep-alive" if keep_alive else "close"}
+    if isinstance(response, Response):
+        headers["Content-Length"] = str(len(response.body))
+        writer.write(_head(response.status, headers) + response.body)
+        await writer.drain()
+        return True
+    headers["Transfer-Encoding"] = "chunked"
+    writer.write(_head(response.status, headers))
+    try:
+        async for chunk in response.chunks:
+            if chunk:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+    except ConnectionError:
+        return False
+    finally:
+        await response.chunks.aclose()

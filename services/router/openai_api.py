@@ -1,0 +1,209 @@
+"""The router's OpenAI-compatible HTTP API: completions, chat, models, health, metrics.
+
+Requests are served on the router's own asyncio loop by calling its ``Router`` servicer
+in-process (``Generate``, ``Health``, ``ModelInfo``, ``Abort``): no extra network hop.
+Errors before the first token become HTTP errors (400 naming the field, 404 for an
+unknown model, 503 when no prefill/decode pair is ready, 500 otherwise); an error after
+streaming started is sent as an SSE event ``{"error": {...}}``. A streaming client that
+disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proto.tandem.v1 import client_pb2 as cpb
+from services.router.http import HttpError, Request, Response, StreamingResponse
+from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
+from services.router.openai_responses import (
+    DONE,
+    chat_chunk,
+    chat_json,
+    completion_chunk,
+    completion_json,
+    error_json,
+    sse,
+    usage_chunk,
+)
+from services.router.server import Router
+
+ABANDON_TIMEOUT_S = 5.0
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _LocalContext:
+    """Stands in for grpc.aio.ServicerContext when the servicer is called in-process."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Rejected(code, details)
+
+
+class OpenAIServer:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.created = int(time.time())  # reported as the model's creation time
+
+    def routes(self) -> dict:
+        return {"/v1/completions": {"POST": self.completions},
+                "/v1/chat/completions": {"POST": self.chat_completions},
+                "/v1/models": {"GET": self.models},
+                "/health": {"GET": self.health},
+                "/metrics": {"GET": self.metrics}}
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, http: Request) -> Response | StreamingResponse:
+        return await self._serve(parse_completion(http.json(), await self._model_id()))
+
+    async def chat_completions(self, http: Request) -> Response | StreamingResponse:
+        return await self._serve(parse_chat(http.json(), await self._model_id()))
+
+    async def models(self, http: Request) -> Response:
+        info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())
+        model = {"id": info.model_id, "object": "model", "created": self.created,
+                 "owned_by": "tandem", "root": info.model_id, "max_model_len": info.max_model_len,
+                 "tandem": {"drafter_id": info.drafter_id, "drafter_kind": info.drafter_kind,
+                            "num_spec_tokens": info.num_spec_tokens}}
+        return Response.json({"object": "list", "data": [model]})
+
+    async def health(self, http: Request) -> Response:
+        """200 while at least one prefill/decode pair is ready, else 503."""
+        h = await self.router.Health(cpb.HealthRequest(), _LocalContext())
+        serving = h.status == cpb.SERVING_STATUS_SERVING
+        body = {"status": "serving" if serving else "not_serving",
+                "num_prefill_workers": h.num_prefill_workers,
+                "num_decode_workers": h.num_decode_workers,
+                "num_ready_pairs": h.num_ready_pairs, "message": h.message}
+        return Response.json(body, 200 if serving else 503)
+
+    async def metrics(self, http: Request) -> Response:
+        return Response(200, generate_latest(self.router.metrics.registry), CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _model_id(self) -> str:
+        info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())
+        return info.model_id
+
+    async def _serve(self, request: OpenAIRequest) -> Response | StreamingResponse:
+        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
+        request.generate.request_id = rid = prefix + uuid.uuid4().hex
+        messages = self._generate(request)
+        first = await self._first(request, messages)
+        if request.stream:
+            return StreamingResponse(self._events(request, first, messages))
+        return Response.json(await self._collect(request, first, messages))
+
+    async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
+        try:
+            async for message in self.router.Generate(request.generate, _LocalContext()):
+                yield message
+        except _Rejected as e:
+            raise _rejection(request, e) from None
+
+    async def _first(self, request: OpenAIRequest, messages) -> cpb.GenerateResponse:
+        """The first message; an error before any token is raised as an HttpError."""
+        first = await anext(messages)
+        if first.WhichOneof("payload") == "error":
+            await self._abandon(request.generate.request_id, messages)
+            raise _stream_error(request, first.error)
+        return first
+
+    async def _collect(self, request: OpenAIRequest, first, messages) -> dict:
+        texts, reason, usage = [], cpb.FINISH_REASON_UNSPECIFIED, cpb.Usage()
+        async for message in _chain(first, messages):
+            kind = message.WhichOneof("payload")
+            if kind == "chunk":
+                texts.append(message.chunk.text)
+            elif kind == "error":
+                await self._abandon(request.generate.request_id, messages)
+                raise _stream_error(request, message.error)
+            else:
+                reason, usage = message.complete.finish_reason, message.complete.usage
+        build = chat_json if request.kind == "chat" else completion_json
+        return build(request.generate.request_id, _now(), request.model,
+                     "".join(texts), reason, usage)
+
+    async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
+        rid, created, model = request.generate.request_id, _now(), request.model
+        chat = request.kind == "chat"
+        try:
+            if chat:
+                yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+            async for message in _chain(first, messages):
+                kind = message.WhichOneof("payload")
+                if kind == "chunk" and message.chunk.text:
+                    text = message.chunk.text
+                    yield sse(chat_chunk(rid, created, model, {"content": text}) if chat
+                              else completion_chunk(rid, created, model, text))
+                elif kind == "error":
+                    yield sse(_stream_error(request, message.error).body)
+                    break
+                elif kind == "complete":
+                    reason = message.complete.finish_reason
+                    yield sse(chat_chunk(rid, created, model, {}, reason) if chat
+                              else completion_chunk(rid, created, model, "", reason))
+                    if request.include_usage:
+                        yield sse(usage_chunk(request.kind, rid, created, model,
+                                              message.complete.usage))
+            yield DONE
+        finally:
+            await self._abandon(rid, messages)
+
+    async def _abandon(self, rid: str, messages: AsyncGenerator) -> None:
+        """Abort the request if it still runs, let the router finish it, close the stream."""
+        if rid in self.router.inflight:
+            await self.router.Abort(cpb.AbortRequest(request_id=rid), _LocalContext())
+            try:
+                await asyncio.wait_for(_drain(messages), ABANDON_TIMEOUT_S)
+            except (TimeoutError, HttpError):
+                pass
+        await messages.aclose()
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+async def _chain(first: cpb.GenerateResponse, rest: AsyncGenerator):
+    yield first
+    async for message in rest:
+        yield message
+
+
+async def _drain(messages: AsyncGenerator) -> None:
+    async for _ in messages:
+        pass
+
+
+def _rejection(request: OpenAIRequest, e: _Rejected) -> HttpError:
+    """The router refused the request before generating (validation, duplicate id, ...)."""
+    field, sep, problem = e.details.partition(": ")
+    if e.code == grpc.StatusCode.INVALID_ARGUMENT and sep:
+        param = router_param(request, field)
+        return HttpError(400, error_json(f"{param}: {problem}", "invalid_request_error", param))
+    status = 409 if e.code == grpc.StatusCode.ALREADY_EXISTS else 500
+    return HttpError(status, error_json(e.details, "invalid_request_error" if status < 500
+                                        else "server_error"))
+
+
+def _stream_error(request: OpenAIRequest, error: cpb.Error) -> HttpError:
+    """An error message from the router: a bad field (400), no capacity (503), or else 500."""
+    if error.field:
+        param = router_param(request, error.field)
+        return HttpError(400, error_json(error.message, "invalid_request_error", param))
+    if error.message.startswith("no ready prefill/decode pair"):
+        return HttpError(503, error_json(error.message, "server_error", code="no_ready_pair"))
+    return HttpError(500, error_json(error.message, "server_error"))

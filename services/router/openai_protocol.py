@@ -1,0 +1,248 @@
+"""OpenAI request bodies -> tandem.v1 GenerateRequest, with OpenAI-style 400s naming the field.
+
+Defaults follow OpenAI's API reference: ``temperature`` 1, ``top_p`` 1, and for
+``/v1/completions`` ``max_tokens`` 16. Chat without ``max_completion_tokens`` /
+``max_tokens`` gets the server's default (ModelInfo.default_max_tokens). Only ``n`` = 1
+is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
+``num_spec_tokens`` (draft tokens per step, at most the server's K; 0 = no speculation).
+Fields this server does not implement (logprobs, penalties, tools, ...) are refused when
+set to anything but their neutral value; other unknown fields are ignored.
+
+Chat template: the byte-level models have none, so messages are rendered as plain lines,
+``"<role>: <content>\\n"`` each, followed by ``"assistant: "`` for the reply. Content is a
+string or a list of ``{"type": "text", "text": ...}`` parts, joined without separator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from proto.tandem.v1 import client_pb2 as cpb
+from services.router.http import HttpError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+GENERATION_PROMPT = "assistant: "
+MAX_SEED = 2**64 - 1
+
+# Fields we do not implement -> a test that the value is neutral (absent counts as neutral).
+_UNSUPPORTED_COMMON = {
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+}
+_UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": lambda v: v in (None, 1),
+                           "echo": lambda v: v in (None, False), "logprobs": lambda v: v is None,
+                           "suffix": lambda v: v in (None, "")}
+_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "logprobs": lambda v: v in (None, False),
+                     "top_logprobs": lambda v: v in (None, 0), "tools": lambda v: not v,
+                     "tool_choice": lambda v: v in (None, "none"),
+                     "response_format": lambda v: v in (None, {"type": "text"})}
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """One parsed request: what to generate and how to answer."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    generate: cpb.GenerateRequest
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    params: dict[str, str] = field(default_factory=dict)  # router field -> OpenAI field
+
+
+def invalid(param: str, message: str, status: int = 400, code: str | None = None) -> HttpError:
+    """An OpenAI-style error naming ``param``; the message starts with it."""
+    return HttpError(status, {"error": {"message": f"{param}: {message}",
+                                        "type": "invalid_request_error", "param": param,
+                                        "code": code}})
+
+
+def parse_completion(body, model_id: str) -> OpenAIRequest:
+    body = _object(body)
+    _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
+    request = _common(body, model_id, "completion")
+    _set_prompt(request.generate, body)
+    request.generate.sampling.max_tokens = _integer(body, "max_tokens",
+                                                    COMPLETION_DEFAULT_MAX_TOKENS, low=1)
+    request.params.update({"prompt": "prompt", "sampling.max_tokens": "max_tokens"})
+    return request
+
+
+def parse_chat(body, model_id: str) -> OpenAIRequest:
+    body = _object(body)
+    _refuse_unsupported(body, _UNSUPPORTED_CHAT)
+    request = _common(body, model_id, "chat")
+    request.generate.text = render_chat(body.get("messages"))
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    request.generate.sampling.max_tokens = _integer(body, limit, 0, low=1)
+    request.params.update({"prompt": "messages", "sampling.max_tokens": limit})
+    return request
+
+
+def render_chat(messages) -> str:
+    """The plain chat template: ``role: content`` lines, then the generation prompt."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of {role, content} objects")
+    lines = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}]", "must be an object with role and content")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; "
+                          f"got {role!r}")
+        lines.append(f"{role}: {_content(message.get('content'), f'messages[{i}].content')}\n")
+    return "".join(lines) + GENERATION_PROMPT
+
+
+def router_param(request: OpenAIRequest, router_field: str) -> str:
+    """The OpenAI field behind a router validation field (``sampling.stop[1]`` -> ``stop``)."""
+    name = router_field.split("[")[0]
+    for prefix, param in request.params.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return param
+    return name.rsplit(".", 1)[-1]
+
+
+# ---------------------------------------------------------------------- shared fields
+
+def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "required: the served model's id (see /v1/models)")
+    if model != model_id:
+        raise invalid("model", f"the model {model!r} does not exist; this server serves "
+                      f"{model_id!r}", status=404, code="model_not_found")
+    if _integer(body, "n", 1, low=1) != 1:
+        raise invalid("n", "only n = 1 is supported; send one request per completion")
+    stream = _boolean(body, "stream", False)
+    request = OpenAIRequest(kind, model, cpb.GenerateRequest(), stream,
+                            _include_usage(body, stream),
+                            params={"sampling.temperature": "temperature", "sampling.top_p": "top_p",
+                                    "sampling.stop": "stop",
+                                    "speculative.num_spec_tokens": "num_spec_tokens"})
+    _set_sampling(request.generate, body)
+    return request
+
+
+def _set_sampling(generate: cpb.GenerateRequest, body: dict) -> None:
+    sampling = generate.sampling
+    sampling.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    sampling.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if sampling.top_p == 0:
+        raise invalid("top_p", "must be in (0, 1], got 0")
+    seed = _integer(body, "seed", None, low=0, high=MAX_SEED)
+    if seed is not None:
+        sampling.seed = seed
+    sampling.stop.extend(_stop(body.get("stop")))
+    sampling.ignore_eos = _boolean(body, "ignore_eos", False)
+    k = _integer(body, "num_spec_tokens", None, low=0)
+    if k is not None:
+        generate.speculative.num_spec_tokens = k
+
+
+def _set_prompt(generate: cpb.GenerateRequest, body: dict) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "empty")
+        generate.text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        generate.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
+                                                                for p in prompt):
+        raise invalid("prompt", f"a batch of {len(prompt)} prompts; this server takes one "
+                      "prompt per request")
+    else:
+        raise invalid("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _content(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise invalid(where, "must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts "
+                          "are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("stop", "must be a non-empty string or a list of non-empty strings")
+    return stop
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    return _boolean(options, "include_usage", False, "stream_options.include_usage")
+
+
+def _refuse_unsupported(body: dict, unsupported: dict) -> None:
+    for name, is_neutral in unsupported.items():
+        if not is_neutral(body.get(name)):
+            raise invalid(name, "not supported by this server")
+
+
+# ---------------------------------------------------------------------- typed getters
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    return body
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise invalid(name, f"must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise invalid(name, f"must be in [{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise invalid(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise invalid(name, f"must be {bound}, got {value}")
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool, param: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(param or name, f"must be true or false, got {value!r}")
+    return value
