@@ -114,7 +114,7 @@ class HttpServer:
                 if request is None:
                     return
                 keep_alive = _wants_keep_alive(request)
-                response = await self._dispatch(request)
+                response = await self.handle(request)
                 if not await _send(writer, response, keep_alive) or not keep_alive:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
@@ -123,7 +123,8 @@ class HttpServer:
             self._connections.discard(writer)
             writer.close()
 
-    async def _dispatch(self, request: Request) -> Response | StreamingResponse:
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        """Answer one request (also usable without a socket, e.g. in tests)."""
         methods = self.routes.get(request.path)
         if methods is None:
             return _error_response(404, f"path: no route {request.path}")

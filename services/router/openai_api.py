@@ -99,7 +99,7 @@ class OpenAIServer:
 
     async def _serve(self, request: OpenAIRequest) -> Response | StreamingResponse:
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
-        request.generate.request_id = rid = prefix + uuid.uuid4().hex
+        request.generate.request_id = prefix + uuid.uuid4().hex
         messages = self._generate(request)
         first = await self._first(request, messages)
         if request.stream:
@@ -142,22 +142,25 @@ class OpenAIServer:
         try:
             if chat:
                 yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
-            async for message in _chain(first, messages):
-                kind = message.WhichOneof("payload")
-                if kind == "chunk" and message.chunk.text:
-                    text = message.chunk.text
-                    yield sse(chat_chunk(rid, created, model, {"content": text}) if chat
-                              else completion_chunk(rid, created, model, text))
-                elif kind == "error":
-                    yield sse(_stream_error(request, message.error).body)
-                    break
-                elif kind == "complete":
-                    reason = message.complete.finish_reason
-                    yield sse(chat_chunk(rid, created, model, {}, reason) if chat
-                              else completion_chunk(rid, created, model, "", reason))
-                    if request.include_usage:
-                        yield sse(usage_chunk(request.kind, rid, created, model,
-                                              message.complete.usage))
+            try:
+                async for message in _chain(first, messages):
+                    kind = message.WhichOneof("payload")
+                    if kind == "chunk" and message.chunk.text:
+                        text = message.chunk.text
+                        yield sse(chat_chunk(rid, created, model, {"content": text}) if chat
+                                  else completion_chunk(rid, created, model, text))
+                    elif kind == "error":
+                        yield sse(_stream_error(request, message.error).body)
+                        break
+                    elif kind == "complete":
+                        reason = message.complete.finish_reason
+                        yield sse(chat_chunk(rid, created, model, {}, reason) if chat
+                                  else completion_chunk(rid, created, model, "", reason))
+                        if request.include_usage:
+                            yield sse(usage_chunk(request.kind, rid, created, model,
+                                                  message.complete.usage))
+            except HttpError as e:  # the router ended the stream (e.g. its decode worker died)
+                yield sse(e.body)
             yield DONE
         finally:
             await self._abandon(rid, messages)
@@ -194,7 +197,7 @@ def _rejection(request: OpenAIRequest, e: _Rejected) -> HttpError:
     if e.code == grpc.StatusCode.INVALID_ARGUMENT and sep:
         param = router_param(request, field)
         return HttpError(400, error_json(f"{param}: {problem}", "invalid_request_error", param))
-    status = 409 if e.code == grpc.StatusCode.ALREADY_EXISTS else 500
+    status = {grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503}.get(e.code, 500)
     return HttpError(status, error_json(e.details, "invalid_request_error" if status < 500
                                         else "server_error"))
 

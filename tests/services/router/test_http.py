@@ -1,0 +1,141 @@
+"""The router's small HTTP/1.1 server, over a real loopback socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from services.router.http import HttpError, HttpServer, Response, StreamingResponse
+
+
+async def _echo(request):
+    return Response.json({"method": request.method, "path": request.path, "query": request.query,
+                          "body": request.json()})
+
+
+async def _refuse(request):
+    raise HttpError(400, {"error": {"param": "x"}})
+
+
+async def _crash(request):
+    raise RuntimeError("boom")
+
+
+async def _stream(request):
+    async def chunks():
+        for word in (b"one", b"two", b"three"):
+            yield word
+    return StreamingResponse(chunks())
+
+
+ROUTES = {"/echo": {"POST": _echo}, "/refuse": {"GET": _refuse}, "/crash": {"GET": _crash},
+          "/stream": {"GET": _stream}}
+
+
+async def _exchange(raw: bytes, reads: int = 1) -> bytes:
+    """Send ``raw`` to a fresh server; read until the server closes or ``reads`` replies."""
+    server = HttpServer(ROUTES)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    data = b""
+    try:
+        while data.count(b"HTTP/1.1 ") < reads or not _complete(data):
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        writer.close()
+        await server.close()
+    return data
+
+
+def _complete(data: bytes) -> bool:
+    head, sep, body = data.rpartition(b"HTTP/1.1 ")[2].partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    if b"Transfer-Encoding: chunked" in head:
+        return body.endswith(b"0\r\n\r\n")
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    return len(body) >= length
+
+
+def _run(raw: bytes, reads: int = 1) -> bytes:
+    return asyncio.run(_exchange(raw, reads))
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+            ).encode() + body
+
+
+def test_a_json_request_is_echoed_with_content_length():
+    reply = _run(_post("/echo?a=1", b'{"k": [1, 2]}'))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"Content-Type: application/json" in head and b"Connection: keep-alive" in head
+    assert json.loads(body) == {"method": "POST", "path": "/echo", "query": "a=1",
+                                "body": {"k": [1, 2]}}
+
+
+def test_two_requests_share_one_keep_alive_connection():
+    reply = _run(_post("/echo", b"1") + _post("/echo", b"2", "Connection: close\r\n"), reads=2)
+    first, second = reply.split(b"HTTP/1.1 ")[1:]
+    assert first.endswith(b'"body": 1}') and b"Connection: keep-alive" in first
+    assert second.endswith(b'"body": 2}') and b"Connection: close" in second
+
+
+def test_a_streaming_response_is_sent_chunked():
+    reply = _run(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head and b"Content-Type: text/event-stream" in head
+    assert body == b"3\r\none\r\n3\r\ntwo\r\n5\r\nthree\r\n0\r\n\r\n"
+
+
+def test_a_chunked_request_body_is_reassembled():
+    raw = (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"3\r\n[1,\r\n2\r\n2]\r\n0\r\n\r\n")
+    assert json.loads(_run(raw).partition(b"\r\n\r\n")[2])["body"] == [1, 2]
+
+
+def test_expect_100_continue_is_answered_before_the_body():
+    reply = _run(_post("/echo", b"7", "Expect: 100-continue\r\n"), reads=2)
+    assert reply.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+
+
+def _status_and_error(reply: bytes) -> tuple[int, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_unknown_path_is_404_and_wrong_method_405_naming_the_allowed_ones():
+    status, body = _status_and_error(_run(b"GET /nope HTTP/1.1\r\n\r\n"))
+    assert status == 404 and body["error"]["message"] == "path: no route /nope"
+    reply = _run(b"GET /echo HTTP/1.1\r\n\r\n")
+    assert _status_and_error(reply)[0] == 405 and b"Allow: POST" in reply
+
+
+def test_invalid_json_is_a_400_naming_the_body():
+    status, body = _status_and_error(_run(_post("/echo", b"{nope")))
+    assert status == 400 and body["error"]["param"] == "body"
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_handler_errors_become_their_status_or_500():
+    assert _status_and_error(_run(b"GET /refuse HTTP/1.1\r\n\r\n")) == (400, {"error": {"param": "x"}})
+    status, body = _status_and_error(_run(b"GET /crash HTTP/1.1\r\n\r\n"))
+    assert status == 500 and body["error"]["message"] == "RuntimeError: boom"
+
+
+def test_a_malformed_request_line_is_answered_400_and_closed():
+    reply = _run(b"HELLO\r\n\r\n")
+    status, body = _status_and_error(reply)
+    assert status == 400 and body["error"]["message"].startswith("request line:")
+    assert b"Connection: close" in reply
+
+
+def test_an_oversized_body_is_refused_413():
+    raw = b"POST /echo HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n"
+    assert _status_and_error(_run(raw))[0] == 413
