@@ -1,0 +1,155 @@
+{{/* A worker role (prefill or decode): its Deployment and a headless Service.
+     Call with (dict "root" $ "role" "prefill"). */}}
+{{- define "tandem.worker" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $w := index $v .role }}
+{{- $m := $v.model }}
+{{- $tp := include "tandem.tp" . | int }}
+{{- $name := printf "%s-%s" (include "tandem.fullname" $root) .role }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "tandem.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+spec:
+  replicas: {{ $w.replicas }}
+  strategy:  # replace pods in place: a surge pod would need GPUs the old one still holds
+    type: RollingUpdate
+    rollingUpdate: {maxSurge: 0, maxUnavailable: 1}
+  selector:
+    matchLabels:
+      {{- include "tandem.selectorLabels" $root | nindent 6 }}
+      app.kubernetes.io/component: {{ .role }}
+  template:
+    metadata:
+      labels:
+        {{- include "tandem.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ .role }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+        {{- with $w.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.podSecurityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- if eq $m.source "image" }}
+      initContainers:
+        {{- $script := printf "cp -a %s/. /model-volume/" $m.image.path }}
+        {{- include "tandem.modelCopy" (dict "root" $root "script" $script) | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .role }}
+          image: {{ include "tandem.image" $root }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          {{- with $v.securityContext }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          args:
+            - worker
+            - --role
+            - {{ .role }}
+            - --router
+            - $(TANDEM_ROUTER)
+            - --host
+            - $(POD_IP)
+            - --port
+            - {{ $w.port | quote }}
+            - --metrics-port
+            - {{ $w.metricsPort | quote }}
+            - --instance-id
+            - $(POD_NAME)
+            - --model
+            - $(TANDEM_MODEL)
+            - --drafter
+            - $(TANDEM_DRAFTER)
+            - -k
+            - $(TANDEM_NUM_SPEC_TOKENS)
+            - --layout
+            - $(TANDEM_LAYOUT)
+            - --tokens-per-page
+            - $(TANDEM_TOKENS_PER_PAGE)
+            - --device
+            - $(TANDEM_DEVICE)
+            - --dtype
+            - $(TANDEM_DTYPE)
+            - --max-num-seqs
+            - $(TANDEM_MAX_NUM_SEQS)
+            - --kv-cache-mb
+            - {{ $w.kvCacheMb | quote }}
+            {{- if not $v.engine.prefixCache }}
+            - --no-prefix-cache
+            {{- end }}
+            {{- if gt $tp 1 }}
+            - --tp
+            - {{ $tp | quote }}
+            {{- end }}
+            {{- range $w.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          {{- include "tandem.env" $root | nindent 10 }}
+          ports:
+            - {name: grpc, containerPort: {{ $w.port }}}
+            - {name: metrics, containerPort: {{ $w.metricsPort }}}
+          {{- include "tandem.probes" (dict "root" $root "port" $w.port) | nindent 10 }}
+          resources:
+            {{- $resources := deepCopy (default dict $w.resources) }}
+            {{- if eq $v.engine.device "cuda" }}
+            {{- $limits := merge (dict $v.gpuResource $tp) (default dict $resources.limits) }}
+            {{- $_ := set $resources "limits" $limits }}
+            {{- end }}
+            {{- toYaml $resources | nindent 12 }}
+          volumeMounts:
+            - {name: shm, mountPath: /dev/shm}
+            {{- with (include "tandem.modelMount" $root) }}
+            {{- . | trim | nindent 12 }}
+            {{- end }}
+      volumes:
+        - name: shm
+          emptyDir: {medium: Memory, sizeLimit: {{ $v.shmSizeLimit }}}
+        {{- with (include "tandem.modelVolume" $root) }}
+        {{- . | trim | nindent 8 }}
+        {{- end }}
+      {{- with $w.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+---
+# Stable DNS and a "metrics" port for a ServiceMonitor. Workers advertise their pod IPs in
+# RankInfo; nothing routes through this Service.
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "tandem.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: true
+  selector:
+    {{- include "tandem.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+  ports:
+    - {name: grpc, port: {{ $w.port }}, targetPort: grpc}
+    - {name: metrics, port: {{ $w.metricsPort }}, targetPort: metrics}
+{{- end }}

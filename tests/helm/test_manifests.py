@@ -1,0 +1,106 @@
+"""Every rendered manifest against the Kubernetes schemas; values the chart refuses; the
+dashboard ConfigMap, the `helm test` pod and NOTES."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import helm_python
+import kubernetes_validate
+import pytest
+
+from tests.helm.chart import FULLNAME, NAMESPACE, ROOT, one, render, render_files
+from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
+
+# The chart's kubeVersion floor (gRPC probes are GA in 1.27) and the newest schemas we have.
+KUBERNETES_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+# Prometheus Operator CRDs: no schema for them ships with kubernetes-validate.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"),
+                ("monitoring.coreos.com/v1", "ServiceMonitor")}
+MONITORS = {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
+IMAGE_MODEL = {"model": {"source": "image", "image": {"repository": "registry.example/llama"}}}
+VALUE_SETS = {"defaults": {}, "1P1D": ONE_P_ONE_D, "2P4D": TWO_P_FOUR_D, "TP 2": TP_2,
+              "separate layout": SEPARATE, "model image": IMAGE_MODEL, "monitors": MONITORS}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_manifest_validates_strictly(values):
+    manifests = render(values)
+    checked = 0
+    for manifest in manifests:
+        if (manifest["apiVersion"], manifest["kind"]) in CUSTOM_KINDS:
+            continue
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(manifest, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(map(str, e.path))
+                pytest.fail(f"{manifest['kind']}/{manifest['metadata']['name']} on {version}: "
+                            f"{path}: {e.message}")
+        checked += 1
+    # ConfigMap x2, Deployment x3, Service x4, the test Pod
+    assert checked == 10
+    assert len(manifests) - checked == (2 if values is MONITORS else 0)
+
+
+@pytest.mark.parametrize("values, where, problem", [
+    ({"engine": {"layout": "fused"}}, "/engine/layout", "value must be one of"),
+    ({"router": {"replicas": 2}}, "/router/replicas", "maximum: got 2, want 1"),
+    ({"engine": {"tp": 0}}, "/engine/tp", "minimum: got 0, want 1"),
+    ({"decode": {"replica": 4}}, "/decode", "additional properties 'replica' not allowed"),
+    ({"model": {"source": "s3"}}, "/model/source", "value must be one of"),
+])
+def test_schema_refuses_values_naming_the_key(values, where, problem):
+    with pytest.raises(helm_python.HelmValuesError) as e:
+        render(values)
+    assert f"at '{where}': {problem}" in str(e.value)
+
+
+@pytest.mark.parametrize("values, reason", [
+    ({"model": {"drafter": ""}}, "engine.layout: unified keeps the drafter's KV pages in the "
+     "target's cache manager and transfer, but no drafter runs (model.drafter \"\", "
+     "engine.numSpecTokens 4)"),
+    ({"engine": {"numSpecTokens": 0}}, "no drafter runs (model.drafter \"tiny-drafter\", "
+     "engine.numSpecTokens 0)"),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName: required when model.source is pvc"),
+    ({"model": {"source": "image"}}, "model.image.repository: required when model.source is image"),
+])
+def test_templates_refuse_what_the_services_would_refuse(values, reason):
+    with pytest.raises(helm_python.HelmRenderError) as e:
+        render(values)
+    assert reason in str(e.value)
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_dashboard():
+    m = render({"grafana": {"dashboard": {"annotations": {"grafana_folder": "Tandem"}}}})
+    dashboard = one(m, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "Tandem"}
+    assert dashboard["metadata"]["namespace"] == NAMESPACE
+    with open(os.path.join(ROOT, "deploy", "grafana", "tandem.json")) as f:
+        assert json.loads(dashboard["data"]["tandem.json"]) == json.load(f)
+
+
+def test_dashboard_can_go_to_grafanas_namespace_or_be_left_out():
+    moved = render({"grafana": {"dashboard": {"namespace": "monitoring"}}})
+    assert one(moved, "ConfigMap", f"{FULLNAME}-dashboard")["metadata"]["namespace"] == "monitoring"
+    left_out = render({"grafana": {"dashboard": {"enabled": False}}})
+    assert [m for m in left_out if m["metadata"]["name"] == f"{FULLNAME}-dashboard"] == []
+
+
+def test_helm_test_pod_sends_a_request_to_the_router_service():
+    pod = one(render(), "Pod", f"{FULLNAME}-test-generate")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in c["env"]} == {
+        "ROUTER": f"{FULLNAME}-router:50051", "PROMPT": "def fibonacci(n):", "MAX_TOKENS": "8"}
+    assert c["command"][:2] == ["python", "-c"]
+    compile(c["command"][2], "helm-test", "exec")
+
+
+def test_notes_name_the_router_service_and_warn_about_tp():
+    notes = render_files()["tandem/templates/NOTES.txt"]
+    assert f"port-forward svc/{FULLNAME}-router 50051" in notes
+    assert "--tp" not in notes
+    assert "does not accept --tp yet" in render_files(TP_2)["tandem/templates/NOTES.txt"]
