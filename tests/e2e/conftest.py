@@ -75,3 +75,23 @@ def assert_no_request_holds_pages(cluster: LocalCluster) -> None:
     for name, groups in worker_pages(cluster).items():
         for group, (used, cached) in groups.items():
             assert used == cached, (name, group, used, cached)
+
+
+@pytest.fixture(scope="session")
+def byte_pair(tmp_path_factory):
+    """A tiny random pair over the byte tokenizer's whole vocabulary, so text prompts
+    (OpenAI completions and chat) encode to valid ids."""
+    import torch
+
+    from services.engine.models import Eagle3Drafter, LlamaForCausalLM, save_model
+    from services.engine.tokenizer import VOCAB_SIZE
+    from tests.services.engine.helpers import drafter_config, randomize, target_config
+
+    folder = tmp_path_factory.mktemp("byte-pair")
+    target = LlamaForCausalLM(target_config(VOCAB_SIZE))
+    randomize(target, 0)
+    drafter = Eagle3Drafter(drafter_config(vocab=VOCAB_SIZE))
+    randomize(drafter, 1)
+    save_model(target, folder / "target", dtype=torch.float32)
+    save_model(drafter, folder / "drafter", dtype=torch.float32)
+    return folder / "target", folder / "drafter"

@@ -1,0 +1,156 @@
+"""The router's OpenAI-compatible HTTP API, driven by the official ``openai`` client
+against a running local cluster (router, one prefill and one decode worker)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from services.engine.tokenizer import ByteTokenizer
+from services.router.openai_protocol import render_chat
+from tests.e2e.conftest import start_cluster
+
+openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install "
+                             "-e '.[test]'")
+pytestmark = pytest.mark.slow
+
+PROMPT = "def fibonacci(n):"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+MESSAGES = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "A loop, please."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(byte_pair):
+    cluster = start_cluster(byte_pair, ["prefill", "decode"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.http_address + "/v1", api_key="unused",
+                       max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _grpc_text(address: str, prompt: str, max_tokens: int) -> str:
+    """The same greedy request through the gRPC client API."""
+    request = cpb.GenerateRequest(text=prompt, sampling=cpb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    with grpc.insecure_channel(address) as channel:
+        return "".join(m.chunk.text for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
+                       if m.WhichOneof("payload") == "chunk")
+
+
+def test_models_lists_the_served_target(client, cluster):
+    models = client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [("target", "model", "tandem")]
+    assert models[0].model_extra["tandem"]["num_spec_tokens"] == 3
+
+
+def test_a_completion_equals_the_grpc_answer_and_reports_usage(client, cluster, model):
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, **GREEDY)
+    choice = completion.choices[0]
+    assert choice.text == _grpc_text(cluster.router_address, PROMPT, 10)
+    assert choice.finish_reason == "length" and completion.object == "text_completion"
+    prompt_tokens = len(ByteTokenizer().encode(PROMPT))
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens,
+            completion.usage.total_tokens) == (prompt_tokens, 10, prompt_tokens + 10)
+    tandem = completion.usage.model_extra["tandem"]
+    assert tandem["transfer_bytes"]["target"] > 0 and tandem["transfer_bytes"]["draft"] > 0
+    assert tandem["acceptance_length"] >= 1
+
+
+def test_a_streamed_completion_joins_to_the_same_text(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_a_token_id_prompt_is_served(client, model):
+    ids = ByteTokenizer().encode(PROMPT)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, **GREEDY)
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_chat_renders_the_plain_template_and_answers_as_the_assistant(client, model):
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, **GREEDY)
+    same = client.completions.create(model=model, prompt=render_chat(MESSAGES), max_tokens=8,
+                                     **GREEDY)
+    message = chat.choices[0].message
+    assert (message.role, message.content) == ("assistant", same.choices[0].text)
+    assert chat.object == "chat.completion" and chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens == len(ByteTokenizer().encode(render_chat(MESSAGES)))
+    assert chat.usage.completion_tokens == 8
+
+
+def test_a_streamed_chat_joins_to_the_same_reply(client, model):
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, **GREEDY)
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
+                                                 stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_seeded_sample_repeats(client, model):
+    texts = {client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                       seed=11, extra_body={"ignore_eos": True}).choices[0].text
+             for _ in range(2)}
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=2), "n"),
+    (dict(temperature=3), "temperature"),
+    (dict(max_tokens=100000), "max_tokens"),
+    (dict(extra_body={"num_spec_tokens": 9}), "num_spec_tokens"),
+])
+def test_bad_input_is_a_400_naming_the_field(client, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=PROMPT, **kwargs)
+    assert e.value.status_code == 400 and e.value.param == param
+    assert e.value.type == "invalid_request_error"
+
+
+def test_bad_chat_input_names_the_message_field(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.param == "messages[0].role"
+
+
+def test_an_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-nope", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found"
+
+
+def test_health_and_metrics_are_served_over_http(cluster, client, model):
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2, **GREEDY)
+    with urllib.request.urlopen(cluster.http_address + "/health", timeout=5) as response:
+        health = json.loads(response.read())
+    assert health["status"] == "serving" and health["num_ready_pairs"] == 1
+    with urllib.request.urlopen(cluster.http_address + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'tandem_requests_total{role="router",status="length"}' in text
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(cluster.http_address + "/v1/nothing", timeout=5)
+    assert e.value.code == 404
