@@ -42,6 +42,11 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         if self.token and request.token != self.token:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token: does not match")
         local, peer = self.local_info(), request.rank_info
+        if not peer.instance_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")
+        if peer.instance_id == local.instance_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"rank_info.instance_id: {peer.instance_id!r} is this worker")
         mismatches = check_peer(local, peer)
         if mismatches:
             self.metrics.registrations.labels("refused").inc()

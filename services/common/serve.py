@@ -33,7 +33,8 @@ async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
             from services.aggregated.server import AggregatedServicer
             cpb_grpc.add_TandemServicer_to_server(AggregatedServicer(worker), server)
 
-    server, health, port = await start_server(add, config.host, config.port)
+    server, health, port = await start_server(add, config.host, config.port, config.tls,
+                                              config.token)
     worker.grpc_address = f"{config.host}:{port}"
     metrics_port = serve_metrics(worker.metrics, config.host, config.metrics_port)
     await health.set("", SERVING)

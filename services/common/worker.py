@@ -20,6 +20,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.engine_loop import EngineLoop
 from services.common.metrics import Metrics
 from services.common.rank_info import build_rank_info
+from services.common.security import TlsConfig, aio_channel
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
@@ -40,7 +41,8 @@ class WorkerConfig:
     instance_id: str = ""  # "" = <role>-<random>
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0  # reserved pages are freed if Decode has not started by then
-    token: str = ""
+    token: str = ""  # bearer token every RPC must carry; "" = none
+    tls: TlsConfig | None = None  # mutual TLS on every gRPC hop; None = plaintext
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -111,7 +113,7 @@ class WorkerBase:
         """Register with the router, then heartbeat; register again whenever it forgets us."""
         if not self.config.router:
             return
-        async with grpc.aio.insecure_channel(self.config.router) as channel:
+        async with aio_channel(self.config.router, self.config.tls, self.config.token) as channel:
             stub = reg_grpc.RegistrationStub(channel)
             registered = False
             while True:

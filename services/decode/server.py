@@ -44,6 +44,9 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
         if n < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_len: must be >= 1")
+        if n >= w.engine.max_model_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_len: {n} leaves no "
+                                f"room in the context of {w.engine.max_model_len}")
         if rid in self.reserved or rid in w.engine.manager.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
         if not await w.loop.call(self._reserve_pages, rid, n):
@@ -103,6 +106,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         return True
 
     async def Release(self, request: wpb.ReleaseRequest, context) -> wpb.ReleaseResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
         res = self.reserved.get(request.request_id)
         if res is not None and res.decoding:
             return wpb.ReleaseResponse(released=False)
@@ -113,19 +118,28 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         res = self.reserved.get(rid)
         if res is None or res.decoding:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not reserved")
+        if len(request.prompt_token_ids) != res.prompt_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
+                                f"{len(request.prompt_token_ids)} tokens, {res.prompt_len} reserved")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
         res.decoding = True
         try:
             aux, moved = await self._landed(res, request, context)
-            sampling = sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             submit = lambda: w.engine.add_prefilled(rid, prompt, _engine_aux(aux), sampling)  # noqa: E731
             sent = 1  # the first token came with the prefill's answer
             last = None
-            async for out in w.loop.outputs(rid, submit):
-                last = out
-                if len(out.token_ids) > sent:
-                    yield wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=out.token_ids[sent:]))
-                    sent = len(out.token_ids)
+            try:
+                async for out in w.loop.outputs(rid, submit):
+                    last = out
+                    if len(out.token_ids) > sent:
+                        yield wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=out.token_ids[sent:]))
+                        sent = len(out.token_ids)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
             usage = cpb.Usage(prompt_tokens=len(prompt), completion_tokens=len(last.token_ids) - 1,
                               acceptance_length=last.usage.acceptance_length)

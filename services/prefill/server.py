@@ -31,6 +31,15 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
         w, rid = self.worker, request.request_id
         decode_id = request.reservation.decode_instance_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: empty")
+        if not decode_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "reservation.decode_instance_id: empty")
+        if not request.reservation.groups:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.groups: empty")
         if decode_id not in self.peers.peers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"reservation.decode_instance_id: {decode_id!r} is not a paired peer")

@@ -24,6 +24,7 @@ from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.metrics import Metrics
+from services.common.security import TlsConfig, aio_channel
 from services.engine.tokenizer import ByteTokenizer
 from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
@@ -72,10 +73,11 @@ class _Usage:
 
 class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
     def __init__(self, limits: ModelLimits, metrics: Metrics, tokens_per_page: int = 16,
-                 token: str = "") -> None:
+                 token: str = "", tls: TlsConfig | None = None) -> None:
         self.limits = limits
         self.metrics = metrics
         self.token = token
+        self.tls = tls
         self.registry = Registry(tokens_per_page)
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, _Inflight] = {}
@@ -97,7 +99,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         old = self.channels.pop(info.instance_id, None)
         if old is not None:
             await old.close()
-        self.channels[info.instance_id] = grpc.aio.insecure_channel(info.grpc_address)
+        self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, self.token)
         for prefill_id, decode_id in self.registry.add(info):
             self._spawn(self._pair(prefill_id, decode_id))
         self.metrics.registrations.labels("accepted").inc()
