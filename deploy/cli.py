@@ -57,6 +57,18 @@ def add_http_port_arg(p: argparse.ArgumentParser) -> None:
                    "0 = any free port, -1 = off")
 
 
+def add_ray_parser(sub) -> None:
+    ray = sub.add_parser("ray", help="run the services as Ray actors (see "
+                         "deploy/ray/cluster.example.yaml)")
+    ray_sub = ray.add_subparsers(dest="ray_command", required=True)
+    for name, text in (("up", "place the router and workers, wait until every pair is ready, "
+                        "print the endpoints"), ("down", "stop the actors `up` placed")):
+        p = ray_sub.add_parser(name, help=text)
+        p.add_argument("--config", required=True, help="cluster.yaml")
+        p.add_argument("--address", default="", help="Ray cluster address; overrides "
+                       "ray.address (and ray.start_local) of the config")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM "
                                      "serving with speculative decoding over a unified "
@@ -79,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--metrics-port", type=int, default=0)
     router.add_argument("--tokens-per-page", type=int, default=16)
     add_http_port_arg(router)
+    add_ray_parser(sub)
     worker = sub.add_parser("worker", help="run one worker")
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     add_engine_args(worker)
@@ -99,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
                                args.tokens_per_page,
                                http_port=None if args.http_port < 0 else args.http_port))
+    elif args.command == "ray":
+        from deploy.ray_launcher.launcher import main as ray_main
+
+        return ray_main(args)
     elif args.command == "worker":
         from services.common.serve import run_worker
         from services.common.worker import WorkerConfig

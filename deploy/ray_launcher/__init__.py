@@ -1,0 +1,1 @@
+"""Tandem on a Ray cluster: ``tandem ray up|down --config cluster.yaml``."""

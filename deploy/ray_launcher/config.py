@@ -1,0 +1,134 @@
+"""cluster.yaml for ``tandem ray up``: which Ray cluster, the model, and where each service runs.
+
+Every section and key is optional; ``cluster.example.yaml`` documents them all. Unknown keys
+are refused with their path, so a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """cluster.yaml is invalid; the message starts with the key's path."""
+
+
+@dataclass(slots=True)
+class RayOptions:
+    address: str = "auto"  # "auto", a GCS "host:port", or "ray://host:10001"
+    namespace: str = "tandem"  # holds the named, detached actors
+    start_local: bool = False  # start a Ray instance here instead of joining one
+    num_cpus: int | None = None  # start_local only; None = every CPU
+    num_gpus: int | None = None  # start_local only; None = every GPU
+    env: dict[str, str] = field(default_factory=dict)  # environment of every actor
+
+
+@dataclass(slots=True)
+class ModelOptions:
+    """What ``tandem worker`` takes as engine flags; "" paths = the bundled tiny pair."""
+
+    model: str = ""
+    drafter: str = ""  # "none" = no drafter
+    num_spec_tokens: int = 4
+    layout: str = "auto"
+    device: str = "cpu"
+    dtype: str = ""
+    tokens_per_page: int = 16
+    kv_cache_mb: int = 256
+    max_num_seqs: int = 64
+    prefix_cache: bool = True
+
+
+@dataclass(slots=True)
+class RouterOptions:
+    port: int = 50051  # gRPC; 0 = any free port
+    http_port: int = 8000  # OpenAI-compatible HTTP; 0 = any free port, -1 = off
+    metrics_port: int = 0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    replicas: int = 1
+    port: int = 0  # gRPC; 0 = any free port
+    metrics_port: int = 0
+    num_cpus: float = 1.0
+    num_gpus: float = 1.0  # per replica; the engine's device is then that GPU
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    ray: RayOptions = field(default_factory=RayOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    router: RouterOptions = field(default_factory=RouterOptions)
+    prefill: WorkerOptions = field(default_factory=WorkerOptions)
+    decode: WorkerOptions = field(default_factory=WorkerOptions)
+    ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
+
+    @property
+    def expected_pairs(self) -> int:
+        return self.prefill.replicas * self.decode.replicas
+
+
+def load_config(path: str) -> ClusterConfig:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return parse_config(data)
+
+
+def parse_config(data: dict) -> ClusterConfig:
+    """Build a ClusterConfig from parsed YAML; raises ConfigError naming the key."""
+    if not isinstance(data, dict):
+        raise ConfigError("cluster.yaml: must be a mapping of sections")
+    _refuse_unknown(data, ClusterConfig, "")
+    config = ClusterConfig(**{k: v for k, v in data.items() if k == "ready_timeout_s"})
+    for name in ("ray", "model", "router", "prefill", "decode"):
+        section = {} if data.get(name) is None else data[name]
+        if not isinstance(section, dict):
+            raise ConfigError(f"{name}: must be a mapping")
+        kind = type(getattr(config, name))
+        _refuse_unknown(section, kind, name + ".")
+        setattr(config, name, kind(**section))
+    _check(config)
+    return config
+
+
+def _refuse_unknown(section: dict, kind: type, prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(kind)}
+    for key in section:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def _check(config: ClusterConfig) -> None:
+    for role in ("prefill", "decode"):
+        options = getattr(config, role)
+        if not isinstance(options.replicas, int) or options.replicas < 1:
+            raise ConfigError(f"{role}.replicas: must be an integer >= 1, got {options.replicas!r}")
+    for path, value in _resources(config):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{path}: must be a number >= 0, got {value!r}")
+    if not config.ray.start_local and not config.ray.address:
+        raise ConfigError("ray.address: empty; give a cluster address or set ray.start_local")
+    if config.model.layout not in ("auto", "unified", "separate"):
+        raise ConfigError(f"model.layout: must be auto, unified or separate, "
+                          f"got {config.model.layout!r}")
+    if not isinstance(config.ray.env, dict):
+        raise ConfigError("ray.env: must be a mapping of variable names to values")
+    if config.ready_timeout_s <= 0:
+        raise ConfigError(f"ready_timeout_s: must be > 0, got {config.ready_timeout_s}")
+
+
+def _resources(config: ClusterConfig):
+    for role in ("router", "prefill", "decode"):
+        options = getattr(config, role)
+        yield f"{role}.num_cpus", options.num_cpus
+        yield f"{role}.num_gpus", options.num_gpus
+        for name, amount in options.resources.items():
+            yield f"{role}.resources.{name}", amount
