@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from deploy.local import LocalCluster
+from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
@@ -51,10 +51,11 @@ def engine_config(args: argparse.Namespace):
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache)
 
 
-def add_http_port_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--http-port", type=int, default=8000, help="router's OpenAI-compatible HTTP "
-                   "port (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics); "
-                   "0 = any free port, -1 = off")
+def add_http_port_arg(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument("--http-port", type=int, default=default, help="router's OpenAI-compatible "
+                   "HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                   f"/metrics); 0 = any free port, -1 = off; default {DEFAULT_HTTP_PORT}"
+                   + ("" if default is not None else ", or any free port when --port is 0"))
 
 
 def add_ray_parser(sub) -> None:
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--aggregated", type=int, default=0,
                     help="aggregated workers (prefill+decode in one process) instead of P/D")
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
-    add_http_port_arg(up)
+    add_http_port_arg(up, None)
     router = sub.add_parser("router", help="run the router")
     router.add_argument("--model", default=DEFAULT_MODEL, help="target folder (for its limits)")
     router.add_argument("-k", "--num-spec-tokens", type=int, default=4)
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--metrics-port", type=int, default=0)
     router.add_argument("--tokens-per-page", type=int, default=16)
-    add_http_port_arg(router)
+    add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_ray_parser(sub)
     worker = sub.add_parser("worker", help="run one worker")
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)

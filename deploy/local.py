@@ -19,6 +19,7 @@ import grpc
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
 _HTTP = re.compile(r"http=(\S+)")
+DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible HTTP port, as vLLM's
 
 
 @dataclass(slots=True)
@@ -63,7 +64,10 @@ class LocalCluster:
                   "--tokens-per-page", str(args.tokens_per_page)]
         roles = (["both"] * args.aggregated if args.aggregated
                  else ["prefill"] * args.prefill + ["decode"] * args.decode)
-        return cls(engine, router, roles, port=args.port, http_port=args.http_port)
+        http_port = args.http_port
+        if http_port is None:  # with --port 0 every port is a free one, HTTP's too
+            http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
+        return cls(engine, router, roles, port=args.port, http_port=http_port)
 
     @property
     def router_address(self) -> str:
