@@ -116,7 +116,8 @@ def main(args) -> int:
     try:
         endpoints = up(config)
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
-        print(f"tandem ray up: {e}", file=sys.stderr)
+        reason = getattr(e, "cause", None) or e  # an actor's own exception, not Ray's wrapper
+        print(f"tandem ray up: {type(reason).__name__}: {reason}", file=sys.stderr)
         return 1
     print(describe(config, endpoints), flush=True)
     if config.ray.start_local and not args.address:
