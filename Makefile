@@ -10,7 +10,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test proto bench lint clean
+.PHONY: setup run test proto bench lint clean observe
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ $(GEN): $(PROTOS) $(STAMP)
 
 run: proto
 	$(BIN)/tandem up
+
+# the local cluster plus a Prometheus server scraping it (OBSERVE_ARGS: `tandem up` options)
+observe: proto
+	deploy/prometheus/install.sh
+	$(BIN)/python -m deploy.prometheus.observe $(OBSERVE_ARGS)
 
 test: proto
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
