@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from functools import lru_cache
@@ -14,6 +15,7 @@ CHART = os.path.join(ROOT, "helm", "tandem")
 RELEASE = "demo"
 NAMESPACE = "llm"
 FULLNAME = f"{RELEASE}-tandem"
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -29,12 +31,18 @@ def render_files(values: dict | None = None) -> dict[str, str]:
 
 
 def render(values: dict | None = None) -> list[dict]:
-    """Every manifest the chart renders (hook tests included), parsed."""
+    """Every manifest the chart renders (hook tests included), parsed. Shared between callers
+    with equal values: read it, do not change it."""
+    return _render(json.dumps(values or {}, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _render(values_json: str) -> list[dict]:
     manifests = []
-    for path, text in sorted(render_files(values).items()):
+    for path, text in sorted(render_files(json.loads(values_json)).items()):
         if path.endswith(".txt"):
             continue
-        manifests += [doc for doc in yaml.safe_load_all(text) if doc]
+        manifests += [doc for doc in yaml.load_all(text, Loader=_LOADER) if doc]
     return manifests
 
 

@@ -76,7 +76,8 @@ def test_downward_api_gives_each_worker_its_pod_ip_and_name():
                                              ("decode", 50061)])
 def test_probes_ask_the_grpc_health_service_on_the_grpc_port(component, port):
     c = container(render(), component)
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port, "metrics": 9100}
+    assert {p["name"]: p["containerPort"] for p in c["ports"] if p["name"] != "http"} == \
+        {"grpc": port, "metrics": 9100}
     assert c["startupProbe"]["grpc"] == {"port": port}
     assert c["livenessProbe"]["grpc"] == {"port": port}
     assert c["readinessProbe"]["grpc"] == {"port": port, "service": "tandem.ready"}
@@ -185,13 +186,23 @@ def test_router_services_for_clients_and_for_registration():
     m = render()
     client = one(m, "Service", f"{FULLNAME}-router")
     assert client["spec"]["type"] == "ClusterIP"
-    assert [(p["name"], p["port"]) for p in client["spec"]["ports"]] == [("grpc", 50051),
-                                                                         ("metrics", 9100)]
+    assert [(p["name"], p["port"]) for p in client["spec"]["ports"]] == [
+        ("grpc", 50051), ("http", 8000), ("metrics", 9100)]
     internal = one(m, "Service", f"{FULLNAME}-router-internal")
     assert internal["spec"]["clusterIP"] == "None"
     assert internal["spec"]["publishNotReadyAddresses"] is True
     assert names(m, "Service") == sorted(f"{FULLNAME}-{s}" for s in
                                          ("router", "router-internal", "prefill", "decode"))
+
+
+def test_router_serves_openai_http_unless_turned_off():
+    on = render()
+    assert flag(effective_args(on, "router"), "--http-port") == "8000"
+    off = render({"router": {"httpPort": None}})
+    assert flag(effective_args(off, "router"), "--http-port") == "-1"
+    assert [p["name"] for p in container(off, "router")["ports"]] == ["grpc", "metrics"]
+    client = one(off, "Service", f"{FULLNAME}-router")
+    assert [p["name"] for p in client["spec"]["ports"]] == ["grpc", "metrics"]
 
 
 def test_monitors_are_off_by_default_and_scrape_metrics_ports_when_on():
