@@ -121,8 +121,8 @@ def main(args) -> int:
         return 1
     print(describe(config, endpoints), flush=True)
     if config.ray.start_local and not args.address:
-        print("the local Ray instance lives as long as this process (Ctrl-C stops it)",
-              flush=True)
+        print(f"the local Ray instance ({ray.get_runtime_context().gcs_address}) lives as long "
+              "as this process (Ctrl-C stops it)", flush=True)
         serve_foreground(config)
     return 0
 
