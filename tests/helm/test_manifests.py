@@ -10,7 +10,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from tests.helm.chart import FULLNAME, NAMESPACE, ROOT, one, render, render_files
+from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
 from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
 
 # The chart's kubeVersion floor (gRPC probes are GA in 1.27) and the newest schemas we have.
@@ -49,6 +49,13 @@ def test_every_manifest_validates_strictly(values):
     # ConfigMap x2, Deployment x3, Service x4, the test Pod
     assert checked == 10
     assert len(manifests) - checked == (2 if values is MONITORS else 0)
+
+
+@pytest.mark.parametrize("values", [{}, TP_2, MONITORS], ids=["defaults", "TP 2", "monitors"])
+def test_helm_lint_strict_finds_nothing_above_info(values):
+    report = helm_python.lint(CHART, values, strict=True, kube_version="v1.27.0")
+    assert report["errors"] == []
+    assert [(m["path"], m["error"]) for m in report["messages"] if m["severity"] > 1] == []
 
 
 @pytest.mark.parametrize("values, where, problem", [
