@@ -168,7 +168,7 @@ class Engine:
             req.draft_valid = span.end if self.drafter is not None else req.num_computed
             if run.features is not None:
                 req.last_feature = run.features[offsets[i + 1] - 1]
-            self.manager.advance(req.request_id, req.num_computed)
+            self._release_window(req)
         if not done:
             return
         reqs = [req for _, req in done]
@@ -224,9 +224,16 @@ class Engine:
         if run.features is not None:
             req.pending_features = run.features[row:row + a + 1]
         req.draft_valid = n + 1 if self.drafter is not None else req.num_computed
-        self.manager.advance(req.request_id, req.num_computed)
+        self._release_window(req)
         if req.finish_reason is not None:
             self._finish(req)
+
+    def _release_window(self, req: Request) -> None:
+        """Tell the manager how far KV is final. We report the page-aligned exact prefix,
+        not num_computed: the prefix cache keeps whole pages up to there, and the draft
+        window ending at that point must still be held for it to be reusable."""
+        page = self.manager.page
+        self.manager.advance(req.request_id, req.cacheable_len // page * page)
 
     def _finish(self, req: Request) -> None:
         if req.request_id in self.manager.requests:

@@ -29,6 +29,7 @@ class Scheduler:
         self.feeds_drafter = feeds_drafter  # re-run one position before a hit for features
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -113,3 +114,4 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         plan.preempted.append(req)
+        self.num_preemptions += 1
