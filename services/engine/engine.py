@@ -17,13 +17,13 @@ import random
 
 import torch
 
-from kvcore import CacheConfig, KVCacheManager, KVLayout, LayerGroupSpec, Lifecycle, Owner
-from kvcore.spec import cdiv
+from kvcore import KVCacheManager, KVLayout
+from services.engine.checks import cache_config, check_fits, check_sampling, encode_prompt, eos_ids
 from services.engine.config import EngineConfig
 from services.engine.models import load_drafter, load_target
 from services.engine.rejection import rejection_sample
 from services.engine.request import AuxState, Request, RequestOutput, Status
-from services.engine.runner import DRAFT_GROUP, TARGET_GROUP, ModelRunner, Span, TargetRun
+from services.engine.runner import ModelRunner, Span, TargetRun
 from services.engine.sampler import probs_from_logits, sample
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler
@@ -44,12 +44,14 @@ class Engine:
             self.drafter.config.check_target(self.target.config)
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
-        self.manager = KVCacheManager(self._cache_config(), self.device)
+        self.manager = KVCacheManager(cache_config(config, self.target, self.drafter, self.k),
+                                      self.device)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.device)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, self.k, self.drafter is not None)
         self.tokenizer = ByteTokenizer()
-        self.out = StepOutputs(self.tokenizer, self._eos_ids(), self.k > 0)
+        self.out = StepOutputs(self.tokenizer, eos_ids(self.target.config, self.tokenizer),
+                               self.k > 0)
         self.requests: dict[str, Request] = {}
         self.stats: dict[str, SpecStats] = {}
         self._seeds = random.Random(config.seed)
@@ -60,10 +62,10 @@ class Engine:
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False) -> str:
         """Queue a request; returns its id. Raises ValueError naming the bad field."""
-        sampling = self._check_sampling(sampling)
-        prompt_ids = self._prompt_ids(prompt)
+        sampling = check_sampling(sampling)
+        prompt_ids = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size)
         request_id = self._new_id(request_id)
-        self._check_fits(len(prompt_ids), sampling.max_tokens)
+        check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
         req = Request(request_id, prompt_ids, sampling, self._generator(sampling), prefill_only)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -73,7 +75,7 @@ class Engine:
                       sampling: SamplingParams | None = None) -> None:
         """Start decoding a request whose pages were reserved with
         ``manager.allocate(request_id, n, num_computed=n)`` and filled by a transfer."""
-        sampling = self._check_sampling(sampling)
+        sampling = check_sampling(sampling)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if request_id not in self.manager.requests:
@@ -81,7 +83,7 @@ class Engine:
         n = aux.prompt_len
         if n != len(prompt_ids) or n < 1:
             raise ValueError(f"aux: prompt_len {n} does not match {len(prompt_ids)} prompt tokens")
-        self._check_fits(n, sampling.max_tokens)
+        check_fits(n, sampling.max_tokens, self.max_model_len, self.manager)
         origin = "transferred" if self.config.layout == KVLayout.UNIFIED else "cold"
         req = Request(request_id, prompt_ids, sampling, self._generator(sampling), origin=origin)
         req.status = Status.DECODE
@@ -244,60 +246,6 @@ class Engine:
         del self.requests[req.request_id]
 
     # ------------------------------------------------------------ setup and checks
-
-    def _cache_config(self) -> CacheConfig:
-        t = self.target.config
-        groups = [LayerGroupSpec(TARGET_GROUP, Owner.TARGET, t.num_hidden_layers,
-                                 t.num_key_value_heads, t.head_dim, dtype=self.config.dtype)]
-        if self.drafter is not None:
-            d = self.drafter.config
-            groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
-                                         d.num_key_value_heads, d.head_dim, dtype=self.config.dtype,
-                                         window=d.sliding_window, lifecycle=Lifecycle.OPTIONAL))
-        c = self.config
-        return CacheConfig(groups=tuple(groups), tokens_per_page=c.tokens_per_page,
-                           num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
-                           max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
-                           num_spec_tokens=self.k, draft_block_width=1, layout=c.layout,
-                           enable_prefix_cache=c.enable_prefix_cache)
-
-    def _eos_ids(self) -> frozenset[int]:
-        eos = self.target.config.eos_token_id
-        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return frozenset(ids) if ids else frozenset([self.tokenizer.eos_id])
-
-    def _check_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        return sampling
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.target.config.vocab_size
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        return ids
-
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt: {prompt_len} tokens leave no room in the context of "
-                             f"{self.max_model_len}")
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} exceed "
-                             f"the context of {self.max_model_len}")
-        need = cdiv(prompt_len + max_tokens + self.manager.config.headroom_tokens,
-                    self.manager.page)
-        total = self.manager.allocators[TARGET_GROUP].num_pages
-        if need > total:
-            raise ValueError(f"prompt: needs {need} KV pages, the cache holds {total}")
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

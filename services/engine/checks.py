@@ -1,0 +1,78 @@
+"""Engine setup and request checks. Every refusal is a ValueError naming the field."""
+
+from __future__ import annotations
+
+from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
+from kvcore.spec import cdiv
+from services.engine.config import EngineConfig
+from services.engine.models import Eagle3Drafter, LlamaConfig, LlamaForCausalLM
+from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
+from services.engine.sampling import SamplingParams
+from services.engine.tokenizer import ByteTokenizer
+
+
+def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
+                 k: int) -> CacheConfig:
+    """The target group, plus the drafter's (OPTIONAL, windowed) group when it runs."""
+    t = target.config
+    groups = [LayerGroupSpec(TARGET_GROUP, Owner.TARGET, t.num_hidden_layers,
+                             t.num_key_value_heads, t.head_dim, dtype=c.dtype)]
+    if drafter is not None:
+        d = drafter.config
+        groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
+                                     d.num_key_value_heads, d.head_dim, dtype=c.dtype,
+                                     window=d.sliding_window, lifecycle=Lifecycle.OPTIONAL))
+    return CacheConfig(groups=tuple(groups), tokens_per_page=c.tokens_per_page,
+                       num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
+                       max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
+                       num_spec_tokens=k, draft_block_width=1, layout=c.layout,
+                       enable_prefix_cache=c.enable_prefix_cache)
+
+
+def eos_ids(config: LlamaConfig, tokenizer: ByteTokenizer) -> frozenset[int]:
+    eos = config.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return frozenset(ids) if ids else frozenset([tokenizer.eos_id])
+
+
+def check_sampling(sampling: SamplingParams | None) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+    return sampling
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: ByteTokenizer, vocab: int) -> list[int]:
+    """Text is byte-encoded (with BOS); token ids must lie in [0, vocab)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+    return ids
+
+
+def check_fits(prompt_len: int, max_tokens: int, max_model_len: int,
+               manager: KVCacheManager) -> None:
+    """The request fits the context, and an otherwise empty cache."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"prompt: {prompt_len} tokens leave no room in the context of "
+                         f"{max_model_len}")
+    if prompt_len + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} exceed "
+                         f"the context of {max_model_len}")
+    full = prompt_len + max_tokens + manager.config.headroom_tokens
+    for name, spec in manager.groups.items():
+        tokens = full
+        if spec.window > 0:  # the window, one prefill chunk, one page of misalignment
+            tokens = min(full, spec.window + manager.config.max_prefill_chunk
+                         + manager.config.headroom_tokens + manager.page)
+        need, total = cdiv(tokens, manager.page), manager.allocators[name].num_pages
+        if need > total:
+            raise ValueError(f"prompt: needs {need} KV pages of group {name}, "
+                             f"the cache holds {total}")
