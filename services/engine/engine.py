@@ -141,7 +141,14 @@ class Engine:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling: {len(params)} entries for {len(prompts)} prompts")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, s in zip(prompts, params, strict=True):
+                ids.append(self.add_request(p, s))
+        except ValueError:
+            for i in ids:  # all or nothing: drop the ones already queued
+                self.abort(i)
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids) and self.has_unfinished():
             for o in self.step():

@@ -184,3 +184,12 @@ def test_add_prefilled_needs_a_reservation(pair):
     from services.engine.request import AuxState
     with pytest.raises(ValueError, match="^request_id:"):
         engine.add_prefilled("x", [1, 2], AuxState(3, torch.zeros(64), 2), GREEDY)
+
+
+def test_generate_is_all_or_nothing_on_bad_input(pair):
+    engine = make_engine(pair, k=2)
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine.generate([[1, 2], [3], []], GREEDY)
+    assert {o.finish_reason for o in engine.step()} == {"abort"}
+    assert not engine.has_unfinished()
+    assert_pools_empty(engine)
