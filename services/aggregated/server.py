@@ -14,7 +14,15 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
     def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker
 
-    async def Generate(self, request: cpb.GenerateRequest, context):
+    async def Generate(self, request: cpb.GenerateRequest, context) -> None:
+        messages = self._generate(request, context)
+        try:
+            async for message in messages:
+                await context.write(message)
+        finally:
+            await messages.aclose()
+
+    async def _generate(self, request: cpb.GenerateRequest, context):
         w, rid = self.worker, request.request_id
         prompt = list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" \
             else request.text

@@ -37,6 +37,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker
         self.reserved: dict[str, _Reservation] = {}
+        self.reserving: dict[str, asyncio.Future] = {}  # Reserve calls still taking pages
 
     async def Reserve(self, request: wpb.ReserveRequest, context) -> wpb.ReserveResponse:
         w, rid, n = self.worker, request.request_id, request.prompt_len
@@ -49,16 +50,27 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                                 f"room in the context of {w.engine.max_model_len}")
         if rid in self.reserved or rid in w.engine.manager.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
-        if not await w.loop.call(self._reserve_pages, rid, n):
+        lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
+        # shielded: once pages are taken they are registered (and so releasable), even if
+        # the caller gives up mid-call; a Release arriving meanwhile waits for it
+        task = self.reserving[rid] = asyncio.ensure_future(self._reserve(rid, n, lease_s))
+        task.add_done_callback(lambda _: self.reserving.pop(rid, None))
+        reservation = await asyncio.shield(task)
+        if reservation is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no free pages for {n} tokens")
-        lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
+        return wpb.ReserveResponse(reservation=reservation)
+
+    async def _reserve(self, rid: str, n: int, lease_s: float) -> wpb.Reservation | None:
+        w = self.worker
+        if not await w.loop.call(self._reserve_pages, rid, n):
+            return None
         receive = asyncio.ensure_future(w.agent.receive_request(rid, n, min(
             lease_s, w.config.transfer_timeout_s)))
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
-        return wpb.ReserveResponse(reservation=self._reservation_proto(rid, n, lease_s))
+        return self._reservation_proto(rid, n, lease_s)
 
     def _reserve_pages(self, rid: str, n: int) -> bool:
         m = self.worker.engine.manager
@@ -108,12 +120,25 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     async def Release(self, request: wpb.ReleaseRequest, context) -> wpb.ReleaseResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
-        res = self.reserved.get(request.request_id)
+        rid = request.request_id
+        pending = self.reserving.get(rid)
+        if pending is not None:  # the Reserve it overtook finishes first
+            await asyncio.shield(pending)
+        res = self.reserved.get(rid)
         if res is not None and res.decoding:
             return wpb.ReleaseResponse(released=False)
-        return wpb.ReleaseResponse(released=await self._drop(request.request_id))
+        return wpb.ReleaseResponse(released=await self._drop(rid))
 
-    async def Decode(self, request: wpb.DecodeRequest, context):
+    async def Decode(self, request: wpb.DecodeRequest, context) -> None:
+        """Written, not yielded: a cancel lands here and the pages are freed at once."""
+        messages = self._decode(request, context)
+        try:
+            async for message in messages:
+                await context.write(message)
+        finally:
+            await messages.aclose()
+
+    async def _decode(self, request: wpb.DecodeRequest, context):
         w, rid = self.worker, request.request_id
         res = self.reserved.get(rid)
         if res is None or res.decoding:

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP API: completions, chat, models, health, metrics.
 
 Requests are served on the router's own asyncio loop by calling its ``Router`` servicer
-in-process (``Generate``, ``Health``, ``ModelInfo``, ``Abort``): no extra network hop.
+in-process (``stream``, the messages its Generate sends; ``Health``, ``ModelInfo``,
+``Abort``): no extra network hop.
 Errors before the first token become HTTP errors (400 naming the field, 404 for an
 unknown model, 503 when no prefill/decode pair is ready, 500 otherwise); an error after
 streaming started is sent as an SSE event ``{"error": {...}}``. A streaming client that
@@ -21,16 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.http import HttpError, Request, Response, StreamingResponse
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
-from services.router.openai_responses import (
-    DONE,
-    chat_chunk,
-    chat_json,
-    completion_chunk,
-    completion_json,
-    error_json,
-    sse,
-    usage_chunk,
-)
+from services.router.openai_responses import DONE, StreamChunks, chat_json, completion_json, error_json, sse
+from services.router.openai_stop import StopTrimmer
 from services.router.server import Router
 
 ABANDON_TIMEOUT_S = 5.0
@@ -108,7 +101,7 @@ class OpenAIServer:
 
     async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
         try:
-            async for message in self.router.Generate(request.generate, _LocalContext()):
+            async for message in self.router.stream(request.generate, _LocalContext()):
                 yield message
         except _Rejected as e:
             raise _rejection(request, e) from None
@@ -122,11 +115,12 @@ class OpenAIServer:
         return first
 
     async def _collect(self, request: OpenAIRequest, first, messages) -> dict:
+        trimmer = StopTrimmer(list(request.generate.sampling.stop))
         texts, reason, usage = [], cpb.FINISH_REASON_UNSPECIFIED, cpb.Usage()
         async for message in _chain(first, messages):
             kind = message.WhichOneof("payload")
             if kind == "chunk":
-                texts.append(message.chunk.text)
+                texts.append(trimmer.feed(message.chunk.text))
             elif kind == "error":
                 await self._abandon(request.generate.request_id, messages)
                 raise _stream_error(request, message.error)
@@ -134,31 +128,32 @@ class OpenAIServer:
                 reason, usage = message.complete.finish_reason, message.complete.usage
         build = chat_json if request.kind == "chat" else completion_json
         return build(request.generate.request_id, _now(), request.model,
-                     "".join(texts), reason, usage)
+                     "".join(texts) + trimmer.flush(), reason, usage)
 
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
-        rid, created, model = request.generate.request_id, _now(), request.model
-        chat = request.kind == "chat"
+        rid = request.generate.request_id
+        chunks = StreamChunks(request.kind, rid, _now(), request.model)
+        trimmer = StopTrimmer(list(request.generate.sampling.stop))
         try:
-            if chat:
-                yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+            if chunks.chat:
+                yield chunks.role()
             try:
                 async for message in _chain(first, messages):
                     kind = message.WhichOneof("payload")
-                    if kind == "chunk" and message.chunk.text:
-                        text = message.chunk.text
-                        yield sse(chat_chunk(rid, created, model, {"content": text}) if chat
-                                  else completion_chunk(rid, created, model, text))
+                    if kind == "chunk":
+                        text = trimmer.feed(message.chunk.text)
+                        if text:
+                            yield chunks.text(text)
                     elif kind == "error":
                         yield sse(_stream_error(request, message.error).body)
                         break
-                    elif kind == "complete":
-                        reason = message.complete.finish_reason
-                        yield sse(chat_chunk(rid, created, model, {}, reason) if chat
-                                  else completion_chunk(rid, created, model, "", reason))
+                    else:
+                        tail = trimmer.flush()
+                        if tail:
+                            yield chunks.text(tail)
+                        yield chunks.finish(message.complete.finish_reason)
                         if request.include_usage:
-                            yield sse(usage_chunk(request.kind, rid, created, model,
-                                                  message.complete.usage))
+                            yield chunks.usage(message.complete.usage)
             except HttpError as e:  # the router ended the stream (e.g. its decode worker died)
                 yield sse(e.body)
             yield DONE

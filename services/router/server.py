@@ -30,9 +30,10 @@ from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
 from services.router.validation import RequestError, validate_generate
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.DEADLINE_EXCEEDED}
-MAX_ATTEMPTS = 3
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
+QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
+QUEUE_BACKOFF_S, QUEUE_BACKOFF_MAX_S = 0.02, 0.5
 STATS_INTERVAL_S = 0.5
 STATS_TIMEOUT_S = 2.0  # a worker that does not answer Stats in time is unhealthy
 
@@ -53,6 +54,7 @@ class _Inflight:
     aborted: bool = False
     workers: tuple[str, ...] = ()  # the workers the current call depends on
     lost: str = ""  # a worker of ``workers`` found dead; its call was cancelled
+    reserved_on: str = ""  # decode worker holding a reservation no Decode call owns yet
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         self.metrics = metrics
         self.token = token
         self.tls = tls
+        self.queue_timeout_s = QUEUE_TIMEOUT_S
         self.registry = Registry(tokens_per_page)
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, _Inflight] = {}
@@ -166,7 +169,18 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             handle.call.cancel()
         return cpb.AbortResponse(found=True)
 
-    async def Generate(self, request: cpb.GenerateRequest, context):
+    async def Generate(self, request: cpb.GenerateRequest, context) -> None:
+        """gRPC streaming handler. Messages are written, not yielded, so a client's cancel
+        lands inside this coroutine and the request's cleanup runs at once."""
+        messages = self.stream(request, context)
+        try:
+            async for message in messages:
+                await context.write(message)
+        finally:
+            await messages.aclose()
+
+    async def stream(self, request: cpb.GenerateRequest, context):
+        """The Generate messages of one request (also used in-process by the HTTP API)."""
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
@@ -187,6 +201,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             status = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
+            channel = self.channels.get(handle.reserved_on)
+            if handle.reserved_on and channel is not None:  # ended before Decode completed
+                self._spawn(self._release(wpb_grpc.DecodeWorkerStub(channel), rid))
             self.inflight.pop(rid, None)
             self.metrics.running.labels("router").dec()
             self.metrics.requests.labels("router", status.lower()).inc()
@@ -196,13 +213,25 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                         handle: _Inflight):
         excluded: set[str] = set()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for _ in range(MAX_ATTEMPTS):
+        backoff = QUEUE_BACKOFF_S
+        while len(excluded) < MAX_ATTEMPTS:
             pair = self.registry.choose_pair(token_ids, excluded)
             if pair is None:
                 break
             prefill, decode = pair
             try:
                 first = await self._prefill_on(rid, token_ids, request, handle, prefill, decode)
+            except _Busy:  # no free pages yet: queue, as an engine queues its admissions
+                if handle.aborted:
+                    yield _complete(rid, cpb.FINISH_REASON_ABORT, cpb.Usage())
+                    return
+                if time.monotonic() - handle.start > self.queue_timeout_s:
+                    yield _error(rid, f"no free KV pages within {self.queue_timeout_s} s")
+                    yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
+                    return
+                await self._wait_queued(backoff)
+                backoff = min(2 * backoff, QUEUE_BACKOFF_MAX_S)
+                continue
             except _Retry as e:
                 excluded.add(e.worker_id)
                 continue
@@ -261,10 +290,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         """Reserve on ``decode``, prefill on ``prefill``; returns (response, usage)."""
         decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
         prefill_stub = wpb_grpc.PrefillWorkerStub(self.channels[prefill.id])
+        handle.reserved_on = decode.id  # before the call: a cancel may land after it reserved
         try:
             reserved = await decode_stub.Reserve(wpb.ReserveRequest(request_id=rid,
                                                                     prompt_len=len(token_ids)))
         except grpc.aio.AioRpcError as e:
+            handle.reserved_on = ""
             raise _classify(e, decode.id) from None
         prefill.inflight += 1
         decode.inflight += 1
@@ -279,6 +310,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             return response
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             await self._release(decode_stub, rid)
+            handle.reserved_on = ""
             if handle.aborted:
                 raise _Abort() from None
             if handle.lost:
@@ -299,12 +331,15 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
         if first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
             await self._release(decode_stub, rid)
+            handle.reserved_on = ""
             yield _complete(rid, first.finish_reason, usage.merged())
             return
         decode.inflight += 1
         call = decode_stub.Decode(wpb.DecodeRequest(
             request_id=rid, prompt_token_ids=token_ids, first_token_id=first.first_token_id,
             sampling=request.sampling, speculative=request.speculative))
+        # reserved_on stays set until the stream completes: a Decode call cancelled before the
+        # worker saw it would otherwise orphan the reservation until its lease ran out
         handle.call, handle.workers = call, (decode.id,)
         last = time.monotonic()
         try:
@@ -320,6 +355,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     yield cpb.GenerateResponse(request_id=rid, error=message.error)
                 else:
                     usage.decode = message.complete.usage
+                    handle.reserved_on = ""
                     yield _complete(rid, message.complete.finish_reason, usage.merged())
                     return
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -374,6 +410,14 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     worker.healthy = False
             await asyncio.sleep(STATS_INTERVAL_S)
 
+    async def _wait_queued(self, seconds: float) -> None:
+        waiting = self.metrics.waiting.labels("router")
+        waiting.inc()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            waiting.dec()
+
     def _lose(self, worker_id: str) -> None:
         """A worker failed its health poll: cancel every call that depends on it; requests
         that emitted nothing are retried elsewhere, the others fail UNAVAILABLE."""
@@ -398,6 +442,13 @@ class _Abort(Exception):
     pass
 
 
+class _Busy(Exception):
+    """The decode worker has no free pages for the request now."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+
 class _Unavailable(Exception):
     """A worker died under a request that already streamed tokens."""
 
@@ -408,6 +459,8 @@ class _Fail(Exception):
 
 
 def _classify(error: grpc.aio.AioRpcError, worker_id: str) -> Exception:
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _Busy(worker_id)
     if error.code() in RETRYABLE:
         return _Retry(worker_id)
     return _Fail(f"worker {worker_id}: {error.code().name}: {error.details()}")
