@@ -60,27 +60,31 @@ def chat_json(rid: str, created: int, model: str, text: str, reason: int,
             "choices": [choice], "usage": usage_json(usage)}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str,
-                     reason: int | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None,
-              "finish_reason": None if reason is None else finish_reason(reason)}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+class StreamChunks:
+    """The SSE events of one streamed completion or chat, all with one id and time."""
 
+    def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
+        self.chat = kind == "chat"
+        self.head = {"id": rid, "object": "chat.completion.chunk" if self.chat
+                     else "text_completion", "created": created, "model": model}
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict,
-               reason: int | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None,
-              "finish_reason": None if reason is None else finish_reason(reason)}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    def role(self) -> bytes:
+        """A chat stream opens with the assistant's role and no text."""
+        return self._choice({"delta": {"role": "assistant", "content": ""}})
 
+    def text(self, text: str) -> bytes:
+        return self._choice({"delta": {"content": text}} if self.chat else {"text": text})
 
-def usage_chunk(kind: str, rid: str, created: int, model: str, usage: cpb.Usage) -> dict:
-    """The last chunk under ``stream_options.include_usage``: no choices, only usage."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage_json(usage)}
+    def finish(self, reason: int) -> bytes:
+        return self._choice({"delta": {}} if self.chat else {"text": ""}, finish_reason(reason))
+
+    def usage(self, usage: cpb.Usage) -> bytes:
+        """The last chunk under ``stream_options.include_usage``: no choices, only usage."""
+        return sse({**self.head, "choices": [], "usage": usage_json(usage)})
+
+    def _choice(self, body: dict, reason: str | None = None) -> bytes:
+        choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+        return sse({**self.head, "choices": [choice]})
 
 
 def error_json(message: str, kind: str, param: str | None = None,

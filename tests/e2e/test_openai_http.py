@@ -111,6 +111,19 @@ def test_a_streamed_chat_joins_to_the_same_reply(client, model):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_text_stops_before_the_first_stop_string(client, model):
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
+    text = free.choices[0].text
+    stop = next(ch for ch in text[len(text) // 2:] if ch.isascii())  # not U+FFFD: a partial
+    expected = text[:text.index(stop)]  # character decodes to it before it is complete
+    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stop=[stop],
+                                        **GREEDY)
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stop=stop,
+                                         stream=True, **GREEDY)
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (expected, "stop")
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
 def test_a_seeded_sample_repeats(client, model):
     texts = {client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0,
                                        seed=11, extra_body={"ignore_eos": True}).choices[0].text

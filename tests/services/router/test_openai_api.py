@@ -34,7 +34,8 @@ def _error(message: str) -> cpb.GenerateResponse:
 
 
 class ScriptedRouter:
-    """Answers Generate with ``script``; ``hold`` parks it after the first message."""
+    """Answers ``stream`` (what Generate writes) with ``script``; ``hold`` parks it after the
+    first message."""
 
     def __init__(self, script: list[cpb.GenerateResponse], hold: bool = False) -> None:
         self.script, self.hold = script, hold
@@ -57,7 +58,7 @@ class ScriptedRouter:
         self.released.set()
         return cpb.AbortResponse(found=True)
 
-    async def Generate(self, request, context):
+    async def stream(self, request, context):
         self.requests.append(request)
         self.inflight[request.request_id] = object()
         try:
@@ -151,6 +152,16 @@ def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
         [({"role": "assistant", "content": ""}, None), ({"content": "hi"}, None), ({}, "stop")]
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     assert "usage" not in events[-2]
+
+
+def test_the_stop_string_and_what_follows_are_not_returned():
+    script = [_chunk("abE"), _chunk("NDzz"), _complete(cpb.FINISH_REASON_STOP)]
+    body = {"model": MODEL, "prompt": "x", "stop": ["END"]}
+    whole = json.loads(_call(OpenAIServer(ScriptedRouter(script)), "/v1/completions", body).body)
+    assert whole["choices"][0]["text"] == "ab"
+    events = _call(OpenAIServer(ScriptedRouter(script)), "/v1/completions",
+                   {**body, "stream": True})
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", ""]
 
 
 def test_an_error_before_the_first_token_is_an_http_error():
@@ -248,7 +259,7 @@ def test_no_ready_pair_is_a_503_and_counted_by_the_router():
 
 def test_a_grpc_refusal_maps_to_a_status():
     class Refusing(ScriptedRouter):
-        async def Generate(self, request, context):
+        async def stream(self, request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker d is unavailable")
             yield  # an async generator, like the servicer
 
