@@ -11,6 +11,9 @@ from services.common.security import TlsConfig, TokenCheck
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+READY_SERVICE = "tandem.ready"
+"""Health service name of readiness: SERVING once the process can take traffic (a worker:
+registered and paired; the router: at least one ready pair). "" is liveness."""
 
 
 async def start_server(add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int,
@@ -26,6 +29,7 @@ async def start_server(add_servicers: Callable[[grpc.aio.Server], None], host: s
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", NOT_SERVING)
+    await health_servicer.set(READY_SERVICE, NOT_SERVING)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, tls.server_credentials()) if tls
              else server.add_insecure_port(address))

@@ -8,7 +8,7 @@ import signal
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.grpc_server import SERVING, start_server
+from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server
 from services.common.metrics import serve_metrics
 from services.common.peering import PeerRegistry
 from services.common.worker import WorkerBase, WorkerConfig
@@ -20,6 +20,7 @@ async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
     worker = WorkerBase(config)
     await worker.start()
     peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token)
+    worker.peers = peers
 
     def add(server) -> None:
         reg_grpc.add_RegistrationServicer_to_server(peers, server)
@@ -40,7 +41,10 @@ async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
     await health.set("", SERVING)
     print(f"{config.role} {config.instance_id} grpc={worker.grpc_address} "
           f"metrics=http://{config.host}:{metrics_port}/metrics", flush=True)
-    registration = asyncio.ensure_future(worker.register_forever())
+    async def report_ready(flag: bool) -> None:
+        await health.set(READY_SERVICE, SERVING if flag else NOT_SERVING)
+
+    registration = asyncio.ensure_future(worker.register_forever(report_ready))
     if ready is not None:
         ready.set()
     await _wait_for_stop(stop)

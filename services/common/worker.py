@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -65,6 +66,7 @@ class WorkerBase:
         hidden = self.engine.target.config.hidden_size
         self.agent = KVTransferAgent(self.engine.manager, hidden_size=hidden)
         self.grpc_address = ""
+        self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
 
     async def start(self) -> None:
@@ -109,8 +111,11 @@ class WorkerBase:
                                  role=ROLES[self.config.role], groups=groups,
                                  num_running=len(sched.running), num_waiting=len(sched.waiting))
 
-    async def register_forever(self) -> None:
-        """Register with the router, then heartbeat; register again whenever it forgets us."""
+    async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None
+                               ) -> None:
+        """Register with the router, then heartbeat; register again whenever it forgets us.
+        ``ready(flag)`` reports whether this worker is registered and, unless aggregated, in
+        at least one pair that passed its test transfer (``paired``)."""
         if not self.config.router:
             return
         async with aio_channel(self.config.router, self.config.tls, self.config.token) as channel:
@@ -127,7 +132,12 @@ class WorkerBase:
                     registered = beat.registered
                 except grpc.aio.AioRpcError:
                     registered = False
+                if ready is not None:
+                    await ready(registered and (self.config.role == "both" or self.paired()))
                 await asyncio.sleep(HEARTBEAT_S)
+
+    def paired(self) -> bool:
+        return bool(self.peers is not None and self.peers.peers)
 
     def record_spec_metrics(self) -> None:
         """Export the engine's speculative counters (per origin) as Prometheus totals."""

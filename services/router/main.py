@@ -45,6 +45,7 @@ async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0
     if http is not None:
         http_port = await http.start(host, http_port)
     await health.set("", SERVING)
+    router.health = health
     print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics"
           + (f" http=http://{host}:{http_port}" if http else ""), flush=True)
     if bound is not None:

@@ -27,6 +27,7 @@ class Worker:
     inflight: int = 0  # requests the router has in flight there
     free_pages: int = 0  # target-group pages free at the last Stats poll
     healthy: bool = True
+    missed: int = 0  # consecutive Stats polls without an answer
 
     @property
     def id(self) -> str:

@@ -23,6 +23,7 @@ from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING
 from services.common.metrics import Metrics
 from services.common.security import TlsConfig, aio_channel
 from services.engine.tokenizer import ByteTokenizer
@@ -35,7 +36,8 @@ MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
 QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
 QUEUE_BACKOFF_S, QUEUE_BACKOFF_MAX_S = 0.02, 0.5
 STATS_INTERVAL_S = 0.5
-STATS_TIMEOUT_S = 2.0  # a worker that does not answer Stats in time is unhealthy
+STATS_TIMEOUT_S = 2.0
+STATS_MISSES = 2  # Stats polls a worker may miss (time out) before it counts as unhealthy
 
 
 @dataclass(slots=True)
@@ -81,6 +83,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         self.token = token
         self.tls = tls
         self.queue_timeout_s = QUEUE_TIMEOUT_S
+        self.health = None  # grpc.health.v1 servicer, for the readiness service
         self.registry = Registry(tokens_per_page)
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, _Inflight] = {}
@@ -404,10 +407,18 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     worker.free_pages = (target.num_pages_total - target.num_pages_used
                                          if target else 0)
                     worker.healthy = True
-                except (grpc.aio.AioRpcError, AttributeError):
-                    if worker.healthy:
+                    worker.missed = 0
+                except (grpc.aio.AioRpcError, AttributeError) as e:
+                    # a refused connection is a dead process; a slow answer may be a busy one
+                    worker.missed += 1
+                    gone = isinstance(e, grpc.aio.AioRpcError) and \
+                        e.code() == grpc.StatusCode.UNAVAILABLE
+                    if worker.healthy and (gone or worker.missed >= STATS_MISSES):
                         self._lose(worker.id)
-                    worker.healthy = False
+                        worker.healthy = False
+            if self.health is not None:
+                await self.health.set(READY_SERVICE, SERVING if self.registry.is_serving()
+                                      else NOT_SERVING)
             await asyncio.sleep(STATS_INTERVAL_S)
 
     async def _wait_queued(self, seconds: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -50,6 +51,24 @@ def test_traffic_goes_only_to_the_ready_pair(mixed):
     pages = _decode_requests_seen(mixed)
     assert pages["decode-2"] == 0 and pages["decode-1"] > 0
     assert_no_request_holds_pages(mixed)
+
+
+def test_readiness_means_registered_and_paired(mixed):
+    expected = {"router": True, "prefill-0": True, "decode-1": True, "decode-2": False}
+    deadline = time.monotonic() + 5  # workers report readiness with their 1 s heartbeat
+    while True:
+        ready = {p.name: _ready(p.grpc) for p in mixed.processes}
+        if ready == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert ready == expected
+
+
+def _ready(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="tandem.ready"), timeout=5).status
+    return status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_every_process_serves_grpc_health_and_metrics(mixed):
