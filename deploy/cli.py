@@ -51,6 +51,24 @@ def engine_config(args: argparse.Namespace):
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache)
 
 
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=os.environ.get("TANDEM_TOKEN", ""),
+                   help="bearer token every client and service call must carry "
+                   "(default: $TANDEM_TOKEN; empty = none)")
+    p.add_argument("--tls-cert", default="", help="PEM certificate: turns on mutual TLS")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default="", help="PEM CA that signs every peer's certificate")
+
+
+def tls_config(args: argparse.Namespace):
+    from services.common.security import tls_from
+
+    try:
+        return tls_from(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"tandem: {e}") from None
+
+
 def add_http_port_arg(p: argparse.ArgumentParser, default: int | None) -> None:
     p.add_argument("--http-port", type=int, default=default, help="router's OpenAI-compatible "
                    "HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -91,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--metrics-port", type=int, default=0)
     router.add_argument("--tokens-per-page", type=int, default=16)
+    add_security_args(router)
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_ray_parser(sub)
     worker = sub.add_parser("worker", help="run one worker")
@@ -101,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--port", type=int, default=0)
     worker.add_argument("--metrics-port", type=int, default=0)
     worker.add_argument("--instance-id", default="")
+    add_security_args(worker)
     return parser
 
 
@@ -111,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
         limits = model_limits(args.model, args.num_spec_tokens)
         asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
-                               args.tokens_per_page,
-                               http_port=None if args.http_port < 0 else args.http_port))
+                               args.tokens_per_page, token=args.token,
+                               http_port=None if args.http_port < 0 else args.http_port,
+                               tls=tls_config(args)))
     elif args.command == "ray":
         from deploy.ray_launcher.launcher import main as ray_main
 
@@ -123,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config = WorkerConfig(role=args.role, engine=engine_config(args), host=args.host,
                               port=args.port, metrics_port=args.metrics_port, router=args.router,
-                              instance_id=args.instance_id)
+                              instance_id=args.instance_id, token=args.token,
+                              tls=tls_config(args))
         asyncio.run(run_worker(config))
     else:
         return run_up(args)

@@ -37,9 +37,11 @@ class LocalCluster:
                  roles: list[str | tuple[str, list[str]]],
                  port: int = 0, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0, expected_pairs: int | None = None,
-                 http_port: int = 0) -> None:
+                 http_port: int = 0, credentials: grpc.ChannelCredentials | None = None) -> None:
         """``roles``: one entry per worker, a role or (role, extra worker arguments).
-        ``http_port``: the router's OpenAI-compatible HTTP port (0 = any free, -1 = off)."""
+        ``http_port``: the router's OpenAI-compatible HTTP port (0 = any free, -1 = off).
+        ``credentials``: how this process reaches the router when it runs mutual TLS."""
+        self.credentials = credentials
         self.worker_args, self.router_args = worker_args, router_args
         self.extra = [r[1] if isinstance(r, tuple) else [] for r in roles]
         self.roles = [r[0] if isinstance(r, tuple) else r for r in roles]
@@ -101,7 +103,7 @@ class LocalCluster:
         aggregated = self.roles.count("both")
         deadline = time.monotonic() + self.start_timeout_s
         health = cpb.HealthResponse()
-        with grpc.insecure_channel(self.router_address) as channel:
+        with self.channel() as channel:
             stub = cpb_grpc.TandemStub(channel)
             while time.monotonic() < deadline:
                 health = stub.Health(cpb.HealthRequest(), timeout=5)
@@ -112,6 +114,13 @@ class LocalCluster:
                 time.sleep(0.2)
         raise RuntimeError(f"cluster not serving after {self.start_timeout_s} s: "
                            f"{health.num_ready_pairs}/{pairs} pairs ready; {health.message}")
+
+    def channel(self, address: str = "") -> grpc.Channel:
+        """A blocking channel to the router (or ``address``), with TLS when configured."""
+        address = address or self.router_address
+        if self.credentials is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, self.credentials)
 
     def describe(self) -> str:
         lines = [f"{p.name:<12} grpc={p.grpc}  metrics={p.metrics}" for p in self.processes]

@@ -10,6 +10,7 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.grpc_server import SERVING, start_server
 from services.common.metrics import Metrics, serve_metrics
+from services.common.security import TlsConfig
 from services.common.serve import _wait_for_stop
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
@@ -29,17 +30,18 @@ def model_limits(model_dir: str, num_spec_tokens: int, max_model_len: int = 0) -
 async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0,
                      metrics_port: int = 0, tokens_per_page: int = 16, token: str = "",
                      ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                     bound: dict | None = None, http_port: int | None = None) -> None:
+                     bound: dict | None = None, http_port: int | None = None,
+                     tls: TlsConfig | None = None) -> None:
     """Serve until ``stop`` is set. Ports: 0 = any free port; ``http_port`` None = no
     OpenAI-compatible HTTP server. Prints one line with the endpoints."""
     metrics = Metrics("router")
-    router = Router(limits, metrics, tokens_per_page, token)
+    router = Router(limits, metrics, tokens_per_page, token, tls)
 
     def add(server) -> None:
         cpb_grpc.add_TandemServicer_to_server(router, server)
         reg_grpc.add_RegistrationServicer_to_server(router, server)
 
-    server, health, port = await start_server(add, host, port)
+    server, health, port = await start_server(add, host, port, tls, token)
     metrics_port = serve_metrics(metrics, host, metrics_port)
     http = HttpServer(OpenAIServer(router).routes()) if http_port is not None else None
     if http is not None:

@@ -49,11 +49,23 @@ class OpenAIServer:
         self.created = int(time.time())  # reported as the model's creation time
 
     def routes(self) -> dict:
-        return {"/v1/completions": {"POST": self.completions},
-                "/v1/chat/completions": {"POST": self.chat_completions},
-                "/v1/models": {"GET": self.models},
+        guard = self._authorized
+        return {"/v1/completions": {"POST": guard(self.completions)},
+                "/v1/chat/completions": {"POST": guard(self.chat_completions)},
+                "/v1/models": {"GET": guard(self.models)},
                 "/health": {"GET": self.health},
                 "/metrics": {"GET": self.metrics}}
+
+    def _authorized(self, handler):
+        """With a router token, /v1/* needs ``Authorization: Bearer <token>`` (else 401)."""
+        async def checked(http: Request):
+            token = self.router.token
+            if token and http.headers.get("authorization") != f"Bearer {token}":
+                raise HttpError(401, {"error": {"message": "authorization: missing or wrong "
+                                                "bearer token", "type": "authentication_error",
+                                                "param": "authorization", "code": 401}})
+            return await handler(http)
+        return checked
 
     # ------------------------------------------------------------------ endpoints
 
