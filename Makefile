@@ -10,7 +10,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test proto bench lint clean observe
+.PHONY: setup run test proto bench bench-al soak lint clean observe
 
 setup: $(STAMP)
 
@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	set -o pipefail; $(BIN)/python -m pip install -q -e '.[test]' 2>&1 | { grep -v '^WARNING: Location' || true; }
 	$(BIN)/python -c "import torch, grpc, ucxx, ray, prometheus_client, hypothesis; print('setup ok: torch', torch.__version__)"
+	deploy/prometheus/install.sh || echo "setup: no prometheus server; its live test will be skipped"
 	touch $(STAMP)
 
 proto: $(STAMP) $(GEN)
@@ -40,6 +41,15 @@ test: proto
 bench: proto
 	$(BIN)/python -m bench.kvcore
 	$(BIN)/python -m bench.ucx_raw
+	$(BIN)/python -m bench.transfer
+
+# acceptance length, aggregated vs disaggregated unified vs separate (a few minutes on CPU)
+bench-al: proto
+	$(BIN)/python -m bench.disagg_al
+
+# 64 concurrent streams with random cancellations for 10 minutes (SOAK_ARGS to change)
+soak: proto
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvcore services deploy bench tests

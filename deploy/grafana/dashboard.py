@@ -85,10 +85,12 @@ ROWS = (
         Panel("Draft acceptance rate by origin", "Accepted draft tokens / proposed draft tokens.",
               ((ratio("tandem_spec_accepted_tokens_total", "tandem_spec_draft_tokens_total",
                       "origin"), "{{origin}}"),), unit="percentunit"),
-        Panel("Acceptance by draft position",
-              "Share of verify steps whose draft token at this position was accepted.",
-              ((f"{rate('tandem_spec_accepted_tokens_per_position_total', 'position')} / "
-                f"scalar(sum(rate(tandem_spec_drafts_total{{{JOB}}}{RATE})))", "position {{position}}"),),
+        Panel("Acceptance by draft position and origin",
+              "Share of verify steps whose draft token at this position was accepted, per "
+              "draft-state origin.",
+              ((f"{rate('tandem_spec_accepted_tokens_per_position_total', 'position, origin')} / "
+                f"on (origin) group_left {rate('tandem_spec_drafts_total', 'origin')}",
+                "{{origin}} position {{position}}"),),
               unit="percentunit"),
         Panel("Verify steps/s by origin", "How much decoding starts from transferred, local or "
               "cold draft state.",

@@ -48,8 +48,8 @@ class Metrics:
         self.spec_accepted = Counter("tandem_spec_accepted_tokens", "Draft tokens accepted",
                                      ["origin"], registry=r)
         self.spec_accepted_per_position = Counter("tandem_spec_accepted_tokens_per_position",
-                                                  "Accepted draft tokens by position", ["position"],
-                                                  registry=r)
+                                                  "Accepted draft tokens by position",
+                                                  ["position", "origin"], registry=r)
         self.spec_al = Histogram("tandem_spec_acceptance_length", "Tokens emitted per verify step",
                                  ["origin"], buckets=AL_BUCKETS, registry=r)
         self.registrations = Counter("tandem_peer_registrations", "Peer registrations",

@@ -148,7 +148,7 @@ class WorkerBase:
             m.spec_draft_tokens.labels(origin).inc(s.num_draft_tokens - drafts)
             m.spec_accepted.labels(origin).inc(s.num_accepted - accepted)
             for i, n in enumerate(s.accepted_per_position):
-                m.spec_accepted_per_position.labels(str(i)).inc(n - (per_pos[i] if i < len(per_pos)
+                m.spec_accepted_per_position.labels(str(i), origin).inc(n - (per_pos[i] if i < len(per_pos)
                                                                      else 0))
             if s.num_steps > steps:  # mean tokens per verify step since the last export
                 m.spec_al.labels(origin).observe(
