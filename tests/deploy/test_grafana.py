@@ -18,7 +18,8 @@ FUNCTIONS = {"sum", "rate", "increase", "histogram_quantile", "scalar"}
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds these to every scraped series
 _SELECTOR = re.compile(r"\{([^}]*)\}")
 _MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)\s*\"[^\"]*\"")
-_BY = re.compile(r"\bby\s*\(([^)]*)\)")
+_BY = re.compile(r"\b(?:by|on|ignoring)\s*\(([^)]*)\)")  # grouping and vector matching
+_KEYWORDS = re.compile(r"\bgroup_(?:left|right)\b")
 _IDENTIFIER = re.compile(r"(?<![\w.])([a-zA-Z_:][\w:]*+)(?!\s*\()")
 _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
@@ -42,7 +43,7 @@ def parse(expr: str) -> tuple[set[str], set[str], set[str]]:
     for body in _SELECTOR.findall(expr):
         selectors |= set(_MATCHER.findall(body))
     by = {label.strip() for clause in _BY.findall(expr) for label in clause.split(",")}
-    bare = re.sub(r"\[[^\]]*\]", "", _BY.sub("", _SELECTOR.sub("", expr)))
+    bare = re.sub(r"\[[^\]]*\]", "", _KEYWORDS.sub("", _BY.sub("", _SELECTOR.sub("", expr))))
     return set(_IDENTIFIER.findall(bare)), selectors, by
 
 
