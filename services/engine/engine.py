@@ -22,7 +22,7 @@ from services.engine.checks import cache_config, check_fits, check_sampling, enc
 from services.engine.config import EngineConfig
 from services.engine.models import load_drafter, load_target
 from services.engine.rejection import rejection_sample
-from services.engine.request import AuxState, Request, RequestOutput, Status
+from services.engine.request import AuxState, PrefillSpan, Request, RequestOutput, Status
 from services.engine.runner import ModelRunner, Span, TargetRun
 from services.engine.sampler import probs_from_logits, sample
 from services.engine.sampling import SamplingParams
@@ -122,16 +122,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if plan.prefill or plan.decode:
-            drafts = draft(self.runner, plan.decode, self.k) if self.k and plan.decode else None
-            spans = [Span(r.request_id, s.start, r.tokens[s.start:s.end], r.target_write_start)
-                     for r, s in plan.prefill] + verify_spans(plan.decode, drafts)
-            run = self.runner.run_target(spans)
-            offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
-            if self.drafter is not None and plan.prefill:
-                self._draft_prefill(plan.prefill, run, offsets)
-            self._finish_prefills(plan.prefill, run, offsets)
-            self._finish_decodes(plan.decode, drafts, run, offsets[len(plan.prefill):])
+        if plan.decode:  # decode first: its outputs do not depend on this step's prefills
+            self._decode(plan.decode)
+        if plan.prefill:
+            self._prefill(plan.prefill)
         return self.out.flush()
 
     def generate(self, prompts: list[str | list[int]],
@@ -157,6 +151,25 @@ class Engine:
         return [final[i] for i in ids]
 
     # ------------------------------------------------------------ step phases
+    # Prefill chunks and verify blocks run as separate target forwards: a varlen batch
+    # padded to its longest query (the CPU reference attention) would make every verify
+    # block as costly as a prefill chunk.
+
+    def _decode(self, decode: list[Request]) -> None:
+        drafts = draft(self.runner, decode, self.k) if self.k else None
+        spans = verify_spans(decode, drafts)
+        run = self.runner.run_target(spans)
+        offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
+        self._finish_decodes(decode, drafts, run, offsets)
+
+    def _prefill(self, prefill: list[tuple[Request, PrefillSpan]]) -> None:
+        spans = [Span(r.request_id, s.start, r.tokens[s.start:s.end], r.target_write_start)
+                 for r, s in prefill]
+        run = self.runner.run_target(spans)
+        offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
+        if self.drafter is not None:
+            self._draft_prefill(prefill, run, offsets)
+        self._finish_prefills(prefill, run, offsets)
 
     def _draft_prefill(self, prefill, run: TargetRun, offsets: list[int]) -> None:
         """Drafter slots of the chunks' positions: slot j reads t_j and f_{j-1}."""
