@@ -30,6 +30,7 @@ class Process:
     metrics: str = ""
     http: str = ""  # the router's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
     log: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
 
 
 class LocalCluster:
@@ -144,10 +145,25 @@ class LocalCluster:
                 p.popen.wait()
 
     def kill(self, name: str) -> None:
+        """SIGKILL a process; it stays listed (dead) until ``restart``."""
         for p in self.processes:
             if p.name == name:
                 p.popen.kill()
                 p.popen.wait()
+
+    def restart(self, name: str) -> None:
+        """Start a killed process again, with the same arguments (new ports)."""
+        i = next(i for i, p in enumerate(self.processes) if p.name == name)
+        old = self.processes.pop(i)
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        new = self._spawn(name, old.argv)
+        self.processes.remove(new)
+        self.processes.insert(i, new)
+        self._wait_endpoint(new)
+
+    def living(self) -> list[Process]:
+        return [p for p in self.processes if p.popen.poll() is None]
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n" + "".join(p.log[-40:]) for p in self.processes)
@@ -158,7 +174,7 @@ class LocalCluster:
         popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], env=self.env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        process = Process(name, popen)
+        process = Process(name, popen, argv=argv)
         threading.Thread(target=_pump, args=(process,), daemon=True).start()
         self.processes.append(process)
         return process

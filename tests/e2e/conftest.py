@@ -62,7 +62,7 @@ def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
 def worker_pages(cluster: LocalCluster) -> dict[str, dict[str, tuple[int, int]]]:
     """Per worker and group: (pages used, of which only the prefix cache holds)."""
     out = {}
-    for p in cluster.processes[1:]:
+    for p in cluster.living()[1:]:
         with grpc.insecure_channel(p.grpc) as channel:
             stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode")
                     else wpb_grpc.PrefillWorkerStub)(channel)

@@ -142,6 +142,21 @@ def test_sigkill_of_the_decode_worker_mid_decode_fails_unavailable(tiny_pair):
         cluster.stop()
 
 
+def test_a_restarted_decode_worker_registers_again_and_takes_traffic(tiny_pair):
+    cluster = start_cluster(tiny_pair, ["prefill", "decode"])
+    try:
+        cluster.kill("decode-1")
+        with pytest.raises(AssertionError):  # no pair: the request fails, naming why
+            generate(cluster.router_address, PROMPT, 4)
+        cluster.restart("decode-1")
+        cluster.wait_serving()
+        tokens, _ = generate(cluster.router_address, PROMPT, 4)
+        assert len(tokens) == 4
+        wait_no_request_holds_pages(cluster)
+    finally:
+        cluster.stop()
+
+
 def _wait_for_reservation(cluster, timeout_s: float = 10) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
