@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the target's max_position_embeddings
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +61,11 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.drafter is not None and self.num_spec_tokens > 0
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode-step forwards replay CUDA graphs: on CUDA, unless ``enforce_eager``."""
+        return not self.enforce_eager and torch.device(self.device).type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

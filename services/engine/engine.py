@@ -47,6 +47,8 @@ class Engine:
         self.manager = KVCacheManager(cache_config(config, self.target, self.drafter, self.k),
                                       self.device)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.device)
+        if config.cuda_graphs:
+            self.runner.capture_cuda_graphs(self.k + 1, config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, self.k, self.drafter is not None)
         self.tokenizer = ByteTokenizer()

@@ -40,9 +40,21 @@ class ModelRunner:
                  manager: KVCacheManager, device: torch.device) -> None:
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
+        self.graphs = None  # DecodeGraphs once capture_cuda_graphs ran
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, verify_len: int, max_batch: int, max_model_len: int,
+                            capture: bool = True) -> None:
+        """Route uniform decode-step forwards through CUDA graphs (services/engine/
+        cuda_graphs.py); ``capture=False`` runs the same static-buffer path eagerly."""
+        from services.engine.cuda_graphs import DecodeGraphs  # it imports this module
+        self.graphs = DecodeGraphs(self, verify_len, max_batch, max_model_len, capture)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def run_target(self, spans: list[Span]) -> TargetRun:
+        if self.graphs is not None and (run := self.graphs.run_target(spans)) is not None:
+            return run
         ctx = self.context(TARGET_GROUP, spans, window=0)
         ids, positions = self._inputs(spans)
         aux_ids = self.drafter.config.aux_layer_ids if self.drafter is not None else ()
@@ -53,6 +65,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, hidden_size]: the h_j inputs -> g [num_tokens, hidden_size]."""
+        if self.graphs is not None and (g := self.graphs.run_drafter(spans, hidden)) is not None:
+            return g
         ctx = self.context(DRAFT_GROUP, spans, window=self.draft_window)
         ids, positions = self._inputs(spans)
         return self.drafter(ids, hidden, positions, ctx, self.target)
