@@ -6,7 +6,8 @@ Prompts are held-out bytes of the standard library (models/data.py): code (held-
 ``*.py`` files) and prose (the license and pydoc topics), windows at seeded random offsets.
 Each rung runs its prompts as one batch, greedy, ``--max-tokens`` new tokens each, EOS
 ignored, prefix cache off. Reports AL per rung and domain for every K, and tokens/s with
-and without speculation (the same batch, K = 0), end to end and decode only. Greedy
+and without speculation (the same batch, K = 0), end to end and over the steps where the
+whole batch decodes. Greedy
 outputs of every K are checked equal to K = 0 (lossless).
 """
 
@@ -21,6 +22,7 @@ import torch
 from models.data import held_out_prose, split_files
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.request import Status
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import BOS_ID
 
@@ -40,28 +42,31 @@ def windows(corpus: bytes, length: int, count: int, seed: int) -> list[list[int]
     return [[BOS_ID, *corpus[s:s + length - 1]] for s in starts]
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], max_tokens: int):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    return outputs, time.perf_counter() - start
-
-
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """AL and speed of one batch. Decode tokens/s leaves out the prefill, timed apart as a
-    run of the same prompts with one new token (the first token comes from prefill)."""
-    _, prefill_s = timed_generate(engine, prompts, 1)
+    """AL and speed of one batch. Decode tokens/s counts only the steps where every request
+    of the batch is decoding (no prefill chunk in the step)."""
     engine.stats.clear()
-    outputs, seconds = timed_generate(engine, prompts, max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final, total_s, decode_s, decode_tokens = {}, 0.0, 0.0, 0
+    while engine.has_unfinished():
+        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        total_s += seconds
+        if decoding:
+            decode_s += seconds
+            decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+        final.update({o.request_id: o for o in outputs if o.finished})
     stats = engine.stats.get("local")
-    generated = sum(len(o.token_ids) for o in outputs)
-    decode_s = max(seconds - prefill_s, 1e-9)
+    generated = sum(len(final[i].token_ids) for i in ids)
     return {"al": round(stats.acceptance_length, 3) if stats else 1.0,
             "per_position": list(stats.accepted_per_position) if stats else [],
             "steps": stats.num_steps if stats else None,
-            "tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 2),
-            "decode_tokens_per_s": round((generated - len(prompts)) / decode_s, 1),
-            "token_ids": [o.token_ids for o in outputs]}
+            "tokens_per_s": round(generated / total_s, 1), "seconds": round(total_s, 2),
+            "decode_tokens_per_s": round(decode_tokens / max(decode_s, 1e-9), 1),
+            "token_ids": [final[i].token_ids for i in ids]}
 
 
 def main(argv: list[str] | None = None) -> None:
