@@ -102,6 +102,30 @@ def test_an_expired_lease_frees_the_reservation(slow):
     assert not released  # the lease had already freed it
 
 
+def test_client_cancel_mid_transfer_frees_pages_everywhere(tiny_pair):
+    cluster = start_cluster(tiny_pair, ["prefill", "decode"],
+                            env={"TANDEM_FAULTS": "prefill.before_send=2"})
+    try:
+        channel, call = stream(cluster.router_address, PROMPT, 20)
+        consumer = threading.Thread(target=lambda: list(_ignore_cancel(call)))
+        consumer.start()
+        _wait_for_reservation(cluster)  # pages reserved on decode, parked on prefill
+        assert worker_pages(cluster)["prefill-0"]["target"][0] > 0
+        call.cancel()
+        consumer.join(timeout=10)
+        channel.close()
+        wait_no_request_holds_pages(cluster)
+    finally:
+        cluster.stop()
+
+
+def _ignore_cancel(call):
+    try:
+        yield from call
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.CANCELLED
+
+
 def test_sigkill_of_a_decode_worker_mid_transfer_is_retried_elsewhere(tiny_pair):
     cluster = start_cluster(tiny_pair, ["prefill", "decode", "decode"],
                             env={"TANDEM_FAULTS": "prefill.before_send=3"})
