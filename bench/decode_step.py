@@ -1,0 +1,239 @@
+"""Decode step of an 8B-shaped, random-weight Llama target, eager and from CUDA graphs,
+beside its memory roofline.
+
+    python bench/decode_step.py [--batches 1,8,32,64] [--context 2048] [--vocab 128256]
+                                [--out results.json] [--small]
+
+Model: 32 layers, hidden 4096, 32 query / 8 KV heads (head dim 128), intermediate 14336,
+vocab 128256 (untied head), bf16, random weights built on the GPU through the engine's
+model classes. KV: one bf16 pool of 16-token pages, scattered at random, every sequence
+at ``context`` tokens (random K/V). One step = the target over one new token per sequence
+(its K/V written at position context - 1, attention over all ``context`` keys), the LM
+head and a greedy argmax, run through the engine's graph path (``GraphedForward``).
+
+Columns (medians of CUDA-event timings, L2 flushed before each run):
+- eager paged: the engine's eager path (``PagedContext``: ``paged_attention``, which reads
+  the longest query length back once per layer);
+- eager uniform: the graph path's forward launched from Python (``decode_attention``);
+- graph: the captured step replayed;
+- matmuls: a graph of the step's linear layers alone (every weight read once), the part
+  of the step that the roofline's weight bytes stand for;
+- roofline: (weight bytes + KV bytes read) / the device copy rate (read + write) measured
+  in the same run.
+``--small`` runs a 2-layer toy on the CPU (a smoke test of the script, no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcore.spec import cdiv  # noqa: E402
+from services.engine.cuda_graphs import GraphedForward, UniformBatch  # noqa: E402
+from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
+
+PAGE = 16
+
+
+def llama_8b(vocab: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def toy(vocab: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_target(config: LlamaConfig, device: torch.device, dtype: torch.dtype
+                 ) -> LlamaForCausalLM:
+    """Random weights (the modules' own initialisation), made directly on ``device``."""
+    torch.manual_seed(0)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(before)
+    return model.to(dtype).eval()
+
+
+def weight_bytes_per_step(model: LlamaForCausalLM, batch: int) -> int:
+    """Every weight once, except the embedding table, of which only ``batch`` rows are
+    read (unless it is also the LM head)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight") and model.lm_head is not None:
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: int) -> int:
+    return (batch * context * config.num_hidden_layers * config.num_key_value_heads
+            * config.head_dim * 2 * itemsize)
+
+
+def make_pool(config: LlamaConfig, max_batch: int, context: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random KV pool and a block table [max_batch, pages per sequence] of scattered
+    pages."""
+    pages_per_seq = cdiv(context, PAGE)
+    num_pages = max_batch * pages_per_seq
+    pool = torch.empty((num_pages, config.num_hidden_layers, 2, config.num_key_value_heads,
+                        PAGE, config.head_dim), dtype=dtype, device=device)
+    for chunk in pool.split(256):
+        chunk.normal_()
+    table = torch.randperm(num_pages, dtype=torch.int32).view(max_batch, pages_per_seq)
+    return pool, table
+
+
+def step_batch(table: torch.Tensor, batch: int, context: int, vocab: int) -> UniformBatch:
+    """Host-side inputs: one token per sequence at position context - 1."""
+    rows = table[:batch]
+    pos = context - 1
+    slots = rows[:, pos // PAGE].long() * PAGE + pos % PAGE
+    ids = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(batch))
+    return UniformBatch(ids, torch.full((batch,), pos), slots, rows,
+                        torch.full((batch,), context, dtype=torch.int32))
+
+
+def greedy_step(model: LlamaForCausalLM):
+    def forward(input_ids, positions, hidden, ctx):
+        logits = model.compute_logits(model(input_ids, positions, ctx).hidden)
+        return (logits.argmax(dim=-1),)
+    return forward
+
+
+def matmuls_only(model: LlamaForCausalLM, batch: int):
+    """The step's linear layers over random activations: every weight read once."""
+    c, dev, dt = model.config, model.head_weight.device, model.head_weight.dtype
+    x = torch.randn(batch, c.hidden_size, device=dev, dtype=dt)
+    inter = torch.randn(batch, c.intermediate_size, device=dev, dtype=dt)
+
+    def run() -> None:
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(x)
+            m.gate_proj(x), m.up_proj(x), m.down_proj(inter)
+        F.linear(x, model.head_weight)
+    return run
+
+
+def time_ms(fn, device: torch.device, graph: bool = False) -> float:
+    """Median time of ``fn`` (CUDA events, L2 flushed; or host clock on the CPU)."""
+    if device.type != "cuda":
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    import triton
+    if graph:
+        fn()
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
+    return triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
+
+
+def copy_rate_gbps(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    from bench.kernels import copy_rate_gbps as measured
+    return measured()
+
+
+def run_batch(model, graphed: GraphedForward, pool, table, batch: int, context: int,
+              device: torch.device) -> dict:
+    host = step_batch(table, batch, context, model.config.vocab_size)
+    graphed.load(host)
+    tokens = {}
+
+    def graph_step():
+        graphed.replay(batch)
+
+    def uniform_step():
+        graphed.run_forward(batch)
+
+    timings = {"graph": time_ms(graph_step, device), "eager_uniform": time_ms(uniform_step, device)}
+    for name, fn in (("graph", graph_step), ("eager_uniform", uniform_step)):
+        fn()
+        tokens[name] = graphed.outputs[0][:batch].tolist()
+    ctx = PagedContext(pool, host.block_table.to(device),
+                       torch.arange(batch + 1, dtype=torch.int32, device=device),
+                       host.seq_lens.to(device), host.slot_mapping.to(device))
+    ids, positions = host.input_ids.to(device), host.positions.to(device)
+    paged = greedy_step(model)
+    timings["eager_paged"] = time_ms(lambda: paged(ids, positions, None, ctx), device)
+    tokens["eager_paged"] = paged(ids, positions, None, ctx)[0].tolist()
+    timings["matmuls"] = time_ms(matmuls_only(model, batch), device, graph=device.type == "cuda")
+    return {"ms": timings, "tokens_equal": len({tuple(t) for t in tokens.values()}) == 1}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--out", default="")
+    p.add_argument("--small", action="store_true", help="2-layer toy on the CPU")
+    a = p.parse_args(argv)
+    batches = sorted(int(b) for b in a.batches.split(","))
+    device = torch.device("cpu" if a.small else "cuda")
+    dtype = torch.float32 if a.small else torch.bfloat16
+    config = toy(a.vocab) if a.small else llama_8b(a.vocab)
+    with torch.inference_mode():
+        model = build_target(config, device, dtype)
+        pool, table = make_pool(config, batches[-1], a.context, device, dtype)
+        graphed = GraphedForward(greedy_step(model), pool, q_len=1, window=0, buckets=batches,
+                                 max_pages=table.shape[1], capture=device.type == "cuda")
+        if device.type == "cuda":
+            graphed.capture(torch.cuda.graph_pool_handle())
+        copy = copy_rate_gbps(device)
+        rows = []
+        for batch in batches:
+            r = run_batch(model, graphed, pool, table, batch, a.context, device)
+            weights = weight_bytes_per_step(model, batch)
+            kv = kv_bytes_per_step(config, batch, a.context, pool.element_size())
+            r.update(batch=batch, weight_bytes=weights, kv_bytes=kv,
+                     roofline_ms=(weights + kv) / (copy * 1e6))
+            rows.append(r)
+    print_table(rows, copy, a, config)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"copy_gbps": copy, "rows": rows}, indent=1))
+
+
+def print_table(rows: list[dict], copy: float, a, config: LlamaConfig) -> None:
+    print(f"\ndecode step, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"vocab {config.vocab_size}, context {a.context}; copy {copy:,.0f} GB/s (read + write)")
+    print("| B | weights GB | KV GB | roofline ms | eager paged ms | eager uniform ms | graph ms "
+          "| graph / roofline | matmuls ms | graph GB/s | tokens equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["ms"]
+        gbs = (r["weight_bytes"] + r["kv_bytes"]) / (t["graph"] * 1e6)
+        print(f"| {r['batch']} | {r['weight_bytes'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} "
+              f"| {r['roofline_ms']:.2f} | {t['eager_paged']:.2f} | {t['eager_uniform']:.2f} "
+              f"| {t['graph']:.2f} | {t['graph'] / r['roofline_ms']:.2f} | {t['matmuls']:.2f} "
+              f"| {gbs:,.0f} | {'yes' if r['tokens_equal'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Speculative speedup of the bundled tiny pair: decode tokens/s with the drafter against
+the target alone, with the acceptance length (AL), so speedup >= 0.8 x AL can be judged.
+
+    python bench/spec_speedup.py [--batches 1,16] [--k 4] [--prompt-len 256]
+                                 [--max-tokens 256] [--device cuda] [--modes graphs,eager]
+                                 [--json FILE]
+
+Prompts: held-out standard-library code (bench/al_ladder.py's windows), one batch of
+``B`` prompts run to completion, greedy, EOS ignored, prefix cache off. Tokens/s and
+ms/step count only the engine steps where every request of the batch decodes. ``graphs`` mode replays
+CUDA graphs for the decode step (the engine's default on CUDA); ``eager`` sets
+``enforce_eager``. A second, synchronized pass splits the decode step's time into the
+runner's phases (drafter forwards, target forwards, LM heads) and the rest (sampling,
+acceptance, scheduling and bookkeeping on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.engine import Engine  # noqa: E402
+from services.engine.request import Status  # noqa: E402
+from services.engine.sampling import SamplingParams  # noqa: E402
+
+PHASES = ("run_drafter", "draft_logits", "run_target", "target_logits")
+
+
+def make_engine(k: int, max_batch: int, device: str, eager: bool) -> Engine:
+    return Engine(EngineConfig(model=MODEL, drafter=DRAFTER if k else None, num_spec_tokens=k,
+                               device=device, enable_prefix_cache=False, max_num_seqs=max_batch,
+                               kv_cache_bytes=1 << 30, enforce_eager=eager))
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
+               spent: dict[str, float] | None = None) -> dict:
+    """One batch to completion. Time, steps and tokens count only the steps where every
+    request decodes (no prefill chunk in the step); so does ``spent`` (seconds per phase,
+    filled by :func:`timed_phases`) when given."""
+    engine.stats.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final, seconds, steps, tokens = {}, 0.0, 0, 0
+    while engine.has_unfinished():
+        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
+        before = dict(spent) if spent is not None else None
+        start = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - start
+        if decoding:
+            seconds, steps = seconds + took, steps + 1
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+        elif spent is not None:
+            spent.clear()
+            spent.update(before)
+        final.update({o.request_id: o for o in outputs if o.finished})
+    stats = engine.stats.get("local")
+    return {"al": stats.acceptance_length if stats else 1.0, "seconds": seconds,
+            "steps": steps, "tok_s": tokens / max(seconds, 1e-9),
+            "ms_per_step": 1e3 * seconds / max(steps, 1),
+            "token_ids": [final[i].token_ids for i in ids]}
+
+
+def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wrap the runner's phases with synchronized timers; returns (seconds per phase, undo)."""
+    spent: dict[str, float] = defaultdict(float)
+    runner = engine.runner
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            synchronize(device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            synchronize(device)
+            spent[name] += time.perf_counter() - start
+            return out
+        return call
+
+    for name in PHASES:
+        setattr(runner, name, timed(name, getattr(runner, name)))
+
+    def undo() -> None:
+        for name in PHASES:
+            delattr(runner, name)  # back to the class's methods
+    return spent, undo
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str) -> dict:
+    decode_run(engine, prompts[:1], 8)  # warm-up
+    r = decode_run(engine, prompts, max_tokens)
+    spent, undo = timed_phases(engine, device)
+    try:
+        split = decode_run(engine, prompts, max_tokens, spent)
+    finally:
+        undo()
+    phases = {n: 1e3 * spent.get(n, 0.0) / split["steps"] for n in PHASES}
+    phases["rest"] = split["ms_per_step"] - sum(phases.values())
+    r["phases_ms"] = {n: round(v, 3) for n, v in phases.items()}
+    return r
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="graphs,eager")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batches.split(",")]
+    code = held_out_corpora()["code"]
+    rows = []
+    for mode in a.modes.split(","):
+        engines = {k: make_engine(k, max(batches), a.device, mode == "eager") for k in (0, a.k)}
+        for batch in batches:
+            prompts = windows(code, a.prompt_len, batch, a.seed)
+            base = measure(engines[0], prompts, a.max_tokens, a.device)
+            spec = measure(engines[a.k], prompts, a.max_tokens, a.device)
+            row = {"mode": mode, "batch": batch, "k": a.k, "al": spec["al"],
+                   "base_tok_s": base["tok_s"], "spec_tok_s": spec["tok_s"],
+                   "base_ms_per_step": base["ms_per_step"], "spec_ms_per_step": spec["ms_per_step"],
+                   "base_phases_ms": base["phases_ms"], "spec_phases_ms": spec["phases_ms"],
+                   "outputs_equal": base["token_ids"] == spec["token_ids"]}
+            row["speedup"] = row["spec_tok_s"] / row["base_tok_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print_table(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| mode | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
+          "| ms/step target-only | ms/step spec | outputs equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['batch']} | {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
+              f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
+              f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
+              f"| {'yes' if r['outputs_equal'] else 'no'} |")
+    print("\nphases, ms per decode step (synchronized pass): "
+          + ", ".join(PHASES) + ", rest")
+    for r in rows:
+        for who in ("base", "spec"):
+            ph = r[f"{who}_phases_ms"]
+            print(f"  {r['mode']} B{r['batch']} {who}: "
+                  + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest")))
+
+
+if __name__ == "__main__":
+    main()
