@@ -20,6 +20,15 @@ from torch import nn
 
 from kvcore.ops import paged_attention, write_kv
 from services.engine.models.layers import apply_rotary
+from services.engine.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    head_rows,
+    kv_heads,
+    split,
+)
 
 
 class KVContext(Protocol):
@@ -77,17 +86,21 @@ class DenseContext:
 
 class Attention(nn.Module):
     """GQA self-attention with RoPE. ``input_size`` may differ from ``hidden_size``
-    (the EAGLE-3 layer reads [embedding, hidden] concatenated)."""
+    (the EAGLE-3 layer reads [embedding, hidden] concatenated). Under tensor parallelism
+    this rank runs its share of the query heads and the KV heads they read
+    (``num_heads``/``num_kv_heads`` are then per rank); o sums the shares."""
 
     def __init__(self, input_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, bias: bool = False) -> None:
+                 head_dim: int, bias: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_heads = split(num_heads, tp, "num_attention_heads")
+        own_kv = kv_heads(num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(own_kv), head_dim
         self.scale = head_dim ** -0.5
-        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), bias)
+        self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), bias)
+        self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), bias)
+        self.o_proj = RowParallelLinear(head_rows(q_heads, head_dim), hidden_size, tp, bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: KVContext, layer: int) -> torch.Tensor:

@@ -23,20 +23,21 @@ from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import EagleConfig
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from services.engine.parallel import SINGLE, TensorParallel
 
 
 class Eagle3Layer(nn.Module):
     """Reads [input_layernorm(embedding), hidden_norm(hidden)] (2 * hidden_size wide);
     the residual stream starts from ``hidden``."""
 
-    def __init__(self, c: EagleConfig) -> None:
+    def __init__(self, c: EagleConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(2 * c.hidden_size, c.hidden_size, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim)
+                                   c.num_key_value_heads, c.head_dim, tp=tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext) -> torch.Tensor:
@@ -46,13 +47,16 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    """``tp``: the drafter's layers are sharded like the target's (its draft KV group
+    too); ``fc``, the norms, the embedding and the LM head stay whole on every rank."""
+
     def __init__(self, config: EagleConfig, own_head: bool = False,
-                 own_embed: bool = False) -> None:
+                 own_embed: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(len(c.aux_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(c)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers - 1))
+        self.midlayer = Eagle3Layer(c, tp)
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_hidden_layers - 1))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         own_head = own_head or c.draft_vocab_size < c.vocab_size

@@ -12,6 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    split,
+)
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and returned in x's dtype."""
@@ -27,11 +35,16 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """down(silu(gate(x)) * up(x)); under tensor parallelism this rank holds a slice of
+    the intermediate size and down sums the slices."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        rows = split(intermediate_size, tp, "intermediate_size")
+        self.gate_proj = ColumnParallelLinear(hidden_size, rows)
+        self.up_proj = ColumnParallelLinear(hidden_size, rows)
+        self.down_proj = RowParallelLinear(rows, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -16,6 +16,7 @@ from torch import nn
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
+from services.engine.parallel import SINGLE, TensorParallel
 
 
 @dataclass(slots=True)
@@ -28,14 +29,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). ``c`` is a LlamaConfig or
     an EagleConfig (the drafter's extra layers)."""
 
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim,
-                                   getattr(c, "attention_bias", False))
+                                   getattr(c, "attention_bias", False), tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext,
                 layer: int) -> torch.Tensor:
@@ -44,10 +45,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
 
@@ -65,10 +66,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """``tp``: this rank's share of a tensor-parallel group (see services/engine/parallel.py);
+    the embedding and the LM head stay whole on every rank."""
+
+    def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 

@@ -1,7 +1,8 @@
 """Load and save Hugging Face-style model folders: ``config.json`` + ``*.safetensors``.
 
 Every tensor of the checkpoint must map to a parameter and every parameter must be
-present: a mismatch raises ValueError naming the tensors.
+present: a mismatch raises ValueError naming the tensors. Under tensor parallelism each
+rank reads the whole checkpoint and keeps the slices it owns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.engine.models.config import (
 )
 from services.engine.models.eagle import Eagle3Drafter
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.parallel import SINGLE, TensorParallel, shard_state_dict
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -35,20 +37,22 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_target(folder: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
+                ) -> LlamaForCausalLM:
     config = LlamaConfig.from_dict(read_config_json(folder))
-    model = LlamaForCausalLM(config)
-    _load_into(model, read_state_dict(folder), folder)
+    model = LlamaForCausalLM(config, tp)
+    _load_into(model, shard_state_dict(model, read_state_dict(folder)), folder)
     return model.to(device=device, dtype=dtype).eval()
 
 
 def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+                 dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
+                 ) -> Eagle3Drafter:
     config = EagleConfig.from_dict(read_config_json(folder))
     state = read_state_dict(folder)
     model = Eagle3Drafter(config, own_head="lm_head.weight" in state,
-                          own_embed="embed_tokens.weight" in state)
-    _load_into(model, state, folder)
+                          own_embed="embed_tokens.weight" in state, tp=tp)
+    _load_into(model, shard_state_dict(model, state), folder)
     return model.to(device=device, dtype=dtype).eval()
 
 

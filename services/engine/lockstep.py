@@ -1,0 +1,107 @@
+"""Lockstep forwards across a tensor-parallel group.
+
+Rank 0 runs the whole engine: scheduler, sampling, and every decision of its cache
+manager. Before each target or drafter forward it publishes a :class:`ForwardPlan` (token
+ids, positions, block tables, slot mapping, the drafter's hidden inputs, and the page
+copies its manager made since the last plan); ranks 1.. receive it and run the same
+forward on their own heads and pools (:func:`follow`), in the same order, so each
+all-reduce of a row-parallel layer pairs up across the ranks. Page ids are rank 0's: every
+rank's pools have the same page count and hold, page for page, its own heads of what rank
+0's pages hold. Logits and sampling stay on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kvcore import KVCacheManager
+from services.engine.models import PagedContext
+from services.engine.parallel import TensorParallel
+
+
+@dataclass(slots=True)
+class ForwardPlan:
+    """One forward, as every rank runs it. Tensors travel on the CPU."""
+
+    model: str  # "target" or "draft"
+    group: str  # the layer group whose pool the forward reads and writes
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    window: int = 0
+    aux_layer_ids: tuple[int, ...] = ()
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]: the drafter's h_j
+    page_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (group, src, dst)
+
+
+class LockstepManager(KVCacheManager):
+    """Rank 0's manager: the pages it copies outside a forward (a partial prefix page,
+    copied on write at allocation) are recorded, for the other ranks to copy too before
+    the next forward reads them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.page_copies: list[tuple[str, int, int]] = []
+
+    def _copy_partial_pages(self, match, rows) -> None:
+        super()._copy_partial_pages(match, rows)
+        if match is not None:
+            full = match.num_tokens // self.page
+            self.page_copies += [(g, src, rows[g][full]) for g, src in match.cow_pages.items()]
+
+    def take_page_copies(self) -> list[tuple[str, int, int]]:
+        copies, self.page_copies = self.page_copies, []
+        return copies
+
+
+class Lockstep:
+    """Rank 0's side: publishes each forward before running it."""
+
+    def __init__(self, tp: TensorParallel, manager: LockstepManager) -> None:
+        self.tp, self.manager = tp, manager
+
+    def publish(self, model: str, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: PagedContext, group: str, aux_layer_ids: tuple[int, ...] = (),
+                hidden: torch.Tensor | None = None) -> None:
+        cpu = lambda t: t.detach().cpu()  # noqa: E731
+        plan = ForwardPlan(model, group, cpu(input_ids), cpu(positions), cpu(ctx.block_table),
+                           cpu(ctx.query_start_loc), cpu(ctx.seq_lens), cpu(ctx.slot_mapping),
+                           ctx.window, tuple(aux_layer_ids),
+                           cpu(hidden) if hidden is not None else None,
+                           self.manager.take_page_copies())
+        dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
+
+
+def receive_plan(tp: TensorParallel) -> ForwardPlan:
+    """Ranks 1..: block until rank 0 publishes the next forward."""
+    box: list[ForwardPlan | None] = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.object_group)
+    return box[0]
+
+
+@torch.inference_mode()
+def replay(plan: ForwardPlan, runner) -> None:
+    """Run ``plan`` on this rank's models and pools (``runner``: its ModelRunner)."""
+    pools, device = runner.manager.pools, runner.device
+    for group, src, dst in plan.page_copies:
+        pools[group][dst].copy_(pools[group][src])
+    to = lambda t: t.to(device)  # noqa: E731
+    ctx = PagedContext(pools[plan.group], to(plan.block_table), to(plan.query_start_loc),
+                       to(plan.seq_lens), to(plan.slot_mapping), plan.window)
+    ids, positions = to(plan.input_ids), to(plan.positions)
+    if plan.model == "target":
+        runner.target(ids, positions, ctx, plan.aux_layer_ids)
+    else:
+        runner.drafter(ids, to(plan.hidden), positions, ctx, runner.target)
+
+
+def follow(runner, tp: TensorParallel) -> None:
+    """Ranks 1..: run rank 0's forwards, one after another, forever."""
+    while True:
+        replay(receive_plan(tp), runner)
