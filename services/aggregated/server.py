@@ -42,9 +42,13 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.record_spec_metrics()
-        usage = cpb.Usage(prompt_tokens=last.usage.prompt_tokens,
-                          completion_tokens=len(last.token_ids),
-                          acceptance_length=last.usage.acceptance_length)
+        u = last.usage
+        usage = cpb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=len(last.token_ids),
+                          acceptance_length=u.acceptance_length, num_drafts=u.num_steps,
+                          num_draft_tokens=u.num_draft_tokens, num_accepted_tokens=u.num_accepted,
+                          cached_tokens=u.cached_tokens.get("target", 0),
+                          cached_tokens_per_group=[cpb.GroupTokens(group=g, num_tokens=n)
+                                                   for g, n in u.cached_tokens.items()])
         w.metrics.requests.labels("both", last.finish_reason or "stop").inc()
         yield cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(
             finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),

@@ -166,8 +166,11 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
+            u = last.usage
             usage = cpb.Usage(prompt_tokens=len(prompt), completion_tokens=len(last.token_ids) - 1,
-                              acceptance_length=last.usage.acceptance_length)
+                              acceptance_length=u.acceptance_length, num_drafts=u.num_steps,
+                              num_draft_tokens=u.num_draft_tokens,
+                              num_accepted_tokens=u.num_accepted)
             w.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
             yield wpb.DecodeResponse(complete=cpb.Complete(
                 finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),

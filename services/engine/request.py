@@ -73,6 +73,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # output text length before a matched stop
         self.spec = SpecStats()
+        self.cached_tokens: dict[str, int] = {}  # prompt tokens reused per layer group
         self.reset_kv_state()
 
     def reset_kv_state(self) -> None:
@@ -104,7 +105,8 @@ class Request:
 
     def usage(self, speculative: bool) -> Usage:
         al = self.spec.acceptance_length if speculative else (1.0 if self.spec.num_steps else 0.0)
-        return Usage(len(self.prompt_ids), len(self.output_ids), al)
+        return Usage(len(self.prompt_ids), len(self.output_ids), al, dict(self.cached_tokens),
+                     self.spec.num_steps, self.spec.num_draft_tokens, self.spec.num_accepted)
 
 
 @dataclass(slots=True)

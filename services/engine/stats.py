@@ -53,3 +53,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     acceptance_length: float  # 1.0 without speculation; 0.0 if no decode step ran
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # reused, per layer group
+    num_steps: int = 0  # verify steps
+    num_draft_tokens: int = 0
+    num_accepted: int = 0

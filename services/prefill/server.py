@@ -70,7 +70,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
 
     async def _transfer(self, rid, prompt, final, decode_id, dest, context) -> cpb.Usage:
         w = self.worker
-        usage = self._usage(rid, prompt)
+        usage = self._usage(prompt, final.usage.cached_tokens)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
             return usage
         aux = AuxState(len(prompt), final.aux.first_token_id, final.aux.hidden,
@@ -92,9 +92,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
                                                      seconds=moved.seconds[group]))
         return usage
 
-    def _usage(self, rid: str, prompt: list[int]) -> cpb.Usage:
-        cached = self.worker.engine.cached_tokens(rid) if hasattr(
-            self.worker.engine, "cached_tokens") else {}
+    @staticmethod
+    def _usage(prompt: list[int], cached: dict[str, int]) -> cpb.Usage:
         usage = cpb.Usage(prompt_tokens=len(prompt), cached_tokens=cached.get("target", 0))
         for group, n in cached.items():
             usage.cached_tokens_per_group.append(cpb.GroupTokens(group=group, num_tokens=n))

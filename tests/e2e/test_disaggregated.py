@@ -81,3 +81,14 @@ def test_finish_at_the_first_token_releases_the_reservation(unified):
     assert len(tokens) == 1
     assert complete.finish_reason == cpb.FINISH_REASON_LENGTH
     assert_no_request_holds_pages(unified)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_per_group(unified):
+    prompt = prompts()[4]  # 60 tokens, past the drafter's 8-token window
+    generate(unified.router_address, prompt, 4)
+    _, complete = generate(unified.router_address, prompt, 4)
+    cached = {g.group: g.num_tokens for g in complete.usage.cached_tokens_per_group}
+    assert complete.usage.cached_tokens == len(prompt) - 1  # all but the last prompt token
+    assert cached == {"target": len(prompt) - 1, "draft": len(prompt) - 1}
+    assert complete.usage.num_drafts > 0
+    assert complete.usage.num_draft_tokens == K * complete.usage.num_drafts
