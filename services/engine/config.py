@@ -36,6 +36,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     seed: int = 0
+    tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 0, got {self.max_model_len}")
         if not isinstance(self.layout, KVLayout):
             raise ValueError(f"layout: must be a KVLayout, got {self.layout!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
 
     @property
     def speculative(self) -> bool:
@@ -64,8 +67,10 @@ class EngineConfig:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Decode-step forwards replay CUDA graphs: on CUDA, unless ``enforce_eager``."""
-        return not self.enforce_eager and torch.device(self.device).type == "cuda"
+        """Decode-step forwards replay CUDA graphs: on CUDA, unless ``enforce_eager``
+        (or tensor parallelism: every forward must be published to the other ranks)."""
+        return not self.enforce_eager and torch.device(self.device).type == "cuda" \
+            and self.tp_size == 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -17,10 +17,12 @@ import random
 
 import torch
 
-from kvcore import KVCacheManager, KVLayout
+from kvcore import KVLayout
 from services.engine.checks import cache_config, check_fits, check_sampling, encode_prompt, eos_ids
 from services.engine.config import EngineConfig
+from services.engine.lockstep import attach_lockstep, make_manager
 from services.engine.models import load_drafter, load_target
+from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.rejection import rejection_sample
 from services.engine.request import AuxState, PrefillSpan, Request, RequestOutput, Status
 from services.engine.runner import ModelRunner, Span, TargetRun
@@ -36,17 +38,20 @@ from services.engine.tokenizer import ByteTokenizer
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.target = load_target(config.model, self.device, config.torch_dtype)
+        self.tp = tensor_parallel(config.tp_size)
+        self.device = rank_device(config.device, self.tp)
+        self.target = load_target(config.model, self.device, config.torch_dtype, self.tp)
         self.drafter = None
         if config.speculative:
-            self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype)
+            self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype,
+                                        self.tp)
             self.drafter.config.check_target(self.target.config)
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
-        self.manager = KVCacheManager(cache_config(config, self.target, self.drafter, self.k),
-                                      self.device)
+        self.manager = make_manager(cache_config(config, self.target, self.drafter, self.k),
+                                    self.target, self.drafter, self.device, self.tp)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.device)
+        attach_lockstep(self.runner, self.tp)
         if config.cuda_graphs:
             self.runner.capture_cuda_graphs(self.k + 1, config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,

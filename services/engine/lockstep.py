@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kvcore import KVCacheManager
-from services.engine.models import PagedContext
-from services.engine.parallel import TensorParallel
+from kvcore import CacheConfig, KVCacheManager
+from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
+from services.engine.parallel import TensorParallel, shard_cache_config
+from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 
 
 @dataclass(slots=True)
@@ -76,6 +77,25 @@ class Lockstep:
                            cpu(hidden) if hidden is not None else None,
                            self.manager.take_page_copies())
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
+
+
+def make_manager(config: CacheConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
+                 device: torch.device, tp: TensorParallel) -> KVCacheManager:
+    """This rank's cache manager: pools of its own KV heads; rank 0 of a group records
+    its page copies for the others."""
+    if tp.size == 1:
+        return KVCacheManager(config, device)
+    totals = {TARGET_GROUP: target.config.num_key_value_heads}
+    if drafter is not None:
+        totals[DRAFT_GROUP] = drafter.config.num_key_value_heads
+    cls = LockstepManager if tp.rank == 0 else KVCacheManager
+    return cls(shard_cache_config(config, totals, tp), device)
+
+
+def attach_lockstep(runner, tp: TensorParallel) -> None:
+    """Rank 0 of a group publishes every forward its runner runs."""
+    if tp.size > 1 and tp.rank == 0:
+        runner.lockstep = Lockstep(tp, runner.manager)
 
 
 def receive_plan(tp: TensorParallel) -> ForwardPlan:

@@ -76,6 +76,15 @@ def tensor_parallel(size: int) -> TensorParallel:
     return _current
 
 
+def rank_device(device: str, tp: TensorParallel) -> torch.device:
+    """The device of this rank: rank r of a group on ``cuda`` (or ``cuda:i``) takes
+    GPU r (i + r); CPU ranks share the CPU."""
+    base = torch.device(device)
+    if base.type != "cuda" or tp.size == 1:
+        return base
+    return torch.device("cuda", (base.index or 0) + tp.rank)
+
+
 def split(total: int, tp: TensorParallel, field_name: str) -> range:
     """Rank ``tp.rank``'s contiguous share of ``total`` (which tp must divide)."""
     if total % tp.size:

@@ -41,6 +41,7 @@ class ModelRunner:
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs ran
+        self.lockstep = None  # rank 0 of a tensor-parallel group: publishes each forward
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, verify_len: int, max_batch: int, max_model_len: int,
@@ -58,6 +59,8 @@ class ModelRunner:
         ctx = self.context(TARGET_GROUP, spans, window=0)
         ids, positions = self._inputs(spans)
         aux_ids = self.drafter.config.aux_layer_ids if self.drafter is not None else ()
+        if self.lockstep is not None:
+            self.lockstep.publish("target", ids, positions, ctx, TARGET_GROUP, aux_ids)
         out = self.target(ids, positions, ctx, aux_ids)
         features = self.drafter.project(out.aux) if self.drafter is not None else None
         return TargetRun(out.hidden, features)
@@ -69,6 +72,8 @@ class ModelRunner:
             return g
         ctx = self.context(DRAFT_GROUP, spans, window=self.draft_window)
         ids, positions = self._inputs(spans)
+        if self.lockstep is not None:
+            self.lockstep.publish("draft", ids, positions, ctx, DRAFT_GROUP, hidden=hidden)
         return self.drafter(ids, hidden, positions, ctx, self.target)
 
     @torch.inference_mode()
