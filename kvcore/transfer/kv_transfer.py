@@ -5,15 +5,23 @@ The facade the services use for transfers; they never see pools or UCX handles.
 Per request (tags from :mod:`kvcore.transfer.tags`, base = ``request_tag(request_id)``):
 
     sender (prefill)                              receiver (decode)
-    group g: pack pages -> send (g, 0)    ---->   recv (g, 0) -> unpack into reserved pages
-    aux state           -> send (AUX, 0)  ---->   recv (AUX, 0)
+    aux state           -> send (AUX, 0)  ---->   recv (AUX, 0): who sends, how many tokens
+    group g: pack pages -> send (g, 0..)  ---->   recv (g, 0..) -> unpack into reserved pages
     recv (ACK, 0)                         <----   send (ACK, 0)
 
 Both sides take the pages from ``KVCacheManager.transfer_pages(request_id, num_tokens)``:
 the same block-table indices on both sides (windowed groups only inside the window;
 the SEPARATE layout's draft group not at all), so only the page ids differ. Every
 receive and the sender's wait for the ack have a timeout: the fast UCX path reports no
-dead peer.
+dead peer. The aux state goes first, so a receiver learns its sender (and, under tensor
+parallelism, the sender's TP size) before it posts the page receives.
+
+Tensor parallelism: :meth:`send_pages` / :meth:`receive_pages` move one rank's share
+along a :class:`~kvcore.transfer.head_routes.HeadRoute` per group. A whole-pool route moves
+pages as they are (contiguous runs pool to pool); a head-sliced one packs the route's
+heads of every page into one message. Messages of sender rank s use tag group index
+``group index + number of groups * s``, so a receiver told by several sender ranks
+(prefill TP > decode TP) tells them apart; rank 0 alone uses the plain indices.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 from kvcore.manager import KVCacheManager, TransferPages
 from kvcore.ops import pack_pages, unpack_pages
+from kvcore.transfer.head_routes import HeadRoute
 from kvcore.transfer.tags import MAX_GROUPS, message_tag, request_tag
 from kvcore.transfer.ucx import TransferError, UcxEndpointInfo, UcxTransport
 
@@ -34,6 +43,7 @@ ACK_GROUP = MAX_GROUPS - 2  # tag group index of the receiver's acknowledgement
 PING_GROUP = MAX_GROUPS - 3  # tag group index of the pairing test transfer
 _AUX_HEADER = struct.Struct("<qqq128s")  # prompt length, first token, hidden values, sender id
 _ACK = struct.Struct("<q")
+_LENGTH = struct.Struct("<q")
 
 
 @dataclass(slots=True)
@@ -109,41 +119,74 @@ class KVTransferAgent:
     async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
                            timeout_s: float, dest: dict[str, list[int]] | None = None
                            ) -> TransferUsage:
-        """Push the pages holding positions [0, num_tokens) and the aux state to the peer,
+        """Push the aux state and the pages holding positions [0, num_tokens) to the peer,
         then wait for its acknowledgement. Raises TransferError/TransferTimeout.
 
         ``dest``: the receiver's block-table rows (from its reservation). Where a run of
         pages is contiguous on both sides it moves straight from pool to pool; without
         ``dest`` every group is packed into one message."""
+        await self.send_aux(request_id, peer_id, aux, timeout_s)
+        pages = self.manager.transfer_pages(request_id, num_tokens)
+        usage = await self.send_pages(request_id, pages, peer_id, timeout_s, dest)
+        await self.wait_ack(request_id, num_tokens, timeout_s)
+        return usage
+
+    async def send_aux(self, request_id: str, peer_id: str, aux: AuxState,
+                       timeout_s: float) -> None:
+        tag = message_tag(request_tag(request_id), AUX_GROUP, 0)
+        await self.transport.send(peer_id, aux.to_bytes(), tag, timeout_s)
+
+    async def send_pages(self, request_id: str, pages: dict[str, TransferPages], peer_id: str,
+                         timeout_s: float, dest: dict[str, list[int]] | None = None,
+                         routes: dict[str, HeadRoute] | None = None,
+                         src_rank: int = 0) -> TransferUsage:
+        """Send ``pages`` of each group to ``peer_id``: whole, or along ``routes[group]``
+        (groups without a route are skipped) as sender rank ``src_rank``."""
         base, usage = request_tag(request_id), TransferUsage()
-        for group, pages in self.manager.transfer_pages(request_id, num_tokens).items():
+        for group, sent in pages.items():
+            route = routes.get(group) if routes is not None else None
+            if routes is not None and route is None:
+                continue
             start = time.perf_counter()
-            index = self.group_index[group]
-            runs = _common_runs(pages, dest.get(group) if dest else None)
-            await self.transport.send(peer_id, _runs_header(runs, len(pages.page_ids)),
+            index = self._tag_index(group, src_rank)
+            sliced = route is not None and not route.whole
+            runs = [(0, 0, len(sent.page_ids))] if sliced and sent.page_ids else \
+                _common_runs(sent, dest.get(group) if dest else None)
+            await self.transport.send(peer_id, _runs_header(runs, len(sent.page_ids)),
                                       message_tag(base, index, 0), timeout_s)
             usage.bytes[group] = 0
-            for chunk, (src, _dst, n) in enumerate(runs, start=1):
-                buffer = self._source(group, pages.page_ids, src, n)
+            for chunk, (first, _dst, n) in enumerate(runs, start=1):
+                heads = route.src_heads if sliced else None
+                buffer = self._source(group, sent.page_ids, first, n, heads)
                 await self.transport.send(peer_id, buffer, message_tag(base, index, chunk),
                                           timeout_s)
                 usage.bytes[group] += buffer.numel() * buffer.element_size()
             usage.seconds[group] = time.perf_counter() - start
-        await self.transport.send(peer_id, aux.to_bytes(), message_tag(base, AUX_GROUP, 0), timeout_s)
+        return usage
+
+    async def wait_ack(self, request_id: str, num_tokens: int, timeout_s: float) -> None:
         ack = bytearray(_ACK.size)
-        await self.transport.recv(ack, message_tag(base, ACK_GROUP, 0), timeout_s)
+        await self.transport.recv(ack, message_tag(request_tag(request_id), ACK_GROUP, 0),
+                                  timeout_s)
         if _ACK.unpack(ack)[0] != num_tokens:
             raise TransferError(f"request {request_id!r}: peer acknowledged "
                                 f"{_ACK.unpack(ack)[0]} tokens, sent {num_tokens}")
-        return usage
 
-    def _source(self, group: str, page_ids: list[int], first: int, n: int) -> torch.Tensor:
-        """Pages page_ids[first:first+n]: a view of the pool when they are contiguous."""
+    def _source(self, group: str, page_ids: list[int], first: int, n: int,
+                heads: slice | None = None) -> torch.Tensor:
+        """Pages page_ids[first:first+n] (only ``heads`` when given): a view of the pool
+        when they are whole and contiguous, else packed."""
         pool = self.manager.pools[group]
         ids = page_ids[first:first + n]
-        if ids == list(range(ids[0], ids[0] + n)):
+        if heads is None and ids == list(range(ids[0], ids[0] + n)):
             return pool[ids[0]:ids[0] + n]
-        return pack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device))
+        return pack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), heads)
+
+    def _tag_index(self, group: str, src_rank: int) -> int:
+        index = self.group_index[group] + len(self.group_index) * src_rank
+        if index >= PING_GROUP:
+            raise TransferError(f"src_rank: {src_rank} leaves no tag for group {group!r}")
+        return index
 
     # ------------------------------------------------------------------ receiver
 
@@ -152,39 +195,88 @@ class KVTransferAgent:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
         num_computed=num_tokens)``, then acknowledge to the sender the aux state names
         (which must be connected)."""
-        base, usage = request_tag(request_id), TransferUsage()
-        for group, pages in self.manager.transfer_pages(request_id, num_tokens).items():
-            start = time.perf_counter()
-            index = self.group_index[group]
-            header = torch.zeros(len(pages.page_ids) + 1, dtype=torch.int32)
-            await self.transport.recv(header, message_tag(base, index, 0), timeout_s)
-            usage.bytes[group] = 0
-            for chunk, (first, n) in enumerate(_header_runs(header), start=1):
-                usage.bytes[group] += await self._receive_run(
-                    group, pages.page_ids[first:first + n], message_tag(base, index, chunk),
-                    timeout_s)
-            usage.seconds[group] = time.perf_counter() - start
+        aux = await self.receive_aux(request_id, num_tokens, timeout_s)
+        pages = self.manager.transfer_pages(request_id, num_tokens)
+        usage = await self.receive_pages(request_id, pages, timeout_s)
+        await self.acknowledge(request_id, aux.sender_id, num_tokens, timeout_s)
+        return aux, usage
+
+    async def receive_aux(self, request_id: str, num_tokens: int, timeout_s: float) -> AuxState:
         data = bytearray(AuxState.wire_size(self.hidden_size))
-        await self.transport.recv(data, message_tag(base, AUX_GROUP, 0), timeout_s)
+        await self.transport.recv(data, message_tag(request_tag(request_id), AUX_GROUP, 0),
+                                  timeout_s)
         aux = AuxState.from_bytes(data)
         if aux.prompt_len != num_tokens:
             raise TransferError(f"request {request_id!r}: aux state is for {aux.prompt_len} "
                                 f"tokens, reserved {num_tokens}")
-        await self.transport.send(aux.sender_id, _ACK.pack(num_tokens),
-                                  message_tag(base, ACK_GROUP, 0), timeout_s)
-        return aux, usage
+        return aux
 
-    async def _receive_run(self, group: str, ids: list[int], tag: int, timeout_s: float) -> int:
-        """Receive one run straight into the pool when its pages are contiguous here."""
+    async def receive_pages(self, request_id: str, pages: dict[str, TransferPages],
+                            timeout_s: float, routes: dict[str, HeadRoute] | None = None,
+                            src_rank: int = 0) -> TransferUsage:
+        """Receive what :meth:`send_pages` sends with the same pages, routes and rank."""
+        base, usage = request_tag(request_id), TransferUsage()
+        for group, landing in pages.items():
+            route = routes.get(group) if routes is not None else None
+            if routes is not None and route is None:
+                continue
+            start = time.perf_counter()
+            index = self._tag_index(group, src_rank)
+            header = torch.zeros(len(landing.page_ids) + 1, dtype=torch.int32)
+            await self.transport.recv(header, message_tag(base, index, 0), timeout_s)
+            heads = route.dst_heads if route is not None and not route.whole else None
+            usage.bytes[group] = 0
+            for chunk, (first, n) in enumerate(_header_runs(header), start=1):
+                usage.bytes[group] += await self._receive_run(
+                    group, landing.page_ids[first:first + n], message_tag(base, index, chunk),
+                    timeout_s, heads)
+            usage.seconds[group] = time.perf_counter() - start
+        return usage
+
+    async def acknowledge(self, request_id: str, sender_id: str, num_tokens: int,
+                          timeout_s: float) -> None:
+        await self.transport.send(sender_id, _ACK.pack(num_tokens),
+                                  message_tag(request_tag(request_id), ACK_GROUP, 0), timeout_s)
+
+    async def _receive_run(self, group: str, ids: list[int], tag: int, timeout_s: float,
+                           heads: slice | None = None) -> int:
+        """Receive one run: straight into the pool when its pages are whole and contiguous
+        here, else packed and scattered (into ``heads`` only, when given)."""
         pool = self.manager.pools[group]
         n = len(ids)
-        if ids == list(range(ids[0], ids[0] + n)):
+        if heads is None and ids == list(range(ids[0], ids[0] + n)):
             await self.transport.recv(pool[ids[0]:ids[0] + n], tag, timeout_s)
-        else:
-            packed = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-            await self.transport.recv(packed, tag, timeout_s)
-            unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed)
-        return n * pool[0].numel() * pool.element_size()
+            return n * pool[0].numel() * pool.element_size()
+        shape = list(pool.shape)
+        shape[0] = n
+        if heads is not None:
+            shape[3] = heads.stop - heads.start
+        packed = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        await self.transport.recv(packed, tag, timeout_s)
+        unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed,
+                     heads)
+        return packed.numel() * packed.element_size()
+
+    # ------------------------------------------------------------------ small messages
+
+    async def send_message(self, peer_id: str, nonce: str, chunk: int, data: bytes,
+                           timeout_s: float) -> None:
+        """A length-prefixed message on the ``nonce``'s side channel (chunks ``chunk`` and
+        ``chunk + 1``), e.g. a TP group's RankInfos at pairing."""
+        base = request_tag(nonce)
+        await self.transport.send(peer_id, _LENGTH.pack(len(data)),
+                                  message_tag(base, PING_GROUP, chunk), timeout_s)
+        await self.transport.send(peer_id, bytes(data) or b"\0",
+                                  message_tag(base, PING_GROUP, chunk + 1), timeout_s)
+
+    async def receive_message(self, nonce: str, chunk: int, timeout_s: float) -> bytes:
+        base = request_tag(nonce)
+        length = bytearray(_LENGTH.size)
+        await self.transport.recv(length, message_tag(base, PING_GROUP, chunk), timeout_s)
+        n = _LENGTH.unpack(length)[0]
+        data = bytearray(max(n, 1))
+        await self.transport.recv(data, message_tag(base, PING_GROUP, chunk + 1), timeout_s)
+        return bytes(data[:n])
 
     # ------------------------------------------------------------------ pairing test
 
