@@ -1,8 +1,9 @@
 """CUDA graphs for the decode step.
 
 A decode step runs the same shapes over and over: the target's verify forward over K + 1
-tokens per request, and the drafter's chain steps over one token per request. Each such
-forward is captured once per batch bucket (1, 2, 4, 8, 16, 32, 64, ...), largest bucket
+tokens per request, the drafter's catch-up over at most K + 1 tokens per request (padded
+at the front to K + 1) and its chain steps over one token per request. Each such forward
+is captured once per batch bucket (1, 2, 4, 8, 16, 32, 64, ...), largest bucket
 first, all into one memory pool, and later replayed over static input buffers:
 
 - b requests run in the smallest bucket >= b. Rows b .. bucket - 1 are padding: their
@@ -15,8 +16,9 @@ first, all into one memory pool, and later replayed over static input buffers:
 - outputs are copied into buffers allocated before any capture, outside the graph pool,
   so no graph's scratch memory aliases them; callers get copies.
 
-Any forward whose spans do not all have the captured length, a batch past the largest
-bucket, or a block table wider than the static one runs eagerly instead. Without CUDA
+Everything else runs eagerly: target spans not all of the captured length (prefill
+chunks, unless they happen to be), drafter spans longer than K + 1 or too close to
+position 0 to pad, batches past the largest bucket, block tables wider than the static one. Without CUDA
 (``capture=False``) the same static-buffer path runs the forward directly: that is how
 the CPU tests check the padding rules.
 """
@@ -232,9 +234,29 @@ class GraphedForward:
         return buffer[start:start + bucket * self.max_pages].view(bucket, self.max_pages)
 
 
+def pad_front(spans: Sequence[Span], q_len: int) -> tuple[list[Span], torch.Tensor] | None:
+    """Spans of at most ``q_len`` tokens widened to exactly ``q_len`` by starting earlier.
+
+    The added front positions only pad: they write no KV (write_start stays at the span's
+    own start), and their outputs are dropped, so the real queries see exactly the keys
+    they would see alone. Returns (padded spans, rows [num_real_tokens] of the real tokens
+    in the padded batch), or None if a span is longer than ``q_len`` or starts too early
+    to widen."""
+    if any(len(s.token_ids) > q_len or s.start < q_len - len(s.token_ids) for s in spans):
+        return None
+    padded, rows = [], []
+    for i, s in enumerate(spans):
+        pad = q_len - len(s.token_ids)
+        padded.append(Span(s.request_id, s.start - pad, [0] * pad + list(s.token_ids),
+                           max(s.write_start, s.start)))
+        rows.extend(range(i * q_len + pad, (i + 1) * q_len))
+    return padded, torch.tensor(rows, dtype=torch.int64)
+
+
 class DecodeGraphs:
     """The engine's graphed forwards: the target over ``verify_len`` tokens per request
-    (K + 1; 1 without a drafter) and the drafter over one token per request."""
+    (K + 1; 1 without a drafter), the drafter over ``verify_len`` (catch-up) and over one
+    token per request (chain steps)."""
 
     def __init__(self, runner: ModelRunner, verify_len: int, max_batch: int,
                  max_model_len: int, capture: bool = True) -> None:
@@ -245,19 +267,22 @@ class DecodeGraphs:
         dtype = runner.target.head_weight.dtype
         self.target = GraphedForward(self._target_forward, manager.pools[TARGET_GROUP],
                                      verify_len, 0, buckets, max_pages, capture=capture)
-        self.drafter = None
+        self.drafter = self.catch_up = None
         if runner.drafter is not None:
-            self.drafter = GraphedForward(self._drafter_forward, manager.pools[DRAFT_GROUP], 1,
-                                          runner.draft_window, buckets, max_pages,
-                                          runner.drafter.config.hidden_size, dtype, capture)
+            drafter_graph = lambda q_len: GraphedForward(
+                self._drafter_forward, manager.pools[DRAFT_GROUP], q_len, runner.draft_window,
+                buckets, max_pages, runner.drafter.config.hidden_size, dtype, capture)
+            self.drafter = drafter_graph(1)
+            if verify_len > 1:
+                self.catch_up = drafter_graph(verify_len)
         self._capture = capture
 
     def capture(self) -> None:
-        """Target buckets, then drafter buckets, largest first, into one pool."""
+        """Target buckets, then the drafter's, largest first, into one pool."""
         if not self._capture:
             return
         pool = torch.cuda.graph_pool_handle()
-        for graphed in (self.target, self.drafter):
+        for graphed in (self.target, self.catch_up, self.drafter):
             if graphed is not None:
                 graphed.capture(pool)
 
@@ -270,11 +295,22 @@ class DecodeGraphs:
         return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
 
     def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor | None:
-        """The drafter's forward through a graph, or None when the spans do not fit one."""
-        if self.drafter is None:
+        """The drafter's forward through a graph, or None when the spans do not fit one.
+        Chain steps (one token each) take the one-token graph; catch-up spans of up to
+        K + 1 tokens are padded at the front to K + 1 (see :func:`pad_front`)."""
+        if self.drafter is None or not spans:
             return None
-        batch = self._batch(self.drafter, spans, DRAFT_GROUP, hidden)
-        return self.drafter.run(batch)[0] if batch is not None else None
+        if all(len(s.token_ids) == 1 for s in spans):
+            batch = self._batch(self.drafter, spans, DRAFT_GROUP, hidden)
+            return self.drafter.run(batch)[0] if batch is not None else None
+        if self.catch_up is None or (padded := pad_front(spans, self.catch_up.q_len)) is None:
+            return None
+        padded_spans, rows = padded
+        rows = rows.to(hidden.device)
+        padded_hidden = hidden.new_zeros((len(spans) * self.catch_up.q_len, hidden.shape[1]))
+        padded_hidden[rows] = hidden
+        batch = self._batch(self.catch_up, padded_spans, DRAFT_GROUP, padded_hidden)
+        return self.catch_up.run(batch)[0][rows] if batch is not None else None
 
     def _batch(self, graphed: GraphedForward, spans: list[Span], group: str,
                hidden: torch.Tensor | None = None) -> UniformBatch | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcore.spec import NULL_PAGE
-from services.engine.cuda_graphs import GraphedForward, UniformBatch, batch_buckets
+from services.engine.cuda_graphs import GraphedForward, UniformBatch, batch_buckets, pad_front
 from services.engine.runner import Span
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import make_engine, random_prompts
@@ -92,3 +92,23 @@ def test_load_pads_rows_and_slots():
         graphed.load(UniformBatch(*(torch.zeros(10, dtype=torch.int64),) * 3,
                                   torch.zeros(5, 1, dtype=torch.int32),
                                   torch.zeros(5, dtype=torch.int32)))
+
+
+def test_pad_front_keeps_real_rows_and_writes():
+    spans = [Span("a", 7, [1, 2], write_start=0), Span("b", 3, [4, 5, 6, 7]),
+             Span("c", 9, [8], write_start=10)]
+    padded, rows = pad_front(spans, 4)
+    assert [(s.start, s.token_ids, s.write_start) for s in padded] == [
+        (5, [0, 0, 1, 2], 7), (3, [4, 5, 6, 7], 3), (6, [0, 0, 0, 8], 10)]
+    assert rows.tolist() == [2, 3, 4, 5, 6, 7, 11]
+    assert pad_front([Span("a", 1, [1, 2])], 4) is None  # would start before position 0
+    assert pad_front([Span("a", 9, [1] * 5)], 4) is None  # longer than the graph
+
+
+def test_catch_up_takes_the_padded_graph(pair):
+    engine = with_static_path(make_engine(pair, k=3))
+    prompts = random_prompts(3, seed=8, min_len=10, max_len=30)
+    reference = make_engine(pair, k=3).generate(prompts, GREEDY)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] \
+        == [o.token_ids for o in reference]
+    assert sum(engine.runner.graphs.catch_up.replays.values()) > 0
