@@ -22,6 +22,7 @@ import torch
 
 from kvcore import window as win
 from kvcore.capacity import split_capacity
+from kvcore.host_cache import HostCache, chain_hashes
 from kvcore.page_allocator import PageAllocator
 from kvcore.radix import RadixCache, TreeNode
 from kvcore.spec import NULL_PAGE, CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, cdiv
@@ -40,6 +41,7 @@ class PrefixMatch:
     reused_pages: dict[str, list[int]] = field(default_factory=dict)
     cow_pages: dict[str, int] = field(default_factory=dict)
     node: TreeNode | None = None
+    recall_pages: dict[str, list[int]] = field(default_factory=dict)  # host pages after reused
 
     @property
     def recompute_start(self) -> int:
@@ -80,7 +82,12 @@ class KVCacheManager:
                                               dtype=g.torch_dtype, device=device)
                           for g in config.groups}
         self.cached_groups = [g.name for g in config.groups if self._is_cached(g)]
-        self.tree = (RadixCache({g: self.allocators[g] for g in self.cached_groups}, self.page)
+        self.host = None
+        if config.host_num_pages and config.enable_prefix_cache and self.pools:
+            self.host = HostCache({g: self.pools[g] for g in self.cached_groups},
+                                  config.host_num_pages, self.page)
+        self.tree = (RadixCache({g: self.allocators[g] for g in self.cached_groups}, self.page,
+                                on_evict=self._to_host if self.host else None)
                      if config.enable_prefix_cache else None)
         self.stats = {g: GroupStats() for g in self.groups}
         self.requests: dict[str, _Request] = {}
@@ -96,18 +103,29 @@ class KVCacheManager:
         if self.tree is None or len(token_ids) < 2:
             return match
         radix = self.tree.match_prefix(token_ids[:-1])
-        m = radix.num_tokens + radix.partial_tokens
+        recalled = self._host_hits(token_ids[:-1], radix.num_tokens)
+        if recalled:  # the host tier extends the match by whole pages; no partial page then
+            radix.partial_tokens, radix.partial_pages = 0, {}
+        m = radix.num_tokens + self.page * len(recalled) + radix.partial_tokens
         match.num_tokens, match.node = m, radix.node
         for name in self.groups:
-            self._match_group(match, name, radix, m)
+            self._match_group(match, name, radix, m, [e.get(name, NULL_PAGE) for e in recalled])
         return match
 
-    def _match_group(self, match: PrefixMatch, name: str, radix, m: int) -> None:
+    def _host_hits(self, tokens: list[int], device_tokens: int) -> list[dict[str, int]]:
+        if self.host is None:
+            return []
+        keys = chain_hashes(tuple(tokens), self.page)
+        return self.host.lookup(keys[device_tokens // self.page:])
+
+    def _match_group(self, match: PrefixMatch, name: str, radix, m: int,
+                     host: list[int]) -> None:
         spec = self.groups[name]
         if name not in self.cached_groups:
             match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
             return
-        full = list(radix.pages[name])
+        device = list(radix.pages[name])
+        full = device + host  # host entries are host page ids, recalled on allocate
         partial = radix.partial_pages.get(name, NULL_PAGE) if radix.partial_tokens else None
         first = win.window_start(m, spec.window) // self.page if m else 0
         needed = full[first:] + ([partial] if partial is not None else [])
@@ -115,7 +133,9 @@ class KVCacheManager:
             match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
             return
         match.compute_start[name] = m
-        match.reused_pages[name] = [NULL_PAGE] * first + full[first:]
+        match.reused_pages[name] = [NULL_PAGE if i < first else p for i, p in enumerate(device)]
+        match.recall_pages[name] = [NULL_PAGE if len(device) + j < first else p
+                                    for j, p in enumerate(host)]
         if partial is not None:
             match.cow_pages[name] = partial
 
@@ -146,6 +166,7 @@ class KVCacheManager:
         for g, src in cow.items():  # pin copy sources: making room may evict their node
             self.allocators[g].incref([src])
         self._take_new_pages(rows)
+        self._recall(match, rows)
         self._copy_partial_pages(match, rows)
         for g, src in cow.items():
             self.allocators[g].decref([src])
@@ -259,8 +280,10 @@ class KVCacheManager:
 
     def usage(self) -> dict[str, GroupUsage]:
         cached = self.tree.num_cached_pages() if self.tree else {}
+        host = self.host.usage() if self.host else {}
         return {g: GroupUsage(used=a.num_used, total=a.num_pages, cached=cached.get(g, 0),
-                              evictable=self.tree.evictable.get(g, 0) if self.tree else 0)
+                              evictable=self.tree.evictable.get(g, 0) if self.tree else 0,
+                              host_used=host.get(g, (0, 0))[0], host_total=host.get(g, (0, 0))[1])
                 for g, a in self.allocators.items()}
 
     def num_request_pages(self, request_id: str) -> dict[str, int]:
@@ -269,9 +292,13 @@ class KVCacheManager:
                 for g, row in self._request(request_id).rows.items()}
 
     def reset_prefix_cache(self) -> None:
-        """Evict everything unlocked from the prefix cache."""
+        """Evict everything unlocked from the prefix cache, host tier included."""
         if self.tree is not None:
+            hook, self.tree.on_evict = self.tree.on_evict, None
             self.tree.evict({g: self.allocators[g].num_pages for g in self.cached_groups})
+            self.tree.on_evict = hook
+        if self.host is not None:
+            self.host.clear()
 
     # ------------------------------------------------------------ internals
 
@@ -296,6 +323,8 @@ class KVCacheManager:
         rows = {}
         for g, spec in self.groups.items():
             reused = list(match.reused_pages.get(g, [])) if match else []
+            reused += [NULL_PAGE if h == NULL_PAGE else None  # a recalled page is a new page
+                       for h in (match.recall_pages.get(g, []) if match else [])]
             compute_start = match.compute_start[g] if match else 0
             stale = min(win.stale_page_end(num_computed, spec.window, self.page), extent)
             reused[:stale] = [NULL_PAGE] * min(stale, len(reused))
@@ -314,6 +343,20 @@ class KVCacheManager:
             fresh = iter(self.allocators[g].allocate(needs[g]))
             row[:] = [next(fresh) if p is None else p for p in row]
 
+    def _recall(self, match: PrefixMatch | None, rows: dict[str, list[int]]) -> None:
+        """Copy the match's host-tier pages into the device pages just allocated for them."""
+        if match is None or self.host is None:
+            return
+        for g, host_pages in match.recall_pages.items():
+            start = len(match.reused_pages[g])
+            pairs = [(h, rows[g][start + j]) for j, h in enumerate(host_pages) if h != NULL_PAGE]
+            self.host.recall(g, [h for h, _ in pairs], [d for _, d in pairs])
+
+    def _to_host(self, node: TreeNode) -> None:
+        """Radix eviction hook: keep the node's pages of every group on the host tier."""
+        keys = chain_hashes(RadixCache.prefix_of(node), self.page)[-node.num_pages():]
+        self.host.store(keys, node.pages)
+
     def _copy_partial_pages(self, match: PrefixMatch | None, rows: dict[str, list[int]]) -> None:
         if match is None:
             return
@@ -326,8 +369,10 @@ class KVCacheManager:
     def _count_match(self, match: PrefixMatch, num_tokens: int) -> None:
         for g, stats in self.stats.items():
             hit = match.num_tokens if match.compute_start[g] == match.num_tokens else 0
+            recalled = self.page * len(match.recall_pages.get(g, [])) if hit else 0
             stats.record(query_tokens=num_tokens, hit_tokens=hit,
-                         recomputed_tokens=match.num_tokens - match.compute_start[g])
+                         recomputed_tokens=match.num_tokens - match.compute_start[g],
+                         recalled_tokens=recalled)
 
     def _extension(self, req: _Request, num_tokens: int) -> dict[str, int]:
         extent = self._extent(num_tokens)

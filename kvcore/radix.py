@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcore.page_allocator import PageAllocator
@@ -50,8 +51,11 @@ class RadixMatch:
 
 
 class RadixCache:
-    def __init__(self, allocators: dict[str, PageAllocator], tokens_per_page: int) -> None:
+    def __init__(self, allocators: dict[str, PageAllocator], tokens_per_page: int,
+                 on_evict: Callable[[TreeNode], None] | None = None) -> None:
+        """``on_evict(node)`` sees each node just before its pages are released."""
         self.allocators = allocators
+        self.on_evict = on_evict
         self.page = tokens_per_page
         self.root = TreeNode(key=(), pages={g: [] for g in allocators})
         self.root.lock_ref = 1  # the root is never evicted
@@ -110,6 +114,8 @@ class RadixCache:
         heapq.heapify(heap)
         while heap and any(freed[g] < needed.get(g, 0) for g in freed):
             _, _, node = heapq.heappop(heap)
+            if self.on_evict is not None:
+                self.on_evict(node)
             for g, ps in node.pages.items():
                 real = [p for p in ps if p != NULL_PAGE]
                 self.allocators[g].decref(real)
@@ -146,6 +152,15 @@ class RadixCache:
             for g, ps in node.pages.items():
                 counts[g] += sum(p != NULL_PAGE for p in ps)
         return counts
+
+    @staticmethod
+    def prefix_of(node: TreeNode) -> tuple[int, ...]:
+        """The tokens from the root to the end of ``node``."""
+        keys = []
+        while node is not None:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(t for key in reversed(keys) for t in key)
 
     def nodes(self) -> list[TreeNode]:
         out, stack = [], [self.root]

@@ -142,6 +142,7 @@ class CacheConfig:
     draft_block_width: int = 1
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
+    host_num_pages: int = 0  # host-tier pages per cached group; 0 = no host tier
     group_names: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -170,6 +171,8 @@ class CacheConfig:
         else:
             _require(self.memory_bytes > 0, "memory_bytes",
                      "must be > 0 when num_pages is not given")
+        _require(self.host_num_pages >= 0, "host_num_pages",
+                 f"must be >= 0, got {self.host_num_pages}")
         object.__setattr__(self, "group_names", names)
 
     @property

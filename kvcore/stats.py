@@ -16,13 +16,16 @@ class GroupStats:
     query_tokens: int = 0
     hit_tokens: int = 0
     recomputed_tokens: int = 0
+    recalled_tokens: int = 0  # of hit_tokens, recalled from the host tier
 
-    def record(self, query_tokens: int, hit_tokens: int, recomputed_tokens: int) -> None:
+    def record(self, query_tokens: int, hit_tokens: int, recomputed_tokens: int,
+               recalled_tokens: int = 0) -> None:
         self.queries += 1
         self.hits += hit_tokens > 0
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
         self.recomputed_tokens += recomputed_tokens
+        self.recalled_tokens += recalled_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -38,3 +41,5 @@ class GroupUsage:
     total: int
     cached: int
     evictable: int
+    host_used: int = 0  # host-tier pages (0 without a host tier)
+    host_total: int = 0

@@ -12,7 +12,7 @@ N = -1  # NULL_PAGE, short for expected rows
 def make_config(*, page: int = 4, window: int = 8, k: int = 2, target_pages: int = 32,
                 draft_pages: int = 32, layout: KVLayout = KVLayout.UNIFIED,
                 draft_layers: int = 1, draft_dtype: str = "float32",
-                prefix_cache: bool = True) -> CacheConfig:
+                prefix_cache: bool = True, host_pages: int = 0) -> CacheConfig:
     target = LayerGroupSpec("target", Owner.TARGET, num_layers=2, num_kv_heads=2, head_dim=4,
                             dtype="float32")
     draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=draft_layers, num_kv_heads=1,
@@ -20,7 +20,8 @@ def make_config(*, page: int = 4, window: int = 8, k: int = 2, target_pages: int
                            lifecycle=Lifecycle.OPTIONAL)
     return CacheConfig(groups=(target, draft), tokens_per_page=page,
                        num_pages=(target_pages, draft_pages), num_spec_tokens=k,
-                       layout=layout, enable_prefix_cache=prefix_cache)
+                       layout=layout, enable_prefix_cache=prefix_cache,
+                       host_num_pages=host_pages)
 
 
 def make_manager(**kwargs) -> KVCacheManager:
@@ -47,6 +48,7 @@ def assert_empty(manager: KVCacheManager) -> None:
     manager.reset_prefix_cache()
     for name, usage in manager.usage().items():
         assert usage.used == 0, name
+        assert usage.host_used == 0, name
         assert sorted(manager.allocators[name].free_queue) == list(range(usage.total))
 
 

@@ -24,12 +24,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(window=st.sampled_from([0, 3, 8, 13]), page=st.sampled_from([1, 4, 5]),
           k=st.integers(0, 4), layout=st.sampled_from(list(KVLayout)),
-          draft_layers=st.integers(1, 2), pages=st.integers(6, 40))
+          draft_layers=st.integers(1, 2), pages=st.integers(6, 40),
+          host_pages=st.sampled_from([0, 0, 6, 30]))
     @precondition(lambda self: self.manager is None)
-    def build(self, window, page, k, layout, draft_layers, pages):
+    def build(self, window, page, k, layout, draft_layers, pages, host_pages):
         self.manager = make_manager(page=page, window=window, k=k, layout=layout,
                                     draft_layers=draft_layers, target_pages=pages,
-                                    draft_pages=pages)
+                                    draft_pages=pages, host_pages=host_pages)
 
     @rule(doc=st.integers(0, 2), cut=st.integers(0, 40), tail=st.lists(st.integers(0, 9), max_size=12),
           reserve=st.booleans())
@@ -100,6 +101,11 @@ class ManagerMachine(RuleBasedStateMachine):
             assert len(free) == len(set(free))
             assert set(free) == {p for p, c in enumerate(alloc.ref_counts) if c == 0}
             assert alloc.num_used + alloc.num_free == alloc.num_pages
+        if m.host is not None:  # host pages: held by exactly one entry each
+            for g, alloc in m.host.allocators.items():
+                held = Counter(e[g] for e in m.host.entries.values() if e[g] != NULL_PAGE)
+                assert all(n == 1 for n in held.values())
+                assert [held.get(p, 0) for p in range(alloc.num_pages)] == alloc.ref_counts
 
     @invariant()
     def written_pages_have_one_owner(self):
@@ -148,6 +154,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m.reset_prefix_cache()
         for g, usage in m.usage().items():
             assert usage.used == 0, g
+            assert usage.host_used == 0, g
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -1,0 +1,117 @@
+"""HostCache: a bounded host-memory tier under the prefix cache.
+
+Pages the radix tree evicts from device memory are copied here instead of dropped, keyed by
+the chained hash of their token prefix (page i's key covers tokens [0, (i + 1) * P)), one
+entry per page holding that page of every group (NULL_PAGE where an OPTIONAL group had
+none). A prefix match that ends in the device tree continues here; the manager recalls the
+hits into fresh device pages.
+
+Invariants: an entry owns one host page per non-NULL group entry; entries are evicted least
+recently used first; a host page is free exactly when no entry holds it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcore.page_allocator import PageAllocator
+from kvcore.spec import NULL_PAGE
+
+
+def chain_hashes(tokens: tuple[int, ...], tokens_per_page: int) -> list[int]:
+    """Key of every whole page of ``tokens``: a hash chained over the pages before it."""
+    out, h = [], 0
+    for start in range(0, len(tokens) - tokens_per_page + 1, tokens_per_page):
+        h = hash((h, tokens[start:start + tokens_per_page]))
+        out.append(h)
+    return out
+
+
+@dataclass(slots=True)
+class HostStats:
+    """Counters of the tier, in pages and bytes, per group."""
+
+    stored_pages: dict[str, int] = field(default_factory=dict)
+    recalled_pages: dict[str, int] = field(default_factory=dict)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+
+class HostCache:
+    def __init__(self, pools: dict[str, torch.Tensor], num_pages: int, tokens_per_page: int) -> None:
+        """``pools``: the device pools (group -> tensor); the tier mirrors their page shapes.
+        Host pools are pinned when the device pools are on CUDA."""
+        pin = any(p.is_cuda for p in pools.values())
+        self.device_pools = pools
+        self.host_pools = {g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype,
+                                          pin_memory=pin) for g, p in pools.items()}
+        self.allocators = {g: PageAllocator(num_pages) for g in pools}
+        self.page = tokens_per_page
+        self.entries: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self.stats = HostStats({g: 0 for g in pools}, {g: 0 for g in pools})
+
+    def store(self, keys: list[int], pages: dict[str, list[int]]) -> None:
+        """Copy evicted device pages (one per key, per group) into host pages."""
+        for i, key in enumerate(keys):
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                continue
+            row = {g: ps[i] for g, ps in pages.items()}
+            needed = {g: int(p != NULL_PAGE) for g, p in row.items()}
+            if not self._make_room(needed):
+                return
+            self.entries[key] = {g: self._copy_out(g, p) if p != NULL_PAGE else NULL_PAGE
+                                 for g, p in row.items()}
+
+    def lookup(self, keys: list[int]) -> list[dict[str, int]]:
+        """Entries of the longest run of ``keys`` held here, in order (touched as used)."""
+        out = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None:
+                break
+            self.entries.move_to_end(key)
+            out.append(entry)
+        return out
+
+    def recall(self, group: str, host_pages: list[int], device_pages: list[int]) -> None:
+        """Copy host pages into device pages (same order)."""
+        if not host_pages:
+            return
+        pool = self.device_pools[group]
+        src = self.host_pools[group][torch.tensor(host_pages)]
+        pool[torch.tensor(device_pages, device=pool.device)] = src.to(pool.device, non_blocking=True)
+        self.stats.recalled_pages[group] += len(host_pages)
+        self.stats.bytes_to_device += src.numel() * src.element_size()
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """(pages used, pages total) per group."""
+        return {g: (a.num_used, a.num_pages) for g, a in self.allocators.items()}
+
+    def clear(self) -> None:
+        while self.entries:
+            self._drop_oldest()
+
+    def _copy_out(self, group: str, device_page: int) -> int:
+        (host_page,) = self.allocators[group].allocate(1)
+        page = self.device_pools[group][device_page]
+        self.host_pools[group][host_page].copy_(page, non_blocking=page.is_cuda)
+        self.stats.stored_pages[group] += 1
+        self.stats.bytes_to_host += page.numel() * page.element_size()
+        return host_page
+
+    def _make_room(self, needed: dict[str, int]) -> bool:
+        while any(not self.allocators[g].can_allocate(n) for g, n in needed.items()):
+            if not self.entries:
+                return False
+            self._drop_oldest()
+        return True
+
+    def _drop_oldest(self) -> None:
+        _, entry = self.entries.popitem(last=False)
+        for g, p in entry.items():
+            if p != NULL_PAGE:
+                self.allocators[g].decref([p])
