@@ -22,11 +22,12 @@ def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Draft
         groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
                                      d.num_key_value_heads, d.head_dim, dtype=c.dtype,
                                      window=d.sliding_window, lifecycle=Lifecycle.OPTIONAL))
+    host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
     return CacheConfig(groups=tuple(groups), tokens_per_page=c.tokens_per_page,
                        num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
                        max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
                        num_spec_tokens=k, draft_block_width=1, layout=c.layout,
-                       enable_prefix_cache=c.enable_prefix_cache)
+                       enable_prefix_cache=c.enable_prefix_cache, host_num_pages=host_pages)
 
 
 def eos_ids(config: LlamaConfig, tokenizer: ByteTokenizer) -> frozenset[int]:

@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the target's max_position_embeddings
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
+    host_kv_cache_bytes: int = 0  # host tier under the prefix cache; 0 = none
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
@@ -54,6 +55,8 @@ class EngineConfig:
                      "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes: must be >= 0, got {self.host_kv_cache_bytes}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len: must be >= 0, got {self.max_model_len}")
         if not isinstance(self.layout, KVLayout):
