@@ -1,0 +1,117 @@
+"""Summaries of an agentic replay: tokens per group, latencies, AL, throughput; markdown rows.
+
+Per layer group: cached = the prompt tokens that group reused (``Usage.cached_tokens_per_group``),
+prefilled = prompt - cached, hit rate = cached / prompt, over the replay's successful turns.
+Latencies are in milliseconds in the table, seconds in the records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.agentic_replay import ReplayResult, TurnRecord
+
+GROUPS = ("target", "draft")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def weighted_al(records: list[TurnRecord]) -> float:
+    """AL over every decode step of ``records`` (each request's AL weighted by its steps)."""
+    steps = sum(r.num_drafts for r in records)
+    if steps == 0:
+        return float("nan")
+    return sum(r.acceptance_length * r.num_drafts for r in records) / steps
+
+
+@dataclass(slots=True)
+class Summary:
+    """One configuration's replay. Token counts are totals; latencies in seconds."""
+
+    name: str
+    origin: str  # the AL origin label: transferred, cold or local
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+    ttft_first: tuple[float, float] = (float("nan"), float("nan"))  # p50, p90
+    ttft_continuation: tuple[float, float] = (float("nan"), float("nan"))
+    itl: tuple[float, float] = (float("nan"), float("nan"))
+    al: float = float("nan")
+    al_continuation: float = float("nan")
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    first_errors: list[str] = field(default_factory=list)
+
+    def prefilled(self, group: str) -> int:
+        return self.prompt_tokens - self.cached.get(group, 0)
+
+    def hit_rate(self, group: str) -> float:
+        return self.cached.get(group, 0) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+
+def summarize(name: str, origin: str, result: ReplayResult) -> Summary:
+    ok = [r for r in result.records if not r.error]
+    first = [r for r in ok if r.is_first]
+    later = [r for r in ok if not r.is_first]
+    gaps = [g for r in ok for g in r.itl_s]
+    return Summary(
+        name=name, origin=origin, requests=len(result.records),
+        errors=len(result.records) - len(ok),
+        prompt_tokens=sum(r.prompt_tokens for r in ok),
+        cached={g: sum(r.cached_per_group.get(g, 0) for r in ok) for g in GROUPS},
+        ttft_first=_p50_p90([r.ttft_s for r in first]),
+        ttft_continuation=_p50_p90([r.ttft_s for r in later]),
+        itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),
+        output_tokens=sum(r.completion_tokens for r in ok), wall_s=result.wall_s,
+        first_errors=[r.error for r in result.records if r.error][:3])
+
+
+def _p50_p90(values: list[float]) -> tuple[float, float]:
+    return percentile(values, 0.5), percentile(values, 0.9)
+
+
+HEADER = ("| configuration | requests (errors) | prefilled target / draft | cached target / draft "
+          "| hit rate target / draft | TTFT p50 / p90 first turns (ms) | TTFT p50 / p90 "
+          "continuations (ms) | ITL p50 / p90 (ms) | AL (origin) | AL continuations | "
+          "output tok/s |")
+
+
+def markdown_table(summaries: list[Summary], skipped: dict[str, str] | None = None) -> str:
+    """The table; ``skipped``: configuration -> why it has no numbers (a row saying so)."""
+    lines = [HEADER, "|---" * HEADER.count(" | ") + "|---|"]
+    lines += [markdown_row(s) for s in summaries]
+    lines += [f"| {name} | not run: {why} |" + " |" * (HEADER.count(" | ") - 1)
+              for name, why in (skipped or {}).items()]
+    return "\n".join(lines)
+
+
+def markdown_row(s: Summary) -> str:
+    cells = [s.name, f"{s.requests} ({s.errors})",
+             f"{_k(s.prefilled('target'))} / {_k(s.prefilled('draft'))}",
+             f"{_k(s.cached['target'])} / {_k(s.cached['draft'])}",
+             f"{s.hit_rate('target'):.1%} / {s.hit_rate('draft'):.1%}",
+             _ms_pair(s.ttft_first), _ms_pair(s.ttft_continuation), _ms_pair(s.itl),
+             f"{s.al:.2f} ({s.origin})", f"{s.al_continuation:.2f}", f"{s.output_tok_s:.1f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens / 1000:.1f}K"
+
+
+def _ms_pair(pair: tuple[float, float]) -> str:
+    return f"{pair[0] * 1000:.0f} / {pair[1] * 1000:.0f}"
