@@ -54,6 +54,9 @@ class Metrics:
                                  ["origin"], buckets=AL_BUCKETS, registry=r)
         self.registrations = Counter("tandem_peer_registrations", "Peer registrations",
                                      ["result"], registry=r)
+        self.timeouts = Counter("tandem_timeouts", "Deadlines that expired, by kind: lease "
+                                "(reserved pages freed unused), transfer (pages did not land or "
+                                "were not acknowledged in time)", ["kind"], registry=r)
 
     def set_pages(self, usage: dict) -> None:
         """``usage``: group -> object with ``used`` and ``total`` (kvcore.GroupUsage)."""

@@ -17,7 +17,7 @@ import grpc
 from kvcore import KVLayout
 from kvcore.transfer.kv_transfer import AuxState, TransferUsage
 from kvcore.transfer.tags import request_tag
-from kvcore.transfer.ucx import TransferError
+from kvcore.transfer.ucx import TransferError, TransferTimeout
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
@@ -106,6 +106,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     def _expire(self, rid: str) -> None:
         res = self.reserved.get(rid)
         if res is not None and not res.decoding:
+            self.worker.metrics.timeouts.labels("lease").inc()
             asyncio.ensure_future(self._drop(rid))
 
     async def _drop(self, rid: str) -> bool:
@@ -184,6 +185,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         try:
             aux, moved = await res.receive
         except (TransferError, asyncio.CancelledError) as e:
+            if isinstance(e, TransferTimeout):
+                self.worker.metrics.timeouts.labels("transfer").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pages did not land: {e!r}")
         if aux.first_token != request.first_token_id or aux.prompt_len != len(
                 request.prompt_token_ids):

@@ -14,7 +14,7 @@ import time
 import grpc
 
 from kvcore.transfer.kv_transfer import AuxState
-from kvcore.transfer.ucx import TransferError
+from kvcore.transfer.ucx import TransferError, TransferTimeout
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
@@ -84,6 +84,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         except TransferError as e:
             for group in w.engine.manager.groups:
                 w.metrics.transfer_failures.labels(group).inc()
+            if isinstance(e, TransferTimeout):
+                w.metrics.timeouts.labels("transfer").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer to {decode_id}: {e}")
         w.metrics.transfer_seconds.observe(time.monotonic() - start)
         for group, n in moved.bytes.items():

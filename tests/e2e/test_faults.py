@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -100,6 +101,8 @@ def test_an_expired_lease_frees_the_reservation(slow):
         wait_no_request_holds_pages(slow, timeout_s=3)
         released = stub.Release(wpb.ReleaseRequest(request_id="lease")).released
     assert not released  # the lease had already freed it
+    text = urllib.request.urlopen(decode.metrics, timeout=5).read().decode()
+    assert 'tandem_timeouts_total{kind="lease"} 1.0' in text
 
 
 def test_client_cancel_mid_transfer_frees_pages_everywhere(tiny_pair):
