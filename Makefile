@@ -10,7 +10,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test proto bench bench-al soak lint clean observe
+.PHONY: setup run test proto bench bench-al soak lint clean observe bench-agentic
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ bench: proto
 # acceptance length, aggregated vs disaggregated unified vs separate (a few minutes on CPU)
 bench-al: proto
 	$(BIN)/python -m bench.disagg_al
+
+# agentic multi-turn replay: unified vs separate, with and without the host KV tier
+# (about 10 minutes on 2 CPU cores; AGENTIC_ARGS to scale, e.g. --conversations 16 --concurrency 8)
+bench-agentic: proto
+	$(BIN)/python -m bench.agentic $(AGENTIC_ARGS)
 
 # 64 concurrent streams with random cancellations for 10 minutes (SOAK_ARGS to change)
 soak: proto
