@@ -29,8 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="", help="KV/model dtype; default float32 on CPU, bf16 on CUDA")
     p.add_argument("--tokens-per-page", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV memory per worker, MiB")
+    p.add_argument("--host-kv-cache-mb", type=int, default=0, help="host-memory tier under the "
+                   "prefix cache, MiB (evicted pages are kept there and recalled); 0 = none")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per worker, one "
+                   "process each (gloo on CPU, NCCL on GPU: rank r takes GPU r of --device)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -47,8 +51,10 @@ def engine_config(args: argparse.Namespace):
     layout = "unified" if args.layout == "auto" else args.layout
     return EngineConfig(model=args.model, drafter=drafter, num_spec_tokens=args.num_spec_tokens,
                         device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
-                        kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                        layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache)
+                        kv_cache_bytes=args.kv_cache_mb << 20,
+                        host_kv_cache_bytes=args.host_kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
+                        layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache,
+                        tp_size=getattr(args, "tp", 1))
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode worker processes")
     up.add_argument("--aggregated", type=int, default=0,
                     help="aggregated workers (prefill+decode in one process) instead of P/D")
+    up.add_argument("--prefill-tp", type=int, default=0,
+                    help="tensor-parallel ranks per prefill worker (default: --tp)")
+    up.add_argument("--decode-tp", type=int, default=0,
+                    help="tensor-parallel ranks per decode worker (default: --tp); may differ "
+                    "from the prefill workers': transfers re-slice KV heads")
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
     add_http_port_arg(up, None)
     router = sub.add_parser("router", help="run the router")
@@ -120,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--port", type=int, default=0)
     worker.add_argument("--metrics-port", type=int, default=0)
     worker.add_argument("--instance-id", default="")
+    worker.add_argument("--transfer-timeout-s", type=float, default=30.0,
+                        help="deadline of a page transfer and its acknowledgement")
+    worker.add_argument("--lease-s", type=float, default=60.0, help="reserved pages are freed "
+                        "if their transfer and Decode have not come by then")
     add_security_args(worker)
     return parser
 
@@ -145,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         config = WorkerConfig(role=args.role, engine=engine_config(args), host=args.host,
                               port=args.port, metrics_port=args.metrics_port, router=args.router,
                               instance_id=args.instance_id, token=args.token,
-                              tls=tls_config(args))
+                              tls=tls_config(args), transfer_timeout_s=args.transfer_timeout_s,
+                              lease_s=args.lease_s)
         asyncio.run(run_worker(config))
     else:
         return run_up(args)

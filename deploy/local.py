@@ -58,15 +58,19 @@ class LocalCluster:
         engine = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.num_spec_tokens),
                   "--layout", args.layout, "--device", args.device,
                   "--tokens-per-page", str(args.tokens_per_page),
-                  "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs)]
+                  "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
+                  "--host-kv-cache-mb", str(args.host_kv_cache_mb)]
         if args.dtype:
             engine += ["--dtype", args.dtype]
         if args.no_prefix_cache:
             engine.append("--no-prefix-cache")
         router = ["--model", args.model, "-k", str(args.num_spec_tokens),
                   "--tokens-per-page", str(args.tokens_per_page)]
-        roles = (["both"] * args.aggregated if args.aggregated
+        tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp,
+              "decode": args.decode_tp or args.tp}
+        names = (["both"] * args.aggregated if args.aggregated
                  else ["prefill"] * args.prefill + ["decode"] * args.decode)
+        roles = [(role, ["--tp", str(tp[role])]) for role in names]
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT

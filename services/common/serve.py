@@ -19,7 +19,8 @@ async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
     """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints."""
     worker = WorkerBase(config)
     await worker.start()
-    peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token)
+    peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token,
+                         worker.rank_infos)
     worker.peers = peers
 
     def add(server) -> None:

@@ -22,8 +22,10 @@ from services.common.engine_loop import EngineLoop
 from services.common.metrics import Metrics
 from services.common.rank_info import build_rank_info
 from services.common.security import TlsConfig, aio_channel
+from services.common.tp_group import GroupTransferAgent, RankGroup
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 from services.engine.sampling import SamplingParams
 
 ROLES = {"prefill": rpb.ROLE_PREFILL, "decode": rpb.ROLE_DECODE, "both": rpb.ROLE_BOTH}
@@ -56,15 +58,19 @@ class WorkerConfig:
 
 
 class WorkerBase:
-    """Engine, loop, transfer agent and identity of one worker process."""
+    """Engine, loop, transfer agent and identity of one worker process: rank 0 of the
+    worker when it runs tensor-parallel (``engine.tp_size`` > 1), which starts the other
+    ranks (services/common/tp_group.py) and speaks for all of them."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.group = RankGroup.spawn(config) if config.engine.tp_size > 1 else None
         self.engine = Engine(config.engine)
         self.loop = EngineLoop(self.engine)
         self.metrics = Metrics(config.role)
         hidden = self.engine.target.config.hidden_size
-        self.agent = KVTransferAgent(self.engine.manager, hidden_size=hidden)
+        self.agent = GroupTransferAgent(KVTransferAgent(self.engine.manager, hidden_size=hidden),
+                                        self.group)
         self.grpc_address = ""
         self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
@@ -72,25 +78,30 @@ class WorkerBase:
     async def start(self) -> None:
         if self.config.role != "both":
             await self.agent.start()
+        if self.group is not None:
+            await self.group.join(self.rank_info())
+        self.agent.total_heads = {g.name: g.total_num_kv_heads for g in self.rank_info().groups}
         self.loop.start()
 
     async def stop(self) -> None:
         await self.loop.stop()
         if self.config.role != "both":
             await self.agent.close()
+        if self.group is not None:
+            self.group.close()
 
     def rank_info(self) -> rpb.RankInfo:
-        e = self.engine
+        """Rank 0's RankInfo (the worker's, as the router knows it)."""
         ucx = self.agent.endpoint() if self.config.role != "both" else None
-        info = build_rank_info(
-            e.manager.config, role=self.config.role, instance_id=self.config.instance_id,
-            model_id=os.path.basename(os.path.normpath(e.config.model)),
-            drafter_id=os.path.basename(os.path.normpath(e.config.drafter)) if e.drafter else "",
-            drafter_kind="eagle3" if e.drafter else "",
-            ucx_address=ucx.worker_address if ucx else b"",
-            num_pages=tuple(a.num_pages for a in e.manager.allocators.values()))
+        info = engine_rank_info(self.engine, self.config.role, self.config.instance_id,
+                                ucx.worker_address if ucx else b"")
         info.grpc_address = self.grpc_address
         return info
+
+    def rank_infos(self) -> list[rpb.RankInfo]:
+        """Every rank's RankInfo, rank 0 first."""
+        rank0 = self.rank_info()
+        return self.group.rank_infos(rank0) if self.group is not None else [rank0]
 
     def stats(self) -> wpb.StatsResponse:
         m = self.engine.manager
@@ -155,6 +166,22 @@ class WorkerBase:
                     (s.num_accepted - accepted + s.num_steps - steps) / (s.num_steps - steps))
             self._spec_seen[origin] = (s.num_steps, s.num_draft_tokens, s.num_accepted,
                                        list(s.accepted_per_position))
+
+
+def engine_rank_info(engine: Engine, role: str, instance_id: str,
+                     ucx_address: bytes) -> rpb.RankInfo:
+    """The RankInfo of the rank running ``engine``: its own pools' heads, tp size/rank."""
+    e = engine
+    totals = {TARGET_GROUP: e.target.config.num_key_value_heads}
+    if e.drafter is not None:
+        totals[DRAFT_GROUP] = e.drafter.config.num_key_value_heads
+    return build_rank_info(
+        e.manager.config, role=role, instance_id=instance_id,
+        model_id=os.path.basename(os.path.normpath(e.config.model)),
+        drafter_id=os.path.basename(os.path.normpath(e.config.drafter)) if e.drafter else "",
+        drafter_kind="eagle3" if e.drafter else "", tp_size=e.tp.size, tp_rank=e.tp.rank,
+        ucx_address=ucx_address, total_kv_heads=totals,
+        num_pages=tuple(a.num_pages for a in e.manager.allocators.values()))
 
 
 def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:

@@ -1,0 +1,153 @@
+"""The control channel between a TP worker's rank 0 and its other ranks.
+
+JSON lines over TCP on the worker's own host (ranks of one group share a host; the
+channel binds loopback). Rank r connects to rank 0 and says hello
+(``{"rank": r, "rank_info": <base64 RankInfo>}``); rank 0 then sends commands
+``{"id": n, "op": name, ...}`` and the rank answers ``{"id": n, "ok": true, ...}`` or
+``{"id": n, "ok": false, "error": text}``. Commands run concurrently; a cancelled call
+sends ``{"op": "cancel", "target": n}``. A rank whose connection to rank 0 closes exits,
+and rank 0 exits when a rank's does: a group lives and dies as one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+HOST = "127.0.0.1"
+LINE_LIMIT = 64 << 20  # bytes of one JSON line (a long prompt's page lists fit)
+
+
+class RankError(RuntimeError):
+    """A rank failed a command, or is gone."""
+
+
+def encode_bytes(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def decode_bytes(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def listen_socket() -> socket.socket:
+    """A bound, listening loopback socket on a free port (rank 0 opens it before it
+    starts the other ranks, which are told its port)."""
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+def _write(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    writer.write(json.dumps(message).encode() + b"\n")
+
+
+class RankLink:
+    """Rank 0's handle on one other rank."""
+
+    def __init__(self, rank: int, hello: dict[str, Any], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, on_lost: Callable[[int], None]) -> None:
+        self.rank, self.hello = rank, hello
+        self._reader, self._writer = reader, writer
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._task = asyncio.ensure_future(self._read_replies(on_lost))
+
+    async def call(self, op: str, **args: Any) -> dict[str, Any]:
+        """Run ``op`` on the rank; its answer, or RankError."""
+        n = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[n] = future
+        _write(self._writer, {"id": n, "op": op, **args})
+        try:
+            reply = await future
+        except asyncio.CancelledError:
+            if not self._writer.is_closing():
+                _write(self._writer, {"id": -1, "op": "cancel", "target": n})
+            raise
+        finally:
+            self._waiting.pop(n, None)
+        if not reply.get("ok"):
+            raise RankError(f"rank {self.rank}: {op}: {reply.get('error', 'failed')}")
+        return reply
+
+    async def _read_replies(self, on_lost: Callable[[int], None]) -> None:
+        while line := await self._reader.readline():
+            reply = json.loads(line)
+            future = self._waiting.get(reply.get("id"))
+            if future is not None and not future.done():
+                future.set_result(reply)
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(RankError(f"rank {self.rank}: connection lost"))
+        on_lost(self.rank)
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._writer.close()
+
+
+async def accept_ranks(sock: socket.socket, ranks: range, timeout_s: float,
+                       on_lost: Callable[[int], None]) -> dict[int, RankLink]:
+    """Wait until every rank in ``ranks`` has connected and said hello."""
+    links: dict[int, RankLink] = {}
+    done = asyncio.get_running_loop().create_future()
+
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = json.loads(await reader.readline())
+        rank = int(hello["rank"])
+        links[rank] = RankLink(rank, hello, reader, writer, on_lost)
+        if set(links) >= set(ranks) and not done.done():
+            done.set_result(None)
+
+    server = await asyncio.start_server(greet, sock=sock, limit=LINE_LIMIT)
+    try:
+        await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        raise RankError(f"ranks {sorted(set(ranks) - set(links))} did not join within "
+                        f"{timeout_s} s") from None
+    finally:
+        server.close()
+    return links
+
+
+Handler = Callable[..., Awaitable[dict[str, Any]]]
+
+
+async def serve_rank(port: int, hello: dict[str, Any], handlers: dict[str, Handler]) -> None:
+    """Ranks 1..: connect to rank 0, say hello, run its commands until it goes away."""
+    reader, writer = await asyncio.open_connection(HOST, port, limit=LINE_LIMIT)
+    _write(writer, hello)
+    running: dict[int, asyncio.Task] = {}
+
+    async def run(n: int, op: str, args: dict[str, Any]) -> None:
+        try:
+            reply = {"ok": True, **await handlers[op](**args)}
+        except asyncio.CancelledError:
+            reply = {"ok": False, "error": "cancelled"}
+        except Exception as e:  # the answer names what went wrong; the rank keeps serving
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        running.pop(n, None)
+        if not writer.is_closing():
+            _write(writer, {"id": n, **reply})
+
+    while line := await reader.readline():
+        message = json.loads(line)
+        n, op = message.pop("id"), message.pop("op")
+        if op == "cancel":
+            task = running.get(message["target"])
+            if task is not None:
+                task.cancel()
+            continue
+        running[n] = asyncio.ensure_future(run(n, op, message))
+    print("rank 0 is gone; this rank exits", file=sys.stderr, flush=True)
+    os._exit(0)

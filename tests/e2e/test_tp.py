@@ -1,0 +1,132 @@
+"""Tensor-parallel workers, and transfers between prefill and decode of different TP sizes.
+
+One cluster of real processes: a prefill worker of TP 1 and one of TP 2, a decode worker of
+TP 1 and one of TP 2 (each TP 2 worker is two processes in lockstep over gloo), serving
+the bundled trained pair (so acceptance means something). Requests are driven through
+each (prefill, decode) pair in turn with the worker APIs, and through the router.
+
+Tolerance: TP ranks sum partial matmuls in another order than one rank does, so float32
+activations differ in their last bits from TP 1's; greedy tokens of a confident model do
+not move, and neither do the accepted drafts. The longest prompt runs past the drafter's
+256-token window, so only the window's draft pages travel and are re-sliced.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deploy.local import LocalCluster
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.engine import Engine, EngineConfig, SamplingParams
+from services.engine.tokenizer import ByteTokenizer
+from tests.e2e.conftest import assert_no_request_holds_pages, generate
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+MODEL, DRAFTER = ROOT / "models/tiny-target", ROOT / "models/tiny-drafter"
+K = 4
+MAX_TOKENS = 32
+SOURCE = (ROOT / "kvcore/radix.py").read_text()
+PROMPTS = [ByteTokenizer().encode(t) for t in
+           ("def fibonacci(n):", "class Stack:\n    def __init__(self):", SOURCE[:300])]
+ROLES = {"prefill-0": 1, "prefill-1": 2, "decode-2": 1, "decode-3": 2}  # name -> TP size
+PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3"),
+         ("prefill-0", "decode-2")]  # TP 1->2, 2->1, 2->2, and 1->1
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """TP 1 aggregated: one in-process engine, one request at a time."""
+    engine = Engine(EngineConfig(model=str(MODEL), drafter=str(DRAFTER), num_spec_tokens=K,
+                                 kv_cache_bytes=32 << 20, max_num_seqs=16))
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return [engine.generate([p], greedy)[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    worker = ["--model", str(MODEL), "--drafter", str(DRAFTER), "-k", str(K),
+              "--kv-cache-mb", "32", "--max-num-seqs", "16"]
+    router = ["--model", str(MODEL), "-k", str(K)]
+    roles = [(name.split("-")[0], ["--tp", str(tp)]) for name, tp in ROLES.items()]
+    cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
+    try:
+        cluster.start()
+    except Exception:
+        print(cluster.logs())
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
+
+
+def run_on_pair(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]):
+    """Reserve on ``decode``, prefill on ``prefill``, decode: what the router does, on a
+    chosen pair. Returns (tokens, prefill usage, decode usage)."""
+    rid = f"tp-{next(_ids)}"
+    sampling = cpb.SamplingParams(max_tokens=MAX_TOKENS)
+    address = {p.name: p.grpc for p in cluster.processes}
+    with grpc.insecure_channel(address[decode]) as d, grpc.insecure_channel(address[prefill]) as p:
+        decoder = wpb_grpc.DecodeWorkerStub(d)
+        reservation = decoder.Reserve(wpb.ReserveRequest(request_id=rid, prompt_len=len(prompt)),
+                                      timeout=30).reservation
+        first = wpb_grpc.PrefillWorkerStub(p).Prefill(wpb.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation),
+            timeout=60)
+        tokens, usage = [first.first_token_id], None
+        for message in decoder.Decode(wpb.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, first_token_id=first.first_token_id,
+                sampling=sampling), timeout=60):
+            if message.HasField("chunk"):
+                tokens += list(message.chunk.token_ids)
+            elif message.HasField("complete"):
+                usage = message.complete.usage
+    return tokens, first.usage, usage
+
+
+def test_every_rank_registered_and_every_pair_is_ready(cluster):
+    with cluster.channel() as channel:
+        stub = cpb_grpc.TandemStub(channel)
+        health = stub.Health(cpb.HealthRequest(), timeout=5)
+        workers = stub.ModelInfo(cpb.ModelInfoRequest(), timeout=5).workers
+    assert health.num_ready_pairs == 4, health.message
+    assert {w.instance_id: w.tp_size for w in workers} == ROLES
+    assert all(w.tp_rank == 0 for w in workers)
+    heads = {w.instance_id: {g.name: (g.num_kv_heads, g.total_num_kv_heads) for g in w.groups}
+             for w in workers}
+    assert heads["decode-3"] == {"target": (1, 2), "draft": (1, 2)}
+    assert heads["decode-2"] == {"target": (2, 2), "draft": (2, 2)}
+
+
+@pytest.mark.parametrize("prefill,decode", PAIRS)
+def test_each_tp_pair_decodes_what_tp1_aggregated_decodes(cluster, reference, prefill, decode):
+    moved = []
+    for prompt, ref in zip(PROMPTS, reference, strict=True):
+        tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, prompt)
+        assert tokens == ref.token_ids, len(prompt)
+        assert decoded.acceptance_length == pytest.approx(ref.usage.acceptance_length, rel=0.01)
+        moved.append({t.group: t.num_bytes for t in prefilled.transfers})
+    # every rank moves its heads only: the bytes are the whole pages' (of the window, for
+    # the drafter), whatever the TP sizes
+    page = {"target": 6 * 2 * 2 * 16 * 64 * 4, "draft": 1 * 2 * 2 * 16 * 64 * 4}
+    for prompt, groups in zip(PROMPTS, moved, strict=True):
+        pages = -(-len(prompt) // 16)
+        assert groups["target"] == pages * page["target"]
+        assert groups["draft"] == min(pages, 17) * page["draft"]
+    assert_no_request_holds_pages(cluster)
+
+
+def test_through_the_router_every_pair_agrees_with_tp1(cluster, reference):
+    for _ in range(2):
+        for prompt, ref in zip(PROMPTS, reference, strict=True):
+            tokens, complete = generate(cluster.router_address, prompt, MAX_TOKENS, temperature=0)
+            assert tokens == ref.token_ids
+    assert_no_request_holds_pages(cluster)
