@@ -7,6 +7,7 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from services.common.grpc_server import write_stream
 from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
 
 
@@ -15,12 +16,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         self.worker = worker
 
     async def Generate(self, request: cpb.GenerateRequest, context) -> None:
-        messages = self._generate(request, context)
-        try:
-            async for message in messages:
-                await context.write(message)
-        finally:
-            await messages.aclose()
+        await write_stream(self._generate(request, context), context)
 
     async def _generate(self, request: cpb.GenerateRequest, context):
         w, rid = self.worker, request.request_id

@@ -22,6 +22,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import write_stream
 from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
 
 
@@ -132,12 +133,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: wpb.DecodeRequest, context) -> None:
         """Written, not yielded: a cancel lands here and the pages are freed at once."""
-        messages = self._decode(request, context)
-        try:
-            async for message in messages:
-                await context.write(message)
-        finally:
-            await messages.aclose()
+        await write_stream(self._decode(request, context), context)
 
     async def _decode(self, request: wpb.DecodeRequest, context):
         w, rid = self.worker, request.request_id

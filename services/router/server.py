@@ -23,7 +23,7 @@ from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING
+from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, write_stream
 from services.common.metrics import Metrics
 from services.common.security import TlsConfig, aio_channel
 from services.engine.tokenizer import ByteTokenizer
@@ -175,12 +175,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
     async def Generate(self, request: cpb.GenerateRequest, context) -> None:
         """gRPC streaming handler. Messages are written, not yielded, so a client's cancel
         lands inside this coroutine and the request's cleanup runs at once."""
-        messages = self.stream(request, context)
-        try:
-            async for message in messages:
-                await context.write(message)
-        finally:
-            await messages.aclose()
+        await write_stream(self.stream(request, context), context)
 
     async def stream(self, request: cpb.GenerateRequest, context):
         """The Generate messages of one request (also used in-process by the HTTP API)."""

@@ -30,9 +30,13 @@ def cluster_args(pair, layout: str = "unified", k: int = K) -> tuple[list[str], 
     return worker, router
 
 
-def start_cluster(pair, roles, layout: str = "unified", **kwargs) -> LocalCluster:
+def start_cluster(pair, roles, layout: str = "unified", router_extra: tuple[str, ...] = (),
+                  **kwargs) -> LocalCluster:
+    """A started cluster (its logs printed if it fails to start); ``router_extra``: more
+    router arguments."""
     worker, router = cluster_args(pair, layout)
-    cluster = LocalCluster(worker, router, roles, start_timeout_s=90, **kwargs)
+    cluster = LocalCluster(worker, router + list(router_extra), roles, start_timeout_s=90,
+                           **kwargs)
     try:
         cluster.start()
     except Exception:

@@ -15,10 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from tests.e2e.conftest import cluster_args
+from tests.e2e.conftest import start_cluster
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
@@ -52,17 +51,10 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure(tiny_pair, certs):
     good, rogue = certs
-    worker, router = cluster_args(tiny_pair)
     roles = [("prefill", tls_args(good, "prefill")), ("decode", tls_args(good, "decode")),
              ("decode", tls_args(rogue, "decode"))]  # signed by another CA: never registers
-    cluster = LocalCluster(worker, router + tls_args(good, "router"), roles, start_timeout_s=90,
-                           expected_pairs=1, credentials=credentials(good, "client"))
-    try:
-        cluster.start()
-    except Exception:
-        print(cluster.logs())
-        cluster.stop()
-        raise
+    cluster = start_cluster(tiny_pair, roles, router_extra=tls_args(good, "router"),
+                            expected_pairs=1, credentials=credentials(good, "client"))
     yield cluster
     cluster.stop()
 
