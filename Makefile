@@ -45,6 +45,7 @@ bench: proto
 
 # acceptance length, aggregated vs disaggregated unified vs separate (a few minutes on CPU)
 bench-al: proto
+	$(BIN)/python -m bench.al_ladder
 	$(BIN)/python -m bench.disagg_al
 
 # agentic multi-turn replay: unified vs separate, with and without the host KV tier

@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_args(router)
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_ray_parser(sub)
+    generate = sub.add_parser("generate", help="run prompts through one in-process engine "
+                              "(aggregated, no cluster)")
+    add_engine_args(generate)
+    from services.engine.cli import add_generate_args
+    add_generate_args(generate)
     worker = sub.add_parser("worker", help="run one worker")
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     add_engine_args(worker)
@@ -149,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                                args.tokens_per_page, token=args.token,
                                http_port=None if args.http_port < 0 else args.http_port,
                                tls=tls_config(args)))
+    elif args.command == "generate":
+        from services.engine.cli import run_generate
+
+        return run_generate(args, engine_config(args))
     elif args.command == "ray":
         from deploy.ray_launcher.launcher import main as ray_main
 
