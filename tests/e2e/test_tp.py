@@ -32,13 +32,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, DRAFTER = ROOT / "models/tiny-target", ROOT / "models/tiny-drafter"
 K = 4
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 SOURCE = (ROOT / "kvcore/radix.py").read_text()
-PROMPTS = [ByteTokenizer().encode(t) for t in
-           ("def fibonacci(n):", "class Stack:\n    def __init__(self):", SOURCE[:300])]
+PROMPTS = [ByteTokenizer().encode(t) for t in ("class Stack:\n    def __init__(self):",
+                                               SOURCE[:300])]
 ROLES = {"prefill-0": 1, "prefill-1": 2, "decode-2": 1, "decode-3": 2}  # name -> TP size
-PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3"),
-         ("prefill-0", "decode-2")]  # TP 1->2, 2->1, 2->2, and 1->1
+PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3")]
+# TP 1->2, 2->1 and 2->2 (1->1 is every other e2e test's)
 _ids = itertools.count()
 
 
@@ -52,7 +52,7 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(reference):  # the reference first: idle cluster processes still take CPU
     worker = ["--model", str(MODEL), "--drafter", str(DRAFTER), "-k", str(K),
               "--kv-cache-mb", "32", "--max-num-seqs", "16"]
     router = ["--model", str(MODEL), "-k", str(K)]
@@ -125,8 +125,9 @@ def test_each_tp_pair_decodes_what_tp1_aggregated_decodes(cluster, reference, pr
 
 
 def test_through_the_router_every_pair_agrees_with_tp1(cluster, reference):
-    for _ in range(2):
-        for prompt, ref in zip(PROMPTS, reference, strict=True):
-            tokens, complete = generate(cluster.router_address, prompt, MAX_TOKENS, temperature=0)
-            assert tokens == ref.token_ids
+    for prompt, ref in zip(PROMPTS, reference, strict=True):
+        tokens, complete = generate(cluster.router_address, prompt, MAX_TOKENS, temperature=0)
+        assert tokens == ref.token_ids
+        assert complete.usage.acceptance_length == pytest.approx(ref.usage.acceptance_length,
+                                                                 rel=0.01)
     assert_no_request_holds_pages(cluster)
