@@ -63,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"layout: must be a KVLayout, got {self.layout!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.host_kv_cache_bytes:
+            raise ValueError("host_kv_cache_bytes: the host KV tier's page copies are not "
+                             f"mirrored to tensor-parallel ranks; use it with tp_size 1, not "
+                             f"{self.tp_size}")
 
     @property
     def speculative(self) -> bool:
