@@ -75,7 +75,8 @@ class RankGroup:
                      for r in range(1, size)]
         for p in processes:
             p.start()
-        init_tensor_parallel(size, 0, dist_address, backend_for(config.engine.device))
+        init_tensor_parallel(size, 0, dist_address, backend_for(config.engine.device),
+                             config.engine.device)
         return cls(size, processes, sock)
 
     async def join(self, rank0: rpb.RankInfo, timeout_s: float = JOIN_TIMEOUT_S) -> None:

@@ -24,7 +24,7 @@ def run_rank(config, rank: int, dist_address: str, control_port: int) -> None:
     from services.engine.parallel import init_tensor_parallel
 
     tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address,
-                              backend_for(config.engine.device))
+                              backend_for(config.engine.device), config.engine.device)
     engine = Engine(config.engine)
     threading.Thread(target=_follow, args=(engine, tp), daemon=True).start()
     asyncio.run(_serve(config, rank, engine, control_port))

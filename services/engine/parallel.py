@@ -54,10 +54,15 @@ SINGLE = TensorParallel()
 _current: TensorParallel = SINGLE
 
 
-def init_tensor_parallel(size: int, rank: int, address: str, backend: str) -> TensorParallel:
+def init_tensor_parallel(size: int, rank: int, address: str, backend: str,
+                         device: str = "cpu") -> TensorParallel:
     """Join the group of ``size`` ranks rendezvousing at ``address`` (host:port, rank 0
-    listens). Blocks until every rank has joined."""
+    listens). Blocks until every rank has joined. On CUDA the rank's GPU (see
+    :func:`rank_device`) becomes its current device, which NCCL uses."""
     global _current
+    own = rank_device(device, TensorParallel(size, rank))
+    if own.type == "cuda":
+        torch.cuda.set_device(own)
     dist.init_process_group(backend, init_method=f"tcp://{address}", world_size=size,
                             rank=rank, timeout=IDLE_TIMEOUT)
     objects = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend != "gloo" \
