@@ -138,10 +138,13 @@ class GroupTransferAgent:
         await self.agent.connect(peer_id, info)
 
     async def disconnect(self, peer_id: str) -> None:
+        """Forget a peer worker: rank 0's endpoint to its rank 0, and every other rank
+        pair's."""
         await self.agent.disconnect(peer_id)
-        for info in self.peer_ranks.pop(peer_id, [])[1:]:
-            await self._quietly([self._on(r, "disconnect", peer=info.instance_id)
-                                 for r in range(self.tp_size)])
+        ranks = self.peer_ranks.pop(peer_id, [])
+        await asyncio.gather(*(self._on(r, "disconnect", peer=info.instance_id)
+                               for info in ranks for r in range(self.tp_size)
+                               if (r, info.tp_rank) != (0, 0)), return_exceptions=True)
 
     async def ping(self, peer_id: str, nonce: str, timeout_s: float) -> None:
         await self.agent.ping(peer_id, nonce, timeout_s)
@@ -188,15 +191,15 @@ class GroupTransferAgent:
         peer = self._peer(aux.sender_id)
         pages = self.manager.transfer_pages(request_id, num_tokens)
         routes = self._routes(len(peer), self.tp_size, pages)
-        still = {g: [p for p in self.manager.block_table(request_id, g) if p >= 0]
-                 for g in self.manager.groups if g not in pages}
+        stay = {g: [p for p in self.manager.block_table(request_id, g) if p >= 0]
+                for g in self.manager.groups if g not in pages}  # the separate layout's draft
         jobs = []
         for dst in range(self.tp_size):
             sources = [routes_to_json(m) for src in range(len(peer))
                        if (m := _between(routes, src, dst))]
             jobs.append(self._on(dst, "recv", request_id=request_id, pages=pages_to_json(pages),
                                  sources=sources, timeout_s=timeout_s,
-                                 zero=still if dst > 0 else None))
+                                 zero=stay if dst > 0 else None))
         usage = await self._all(jobs)
         await self.agent.acknowledge(request_id, aux.sender_id, num_tokens, timeout_s)
         return aux, usage
@@ -230,7 +233,7 @@ class GroupTransferAgent:
 
     async def _on(self, rank: int, op: str, **args: Any) -> dict[str, Any]:
         if rank == 0:
-            return await self.ops.handlers()[op](**args)
+            return await getattr(self.ops, op)(**args)
         return await self.group.call(rank, op, **args)
 
     async def _all(self, jobs: list) -> TransferUsage:
@@ -252,9 +255,6 @@ class GroupTransferAgent:
             if "bytes" in reply:
                 merge_usage(total, reply)
         return total
-
-    async def _quietly(self, jobs: list) -> None:
-        await asyncio.gather(*jobs, return_exceptions=True)
 
 
 def _between(routes: dict[str, list[HeadRoute]], src: int, dst: int) -> dict[str, HeadRoute]:

@@ -122,6 +122,9 @@ def replay(plan: ForwardPlan, runner) -> None:
 
 
 def follow(runner, tp: TensorParallel) -> None:
-    """Ranks 1..: run rank 0's forwards, one after another, forever."""
+    """Ranks 1..: run rank 0's forwards, one after another, forever (on any thread: the
+    rank's GPU becomes this thread's current device, which kernels launch on)."""
+    if runner.device.type == "cuda":
+        torch.cuda.set_device(runner.device)
     while True:
         replay(receive_plan(tp), runner)
