@@ -19,6 +19,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -54,8 +55,8 @@ def backend_for(device: str) -> str:
 class RankGroup:
     """Rank 0's handle on ranks 1..n-1 of its worker."""
 
-    def __init__(self, size: int, processes: list, sock) -> None:
-        self.size, self.processes, self._sock = size, processes, sock
+    def __init__(self, size: int, processes: list, sock, joined: threading.Event) -> None:
+        self.size, self.processes, self._sock, self._joined = size, processes, sock, joined
         self.links: dict[int, RankLink] = {}
         self.closing = False
 
@@ -75,13 +76,16 @@ class RankGroup:
                      for r in range(1, size)]
         for p in processes:
             p.start()
+        joined = threading.Event()
+        threading.Thread(target=_exit_if_one_dies, args=(processes, joined), daemon=True).start()
         init_tensor_parallel(size, 0, dist_address, backend_for(config.engine.device),
                              config.engine.device)
-        return cls(size, processes, sock)
+        return cls(size, processes, sock, joined)
 
     async def join(self, rank0: rpb.RankInfo, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Wait for every rank's hello; refuse (RuntimeError) a group that does not agree."""
         self.links = await accept_ranks(self._sock, range(1, self.size), timeout_s, self._lost)
+        self._joined.set()  # from here on a lost rank is noticed on its control connection
         mismatches = check_group(self.rank_infos(rank0))
         if mismatches:
             raise RuntimeError("tensor-parallel ranks disagree: " + "; ".join(
@@ -108,6 +112,17 @@ class RankGroup:
             print(f"tensor-parallel rank {rank} is gone; the worker exits", file=sys.stderr,
                   flush=True)
             os._exit(1)
+
+
+def _exit_if_one_dies(processes: list, joined: threading.Event) -> None:
+    """Until every rank has said hello: a rank process that exits (a bad configuration,
+    no memory) ends the start instead of leaving rank 0 waiting for it."""
+    while not joined.wait(0.5):
+        for p in processes:
+            if p.exitcode is not None:
+                print(f"tensor-parallel rank process exited with {p.exitcode} while starting; "
+                      "the worker exits", file=sys.stderr, flush=True)
+                os._exit(1)
 
 
 class GroupTransferAgent:
