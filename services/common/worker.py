@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class WorkerBase:
         self.config = config
         self.group = RankGroup.spawn(config) if config.engine.tp_size > 1 else None
         self.engine = Engine(config.engine)
+        if self.group is not None:
+            self.engine.step = _exit_on_failure(self.engine.step)
         self.loop = EngineLoop(self.engine)
         self.metrics = Metrics(config.role)
         hidden = self.engine.target.config.hidden_size
@@ -166,6 +169,20 @@ class WorkerBase:
                     (s.num_accepted - accepted + s.num_steps - steps) / (s.num_steps - steps))
             self._spec_seen[origin] = (s.num_steps, s.num_draft_tokens, s.num_accepted,
                                        list(s.accepted_per_position))
+
+
+def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:
+    """Under tensor parallelism a step that raises may leave the other ranks inside a
+    forward's collectives: the group cannot go on, so the worker exits (the router then
+    sees it gone and retries its requests elsewhere) rather than hang."""
+    def guarded() -> list:
+        try:
+            return step()
+        except Exception as e:
+            print(f"tensor-parallel step failed, the worker exits: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+    return guarded
 
 
 def engine_rank_info(engine: Engine, role: str, instance_id: str,
