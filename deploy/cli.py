@@ -52,7 +52,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, drafter=drafter, num_spec_tokens=args.num_spec_tokens,
                         device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
                         kv_cache_bytes=args.kv_cache_mb << 20,
-                        host_kv_cache_bytes=args.host_kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
+                        host_kv_cache_bytes=args.host_kv_cache_mb << 20,
+                        max_num_seqs=args.max_num_seqs,
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache,
                         tp_size=getattr(args, "tp", 1))
 

@@ -130,6 +130,9 @@ ROWS = (
               width=12),
         Panel("Queue time", "From arrival to being scheduled, per role.",
               quantiles("tandem_request_queue_seconds", by="role"), unit="s", width=12),
+        Panel("Expired deadlines", "lease: reserved pages freed unused; transfer: pages that "
+              "did not land or were not acknowledged in time.",
+              ((rate("tandem_timeouts_total", "kind"), "{{kind}}"),), unit="ops", width=24),
     )),
 )
 

@@ -150,7 +150,8 @@ def engine_args(model: ModelOptions) -> argparse.Namespace:
         model=os.path.join(HERE, model.model or DEFAULT_MODEL), drafter=drafter,
         num_spec_tokens=model.num_spec_tokens, layout=model.layout, device=model.device,
         dtype=model.dtype, tokens_per_page=model.tokens_per_page, kv_cache_mb=model.kv_cache_mb,
-        max_num_seqs=model.max_num_seqs, no_prefix_cache=not model.prefix_cache)
+        host_kv_cache_mb=0, max_num_seqs=model.max_num_seqs,
+        no_prefix_cache=not model.prefix_cache)
 
 
 def _free_port(host: str) -> int:

@@ -39,6 +39,7 @@ class ScriptedRouter:
 
     def __init__(self, script: list[cpb.GenerateResponse], hold: bool = False) -> None:
         self.script, self.hold = script, hold
+        self.token = ""  # no bearer token required
         self.metrics = Metrics("router")
         self.inflight: dict[str, object] = {}
         self.requests: list[cpb.GenerateRequest] = []
