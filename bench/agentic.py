@@ -80,7 +80,7 @@ def start_cluster(config: ClusterConfig, args: argparse.Namespace) -> LocalClust
     roles = ([("both", both)] if config.layout == "aggregated"
              else [("prefill", prefill), ("decode", decode)])
     cluster = LocalCluster(worker_args(config, args), ["--model", args.model, "-k", str(args.k)],
-                           roles, start_timeout_s=180)
+                           roles, start_timeout_s=180, env={"OMP_NUM_THREADS": str(args.threads)})
     try:
         cluster.start()
     except Exception:
@@ -100,12 +100,19 @@ def prefill_capacity(cluster: LocalCluster) -> dict[str, int]:
     return {}
 
 
+def client_address(cluster: LocalCluster, config: ClusterConfig) -> str:
+    """The router; for an aggregated cluster the worker itself, which serves the same client
+    API: the router polls an aggregated worker's health with a Stats call that worker does not
+    serve, and stops routing to it after two polls."""
+    return cluster.processes[1].grpc if config.layout == "aggregated" else cluster.router_address
+
+
 def run_config(config: ClusterConfig, workload: Workload, args: argparse.Namespace
                ) -> tuple[Summary, dict[str, int]]:
     cluster = start_cluster(config, args)
     try:
         capacity = prefill_capacity(cluster)
-        result = replay(cluster.router_address, workload, args.concurrency)
+        result = replay(client_address(cluster, config), workload, args.concurrency)
     finally:
         cluster.stop()
     return summarize(config.name, config.origin, result), capacity
@@ -148,6 +155,9 @@ def report(summaries: list[Summary], capacities: dict[str, dict[str, int]],
     for name, pages in capacities.items():
         print(f"- {name}: prefill device pages " + ", ".join(f"{g} {n}" for g, n in pages.items()))
     for s in summaries:
+        if s.over_cached:
+            print(f"- {s.name}: {s.over_cached} requests reported more cached than prompt "
+                  "tokens (re-admitted after preemption); counted as fully cached")
         for error in s.first_errors:
             print(f"- {s.name}: error: {error}")
     if args.svg and summaries:
@@ -180,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-kv-mb", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process "
+                   "(1: prefill and decode each keep one core of two)")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--drafter", default=DRAFTER)
     p.add_argument("--svg", default="docs/agentic.svg", help="plot path ('' = none)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,18 +59,22 @@ def turn_kind(thread: Thread, turn: int) -> str:
     return "branch" if thread.is_branch else "first"
 
 
-def generate_request(prompt: Tokens, answer_tokens: int) -> cpb.GenerateRequest:
-    return cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=list(prompt)), sampling=cpb.SamplingParams(
-        max_tokens=answer_tokens, temperature=0.0, ignore_eos=True))
+def generate_request(request_id: str, prompt: Tokens, answer_tokens: int) -> cpb.GenerateRequest:
+    """Greedy, exactly ``answer_tokens`` tokens. The id is set by the client, since an
+    aggregated worker addressed directly (no router) assigns none."""
+    return cpb.GenerateRequest(request_id=request_id, token_ids=cpb.TokenIds(ids=list(prompt)),
+                               sampling=cpb.SamplingParams(max_tokens=answer_tokens,
+                                                           temperature=0.0, ignore_eos=True))
 
 
 async def run_turn(stub: cpb_grpc.TandemStub, record: TurnRecord, prompt: Tokens,
-                   answer_tokens: int) -> Tokens:
+                   answer_tokens: int, request_id: str) -> Tokens:
     """Send one turn, fill ``record`` from the stream; returns the answer's tokens."""
     answer: list[int] = []
     start = last = time.monotonic()
     record.prompt_tokens = len(prompt)
-    call = stub.Generate(generate_request(prompt, answer_tokens), timeout=REQUEST_TIMEOUT_S)
+    call = stub.Generate(generate_request(request_id, prompt, answer_tokens),
+                         timeout=REQUEST_TIMEOUT_S)
     async for message in call:
         kind = message.WhichOneof("payload")
         now = time.monotonic()
@@ -106,6 +111,7 @@ class Replay:
         self.states: dict[str, ThreadState] = {}
         self.records: list[TurnRecord] = []
         self.remaining = len(workload.threads)
+        self.id_prefix = uuid.uuid4().hex[:8]  # request ids stay unique across replays
 
     async def run(self) -> list[TurnRecord]:
         for thread in self.workload.conversations():
@@ -139,7 +145,8 @@ class Replay:
             self.records.append(record)
             try:
                 answer = await run_turn(self.stub, record, state.next_prompt(),
-                                        self.workload.config.answer_tokens)
+                                        self.workload.config.answer_tokens,
+                                        f"agentic-{self.id_prefix}-{thread.name}-t{turn}")
             except grpc.aio.AioRpcError as e:
                 record.error = f"{e.code().name}: {e.details()}"
             if record.error:

@@ -51,6 +51,7 @@ class Summary:
     output_tokens: int = 0
     wall_s: float = 0.0
     first_errors: list[str] = field(default_factory=list)
+    over_cached: int = 0  # requests reporting more cached than prompt tokens (clamped)
 
     def prefilled(self, group: str) -> int:
         return self.prompt_tokens - self.cached.get(group, 0)
@@ -72,12 +73,19 @@ def summarize(name: str, origin: str, result: ReplayResult) -> Summary:
         name=name, origin=origin, requests=len(result.records),
         errors=len(result.records) - len(ok),
         prompt_tokens=sum(r.prompt_tokens for r in ok),
-        cached={g: sum(r.cached_per_group.get(g, 0) for r in ok) for g in GROUPS},
+        cached={g: sum(_cached(r, g) for r in ok) for g in GROUPS},
         ttft_first=_p50_p90([r.ttft_s for r in first]),
         ttft_continuation=_p50_p90([r.ttft_s for r in later]),
         itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),
         output_tokens=sum(r.completion_tokens for r in ok), wall_s=result.wall_s,
-        first_errors=[r.error for r in result.records if r.error][:3])
+        first_errors=[r.error for r in result.records if r.error][:3],
+        over_cached=sum(any(n > r.prompt_tokens for n in r.cached_per_group.values()) for r in ok))
+
+
+def _cached(record: TurnRecord, group: str) -> int:
+    """Cached prompt tokens of ``group``, at most the prompt: a request preempted and
+    admitted again reports the match over its prompt and the tokens it had generated."""
+    return min(record.cached_per_group.get(group, 0), record.prompt_tokens)
 
 
 def _p50_p90(values: list[float]) -> tuple[float, float]:
