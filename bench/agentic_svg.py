@@ -11,7 +11,7 @@ from xml.sax.saxutils import escape
 
 from bench.agentic_report import Summary
 
-PANEL_W, PANEL_H, MARGIN, GAP = 420, 260, 50, 40
+PANEL_W, PANEL_H, LEFT, TOP, GAP = 420, 260, 100, 90, 70
 COLORS = ("#4878a8", "#e49444", "#6a9f58")
 
 
@@ -29,10 +29,10 @@ def _text(x: float, y: float, text: str, size: int = 11, anchor: str = "middle",
 def _panel(x0: float, title: str, names: list[str], series: list[tuple[str, list[float]]],
            unit: str) -> list[str]:
     """Grouped bars: one group per name, one bar per series; NaN bars are left out."""
-    top, bottom = MARGIN, MARGIN + PANEL_H
+    top, bottom = TOP, TOP + PANEL_H
     finite = [v for _, values in series for v in values if math.isfinite(v)]
     peak = max(finite, default=1.0) or 1.0
-    out = [_text(x0 + PANEL_W / 2, top - 24, title, 13),
+    out = [_text(x0 + PANEL_W / 2, top - 42, title, 13),
            f'<line x1="{x0}" y1="{bottom}" x2="{x0 + PANEL_W}" y2="{bottom}" stroke="#333"/>']
     group_w = PANEL_W / max(len(names), 1)
     bar_w = group_w * 0.7 / len(series)
@@ -47,21 +47,21 @@ def _panel(x0: float, title: str, names: list[str], series: list[tuple[str, list
         out.append(_text(gx + group_w * 0.35, bottom + 14, name, 10, "end", rotate=True))
     for j, (label, _) in enumerate(series):
         lx = x0 + j * 150
-        out += [_rect(lx, top - 14, 10, 10, COLORS[j]), _text(lx + 14, top - 5, label, 10, "start")]
+        out += [_rect(lx, top - 28, 10, 10, COLORS[j]), _text(lx + 14, top - 19, label, 10, "start")]
     out.append(_text(x0 - 8, top + 4, unit, 10, "end"))
     return out
 
 
 def render(summaries: list[Summary], title: str) -> str:
     """The SVG document for ``summaries`` (one bar group per configuration)."""
-    names = [s.name for s in summaries]
-    width = 2 * PANEL_W + GAP + 2 * MARGIN
-    height = PANEL_H + 2 * MARGIN + 110
+    names = [s.name + (f" ({s.errors} errors)" if s.errors else "") for s in summaries]
+    width = 2 * PANEL_W + GAP + LEFT + 20
+    height = TOP + PANEL_H + 120
     body = [_text(width / 2, 18, title, 14)]
-    body += _panel(MARGIN, "prefilled target tokens (lower is better)", names,
+    body += _panel(LEFT, "prefilled target tokens (lower is better)", names,
                    [("prefilled target tokens", [float(s.prefilled("target")) for s in summaries])],
                    "tokens")
-    body += _panel(MARGIN + PANEL_W + GAP, "TTFT p50 (ms, lower is better)", names,
+    body += _panel(LEFT + PANEL_W + GAP, "TTFT p50 (ms, lower is better)", names,
                    [("first turns", [s.ttft_first[0] * 1000 for s in summaries]),
                     ("continuation turns", [s.ttft_continuation[0] * 1000 for s in summaries])],
                    "ms")
