@@ -5,117 +5,52 @@ Generates a deterministic workload (``bench.agentic_workload``), replays it agai
 (``bench.agentic_replay``) and reports, per configuration, prefilled vs cached tokens and hit
 rate per layer group, TTFT of first and continuation turns, inter-token latency, AL by origin
 and output tok/s. With ``--router`` it replays against a running cluster; otherwise it starts
-one local cluster per configuration (router + prefill + decode on 127.0.0.1, the bundled tiny
-pair), prints a markdown table and writes a bar chart (SVG).
-
-The prefill worker's device KV memory is deliberately small (``--prefill-kv-mb``): it holds
-about one long conversation, so continuation turns find their prefix only where it survived
-the other conversations' turns. The decode worker gets enough for every request in flight.
+one local cluster per configuration (``bench.agentic_cluster``: router + prefill + decode on
+127.0.0.1, the bundled tiny pair, a deliberately small prefill KV), prints a markdown table and
+writes a bar chart (SVG).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass
-
-import grpc
+from dataclasses import asdict
 
 from bench import agentic_svg
-from bench.agentic_replay import replay
+from bench.agentic_cluster import (
+    HOST_TIER_FLAG,
+    ClusterConfig,
+    Geometry,
+    client_address,
+    geometry,
+    host_tier_supported,
+    start_cluster,
+)
+from bench.agentic_replay import ReplayResult, replay
 from bench.agentic_report import Summary, markdown_table, summarize
 from bench.agentic_workload import Workload, WorkloadConfig, generate
-from deploy.local import LocalCluster
-from proto.tandem.v1 import worker_pb2 as wpb
-from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
-HOST_TIER_FLAG = "--host-kv-cache-mb"
-ORIGINS = {"unified": "transferred", "separate": "cold", "aggregated": "local"}
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    """One column of the matrix. ``layout`` is unified, separate or aggregated (one worker
-    doing both roles, unified layout); ``host_kv_mb`` 0 = no host tier."""
-
-    layout: str
-    host_kv_mb: int = 0
-
-    @property
-    def name(self) -> str:
-        tier = f"host tier {self.host_kv_mb} MiB" if self.host_kv_mb else "no host tier"
-        return f"{self.layout}, {tier}"
-
-    @property
-    def origin(self) -> str:
-        return ORIGINS[self.layout]
-
-
-def host_tier_supported() -> bool:
-    """Whether ``tandem worker`` accepts the host KV tier's size flag."""
-    help_text = subprocess.run([sys.executable, "-m", "deploy.cli", "worker", "--help"],
-                               capture_output=True, text=True, check=False).stdout
-    return HOST_TIER_FLAG in help_text
-
-
-def worker_args(config: ClusterConfig, args: argparse.Namespace) -> list[str]:
-    layout = "unified" if config.layout == "aggregated" else config.layout
-    out = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.k), "--layout", layout,
-           "--max-num-seqs", str(args.max_num_seqs)]
-    if config.host_kv_mb:
-        out += [HOST_TIER_FLAG, str(config.host_kv_mb)]
-    return out
-
-
-def start_cluster(config: ClusterConfig, args: argparse.Namespace) -> LocalCluster:
-    """Prefill with the small KV, decode with room for every request in flight; an
-    aggregated worker gets both amounts (it holds both roles' pages)."""
-    prefill = ["--kv-cache-mb", str(args.prefill_kv_mb)]
-    decode = ["--kv-cache-mb", str(args.decode_kv_mb)]
-    both = ["--kv-cache-mb", str(args.prefill_kv_mb + args.decode_kv_mb)]
-    roles = ([("both", both)] if config.layout == "aggregated"
-             else [("prefill", prefill), ("decode", decode)])
-    cluster = LocalCluster(worker_args(config, args), ["--model", args.model, "-k", str(args.k)],
-                           roles, start_timeout_s=180, env={"OMP_NUM_THREADS": str(args.threads)})
-    try:
-        cluster.start()
-    except Exception:
-        print(cluster.logs(), file=sys.stderr)
-        cluster.stop()
-        raise
-    return cluster
-
-
-def prefill_capacity(cluster: LocalCluster) -> dict[str, int]:
-    """Device pages per group of the first prefill worker ({} for an aggregated cluster)."""
-    for p in cluster.processes[1:]:
-        if p.name.startswith("prefill"):
-            with grpc.insecure_channel(p.grpc) as channel:
-                stats = wpb_grpc.PrefillWorkerStub(channel).Stats(wpb.StatsRequest(), timeout=10)
-            return {g.group: g.num_pages_total for g in stats.groups}
-    return {}
-
-
-def client_address(cluster: LocalCluster, config: ClusterConfig) -> str:
-    """The router; for an aggregated cluster the worker itself, which serves the same client
-    API: the router polls an aggregated worker's health with a Stats call that worker does not
-    serve, and stops routing to it after two polls."""
-    return cluster.processes[1].grpc if config.layout == "aggregated" else cluster.router_address
 
 
 def run_config(config: ClusterConfig, workload: Workload, args: argparse.Namespace
-               ) -> tuple[Summary, dict[str, int]]:
+               ) -> tuple[ReplayResult, Geometry]:
     cluster = start_cluster(config, args)
     try:
-        capacity = prefill_capacity(cluster)
+        shape = geometry(cluster.router_address)
         result = replay(client_address(cluster, config), workload, args.concurrency)
     finally:
         cluster.stop()
-    return summarize(config.name, config.origin, result), capacity
+    return result, shape
+
+
+def save_records(path: str, name: str, result: ReplayResult) -> None:
+    """Append one JSON line per turn, tagged with the configuration's name."""
+    if path:
+        with open(path, "a") as f:
+            for record in result.records:
+                f.write(json.dumps({"configuration": name, **asdict(record)}) + "\n")
 
 
 def matrix(args: argparse.Namespace, host_tier: bool) -> tuple[list[ClusterConfig], dict[str, str]]:
@@ -148,12 +83,15 @@ def describe(workload: Workload, args: argparse.Namespace) -> str:
             f"{args.prefill_kv_mb} MiB, decode KV {args.decode_kv_mb} MiB")
 
 
-def report(summaries: list[Summary], capacities: dict[str, dict[str, int]],
+def report(summaries: list[Summary], shapes: dict[str, Geometry],
            skipped: dict[str, str], args: argparse.Namespace, header: str) -> None:
     print(header)
     print(markdown_table(summaries, skipped))
-    for name, pages in capacities.items():
-        print(f"- {name}: prefill device pages " + ", ".join(f"{g} {n}" for g, n in pages.items()))
+    for name, shape in shapes.items():
+        pages = "; ".join(f"{worker} " + ", ".join(f"{g} {n}" for g, n in groups.items())
+                          for worker, groups in shape.pages.items())
+        print(f"- {name}: device pages: {pages}; draft window rebuild {shape.rebuild_tokens} "
+              "tokens")
     for s in summaries:
         if s.over_cached:
             print(f"- {s.name}: {s.over_cached} requests reported more cached than prompt "
@@ -182,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--preamble-tokens", type=int, default=1024)
     p.add_argument("--branch-probability", type=float, default=0.5)
-    p.add_argument("--layouts", nargs="+", default=["unified", "separate"],
+    p.add_argument("--layouts", nargs="+", default=["unified", "separate", "aggregated"],
                    choices=["unified", "separate", "aggregated"])
     p.add_argument("--host-kv-mb", type=int, default=64, help="host tier size of the 'with' "
                    "column, MiB per worker (0 = run only without)")
@@ -196,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", default=DRAFTER)
     p.add_argument("--svg", default="docs/agentic.svg", help="plot path ('' = none)")
     p.add_argument("--json", default="", help="also write the summaries here")
+    p.add_argument("--records", default="", help="append every turn's record here (JSON lines)")
     return p.parse_args(argv)
 
 
@@ -205,17 +144,21 @@ def main(argv: list[str] | None = None) -> None:
     header = describe(workload, args)
     start = time.time()
     if args.router:
-        summary = summarize(f"router {args.router}", args.origin,
-                            replay(args.router, workload, args.concurrency))
-        report([summary], {}, {}, args, header)
+        shape = geometry(args.router)
+        result = replay(args.router, workload, args.concurrency)
+        save_records(args.records, args.router, result)
+        summary = summarize(f"router {args.router}", args.origin, result, shape.rebuild_tokens)
+        report([summary], {summary.name: shape}, {}, args, header)
         return
     configs, skipped = matrix(args, host_tier_supported())
-    summaries, capacities = [], {}
+    summaries, shapes = [], {}
     for config in configs:
-        summary, capacities[config.name] = run_config(config, workload, args)
+        result, shapes[config.name] = run_config(config, workload, args)
+        save_records(args.records, config.name, result)
+        summary = summarize(config.name, config.origin, result, shapes[config.name].rebuild_tokens)
         summaries.append(summary)
         print(f"{config.name}: {summary.requests} requests in {summary.wall_s:.0f} s", flush=True)
-    report(summaries, capacities, skipped, args, f"{header}; {time.time() - start:.0f} s in all")
+    report(summaries, shapes, skipped, args, f"{header}; {time.time() - start:.0f} s in all")
 
 
 if __name__ == "__main__":

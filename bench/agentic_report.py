@@ -2,7 +2,11 @@
 
 Per layer group: cached = the prompt tokens that group reused (``Usage.cached_tokens_per_group``),
 prefilled = prompt - cached, hit rate = cached / prompt, over the replay's successful turns.
-Latencies are in milliseconds in the table, seconds in the records.
+Prefill forward = the prompt positions the prefill's forward actually runs over, from the
+reuse rule (docs/kvcore.md): after a hit of m tokens it starts at m - 1 (the drafter needs the
+target's features there) when the draft group reused its window, else L * (W - 1) + 1 tokens
+earlier, to rebuild that window. Latencies are in milliseconds in the table, seconds in the
+records.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Summary:
     errors: int = 0
     prompt_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
+    forward_tokens: int = 0  # prefill forward positions, from the reuse rule
     ttft_first: tuple[float, float] = (float("nan"), float("nan"))  # p50, p90
     ttft_continuation: tuple[float, float] = (float("nan"), float("nan"))
     itl: tuple[float, float] = (float("nan"), float("nan"))
@@ -64,7 +69,20 @@ class Summary:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
 
-def summarize(name: str, origin: str, result: ReplayResult) -> Summary:
+def forward_tokens(record: TurnRecord, rebuild_tokens: int) -> int:
+    """Prompt positions the prefill forward ran over; ``rebuild_tokens`` = L * (W - 1) of the
+    windowed draft group (0: none, the forward starts at the hit)."""
+    hit = _cached(record, "target")
+    if hit == 0:
+        return record.prompt_tokens
+    if rebuild_tokens == 0:
+        return record.prompt_tokens - hit
+    if _cached(record, "draft") >= hit:
+        return record.prompt_tokens - hit + 1
+    return record.prompt_tokens - max(0, hit - rebuild_tokens - 1)
+
+
+def summarize(name: str, origin: str, result: ReplayResult, rebuild_tokens: int = 0) -> Summary:
     ok = [r for r in result.records if not r.error]
     first = [r for r in ok if r.is_first]
     later = [r for r in ok if not r.is_first]
@@ -74,6 +92,7 @@ def summarize(name: str, origin: str, result: ReplayResult) -> Summary:
         errors=len(result.records) - len(ok),
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         cached={g: sum(_cached(r, g) for r in ok) for g in GROUPS},
+        forward_tokens=sum(forward_tokens(r, rebuild_tokens) for r in ok),
         ttft_first=_p50_p90([r.ttft_s for r in first]),
         ttft_continuation=_p50_p90([r.ttft_s for r in later]),
         itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),
@@ -92,7 +111,8 @@ def _p50_p90(values: list[float]) -> tuple[float, float]:
     return percentile(values, 0.5), percentile(values, 0.9)
 
 
-HEADER = ("| configuration | requests (errors) | prefilled target / draft | cached target / draft "
+HEADER = ("| configuration | requests (errors) | prefilled target / draft | prefill forward "
+          "| cached target / draft "
           "| hit rate target / draft | TTFT p50 / p90 first turns (ms) | TTFT p50 / p90 "
           "continuations (ms) | ITL p50 / p90 (ms) | AL (origin) | AL continuations | "
           "output tok/s |")
@@ -109,7 +129,7 @@ def markdown_table(summaries: list[Summary], skipped: dict[str, str] | None = No
 
 def markdown_row(s: Summary) -> str:
     cells = [s.name, f"{s.requests} ({s.errors})",
-             f"{_k(s.prefilled('target'))} / {_k(s.prefilled('draft'))}",
+             f"{_k(s.prefilled('target'))} / {_k(s.prefilled('draft'))}", _k(s.forward_tokens),
              f"{_k(s.cached['target'])} / {_k(s.cached['draft'])}",
              f"{s.hit_rate('target'):.1%} / {s.hit_rate('draft'):.1%}",
              _ms_pair(s.ttft_first), _ms_pair(s.ttft_continuation), _ms_pair(s.itl),

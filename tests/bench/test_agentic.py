@@ -9,7 +9,7 @@ import pytest
 
 from bench import agentic_svg
 from bench.agentic_replay import ReplayResult, TurnRecord, replay
-from bench.agentic_report import markdown_table, percentile, summarize
+from bench.agentic_report import forward_tokens, markdown_table, percentile, summarize
 from bench.agentic_workload import ThreadState, Workload, WorkloadConfig, generate
 from tests.e2e import conftest as e2e
 
@@ -77,9 +77,12 @@ def test_the_summary_counts_prefilled_as_prompt_minus_cached_per_group():
                TurnRecord("c0", 1, "continuation", 200, {"target": 96, "draft": 64}, 8, 4.0, 2,
                           0.1, 0.4, [0.2]),
                TurnRecord("c1", 0, "first", 50, error="UNAVAILABLE: gone")]
-    s = summarize("x", "transferred", ReplayResult(records, wall_s=2.0))
+    s = summarize("x", "transferred", ReplayResult(records, wall_s=2.0), rebuild_tokens=10)
     assert (s.requests, s.errors, s.prompt_tokens) == (3, 1, 300)
     assert (s.prefilled("target"), s.prefilled("draft")) == (204, 236)
+    assert s.forward_tokens == 100 + (200 - (96 - 10 - 1))  # the draft window is rebuilt
+    records[1].cached_per_group["draft"] = 96
+    assert forward_tokens(records[1], 10) == 200 - 96 + 1  # reused: one position for features
     assert s.hit_rate("target") == pytest.approx(0.32)
     assert s.al == pytest.approx((2.0 * 4 + 4.0 * 2) / 6)
     assert s.al_continuation == pytest.approx(4.0)
