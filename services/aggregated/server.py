@@ -7,8 +7,20 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
 from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+
+
+class AggregatedStats(wpb_grpc.PrefillWorkerServicer):
+    """Stats alone (as any worker serves them), so the router's health poll sees this worker."""
+
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+
+    async def Stats(self, request, context) -> wpb.StatsResponse:
+        return self.worker.stats()
 
 
 class AggregatedServicer(cpb_grpc.TandemServicer):

@@ -32,8 +32,9 @@ async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
             from services.decode.server import DecodeServicer
             wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
         else:
-            from services.aggregated.server import AggregatedServicer
+            from services.aggregated.server import AggregatedServicer, AggregatedStats
             cpb_grpc.add_TandemServicer_to_server(AggregatedServicer(worker), server)
+            wpb_grpc.add_PrefillWorkerServicer_to_server(AggregatedStats(worker), server)
 
     server, health, port = await start_server(add, config.host, config.port, config.tls,
                                               config.token)
