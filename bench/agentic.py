@@ -39,7 +39,8 @@ def run_config(config: ClusterConfig, workload: Workload, args: argparse.Namespa
     cluster = start_cluster(config, args)
     try:
         shape = geometry(cluster.router_address)
-        result = replay(client_address(cluster, config), workload, args.concurrency)
+        result = replay(client_address(cluster, config), workload, args.concurrency,
+                        shape.tokens_per_page)
     finally:
         cluster.stop()
     return result, shape
@@ -93,6 +94,8 @@ def report(summaries: list[Summary], shapes: dict[str, Geometry],
         print(f"- {name}: device pages: {pages}; draft window rebuild {shape.rebuild_tokens} "
               "tokens")
     for s in summaries:
+        print(f"- {s.name}: an unbounded prompt cache would prefill {s.floor_prefilled / 1000:.1f}K "
+              "target tokens (the floor)")
         if s.over_cached:
             print(f"- {s.name}: {s.over_cached} requests reported more cached than prompt "
                   "tokens (re-admitted after preemption); counted as fully cached")
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time()
     if args.router:
         shape = geometry(args.router)
-        result = replay(args.router, workload, args.concurrency)
+        result = replay(args.router, workload, args.concurrency, shape.tokens_per_page)
         save_records(args.records, args.router, result)
         summary = summarize(f"router {args.router}", args.origin, result, shape.rebuild_tokens)
         report([summary], {summary.name: shape}, {}, args, header)

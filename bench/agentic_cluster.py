@@ -51,6 +51,7 @@ class Geometry:
     (0 without a windowed drafter). ``pages``: worker -> group -> device pages."""
 
     rebuild_tokens: int = 0
+    tokens_per_page: int = 16
     pages: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -94,6 +95,7 @@ def geometry(router_address: str) -> Geometry:
         info = cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=10)
     out = Geometry()
     for worker in info.workers:
+        out.tokens_per_page = worker.tokens_per_page or out.tokens_per_page
         out.pages[worker.instance_id] = {g.name: g.num_pages for g in worker.groups}
         for g in worker.groups:
             if g.owner == rpb.GROUP_OWNER_DRAFT and g.window:

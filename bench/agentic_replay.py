@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench.agentic_floor import PromptCacheFloor
 from bench.agentic_workload import Thread, ThreadState, Tokens, Workload
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
@@ -35,6 +36,7 @@ class TurnRecord:
     prompt_tokens: int = 0
     cached_per_group: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    floor_cached: int = 0  # what an unbounded prompt cache would reuse (bench.agentic_floor)
     acceptance_length: float = 0.0
     num_drafts: int = 0
     ttft_s: float = 0.0
@@ -104,8 +106,10 @@ def _fill_usage(record: TurnRecord, usage: cpb.Usage) -> None:
 class Replay:
     """The scheduling state of one replay: ready threads, thread states, records."""
 
-    def __init__(self, workload: Workload, stub: cpb_grpc.TandemStub, concurrency: int) -> None:
+    def __init__(self, workload: Workload, stub: cpb_grpc.TandemStub, concurrency: int,
+                 tokens_per_page: int) -> None:
         self.workload, self.stub, self.concurrency = workload, stub, concurrency
+        self.floor = PromptCacheFloor(tokens_per_page)
         self.ready: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self.order = itertools.count()
         self.states: dict[str, ThreadState] = {}
@@ -143,8 +147,10 @@ class Replay:
         for turn in range(thread.turns):
             record = TurnRecord(thread.name, turn, turn_kind(thread, turn))
             self.records.append(record)
+            prompt = state.next_prompt()
+            record.floor_cached = self.floor.best_hit(prompt)
             try:
-                answer = await run_turn(self.stub, record, state.next_prompt(),
+                answer = await run_turn(self.stub, record, prompt,
                                         self.workload.config.answer_tokens,
                                         f"agentic-{self.id_prefix}-{thread.name}-t{turn}")
             except grpc.aio.AioRpcError as e:
@@ -152,6 +158,7 @@ class Replay:
             if record.error:
                 self._drop_descendants(thread.name)
                 return
+            self.floor.add(prompt)
             state.record(answer)
             for branch in self.workload.branches_of(thread.name, turn):
                 self._push(branch, state.fork_base(turn), priority=0)
@@ -162,14 +169,17 @@ class Replay:
                          if t.parent == name and t.name not in self.states))
 
 
-async def replay_async(address: str, workload: Workload, concurrency: int) -> ReplayResult:
+async def replay_async(address: str, workload: Workload, concurrency: int,
+                       tokens_per_page: int = 16) -> ReplayResult:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = cpb_grpc.TandemStub(channel)
         start = time.monotonic()
-        records = await Replay(workload, stub, concurrency).run()
+        records = await Replay(workload, stub, concurrency, tokens_per_page).run()
         return ReplayResult(records, time.monotonic() - start)
 
 
-def replay(address: str, workload: Workload, concurrency: int) -> ReplayResult:
-    """Replay ``workload`` against the router at ``address`` (host:port)."""
-    return asyncio.run(replay_async(address, workload, concurrency))
+def replay(address: str, workload: Workload, concurrency: int,
+           tokens_per_page: int = 16) -> ReplayResult:
+    """Replay ``workload`` against the router at ``address`` (host:port); ``tokens_per_page``
+    sets the page granularity of the unbounded-cache floor."""
+    return asyncio.run(replay_async(address, workload, concurrency, tokens_per_page))

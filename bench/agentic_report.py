@@ -48,6 +48,7 @@ class Summary:
     prompt_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
     forward_tokens: int = 0  # prefill forward positions, from the reuse rule
+    floor_prefilled: int = 0  # target tokens an unbounded prompt cache would still prefill
     ttft_first: tuple[float, float] = (float("nan"), float("nan"))  # p50, p90
     ttft_continuation: tuple[float, float] = (float("nan"), float("nan"))
     itl: tuple[float, float] = (float("nan"), float("nan"))
@@ -93,6 +94,7 @@ def summarize(name: str, origin: str, result: ReplayResult, rebuild_tokens: int 
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         cached={g: sum(_cached(r, g) for r in ok) for g in GROUPS},
         forward_tokens=sum(forward_tokens(r, rebuild_tokens) for r in ok),
+        floor_prefilled=sum(r.prompt_tokens - r.floor_cached for r in ok),
         ttft_first=_p50_p90([r.ttft_s for r in first]),
         ttft_continuation=_p50_p90([r.ttft_s for r in later]),
         itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),

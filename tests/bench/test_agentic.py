@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from bench import agentic_svg
+from bench.agentic_floor import PromptCacheFloor, common_prefix_len
 from bench.agentic_replay import ReplayResult, TurnRecord, replay
 from bench.agentic_report import forward_tokens, markdown_table, percentile, summarize
 from bench.agentic_workload import ThreadState, Workload, WorkloadConfig, generate
@@ -72,14 +73,17 @@ def test_conversations_share_preambles_and_branches_share_their_fork_prefix():
 
 
 def test_the_summary_counts_prefilled_as_prompt_minus_cached_per_group():
-    records = [TurnRecord("c0", 0, "first", 100, {"target": 0, "draft": 0}, 8, 2.0, 4, 0.5, 1.0,
-                          [0.1, 0.3]),
-               TurnRecord("c0", 1, "continuation", 200, {"target": 96, "draft": 64}, 8, 4.0, 2,
-                          0.1, 0.4, [0.2]),
-               TurnRecord("c1", 0, "first", 50, error="UNAVAILABLE: gone")]
+    records = [TurnRecord("c0", 0, "first", prompt_tokens=100, cached_per_group={"target": 0},
+                          completion_tokens=8, acceptance_length=2.0, num_drafts=4, ttft_s=0.5,
+                          itl_s=[0.1, 0.3]),
+               TurnRecord("c0", 1, "continuation", prompt_tokens=200, floor_cached=150,
+                          cached_per_group={"target": 96, "draft": 64}, completion_tokens=8,
+                          acceptance_length=4.0, num_drafts=2, ttft_s=0.1, itl_s=[0.2]),
+               TurnRecord("c1", 0, "first", prompt_tokens=50, error="UNAVAILABLE: gone")]
     s = summarize("x", "transferred", ReplayResult(records, wall_s=2.0), rebuild_tokens=10)
     assert (s.requests, s.errors, s.prompt_tokens) == (3, 1, 300)
     assert (s.prefilled("target"), s.prefilled("draft")) == (204, 236)
+    assert s.floor_prefilled == 100 + 50
     assert s.forward_tokens == 100 + (200 - (96 - 10 - 1))  # the draft window is rebuilt
     records[1].cached_per_group["draft"] = 96
     assert forward_tokens(records[1], 10) == 200 - 96 + 1  # reused: one position for features
@@ -94,12 +98,23 @@ def test_the_summary_counts_prefilled_as_prompt_minus_cached_per_group():
     ET.fromstring(agentic_svg.render([s, s], "title"))  # well-formed
 
 
+def test_the_floor_reuses_whole_pages_of_earlier_prompts_and_leaves_one_token():
+    assert common_prefix_len((1, 2, 3, 4), (1, 2, 9)) == 2
+    assert common_prefix_len((), (1,)) == 0 and common_prefix_len((5, 6), (5, 6)) == 2
+    floor = PromptCacheFloor(tokens_per_page=4)
+    assert floor.best_hit(tuple(range(10))) == 0
+    floor.add(tuple(range(10)))  # caches pages [0, 8)
+    assert floor.best_hit(tuple(range(20))) == 8
+    assert floor.best_hit((0, 1, 2, 7)) == 3
+    assert floor.best_hit(tuple(range(8))) == 7  # the last prompt token is computed
+
+
 @pytest.mark.slow
 def test_a_tiny_replay_reuses_the_prefix_on_the_continuation_turn(byte_pair):
     workload = generate(TINY)
     cluster = e2e.start_cluster(byte_pair, ["prefill", "decode"])
     try:
-        result = replay(cluster.router_address, workload, concurrency=2)
+        result = replay(cluster.router_address, workload, concurrency=2, tokens_per_page=e2e.PAGE)
     finally:
         cluster.stop()
     assert [r.error for r in result.records] == [""] * 4
@@ -107,4 +122,5 @@ def test_a_tiny_replay_reuses_the_prefix_on_the_continuation_turn(byte_pair):
     continuations = [r for r in result.records if r.kind == "continuation"]
     assert len(continuations) == 2
     assert all(r.cached_per_group["target"] > 0 for r in continuations)
+    assert all(0 < r.cached_per_group["target"] <= r.floor_cached for r in continuations)
     assert all(r.ttft_s > 0 and r.acceptance_length >= 1 for r in result.records)
