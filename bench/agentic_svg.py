@@ -1,7 +1,8 @@
 """A two-panel bar chart of an agentic replay, as a standalone SVG (no plotting library).
 
-Left: prefilled target tokens per configuration. Right: TTFT p50 of first turns and of
-continuation turns per configuration. Configurations run along each panel's x axis.
+Left: prefilled target tokens and prefill forward tokens per configuration. Right: TTFT p50
+of first turns and of continuation turns per configuration. Configurations run along each
+panel's x axis.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _panel(x0: float, title: str, names: list[str], series: list[tuple[str, list
             out.append(_text(gx + (j + 0.5) * bar_w, bottom - h - 3, f"{values[i]:.0f}", 9))
         out.append(_text(gx + group_w * 0.35, bottom + 14, name, 10, "end", rotate=True))
     for j, (label, _) in enumerate(series):
-        lx = x0 + j * 150
+        lx = x0 + j * 210
         out += [_rect(lx, top - 28, 10, 10, COLORS[j]), _text(lx + 14, top - 19, label, 10, "start")]
     out.append(_text(x0 - 8, top + 4, unit, 10, "end"))
     return out
@@ -58,9 +59,11 @@ def render(summaries: list[Summary], title: str) -> str:
     width = 2 * PANEL_W + GAP + LEFT + 20
     height = TOP + PANEL_H + 120
     body = [_text(width / 2, 18, title, 14)]
-    body += _panel(LEFT, "prefilled target tokens (lower is better)", names,
-                   [("prefilled target tokens", [float(s.prefilled("target")) for s in summaries])],
-                   "tokens")
+    body += _panel(LEFT, "prefill tokens (lower is better)", names,
+                   [("prefilled target (prompt - cached)",
+                     [float(s.prefilled("target")) for s in summaries]),
+                    ("prefill forward (with window rebuilds)",
+                     [float(s.forward_tokens) for s in summaries])], "tokens")
     body += _panel(LEFT + PANEL_W + GAP, "TTFT p50 (ms, lower is better)", names,
                    [("first turns", [s.ttft_first[0] * 1000 for s in summaries]),
                     ("continuation turns", [s.ttft_continuation[0] * 1000 for s in summaries])],
