@@ -22,7 +22,6 @@ from bench.agentic_cluster import (
     HOST_TIER_FLAG,
     ClusterConfig,
     Geometry,
-    client_address,
     geometry,
     host_tier_supported,
     start_cluster,
@@ -39,7 +38,7 @@ def run_config(config: ClusterConfig, workload: Workload, args: argparse.Namespa
     cluster = start_cluster(config, args)
     try:
         shape = geometry(cluster.router_address)
-        result = replay(client_address(cluster, config), workload, args.concurrency,
+        result = replay(cluster.router_address, workload, args.concurrency,
                         shape.tokens_per_page)
     finally:
         cluster.stop()

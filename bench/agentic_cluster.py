@@ -101,10 +101,3 @@ def geometry(router_address: str) -> Geometry:
             if g.owner == rpb.GROUP_OWNER_DRAFT and g.window:
                 out.rebuild_tokens = max(out.rebuild_tokens, len(g.layer_ids) * (g.window - 1))
     return out
-
-
-def client_address(cluster: LocalCluster, config: ClusterConfig) -> str:
-    """The router; for an aggregated cluster the worker itself, which serves the same client
-    API: the router polls an aggregated worker's health with a Stats call that worker does not
-    serve, and stops routing to it after two polls."""
-    return cluster.processes[1].grpc if config.layout == "aggregated" else cluster.router_address

@@ -62,8 +62,8 @@ def turn_kind(thread: Thread, turn: int) -> str:
 
 
 def generate_request(request_id: str, prompt: Tokens, answer_tokens: int) -> cpb.GenerateRequest:
-    """Greedy, exactly ``answer_tokens`` tokens. The id is set by the client, since an
-    aggregated worker addressed directly (no router) assigns none."""
+    """Greedy, exactly ``answer_tokens`` tokens. The id is set by the client, so a replay can
+    also address an aggregated worker directly (which assigns none)."""
     return cpb.GenerateRequest(request_id=request_id, token_ids=cpb.TokenIds(ids=list(prompt)),
                                sampling=cpb.SamplingParams(max_tokens=answer_tokens,
                                                            temperature=0.0, ignore_eos=True))
