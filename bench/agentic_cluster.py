@@ -81,12 +81,7 @@ def start_cluster(config: ClusterConfig, args: argparse.Namespace) -> LocalClust
              else [("prefill", prefill), ("decode", decode)])
     cluster = LocalCluster(worker_args(config, args), ["--model", args.model, "-k", str(args.k)],
                            roles, start_timeout_s=180, env={"OMP_NUM_THREADS": str(args.threads)})
-    try:
-        cluster.start()
-    except Exception:
-        print(cluster.logs(), file=sys.stderr)
-        cluster.stop()
-        raise
+    cluster.start()
     return cluster
 
 

@@ -86,6 +86,16 @@ class LocalCluster:
         return self.processes[0].http
 
     def start(self) -> None:
+        """Start every process and wait until serving; on failure print the processes'
+        logs, stop them all and raise."""
+        try:
+            self._start()
+        except Exception:
+            print(self.logs(), file=sys.stderr)
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         router = self._spawn("router", ["router", "--port", str(self.port),
                                         "--http-port", str(self.http_port), *self.router_args])
         self._wait_endpoint(router)

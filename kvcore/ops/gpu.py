@@ -82,13 +82,6 @@ def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     return out.view(query.shape)
 
 
-def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
-                           scale, window)
-
-
 def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
                heads: slice | None = None) -> torch.Tensor:
     check_pool(kv_pool)

@@ -37,12 +37,7 @@ def start_cluster(pair, roles, layout: str = "unified", router_extra: tuple[str,
     worker, router = cluster_args(pair, layout)
     cluster = LocalCluster(worker, router + list(router_extra), roles, start_timeout_s=90,
                            **kwargs)
-    try:
-        cluster.start()
-    except Exception:
-        print(cluster.logs())
-        cluster.stop()
-        raise
+    cluster.start()
     return cluster
 
 

@@ -58,12 +58,7 @@ def cluster(reference):  # the reference first: idle cluster processes still tak
     router = ["--model", str(MODEL), "-k", str(K)]
     roles = [(name.split("-")[0], ["--tp", str(tp)]) for name, tp in ROLES.items()]
     cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
-    try:
-        cluster.start()
-    except Exception:
-        print(cluster.logs())
-        cluster.stop()
-        raise
+    cluster.start()
     yield cluster
     cluster.stop()
 
