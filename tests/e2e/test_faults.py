@@ -112,8 +112,8 @@ def test_client_cancel_mid_transfer_frees_pages_everywhere(tiny_pair):
         channel, call = stream(cluster.router_address, PROMPT, 20)
         consumer = threading.Thread(target=lambda: list(_ignore_cancel(call)))
         consumer.start()
-        _wait_for_reservation(cluster)  # pages reserved on decode, parked on prefill
-        assert worker_pages(cluster)["prefill-0"]["target"][0] > 0
+        _wait_for_reservation(cluster)  # pages reserved on decode ...
+        _wait_for_holder(cluster, "prefill")  # ... and held on prefill while the send waits
         call.cancel()
         consumer.join(timeout=10)
         channel.close()
@@ -185,11 +185,16 @@ def test_a_restarted_decode_worker_registers_again_and_takes_traffic(tiny_pair):
 
 
 def _wait_for_reservation(cluster, timeout_s: float = 10) -> str:
+    return _wait_for_holder(cluster, "decode", timeout_s)
+
+
+def _wait_for_holder(cluster, role: str, timeout_s: float = 10) -> str:
+    """The first worker of `role` on which a request holds target pages."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name, groups in worker_pages(cluster).items():
             used, cached = groups["target"]
-            if name.startswith("decode") and used > cached:
+            if name.startswith(role) and used > cached:
                 return name
         time.sleep(0.05)
-    raise AssertionError("no decode worker reserved pages")
+    raise AssertionError(f"no {role} worker holds request pages")
