@@ -65,6 +65,7 @@ class _Request:
     num_computed: int = 0
     node: TreeNode | None = None
     first_held: dict[str, int] = field(default_factory=dict)  # per group: entries below are NULL
+    num_held: dict[str, int] = field(default_factory=dict)  # per group: entries valid at allocate
 
 
 class KVCacheManager:
@@ -172,9 +173,10 @@ class KVCacheManager:
             self.allocators[g].decref([src])
         if match:
             self._count_match(match, num_tokens)
-        first_held = {g: _first_held(row) for g, row in rows.items()}
-        self.requests[request_id] = _Request(rows=rows, num_computed=num_computed, node=node,
-                                             first_held=first_held)
+        self.requests[request_id] = _Request(
+            rows=rows, num_computed=num_computed, node=node,
+            first_held={g: _first_held(row) for g, row in rows.items()},
+            num_held=_num_held(match, self.page))
 
     def can_extend(self, request_id: str, num_tokens: int) -> bool:
         req = self._request(request_id)
@@ -264,18 +266,31 @@ class KVCacheManager:
             out[i, :len(row)] = row
         return torch.from_numpy(out).to(device)
 
-    def transfer_pages(self, request_id: str, num_tokens: int) -> dict[str, TransferPages]:
+    def held_pages(self, request_id: str) -> dict[str, int]:
+        """Per group, leading block-table entries whose KV the request had at ``allocate``
+        (reused from the prefix cache or recalled from the host tier; entries out of the
+        window are NULL): a transfer into the request need not move them. Whole pages only;
+        the target's entry is ``match.num_tokens // P``, a draft group's the same where its
+        window was complete and 0 where it must be recomputed."""
+        return dict(self._request(request_id).num_held)
+
+    def transfer_pages(self, request_id: str, num_tokens: int,
+                       held: dict[str, int] | None = None) -> dict[str, TransferPages]:
         """Pages holding positions [0, num_tokens) that a disaggregated transfer moves, per
-        group: windowed groups only inside the window, separate draft groups not at all.
-        Sender and receiver compute the same indices from the same ``num_tokens``."""
+        group: windowed groups only inside the window, separate draft groups not at all,
+        none of the receiver's ``held`` leading entries (its :meth:`held_pages`). Sender
+        and receiver compute the same indices from the same ``num_tokens`` and ``held``."""
         req = self._request(request_id)
+        held = held or {}
         out = {}
         for g, row in req.rows.items():
             spec = self.groups[g]
             if self.config.layout == KVLayout.SEPARATE and spec.lifecycle == Lifecycle.OPTIONAL:
                 continue
-            first = win.stale_page_end(num_tokens, spec.window, self.page)
-            out[g] = TransferPages(first, row[first:cdiv(num_tokens, self.page)])
+            end = cdiv(num_tokens, self.page)
+            first = min(max(win.stale_page_end(num_tokens, spec.window, self.page),
+                            held.get(g, 0)), end)
+            out[g] = TransferPages(first, row[first:end])
         return out
 
     def usage(self) -> dict[str, GroupUsage]:
@@ -400,6 +415,14 @@ class KVCacheManager:
             if not self.allocators[g].can_allocate(n):
                 raise RuntimeError(f"group {g}: {n} pages needed, "
                                    f"{self.allocators[g].num_free} free: check can_allocate first")
+
+
+def _num_held(match: PrefixMatch | None, tokens_per_page: int) -> dict[str, int]:
+    if match is None:
+        return {}
+    m = match.num_tokens
+    return {g: m // tokens_per_page for g, start in match.compute_start.items()
+            if m and start == m}
 
 
 def _first_held(row: list[int]) -> int:

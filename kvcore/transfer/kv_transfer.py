@@ -80,10 +80,13 @@ class AuxState:
 
 @dataclass(slots=True)
 class TransferUsage:
-    """Bytes and seconds per group of one request's transfer."""
+    """Per group of one request's transfer: bytes and seconds, pages sent, and leading
+    pages not sent because the receiver held them."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    pages: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -117,19 +120,20 @@ class KVTransferAgent:
     # ------------------------------------------------------------------ sender
 
     async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
-                           timeout_s: float, dest: dict[str, list[int]] | None = None
-                           ) -> TransferUsage:
+                           timeout_s: float, dest: dict[str, list[int]] | None = None,
+                           held: dict[str, int] | None = None) -> TransferUsage:
         """Push the aux state and the pages holding positions [0, num_tokens) to the peer,
         then wait for its acknowledgement. Raises TransferError/TransferTimeout.
 
         ``dest``: the receiver's block-table rows (from its reservation). Where a run of
         pages is contiguous on both sides it moves straight from pool to pool; without
-        ``dest`` every group is packed into one message."""
+        ``dest`` every group is packed into one message. ``held``: per group, leading
+        entries the receiver already holds (its reservation's), which are not sent."""
         await self.send_aux(request_id, peer_id, aux, timeout_s)
-        pages = self.manager.transfer_pages(request_id, num_tokens)
+        pages = self.manager.transfer_pages(request_id, num_tokens, held)
         usage = await self.send_pages(request_id, pages, peer_id, timeout_s, dest)
         await self.wait_ack(request_id, num_tokens, timeout_s)
-        return usage
+        return with_held(usage, held)
 
     async def send_aux(self, request_id: str, peer_id: str, aux: AuxState,
                        timeout_s: float) -> None:
@@ -154,7 +158,7 @@ class KVTransferAgent:
                 _common_runs(sent, dest.get(group) if dest else None)
             await self.transport.send(peer_id, _runs_header(runs, len(sent.page_ids)),
                                       message_tag(base, index, 0), timeout_s)
-            usage.bytes[group] = 0
+            usage.bytes[group], usage.pages[group] = 0, len(sent.page_ids)
             for chunk, (first, _dst, n) in enumerate(runs, start=1):
                 heads = route.src_heads if sliced else None
                 buffer = self._source(group, sent.page_ids, first, n, heads)
@@ -193,13 +197,14 @@ class KVTransferAgent:
     async def receive_request(self, request_id: str, num_tokens: int,
                               timeout_s: float) -> tuple[AuxState, TransferUsage]:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
-        num_computed=num_tokens)``, then acknowledge to the sender the aux state names
-        (which must be connected)."""
+        match, num_computed=num_tokens)`` (all but its ``held_pages``), then acknowledge to
+        the sender the aux state names (which must be connected)."""
         aux = await self.receive_aux(request_id, num_tokens, timeout_s)
-        pages = self.manager.transfer_pages(request_id, num_tokens)
+        held = self.manager.held_pages(request_id)
+        pages = self.manager.transfer_pages(request_id, num_tokens, held)
         usage = await self.receive_pages(request_id, pages, timeout_s)
         await self.acknowledge(request_id, aux.sender_id, num_tokens, timeout_s)
-        return aux, usage
+        return aux, with_held(usage, held)
 
     async def receive_aux(self, request_id: str, num_tokens: int, timeout_s: float) -> AuxState:
         data = bytearray(AuxState.wire_size(self.hidden_size))
@@ -225,7 +230,7 @@ class KVTransferAgent:
             header = torch.zeros(len(landing.page_ids) + 1, dtype=torch.int32)
             await self.transport.recv(header, message_tag(base, index, 0), timeout_s)
             heads = route.dst_heads if route is not None and not route.whole else None
-            usage.bytes[group] = 0
+            usage.bytes[group], usage.pages[group] = 0, len(landing.page_ids)
             for chunk, (first, n) in enumerate(_header_runs(header), start=1):
                 usage.bytes[group] += await self._receive_run(
                     group, landing.page_ids[first:first + n], message_tag(base, index, chunk),
@@ -296,6 +301,12 @@ class KVTransferAgent:
         base = request_tag(nonce)
         await self.transport.recv(payload, message_tag(base, PING_GROUP, 0), timeout_s)
         await self.transport.send(peer_id, bytes(payload), message_tag(base, PING_GROUP, 1), timeout_s)
+
+
+def with_held(usage: TransferUsage, held: dict[str, int] | None) -> TransferUsage:
+    """``usage`` with the held pages of each group it moved recorded."""
+    usage.held = {g: (held or {}).get(g, 0) for g in usage.bytes}
+    return usage
 
 
 def _ping_payload(nonce: str) -> bytes:

@@ -37,6 +37,9 @@ class Metrics:
                                    registry=r)
         self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved", ["group"],
                                       registry=r)
+        self.transfer_pages = Counter("tandem_kv_transfer_pages", "KV pages of transfers: sent, "
+                                      "or held already by the decode worker and skipped",
+                                      ["group", "kind"], registry=r)
         self.transfer_failures = Counter("tandem_kv_transfer_failures", "Failed KV transfers",
                                          ["group"], registry=r)
         self.transfer_seconds = Histogram("tandem_kv_transfer_seconds", "Wall time of one "

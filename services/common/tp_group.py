@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from kvcore.manager import TransferPages
 from kvcore.transfer.head_routes import HeadRoute, head_routes, routes_between
-from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent, TransferUsage
+from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent, TransferUsage, with_held
 from kvcore.transfer.ucx import TransferError, UcxEndpointInfo
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.common.tp_check import check_group
@@ -177,12 +178,12 @@ class GroupTransferAgent:
     # ------------------------------------------------------------------ transfers
 
     async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
-                           timeout_s: float, dest: dict[str, list[int]] | None = None
-                           ) -> TransferUsage:
-        """Every prefill rank sends every decode rank the heads they share; then rank 0
-        waits for decode rank 0's acknowledgement."""
+                           timeout_s: float, dest: dict[str, list[int]] | None = None,
+                           held: dict[str, int] | None = None) -> TransferUsage:
+        """Every prefill rank sends every decode rank the heads they share (none of the
+        ``held`` leading pages); then rank 0 waits for decode rank 0's acknowledgement."""
         peer = self._peer(peer_id)
-        pages = self.manager.transfer_pages(request_id, num_tokens)
+        pages = self.manager.transfer_pages(request_id, num_tokens, held)
         routes = self._routes(self.tp_size, len(peer), pages)
         await self.agent.send_aux(request_id, peer_id, aux, timeout_s)
         jobs = []
@@ -196,7 +197,7 @@ class GroupTransferAgent:
                                          dest=dest))
         usage = await self._all(jobs)
         await self.agent.wait_ack(request_id, num_tokens, timeout_s)
-        return usage
+        return _counted(usage, pages, held)
 
     async def receive_request(self, request_id: str, num_tokens: int,
                               timeout_s: float) -> tuple[AuxState, TransferUsage]:
@@ -204,7 +205,8 @@ class GroupTransferAgent:
         gathers its heads from the prefill ranks that hold them."""
         aux = await self.agent.receive_aux(request_id, num_tokens, timeout_s)
         peer = self._peer(aux.sender_id)
-        pages = self.manager.transfer_pages(request_id, num_tokens)
+        held = self.manager.held_pages(request_id)
+        pages = self.manager.transfer_pages(request_id, num_tokens, held)
         routes = self._routes(len(peer), self.tp_size, pages)
         stay = {g: [p for p in self.manager.block_table(request_id, g) if p >= 0]
                 for g in self.manager.groups if g not in pages}  # the separate layout's draft
@@ -217,7 +219,7 @@ class GroupTransferAgent:
                                  zero=stay if dst > 0 else None))
         usage = await self._all(jobs)
         await self.agent.acknowledge(request_id, aux.sender_id, num_tokens, timeout_s)
-        return aux, usage
+        return aux, _counted(usage, pages, held)
 
     # ------------------------------------------------------------------ pairing
 
@@ -270,6 +272,13 @@ class GroupTransferAgent:
             if "bytes" in reply:
                 merge_usage(total, reply)
         return total
+
+
+def _counted(usage: TransferUsage, pages: dict[str, TransferPages],
+             held: dict[str, int] | None) -> TransferUsage:
+    """``usage`` with each group's pages (once, not once per rank) and held pages."""
+    usage.pages = {g: len(p.page_ids) for g, p in pages.items() if g in usage.bytes}
+    return with_held(usage, held)
 
 
 def _between(routes: dict[str, list[HeadRoute]], src: int, dst: int) -> dict[str, HeadRoute]:

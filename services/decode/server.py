@@ -1,9 +1,11 @@
 """The decode worker: reserves pages, receives them over UCX, and decodes.
 
 Reserve -> pages for prompt + headroom in every group, and a receive posted for them,
-under a lease; Decode -> waits for the pages and aux state to land, then streams tokens;
-Release -> gives back a reservation that will not be decoded. A reservation whose
-transfer or Decode does not come within the lease is freed.
+under a lease; with the prompt's tokens, the pages its prefix cache holds are reused and
+named held in the reservation, and the sender skips them. Decode -> waits for the pages
+and aux state to land, then streams tokens; Release -> gives back a reservation that will
+not be decoded. A reservation whose transfer or Decode does not come within the lease is
+freed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class _Reservation:
     prompt_len: int
     deadline: float  # monotonic seconds
     receive: asyncio.Task  # -> (AuxState, TransferUsage)
+    prompt: list[int]  # the reserved prompt's tokens; empty when Reserve did not send them
     decoding: bool = False
 
 
@@ -51,10 +54,18 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                                 f"room in the context of {w.engine.max_model_len}")
         if rid in self.reserved or rid in w.engine.manager.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
+        prompt = list(request.prompt_token_ids)
+        if prompt and len(prompt) != n:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
+                                f"{len(prompt)} tokens, prompt_len is {n}")
+        vocab = w.engine.target.config.vocab_size
+        if any(t >= vocab for t in prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
+                                f"{max(prompt)} is outside the vocabulary of {vocab}")
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         # shielded: once pages are taken they are registered (and so releasable), even if
         # the caller gives up mid-call; a Release arriving meanwhile waits for it
-        task = self.reserving[rid] = asyncio.ensure_future(self._reserve(rid, n, lease_s))
+        task = self.reserving[rid] = asyncio.ensure_future(self._reserve(rid, n, prompt, lease_s))
         task.add_done_callback(lambda _: self.reserving.pop(rid, None))
         reservation = await asyncio.shield(task)
         if reservation is None:
@@ -62,22 +73,28 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                                 f"no free pages for {n} tokens")
         return wpb.ReserveResponse(reservation=reservation)
 
-    async def _reserve(self, rid: str, n: int, lease_s: float) -> wpb.Reservation | None:
+    async def _reserve(self, rid: str, n: int, prompt: list[int],
+                       lease_s: float) -> wpb.Reservation | None:
         w = self.worker
-        if not await w.loop.call(self._reserve_pages, rid, n):
+        if not await w.loop.call(self._reserve_pages, rid, n, prompt):
             return None
         receive = asyncio.ensure_future(w.agent.receive_request(rid, n, min(
             lease_s, w.config.transfer_timeout_s)))
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive)
+        self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
         return self._reservation_proto(rid, n, lease_s)
 
-    def _reserve_pages(self, rid: str, n: int) -> bool:
+    def _reserve_pages(self, rid: str, n: int, prompt: list[int]) -> bool:
+        """Pages for the prompt, reusing what the prefix cache (or host tier) holds of it;
+        without a match when the match's locked path leaves too few pages."""
         m = self.worker.engine.manager
-        if not m.can_allocate(n, num_computed=n):
+        for match in ([m.match_prefix(prompt)] if prompt else []) + [None]:
+            if m.can_allocate(n, match, num_computed=n):
+                break
+        else:
             return False
-        m.allocate(rid, n, num_computed=n)
+        m.allocate(rid, n, match, num_computed=n)
         if m.config.layout == KVLayout.SEPARATE:
             self._blind_draft(rid, n)
         return True
@@ -95,10 +112,12 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         w = self.worker
         m = w.engine.manager
         info = w.agent.endpoint()
+        held = m.held_pages(rid)
         return wpb.Reservation(
             request_id=rid, decode_instance_id=w.config.instance_id,
             num_tokens=n + m.config.headroom_tokens,
-            groups=[wpb.GroupPages(group=g, page_ids=m.block_table(rid, g)) for g in m.groups],
+            groups=[wpb.GroupPages(group=g, page_ids=m.block_table(rid, g),
+                                   num_held=held.get(g, 0)) for g in m.groups],
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
             ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host,
                                 port=info.port),
@@ -143,6 +162,9 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if len(request.prompt_token_ids) != res.prompt_len:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
                                 f"{len(request.prompt_token_ids)} tokens, {res.prompt_len} reserved")
+        if res.prompt and list(request.prompt_token_ids) != res.prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "prompt_token_ids: differ from the tokens reserved")
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:

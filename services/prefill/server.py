@@ -40,6 +40,11 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
                                 "reservation.decode_instance_id: empty")
         if not request.reservation.groups:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.groups: empty")
+        for i, g in enumerate(request.reservation.groups):
+            if g.num_held > len(g.page_ids):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"reservation.groups[{i}].num_held: {g.num_held} of "
+                                    f"{len(g.page_ids)} pages")
         if decode_id not in self.peers.peers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"reservation.decode_instance_id: {decode_id!r} is not a paired peer")
@@ -59,7 +64,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
             dest = {g.group: list(g.page_ids) for g in request.reservation.groups}
-            usage = await self._transfer(rid, prompt, final, decode_id, dest, context)
+            held = {g.group: g.num_held for g in request.reservation.groups}
+            usage = await self._transfer(rid, prompt, final, decode_id, dest, held, context)
         finally:
             if final is not None and final.finish_reason == "prefilled":
                 await w.loop.call(w.engine.release, rid)
@@ -68,7 +74,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
                                    finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
                                    usage=usage)
 
-    async def _transfer(self, rid, prompt, final, decode_id, dest, context) -> cpb.Usage:
+    async def _transfer(self, rid, prompt, final, decode_id, dest, held, context) -> cpb.Usage:
         w = self.worker
         usage = self._usage(prompt, final.usage.cached_tokens)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
@@ -80,7 +86,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         start = time.monotonic()
         try:
             moved = await w.agent.send_request(rid, len(prompt), decode_id, aux,
-                                               w.config.transfer_timeout_s, dest)
+                                               w.config.transfer_timeout_s, dest, held)
         except TransferError as e:
             for group in w.engine.manager.groups:
                 w.metrics.transfer_failures.labels(group).inc()
@@ -90,8 +96,11 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         w.metrics.transfer_seconds.observe(time.monotonic() - start)
         for group, n in moved.bytes.items():
             w.metrics.transfer_bytes.labels(group).inc(n)
-            usage.transfers.append(cpb.GroupTransfer(group=group, num_bytes=n,
-                                                     seconds=moved.seconds[group]))
+            w.metrics.transfer_pages.labels(group, "sent").inc(moved.pages[group])
+            w.metrics.transfer_pages.labels(group, "held").inc(moved.held[group])
+            usage.transfers.append(cpb.GroupTransfer(
+                group=group, num_bytes=n, seconds=moved.seconds[group],
+                num_pages=moved.pages[group], num_held_pages=moved.held[group]))
         return usage
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""The router's estimate of what each prefill worker has cached.
+"""The router's estimate of what each worker has cached (prefill: prompts; decode: prompts
+and their outputs).
 
 Keyed by chained hashes of whole pages of prompt tokens, as the workers' prefix caches
 are. Every prompt the router sends to a worker is recorded there; entries are dropped

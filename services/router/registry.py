@@ -25,7 +25,8 @@ class PairState(enum.Enum):
 class Worker:
     info: rpb.RankInfo
     inflight: int = 0  # requests the router has in flight there
-    free_pages: int = 0  # target-group pages free at the last Stats poll
+    free_pages: int = 0  # target-group pages free or only cached, at the last Stats poll
+    busy_pages: int = 0  # target-group pages requests hold: the last poll's, plus reservations since
     healthy: bool = True
     missed: int = 0  # consecutive Stats polls without an answer
 
@@ -92,13 +93,18 @@ class Registry:
 
     def choose_pair(self, token_ids: list[int], exclude: set[str] = frozenset()
                     ) -> tuple[Worker, Worker] | None:
-        """Decode by most free pages then least load; then, among prefill workers ready with
-        it, prefill by longest cached prefix then least load."""
+        """Decode by least cost among those with room for the prompt (all, when none has):
+        cost = pages the transfer must move (the prompt's, less the prefix the decode worker
+        is believed to hold) + pages its requests hold; ties to most free pages, then least
+        load. Then, among prefill workers ready with it, prefill by longest cached prefix,
+        then least load."""
         pairs = [(p, d) for p, d in self.ready_pairs() if p not in exclude and d not in exclude]
         if not pairs:
             return None
-        decodes = {d for _, d in pairs}
-        decode = max((self.workers[d] for d in decodes), key=lambda w: (w.free_pages, -w.inflight))
+        decodes = [self.workers[d] for d in dict.fromkeys(d for _, d in pairs)]
+        need = {w.id: self._pages_to_move(w.id, token_ids) for w in decodes}
+        roomy = [w for w in decodes if w.free_pages >= need[w.id]] or decodes
+        decode = min(roomy, key=lambda w: (need[w.id] + w.busy_pages, -w.free_pages, w.inflight))
         prefills = [self.workers[p] for p, d in pairs if d == decode.id]
         prefill = max(prefills, key=lambda w: (self.index.cached_tokens(w.id, token_ids),
                                                -w.inflight))
@@ -111,6 +117,10 @@ class Registry:
             return None
         return max(workers, key=lambda w: (self.index.cached_tokens(w.id, token_ids),
                                            -w.inflight))
+
+    def _pages_to_move(self, worker_id: str, token_ids: list[int]) -> int:
+        held = self.index.cached_tokens(worker_id, token_ids[:-1])  # the last token moves
+        return -(-(len(token_ids) - held) // self.tokens_per_page)
 
     def _aggregated(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == rpb.ROLE_BOTH and w.healthy]

@@ -290,11 +290,13 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         prefill_stub = wpb_grpc.PrefillWorkerStub(self.channels[prefill.id])
         handle.reserved_on = decode.id  # before the call: a cancel may land after it reserved
         try:
-            reserved = await decode_stub.Reserve(wpb.ReserveRequest(request_id=rid,
-                                                                    prompt_len=len(token_ids)))
+            reserved = await decode_stub.Reserve(wpb.ReserveRequest(
+                request_id=rid, prompt_len=len(token_ids), prompt_token_ids=token_ids))
         except grpc.aio.AioRpcError as e:
             handle.reserved_on = ""
             raise _classify(e, decode.id) from None
+        if reserved.reservation.groups:  # until the next poll says better
+            decode.busy_pages += len(reserved.reservation.groups[0].page_ids)
         prefill.inflight += 1
         decode.inflight += 1
         handle.workers, handle.lost = (prefill.id, decode.id), ""
@@ -340,10 +342,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         # worker saw it would otherwise orphan the reservation until its lease ran out
         handle.call, handle.workers = call, (decode.id,)
         last = time.monotonic()
+        tokens = [*token_ids, first.first_token_id]  # what the decode worker's cache will hold
         try:
             async for message in call:
                 kind = message.WhichOneof("payload")
                 if kind == "chunk":
+                    tokens += message.chunk.token_ids
                     now = time.monotonic()
                     self.metrics.itl.labels("router").observe(now - last)
                     last = now
@@ -354,6 +358,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 else:
                     usage.decode = message.complete.usage
                     handle.reserved_on = ""
+                    self.registry.index.record(decode.id, tokens)
                     yield _complete(rid, message.complete.finish_reason, usage.merged())
                     return
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -399,8 +404,10 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 try:
                     stats = await stub.Stats(wpb.StatsRequest(), timeout=STATS_TIMEOUT_S)
                     target = stats.groups[0] if stats.groups else None
-                    worker.free_pages = (target.num_pages_total - target.num_pages_used
-                                         if target else 0)
+                    if target is not None:
+                        busy = target.num_pages_used - target.num_pages_cached
+                        worker.free_pages = target.num_pages_total - busy
+                        worker.busy_pages = busy
                     worker.healthy = True
                     worker.missed = 0
                 except (grpc.aio.AioRpcError, AttributeError) as e:

@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import assert_no_request_holds_pages, cluster_args, generate, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -107,6 +109,36 @@ def test_bad_requests_get_invalid_argument_naming_the_field(mixed, request_kwarg
     assert raised.value.details().startswith(field)
     tokens, _ = generate(mixed.router_address, PROMPT, 4, temperature=0)  # still serving
     assert len(tokens) == 4
+
+
+def test_a_reserved_prompt_is_checked_and_decode_must_send_the_same(mixed):
+    decode = next(p for p in mixed.processes if p.name.startswith("decode"))
+    prefill = next(p for p in mixed.processes if p.name.startswith("prefill"))
+    with grpc.insecure_channel(decode.grpc) as channel:
+        stub = wpb_grpc.DecodeWorkerStub(channel)
+        for ids, field in (([1, 2, 3], "prompt_token_ids: 3 tokens, prompt_len is 5"),
+                           ([1, 2, 3, 4, 99], "prompt_token_ids: 99 is outside")):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Reserve(wpb.ReserveRequest(request_id="p", prompt_len=5,
+                                                prompt_token_ids=ids), timeout=10)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert raised.value.details().startswith(field)
+        stub.Reserve(wpb.ReserveRequest(request_id="p", prompt_len=3, prompt_token_ids=[1, 2, 3]),
+                     timeout=10)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.Decode(wpb.DecodeRequest(request_id="p", prompt_token_ids=[1, 2, 4]),
+                             timeout=10))
+        assert raised.value.details() == "prompt_token_ids: differ from the tokens reserved"
+        assert stub.Release(wpb.ReleaseRequest(request_id="p"), timeout=10).released
+    bad = wpb.PrefillRequest(request_id="q", prompt_token_ids=[1, 2], reservation=wpb.Reservation(
+        decode_instance_id=decode.name, groups=[wpb.GroupPages(group="target", page_ids=[0],
+                                                               num_held=2)]))
+    with grpc.insecure_channel(prefill.grpc) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            wpb_grpc.PrefillWorkerStub(channel).Prefill(bad, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "reservation.groups[0].num_held: 2 of 1 pages"
+    assert_no_request_holds_pages(mixed)
 
 
 def test_unified_layout_without_a_drafter_fails_at_startup(tiny_pair):

@@ -16,6 +16,7 @@ from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
 from tests.e2e.conftest import (
     ENGINE,
+    PAGE,
     K,
     assert_no_request_holds_pages,
     generate,
@@ -92,3 +93,26 @@ def test_a_repeated_prompt_reports_its_cached_tokens_per_group(unified):
     assert cached == {"target": len(prompt) - 1, "draft": len(prompt) - 1}
     assert complete.usage.num_drafts > 0
     assert complete.usage.num_draft_tokens == K * complete.usage.num_drafts
+
+
+def test_a_continuation_turn_moves_only_the_pages_the_decode_worker_lacks(unified, tiny_pair):
+    """Turn 2 extends turn 1's prompt and answer, which the decode worker cached when turn 1
+    ended: the reservation names those pages held, and the prefill sends only the rest."""
+    engine = Engine(EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]),
+                                 num_spec_tokens=K, **ENGINE))
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    first = [t + 1 for t in prompts()[3]]  # 33 tokens no other test sends
+    answer, _ = generate(unified.router_address, first, MAX_TOKENS)
+    second = first + answer + [3, 1, 4, 1, 5]
+    tokens, complete = generate(unified.router_address, second, MAX_TOKENS)
+    ref1 = engine.generate([first], greedy)[0]
+    ref2 = engine.generate([second], greedy)[0]
+    assert answer == ref1.token_ids
+    assert tokens == ref2.token_ids
+    assert complete.usage.acceptance_length == pytest.approx(ref2.usage.acceptance_length)
+    held = ref2.usage.cached_tokens["target"] // PAGE  # what the aggregated engine reused
+    assert held > len(first) // PAGE  # turn 1's answer is held too
+    moved = {t.group: (t.num_held_pages, t.num_pages) for t in complete.usage.transfers}
+    last_page = (len(second) - 1) // PAGE
+    assert moved == {"target": (held, last_page + 1 - held), "draft": (held, last_page + 1 - held)}
+    assert_no_request_holds_pages(unified)

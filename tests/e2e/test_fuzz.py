@@ -61,13 +61,15 @@ def test_random_generate_requests(cluster, prompt, params, rid):
 
 
 @FUZZ
-@given(rid=st.text(max_size=4), n=st.integers(0, 5000), lease=st.integers(0, 2000))
-def test_random_decode_worker_calls(cluster, rid, n, lease):
+@given(rid=st.text(max_size=4), n=st.integers(0, 5000), lease=st.integers(0, 2000),
+       ids=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 31), max_size=6))
+def test_random_decode_worker_calls(cluster, rid, n, lease, ids):
     decode = cluster.processes[2]
     with grpc.insecure_channel(decode.grpc) as channel:
         stub = wpb_grpc.DecodeWorkerStub(channel)
         try:
-            stub.Reserve(wpb.ReserveRequest(request_id=rid, prompt_len=n, lease_ms=lease), timeout=10)
+            stub.Reserve(wpb.ReserveRequest(request_id=rid, prompt_len=n, lease_ms=lease,
+                                            prompt_token_ids=ids), timeout=10)
         except grpc.RpcError as e:
             assert_named_refusal(e)
         try:
@@ -84,11 +86,14 @@ def test_random_decode_worker_calls(cluster, rid, n, lease):
 
 @FUZZ
 @given(rid=st.text(max_size=4), ids=st.lists(st.integers(0, 300), max_size=10),
-       decode_id=st.sampled_from(["", "nobody", "decode-1"]))
-def test_random_prefill_worker_calls(cluster, rid, ids, decode_id):
+       decode_id=st.sampled_from(["", "nobody", "decode-1"]),
+       groups=st.lists(st.builds(wpb.GroupPages, group=st.sampled_from(["target", "draft", "x"]),
+                                 page_ids=st.lists(st.integers(-2, 3), max_size=3),
+                                 num_held=st.integers(0, 4)), max_size=2))
+def test_random_prefill_worker_calls(cluster, rid, ids, decode_id, groups):
     prefill = cluster.processes[1]
-    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids,
-                                 reservation=wpb.Reservation(decode_instance_id=decode_id))
+    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, reservation=wpb.Reservation(
+        decode_instance_id=decode_id, groups=groups))
     with grpc.insecure_channel(prefill.grpc) as channel:
         try:
             wpb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=10)

@@ -63,16 +63,19 @@ def cluster(reference):  # the reference first: idle cluster processes still tak
     cluster.stop()
 
 
-def run_on_pair(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]):
-    """Reserve on ``decode``, prefill on ``prefill``, decode: what the router does, on a
-    chosen pair. Returns (tokens, prefill usage, decode usage)."""
+def run_on_pair(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int],
+                reserve_prompt: bool = False):
+    """Reserve on ``decode`` (sending the prompt's tokens, so its prefix cache counts, when
+    ``reserve_prompt``), prefill on ``prefill``, decode: what the router does, on a chosen
+    pair. Returns (tokens, prefill usage, decode usage)."""
     rid = f"tp-{next(_ids)}"
     sampling = cpb.SamplingParams(max_tokens=MAX_TOKENS)
     address = {p.name: p.grpc for p in cluster.processes}
     with grpc.insecure_channel(address[decode]) as d, grpc.insecure_channel(address[prefill]) as p:
         decoder = wpb_grpc.DecodeWorkerStub(d)
-        reservation = decoder.Reserve(wpb.ReserveRequest(request_id=rid, prompt_len=len(prompt)),
-                                      timeout=30).reservation
+        reservation = decoder.Reserve(wpb.ReserveRequest(
+            request_id=rid, prompt_len=len(prompt),
+            prompt_token_ids=prompt if reserve_prompt else []), timeout=30).reservation
         first = wpb_grpc.PrefillWorkerStub(p).Prefill(wpb.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation),
             timeout=60)
@@ -125,4 +128,27 @@ def test_through_the_router_every_pair_agrees_with_tp1(cluster, reference):
         assert tokens == ref.token_ids
         assert complete.usage.acceptance_length == pytest.approx(ref.usage.acceptance_length,
                                                                  rel=0.01)
+    assert_no_request_holds_pages(cluster)
+
+
+@pytest.mark.parametrize("prefill,decode", PAIRS)
+def test_a_continuation_skips_the_pages_each_decode_rank_holds(cluster, reference, prefill,
+                                                               decode):
+    """Turn 2 extends turn 1 (prompt and answer), which the decode group cached: only the
+    pages after the held prefix travel, re-sliced as before, and the tokens still agree."""
+    first = PROMPTS[0] + [ord(decode[-1])]  # a turn 1 of this decode worker's own
+    answer, _, _ = run_on_pair(cluster, prefill, decode, first, reserve_prompt=True)
+    second = first + answer + ByteTokenizer().encode("\n    def push(self, x):")
+    tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, second, reserve_prompt=True)
+    engine = Engine(EngineConfig(model=str(MODEL), drafter=str(DRAFTER), num_spec_tokens=K,
+                                 kv_cache_bytes=32 << 20, max_num_seqs=16))
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    assert answer == engine.generate([first], greedy)[0].token_ids
+    assert tokens == engine.generate([second], greedy)[0].token_ids
+    pages = -(-len(second) // 16)
+    page = {"target": 6 * 2 * 2 * 16 * 64 * 4, "draft": 1 * 2 * 2 * 16 * 64 * 4}
+    for t in prefilled.transfers:
+        assert t.num_held_pages >= len(first) // 16 > 0, t.group
+        assert t.num_held_pages + t.num_pages == pages, t.group
+        assert t.num_bytes == t.num_pages * page[t.group], t.group
     assert_no_request_holds_pages(cluster)

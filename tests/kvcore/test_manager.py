@@ -180,6 +180,41 @@ def test_transfer_pages_match_between_sender_and_receiver():
         assert_empty(m)
 
 
+def test_a_receiver_holding_a_prefix_is_sent_only_the_rest(manager):
+    a = list(range(24))
+    run_request(manager, "a", a)  # cached: target pages 0..5, draft 4..5 (its window)
+    b = a + [100, 101, 102]  # 27 tokens: 7 pages, the draft's window at 27 reads 20..26
+    match = manager.match_prefix(b)
+    manager.allocate("b", 27, match, num_computed=27)
+    assert manager.held_pages("b") == {"target": 6, "draft": 6}
+    assert rows(manager, "b") == ([0, 1, 2, 3, 4, 5, 7, 8], [N, N, N, N, N, 5, 7, 8])
+    got = manager.transfer_pages("b", 27, manager.held_pages("b"))
+    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {
+        "target": (6, [7]), "draft": (6, [7])}
+    sender = make_manager()
+    sender.allocate("b", 27)
+    sent = sender.transfer_pages("b", 27, manager.held_pages("b"))
+    assert {g: (p.first_page, p.page_ids) for g, p in sent.items()} == {
+        "target": (6, [6]), "draft": (6, [6])}
+    assert sender.transfer_pages("b", 27)["draft"].first_page == 5  # nothing held: the window
+    for m in (manager, sender):
+        m.free("b")
+        assert_empty(m)
+
+
+def test_an_incomplete_draft_window_is_not_held_so_it_is_sent(manager):
+    a = list(range(24))
+    run_request(manager, "a", a)
+    c = a[:20] + [200, 201, 202, 203, 204]  # target matches 20 tokens, the draft recomputes
+    manager.allocate("c", 25, manager.match_prefix(c), num_computed=25)
+    assert manager.held_pages("c") == {"target": 5}
+    got = manager.transfer_pages("c", 25, manager.held_pages("c"))
+    assert (got["target"].first_page, len(got["target"].page_ids)) == (5, 2)
+    assert (got["draft"].first_page, len(got["draft"].page_ids)) == (4, 3)  # the whole window
+    manager.free("c")
+    assert_empty(manager)
+
+
 def test_separate_layout_neither_caches_nor_transfers_the_draft():
     manager = make_manager(layout=KVLayout.SEPARATE)
     a = list(range(24))
