@@ -42,6 +42,9 @@ class TurnRecord:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    sent_pages: dict[str, int] = field(default_factory=dict)  # per group, by the KV transfer
+    held_pages: dict[str, int] = field(default_factory=dict)  # not sent: decode held them
+    transfer_bytes: int = 0
     error: str = ""
 
     @property
@@ -101,6 +104,10 @@ def _fill_usage(record: TurnRecord, usage: cpb.Usage) -> None:
     record.cached_per_group.setdefault("target", usage.cached_tokens)
     record.acceptance_length = usage.acceptance_length
     record.num_drafts = usage.num_drafts
+    for t in usage.transfers:
+        record.sent_pages[t.group] = t.num_pages
+        record.held_pages[t.group] = t.num_held_pages
+        record.transfer_bytes += t.num_bytes
 
 
 class Replay:

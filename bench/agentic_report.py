@@ -6,7 +6,8 @@ Prefill forward = the prompt positions the prefill's forward actually runs over,
 reuse rule (docs/kvcore.md): after a hit of m tokens it starts at m - 1 (the drafter needs the
 target's features there) when the draft group reused its window, else L * (W - 1) + 1 tokens
 earlier, to rebuild that window. Latencies are in milliseconds in the table, seconds in the
-records.
+records. Transfer: pages the KV transfer sent, and pages it skipped because the decode
+worker held them already (its prefix cache or host tier), per group.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Summary:
     wall_s: float = 0.0
     first_errors: list[str] = field(default_factory=list)
     over_cached: int = 0  # requests reporting more cached than prompt tokens (clamped)
+    sent_pages: dict[str, int] = field(default_factory=dict)  # KV transfer, per group
+    held_pages: dict[str, int] = field(default_factory=dict)  # skipped: the decode held them
+    transfer_bytes: int = 0
 
     def prefilled(self, group: str) -> int:
         return self.prompt_tokens - self.cached.get(group, 0)
@@ -100,7 +104,10 @@ def summarize(name: str, origin: str, result: ReplayResult, rebuild_tokens: int 
         itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),
         output_tokens=sum(r.completion_tokens for r in ok), wall_s=result.wall_s,
         first_errors=[r.error for r in result.records if r.error][:3],
-        over_cached=sum(any(n > r.prompt_tokens for n in r.cached_per_group.values()) for r in ok))
+        over_cached=sum(any(n > r.prompt_tokens for n in r.cached_per_group.values()) for r in ok),
+        sent_pages={g: sum(r.sent_pages.get(g, 0) for r in ok) for g in GROUPS},
+        held_pages={g: sum(r.held_pages.get(g, 0) for r in ok) for g in GROUPS},
+        transfer_bytes=sum(r.transfer_bytes for r in ok))
 
 
 def _cached(record: TurnRecord, group: str) -> int:
@@ -117,7 +124,7 @@ HEADER = ("| configuration | requests (errors) | prefilled target / draft | pref
           "| cached target / draft "
           "| hit rate target / draft | TTFT p50 / p90 first turns (ms) | TTFT p50 / p90 "
           "continuations (ms) | ITL p50 / p90 (ms) | AL (origin) | AL continuations | "
-          "output tok/s |")
+          "output tok/s | transfer pages sent / skipped target; draft (MiB sent) |")
 
 
 def markdown_table(summaries: list[Summary], skipped: dict[str, str] | None = None) -> str:
@@ -135,8 +142,16 @@ def markdown_row(s: Summary) -> str:
              f"{_k(s.cached['target'])} / {_k(s.cached['draft'])}",
              f"{s.hit_rate('target'):.1%} / {s.hit_rate('draft'):.1%}",
              _ms_pair(s.ttft_first), _ms_pair(s.ttft_continuation), _ms_pair(s.itl),
-             f"{s.al:.2f} ({s.origin})", f"{s.al_continuation:.2f}", f"{s.output_tok_s:.1f}"]
+             f"{s.al:.2f} ({s.origin})", f"{s.al_continuation:.2f}", f"{s.output_tok_s:.1f}",
+             _transfer_cell(s)]
     return "| " + " | ".join(cells) + " |"
+
+
+def _transfer_cell(s: Summary) -> str:
+    if not any(s.sent_pages.values()):
+        return "none (aggregated)"
+    groups = [f"{s.sent_pages[g]} / {s.held_pages[g]}" for g in GROUPS if s.sent_pages.get(g)]
+    return "; ".join(groups) + f" ({s.transfer_bytes / 2**20:.0f})"
 
 
 def _k(tokens: int) -> str:
