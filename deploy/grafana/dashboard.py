@@ -122,6 +122,10 @@ ROWS = (
               quantiles("tandem_kv_transfer_seconds"), unit="s"),
         Panel("Transfer failures by group", "Failed transfers per second.",
               ((rate("tandem_kv_transfer_failures_total", "group"), "{{group}}"),), unit="ops"),
+        Panel("Transfer pages sent and skipped", "Pages per second the transfer sent, and "
+              "pages it skipped because the decode worker held them already (its prefix cache).",
+              ((rate("tandem_kv_transfer_pages_total", "group, kind"), "{{kind}} {{group}}"),),
+              width=24),
     )),
     Row("Queues", (
         Panel("Requests running and waiting", "Per role.",
