@@ -87,8 +87,10 @@ class KVCacheManager:
         if config.host_num_pages and config.enable_prefix_cache and self.pools:
             self.host = HostCache({g: self.pools[g] for g in self.cached_groups},
                                   config.host_num_pages, self.page)
+        optional = frozenset(g.name for g in config.groups
+                             if g.lifecycle == Lifecycle.OPTIONAL and g.name in self.cached_groups)
         self.tree = (RadixCache({g: self.allocators[g] for g in self.cached_groups}, self.page,
-                                on_evict=self._to_host if self.host else None)
+                                on_evict=self._to_host if self.host else None, optional=optional)
                      if config.enable_prefix_cache else None)
         self.stats = {g: GroupStats() for g in self.groups}
         self.requests: dict[str, _Request] = {}

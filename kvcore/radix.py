@@ -9,6 +9,8 @@ Invariants:
 - the tree owns one reference of every page it holds (``PageAllocator.incref``);
 - a node with ``lock_ref > 0`` is in use by a request, and so are all its ancestors;
   only unlocked leaves are evicted, least recently used first;
+- when only OPTIONAL groups are short, their pages are dropped from unlocked nodes (least
+  recently used first) before any node is evicted: the REQUIRED groups' pages stay cached;
 - ``evictable[group]`` counts the real pages held by unlocked nodes.
 """
 
@@ -52,9 +54,12 @@ class RadixMatch:
 
 class RadixCache:
     def __init__(self, allocators: dict[str, PageAllocator], tokens_per_page: int,
-                 on_evict: Callable[[TreeNode], None] | None = None) -> None:
-        """``on_evict(node)`` sees each node just before its pages are released."""
+                 on_evict: Callable[[TreeNode], None] | None = None,
+                 optional: frozenset[str] = frozenset()) -> None:
+        """``on_evict(node)`` sees each node just before its pages are released (a whole
+        node: not when only ``optional`` groups' pages are dropped from it)."""
         self.allocators = allocators
+        self.optional = optional
         self.on_evict = on_evict
         self.page = tokens_per_page
         self.root = TreeNode(key=(), pages={g: [] for g in allocators})
@@ -107,9 +112,15 @@ class RadixCache:
         return n
 
     def evict(self, needed: dict[str, int]) -> dict[str, int]:
-        """Evict unlocked leaves, least recently used first, until each group has freed
-        ``needed[group]`` pages or nothing is evictable. Returns pages freed per group."""
+        """Free ``needed[group]`` pages per group, or all that is evictable. When every short
+        group is optional, only those groups' pages are dropped from unlocked nodes (evicting
+        nodes could free no more of them); else unlocked leaves are evicted, least recently
+        used first. Returns pages freed per group."""
         freed = {g: 0 for g in self.allocators}
+        short = {g for g, n in needed.items() if n > 0}
+        if short and short <= self.optional:
+            self._drop_optional(needed, freed)
+            return freed
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         while heap and any(freed[g] < needed.get(g, 0) for g in freed):
@@ -126,6 +137,24 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def _drop_optional(self, needed: dict[str, int], freed: dict[str, int]) -> None:
+        """Drop whole runs of optional groups' pages from unlocked nodes, least recently
+        used first, until ``freed`` covers ``needed``: a group's window in a node is useful
+        only whole, and later matches recompute it."""
+        nodes = sorted((n for n in self.nodes() if n.lock_ref == 0 and n is not self.root),
+                       key=lambda n: n.last_access)
+        for node in nodes:
+            short = [g for g in needed if freed[g] < needed[g]]
+            if not short:
+                return
+            for g in short:
+                real = [p for p in node.pages[g] if p != NULL_PAGE]
+                if real:
+                    self.allocators[g].decref(real)
+                    node.pages[g] = [NULL_PAGE] * len(node.pages[g])
+                    self.evictable[g] -= len(real)
+                    freed[g] += len(real)
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (one lock per request)."""

@@ -134,6 +134,21 @@ def test_eviction_is_least_recently_used_first():
     assert_empty(manager)
 
 
+def test_draft_pressure_drops_only_draft_pages_and_keeps_the_target_cached():
+    manager = make_manager(draft_pages=8)
+    a, b = list(range(24)), list(range(100, 124))
+    run_request(manager, "a", a)  # cached: target pages 0..5, draft pages of its window (2)
+    run_request(manager, "b", b)  # 7 draft pages wanted, 6 free: a's draft window goes
+    usage = manager.usage()
+    assert (usage["target"].cached, usage["draft"].cached) == (12, 2)
+    match = manager.match_prefix(a + [7, 7])
+    assert match.num_tokens == 24
+    assert match.reused_pages["target"] == [0, 1, 2, 3, 4, 5]
+    assert match.compute_start == {"target": 24, "draft": 17}  # the window is recomputed
+    assert manager.match_prefix(b + [7]).compute_start == {"target": 24, "draft": 24}
+    assert_empty(manager)
+
+
 def test_locked_prefix_is_not_evicted():
     manager = make_manager(target_pages=8, draft_pages=8)
     a = list(range(8))
