@@ -27,7 +27,10 @@ to reuse it.
 
 One transport per process: ``ucxx`` keeps a single UCX worker per process. Its
 progress runs in the "blocking" mode: the event loop progresses the worker when the
-worker's epoll descriptor fires, so nothing spins while idle. (ucxx's own default, a
+worker's epoll descriptor fires and arms it again afterwards (:mod:`ucx_progress` fixes
+ucxx, which armed it only once and then spun on every loop turn), so an idle process
+sleeps; a send or receive in flight progresses the worker itself on every loop turn,
+since shared-memory transports raise no wakeup events. (ucxx's own default, a
 progress thread, moved 1-256 MiB messages 3-8x slower on a 2-core host: every
 completion hops threads.) Hence the event loop must stay responsive: long compute
 belongs off the loop's thread, or transfers stall. ``UCXPY_PROGRESS_MODE`` overrides.
@@ -41,6 +44,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.transfer import ucx_progress
 from kvcore.transfer.buffers import as_ucx_array
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -116,6 +120,7 @@ class UcxTransport:
 
         self._ucxx = ucxx
         if ucxx.core._ctx is None:  # first transport of this process picks the progress mode
+            ucx_progress.install()
             ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", PROGRESS_MODE))
         self._context = ucxx.core._get_ctx()  # the process's worker; ucxx has no public getter
         self._context.continuous_ucx_progress()
@@ -217,7 +222,7 @@ class UcxTransport:
         array = as_ucx_array(buffer, writable=False)
         request = _background(endpoint.send(array, tag=_check_tag(tag), force_tag=True))
         try:
-            await asyncio.wait_for(asyncio.shield(request), timeout_s)
+            await self._drive(request, timeout_s)
         except TimeoutError:
             await self.disconnect(peer_id)
             raise TransferTimeout(f"send of tag {tag:#x} to {peer_id!r} not done "
@@ -246,7 +251,7 @@ class UcxTransport:
                                 f"buffer has {array.nbytes}")
         request = _background(self._receive_matched(array, probe))
         try:
-            await asyncio.wait_for(asyncio.shield(request), max(deadline - loop.time(), 0))
+            await self._drive(request, max(deadline - loop.time(), 0))
         except TimeoutError:
             raise TransferTimeout(f"recv of tag {tag:#x}: message matched but its data did "
                                   f"not land within {timeout_s} s") from None
@@ -258,6 +263,7 @@ class UcxTransport:
         spin_until = loop.time() + SPIN_S
         while True:
             self._check_open()
+            self._context.worker.progress()
             probe = self._context.tag_probe(tag, remove=True)
             if probe.matched:
                 return probe
@@ -265,6 +271,21 @@ class UcxTransport:
             if now >= deadline:
                 raise TransferTimeout(f"recv of tag {tag:#x}: no message within {timeout_s} s")
             await asyncio.sleep(0 if now < spin_until else min(POLL_S, deadline - now))
+
+    async def _drive(self, request: asyncio.Task, timeout_s: float | None) -> None:
+        """Await ``request``, progressing the worker every loop turn meanwhile; TimeoutError
+        after ``timeout_s`` seconds (None = never). UCX's shared-memory transports raise no
+        wakeup event when a message moves, so an armed worker left to its epoll descriptor
+        would stall a transfer; an idle worker, driven by nobody, sleeps."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        worker = self._context.worker
+        while not request.done():
+            worker.progress()
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError
+            await asyncio.sleep(0)
+        request.result()
 
     async def _receive_matched(self, array: Any, probe: Any) -> None:
         await self._context.recv_with_handle(array, probe)

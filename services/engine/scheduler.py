@@ -86,8 +86,9 @@ class Scheduler:
             return None
         self.manager.allocate(req.request_id, alloc, match)
         req.reset_kv_state()
-        req.cached_tokens = {g: hit if start == hit else 0 for g, start in
-                             match.compute_start.items()}  # reused per group, as GroupStats
+        if not req.cached_tokens:  # the first admission's: a re-admission's match covers output
+            req.cached_tokens = {g: hit if s == hit else 0  # reused per group, as GroupStats
+                                 for g, s in match.compute_start.items()}
         req.status = Status.PREFILL
         req.prefill_pos, req.prefill_end = start, len(tokens)
         req.num_computed = req.target_write_start = hit

@@ -44,8 +44,12 @@ def test_page_pressure_queues_and_preempts_without_crashing(pair):
     prompts = random_prompts(12, seed=12, min_len=16, max_len=24)
     expected = [o.token_ids for o in make_engine(pair, k=0).generate(prompts, LONG)]
     engine = make_engine(pair, k=3, num_pages=(40, 40))  # ~3 requests' worth of pages
-    assert [o.token_ids for o in engine.generate(prompts, LONG)] == expected
+    outputs = engine.generate(prompts, LONG)
+    assert [o.token_ids for o in outputs] == expected
     assert engine.scheduler.num_preemptions > 0
+    # cached tokens are the first admission's (none: no prompt shares a page), not the
+    # re-admission's match over the prompt and the tokens generated before preemption
+    assert [o.usage.cached_tokens for o in outputs] == [{"target": 0, "draft": 0}] * len(prompts)
     assert_pools_empty(engine)
 
 
