@@ -170,3 +170,32 @@ def test_listener_path_in_one_process():
         return torch.equal(sent, got)
 
     assert run(body())
+
+
+def test_an_idle_worker_sleeps_after_a_message(monkeypatch):
+    """ucxx's blocking mode armed the worker only once: after a message its epoll reader ran
+    on every loop turn (a core spent idle). The worker is now armed again after each event,
+    so an idle loop does not run the reader."""
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    calls = []
+    reader = BlockingMode._fd_reader_callback
+    monkeypatch.setattr(BlockingMode, "_fd_reader_callback",
+                        lambda self: (calls.append(1), reader(self))[1])
+
+    async def body():
+        transport = await started()  # this loop's progress task binds the counting reader
+        tag = make_tag("local-idle", 0, 0)
+        got = torch.empty(1 << 20, dtype=torch.uint8)
+        for _ in range(3):
+            await asyncio.gather(transport.send("self", torch.ones_like(got), tag, 5),
+                                 transport.recv(got, tag, 5))
+        await asyncio.sleep(0.1)  # the arm task finishes
+        calls.clear()
+        await asyncio.sleep(0.5)
+        await transport.close()
+        return len(calls), int(got.sum())
+
+    idle_calls, total = run(body())
+    assert total == 1 << 20
+    assert idle_calls <= 2
