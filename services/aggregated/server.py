@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
@@ -31,7 +33,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         await write_stream(self._generate(request, context), context)
 
     async def _generate(self, request: cpb.GenerateRequest, context):
-        w, rid = self.worker, request.request_id
+        w, rid = self.worker, request.request_id or f"agg-{uuid.uuid4().hex}"
         prompt = list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" \
             else request.text
         try:
