@@ -51,6 +51,7 @@ def test_evicted_pages_come_back_bit_identical_in_every_group():
     assert after["draft"][2:] == before["draft"][2:]
     assert rows(m, "c")[1][:2] == [N, N]
     assert m.stats["target"].recalled_tokens == 24
+    assert m.held_pages("c") == {"target": 6, "draft": 6}  # a transfer into c skips them
     m.free("c")
     assert_empty(m)
 
