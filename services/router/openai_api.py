@@ -23,7 +23,6 @@ from proto.tandem.v1 import client_pb2 as cpb
 from services.router.http import HttpError, Request, Response, StreamingResponse
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
 from services.router.openai_responses import DONE, StreamChunks, chat_json, completion_json, error_json, sse
-from services.router.openai_stop import StopTrimmer
 from services.router.server import Router
 
 ABANDON_TIMEOUT_S = 5.0
@@ -127,12 +126,11 @@ class OpenAIServer:
         return first
 
     async def _collect(self, request: OpenAIRequest, first, messages) -> dict:
-        trimmer = StopTrimmer(list(request.generate.sampling.stop))
         texts, reason, usage = [], cpb.FINISH_REASON_UNSPECIFIED, cpb.Usage()
         async for message in _chain(first, messages):
             kind = message.WhichOneof("payload")
             if kind == "chunk":
-                texts.append(trimmer.feed(message.chunk.text))
+                texts.append(message.chunk.text)  # the router trimmed stop strings
             elif kind == "error":
                 await self._abandon(request.generate.request_id, messages)
                 raise _stream_error(request, message.error)
@@ -140,29 +138,24 @@ class OpenAIServer:
                 reason, usage = message.complete.finish_reason, message.complete.usage
         build = chat_json if request.kind == "chat" else completion_json
         return build(request.generate.request_id, _now(), request.model,
-                     "".join(texts) + trimmer.flush(), reason, usage)
+                     "".join(texts), reason, usage)
 
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
         rid = request.generate.request_id
         chunks = StreamChunks(request.kind, rid, _now(), request.model)
-        trimmer = StopTrimmer(list(request.generate.sampling.stop))
         try:
             if chunks.chat:
                 yield chunks.role()
             try:
                 async for message in _chain(first, messages):
                     kind = message.WhichOneof("payload")
-                    if kind == "chunk":
-                        text = trimmer.feed(message.chunk.text)
-                        if text:
-                            yield chunks.text(text)
+                    if kind == "chunk":  # text the router trimmed of stop strings
+                        if message.chunk.text:
+                            yield chunks.text(message.chunk.text)
                     elif kind == "error":
                         yield sse(_stream_error(request, message.error).body)
                         break
                     else:
-                        tail = trimmer.flush()
-                        if tail:
-                            yield chunks.text(tail)
                         yield chunks.finish(message.complete.finish_reason)
                         if request.include_usage:
                             yield chunks.usage(message.complete.usage)

@@ -29,6 +29,7 @@ from services.common.security import TlsConfig, aio_channel
 from services.engine.tokenizer import ByteTokenizer
 from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
+from services.router.stop_trimmer import StopTrimmer
 from services.router.validation import RequestError, validate_generate
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -190,10 +191,16 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         start = time.monotonic()
         self.metrics.running.labels("router").inc()
         status = "error"
+        trimmer = StopTrimmer(list(request.sampling.stop))
         try:
             async for response in self._generate(rid, token_ids, request, handle):
+                kind = response.WhichOneof("payload")
+                if kind == "chunk":
+                    response.chunk.text = trimmer.feed(response.chunk.text)
+                elif kind == "complete" and (rest := trimmer.flush()):
+                    yield _chunk(rid, [], rest)  # withheld text that began no stop string
                 yield response
-                if response.WhichOneof("payload") == "complete":
+                if kind == "complete":
                     status = cpb.FinishReason.Name(response.complete.finish_reason).split("_")[-1]
         except _Unavailable as e:
             status = "unavailable"

@@ -45,10 +45,10 @@ def model(client):
     return client.models.list().data[0].id
 
 
-def _grpc_text(address: str, prompt: str, max_tokens: int) -> str:
+def _grpc_text(address: str, prompt: str, max_tokens: int, stop: tuple[str, ...] = ()) -> str:
     """The same greedy request through the gRPC client API."""
     request = cpb.GenerateRequest(text=prompt, sampling=cpb.SamplingParams(
-        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop))
     with grpc.insecure_channel(address) as channel:
         return "".join(m.chunk.text for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
                        if m.WhichOneof("payload") == "chunk")
@@ -111,7 +111,7 @@ def test_a_streamed_chat_joins_to_the_same_reply(client, model):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_text_stops_before_the_first_stop_string(client, model):
+def test_text_stops_before_the_first_stop_string(client, model, cluster):
     free = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
     text = free.choices[0].text
     stop = next(ch for ch in text[len(text) // 2:] if ch.isascii())  # not U+FFFD: a partial
@@ -122,6 +122,7 @@ def test_text_stops_before_the_first_stop_string(client, model):
                                          stream=True, **GREEDY)
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (expected, "stop")
     assert "".join(c.choices[0].text for c in streamed) == expected
+    assert _grpc_text(cluster.router_address, PROMPT, 12, (stop,)) == expected  # gRPC too
 
 
 def test_a_seeded_sample_repeats(client, model):

@@ -155,16 +155,6 @@ def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
     assert "usage" not in events[-2]
 
 
-def test_the_stop_string_and_what_follows_are_not_returned():
-    script = [_chunk("abE"), _chunk("NDzz"), _complete(cpb.FINISH_REASON_STOP)]
-    body = {"model": MODEL, "prompt": "x", "stop": ["END"]}
-    whole = json.loads(_call(OpenAIServer(ScriptedRouter(script)), "/v1/completions", body).body)
-    assert whole["choices"][0]["text"] == "ab"
-    events = _call(OpenAIServer(ScriptedRouter(script)), "/v1/completions",
-                   {**body, "stream": True})
-    assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", ""]
-
-
 def test_an_error_before_the_first_token_is_an_http_error():
     router = ScriptedRouter([_error("no ready prefill/decode pair"),
                              _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())])

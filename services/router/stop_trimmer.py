@@ -1,8 +1,9 @@
-"""Stop strings in streamed text: OpenAI returns the text *before* the first stop string.
+"""Stop strings in streamed text: a stream's text ends *before* the first stop string.
 
-Workers end a request when a stop string appears, but the chunks already streamed carry
-the stop string itself. ``StopTrimmer`` sits on the streamed text: it withholds any tail
-that could still begin a stop string, and cuts everything from the first match on.
+Workers end a request when a stop string appears, but the tokens already streamed decode
+to text that carries the stop string itself. ``StopTrimmer`` sits on the router's streamed
+text (gRPC and HTTP alike): it withholds any tail that could still begin a stop string, and
+cuts everything from the first match on. Token ids are not cut.
 """
 
 from __future__ import annotations

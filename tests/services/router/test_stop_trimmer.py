@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.openai_stop import StopTrimmer
+from services.router.stop_trimmer import StopTrimmer
 
 
 def _stream(stops: list[str], chunks: list[str]) -> list[str]:
