@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV memory per worker, MiB")
     p.add_argument("--host-kv-cache-mb", type=int, default=0, help="host-memory tier under the "
                    "prefix cache, MiB (evicted pages are kept there and recalled); 0 = none")
+    p.add_argument("--host-kv-write-policy", choices=["evict", "through"], default="evict",
+                   help="when a cached page is copied to the host tier: evict = as it leaves "
+                   "device memory (write-back); through = as it enters the prefix cache "
+                   "(write-through: evictions copy nothing)")
+    p.add_argument("--host-kv-recall-min-pages", type=int, default=1, help="recall a host-tier "
+                   "hit only if it is at least this many pages; shorter ones are recomputed")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per worker, one "
@@ -53,6 +59,8 @@ def engine_config(args: argparse.Namespace):
                         device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
                         kv_cache_bytes=args.kv_cache_mb << 20,
                         host_kv_cache_bytes=args.host_kv_cache_mb << 20,
+                        host_kv_write_policy=args.host_kv_write_policy,
+                        host_kv_recall_min_pages=args.host_kv_recall_min_pages,
                         max_num_seqs=args.max_num_seqs,
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache,
                         tp_size=getattr(args, "tp", 1))

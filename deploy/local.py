@@ -59,7 +59,9 @@ class LocalCluster:
                   "--layout", args.layout, "--device", args.device,
                   "--tokens-per-page", str(args.tokens_per_page),
                   "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
-                  "--host-kv-cache-mb", str(args.host_kv_cache_mb)]
+                  "--host-kv-cache-mb", str(args.host_kv_cache_mb),
+                  "--host-kv-write-policy", args.host_kv_write_policy,
+                  "--host-kv-recall-min-pages", str(args.host_kv_recall_min_pages)]
         if args.dtype:
             engine += ["--dtype", args.dtype]
         if args.no_prefix_cache:

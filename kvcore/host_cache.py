@@ -1,9 +1,10 @@
 """HostCache: a bounded host-memory tier under the prefix cache.
 
-Pages the radix tree evicts from device memory are copied here instead of dropped, keyed by
-the chained hash of their token prefix (page i's key covers tokens [0, (i + 1) * P)), one
-entry per page holding that page of every group (NULL_PAGE where an OPTIONAL group had
-none). A prefix match that ends in the device tree continues here; the manager recalls the
+Pages the radix tree evicts from device memory are copied here instead of dropped (with
+the "through" write policy, as they enter the prefix cache instead; eviction then copies
+nothing), keyed by the chained hash of their token prefix (page i's key covers tokens
+[0, (i + 1) * P)), one entry per page holding that page of every group (NULL_PAGE where an
+OPTIONAL group had none). A prefix match that ends in the device tree continues here; the manager recalls the
 hits into fresh device pages.
 
 Invariants: an entry owns one host page per non-NULL group entry; entries are evicted least
@@ -54,12 +55,14 @@ class HostCache:
         self.stats = HostStats({g: 0 for g in pools}, {g: 0 for g in pools})
 
     def store(self, keys: list[int], pages: dict[str, list[int]]) -> None:
-        """Copy evicted device pages (one per key, per group) into host pages."""
+        """Copy device pages (one per key, per group) into host pages; a key held already
+        is touched, and takes the groups it lacked (NULL) where free host pages allow."""
         for i, key in enumerate(keys):
+            row = {g: ps[i] for g, ps in pages.items()}
             if key in self.entries:
                 self.entries.move_to_end(key)
+                self._fill(self.entries[key], row)
                 continue
-            row = {g: ps[i] for g, ps in pages.items()}
             needed = {g: int(p != NULL_PAGE) for g, p in row.items()}
             if not self._make_room(needed):
                 return
@@ -94,6 +97,12 @@ class HostCache:
     def clear(self) -> None:
         while self.entries:
             self._drop_oldest()
+
+    def _fill(self, entry: dict[str, int], row: dict[str, int]) -> None:
+        for g, p in row.items():
+            if entry.get(g, NULL_PAGE) == NULL_PAGE and p != NULL_PAGE \
+                    and self.allocators[g].can_allocate(1):
+                entry[g] = self._copy_out(g, p)
 
     def _copy_out(self, group: str, device_page: int) -> int:
         (host_page,) = self.allocators[group].allocate(1)

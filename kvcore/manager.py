@@ -119,7 +119,8 @@ class KVCacheManager:
         if self.host is None:
             return []
         keys = chain_hashes(tuple(tokens), self.page)
-        return self.host.lookup(keys[device_tokens // self.page:])
+        hits = self.host.lookup(keys[device_tokens // self.page:])
+        return hits if len(hits) >= self.config.host_recall_min_pages else []
 
     def _match_group(self, match: PrefixMatch, name: str, radix, m: int,
                      host: list[int]) -> None:
@@ -247,6 +248,9 @@ class KVCacheManager:
         if token_ids is not None and self.tree is not None:
             n = min(len(token_ids), req.num_computed)
             self.tree.insert(token_ids[:n], {g: req.rows[g] for g in self.cached_groups})
+            if self.host is not None and self.config.host_write_policy == "through":
+                keys = chain_hashes(tuple(token_ids[:n]), self.page)
+                self.host.store(keys, {g: req.rows[g][:len(keys)] for g in self.cached_groups})
         for g, row in req.rows.items():
             self.allocators[g].decref(row[req.first_held[g]:][::-1])  # tail pages reused last
         if req.node is not None:

@@ -18,6 +18,9 @@ import torch
 
 NULL_PAGE = -1
 """Block-table entry of a page that is not held (released out of the window, or past the extent)."""
+HOST_WRITE_POLICIES = ("evict", "through")
+"""When a cached page is copied to the host tier: as it leaves the device ("evict", write-back),
+or as it enters the prefix cache ("through", write-through: evictions then copy nothing)."""
 
 
 class Owner(enum.Enum):
@@ -143,6 +146,8 @@ class CacheConfig:
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
     host_num_pages: int = 0  # host-tier pages per cached group; 0 = no host tier
+    host_write_policy: str = "evict"  # host copy made when a page leaves the device, or "through"
+    host_recall_min_pages: int = 1  # a host hit shorter than this is recomputed, not recalled
     group_names: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -173,6 +178,10 @@ class CacheConfig:
                      "must be > 0 when num_pages is not given")
         _require(self.host_num_pages >= 0, "host_num_pages",
                  f"must be >= 0, got {self.host_num_pages}")
+        _require(self.host_write_policy in HOST_WRITE_POLICIES, "host_write_policy",
+                 f"must be one of {HOST_WRITE_POLICIES}, got {self.host_write_policy!r}")
+        _require(self.host_recall_min_pages >= 1, "host_recall_min_pages",
+                 f"must be >= 1, got {self.host_recall_min_pages}")
         object.__setattr__(self, "group_names", names)
 
     @property

@@ -150,7 +150,8 @@ def engine_args(model: ModelOptions) -> argparse.Namespace:
         model=os.path.join(HERE, model.model or DEFAULT_MODEL), drafter=drafter,
         num_spec_tokens=model.num_spec_tokens, layout=model.layout, device=model.device,
         dtype=model.dtype, tokens_per_page=model.tokens_per_page, kv_cache_mb=model.kv_cache_mb,
-        host_kv_cache_mb=0, max_num_seqs=model.max_num_seqs,
+        host_kv_cache_mb=0, host_kv_write_policy="evict", host_kv_recall_min_pages=1,
+        max_num_seqs=model.max_num_seqs,
         no_prefix_cache=not model.prefix_cache)
 
 

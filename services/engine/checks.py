@@ -27,7 +27,9 @@ def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Draft
                        num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
                        max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
                        num_spec_tokens=k, draft_block_width=1, layout=c.layout,
-                       enable_prefix_cache=c.enable_prefix_cache, host_num_pages=host_pages)
+                       enable_prefix_cache=c.enable_prefix_cache, host_num_pages=host_pages,
+                       host_write_policy=c.host_kv_write_policy,
+                       host_recall_min_pages=c.host_kv_recall_min_pages)
 
 
 def eos_ids(config: LlamaConfig, tokenizer: ByteTokenizer) -> frozenset[int]:

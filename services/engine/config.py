@@ -35,6 +35,8 @@ class EngineConfig:
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
     host_kv_cache_bytes: int = 0  # host tier under the prefix cache; 0 = none
+    host_kv_write_policy: str = "evict"  # kvcore.spec.HOST_WRITE_POLICIES
+    host_kv_recall_min_pages: int = 1  # shorter host hits are recomputed, not recalled
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py

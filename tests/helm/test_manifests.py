@@ -64,6 +64,8 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
     ({"engine": {"tp": 0}}, "/engine/tp", "minimum: got 0, want 1"),
     ({"decode": {"replica": 4}}, "/decode", "additional properties 'replica' not allowed"),
     ({"model": {"source": "s3"}}, "/model/source", "value must be one of"),
+    ({"decode": {"hostKvCache": {"writePolicy": "back"}}}, "/decode/hostKvCache/writePolicy",
+     "value must be one of"),
 ])
 def test_schema_refuses_values_naming_the_key(values, where, problem):
     with pytest.raises(helm_python.HelmValuesError) as e:
@@ -79,6 +81,9 @@ def test_schema_refuses_values_naming_the_key(values, where, problem):
      "engine.numSpecTokens 0)"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName: required when model.source is pvc"),
     ({"model": {"source": "image"}}, "model.image.repository: required when model.source is image"),
+    ({"engine": {"tp": 2}, "decode": {"hostKvCache": {"mb": 64}}},
+     "decode.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel "
+     "ranks; use it with tp 1, not 2"),
 ])
 def test_templates_refuse_what_the_services_would_refuse(values, reason):
     with pytest.raises(helm_python.HelmRenderError) as e:

@@ -172,6 +172,16 @@ def test_prefix_cache_off_adds_the_flag_to_workers_only():
         [False, True, True]
 
 
+def test_a_host_kv_tier_reaches_its_worker_role_only():
+    m = render({"decode": {"hostKvCache": {"mb": 4096, "writePolicy": "through",
+                                           "recallMinPages": 2}}})
+    assert [flag(effective_args(m, "decode"), f) for f in
+            ("--host-kv-cache-mb", "--host-kv-write-policy", "--host-kv-recall-min-pages")] == \
+        ["4096", "through", "2"]
+    assert "--host-kv-cache-mb" not in effective_args(m, "prefill")
+    assert "--host-kv-cache-mb" not in effective_args(render({}), "decode")  # 0 = none
+
+
 def test_every_pod_rolls_when_the_cluster_config_changes():
     def checksums(values):
         m = render(values)

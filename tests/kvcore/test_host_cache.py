@@ -97,3 +97,37 @@ def test_a_full_host_tier_drops_its_oldest_entries():
     assert m.match_prefix(second + [1]).num_tokens == 16
     assert m.match_prefix(first + [1]).num_tokens == 0
     assert_empty(m)
+
+
+def test_write_through_copies_as_pages_are_cached_so_eviction_copies_nothing():
+    m = make_manager(window=16, target_pages=8, draft_pages=8, host_pages=16, host_write="through")
+    a = list(range(100, 124))
+    run(m, "a", a, seed=1)
+    before = {g: pages_bits(m, "a", g, 6) for g in m.groups}
+    m.free("a", a)
+    stored = dict(m.host.stats.stored_pages)
+    assert stored == {"target": 6, "draft": 4}  # at once, while the pages stay on the device
+    assert m.usage()["target"].cached == 6
+    m.allocate("b", 26)  # evicts a's node: its pages are on the host already
+    assert m.host.stats.stored_pages == stored
+    m.free("b")
+    match = m.match_prefix(a + [7])
+    assert match.compute_start == {"target": 24, "draft": 24}
+    m.allocate("c", 25, match)
+    after = {g: pages_bits(m, "c", g, 6) for g in m.groups}
+    assert after["target"] == before["target"] and after["draft"][2:] == before["draft"][2:]
+    m.free("c")
+    assert_empty(m)
+
+
+def test_a_host_hit_shorter_than_the_recall_minimum_is_recomputed():
+    m = make_manager(window=16, target_pages=8, draft_pages=8, host_pages=16, host_recall_min=7)
+    a = list(range(100, 124))
+    run(m, "a", a, seed=1)
+    m.free("a", a)
+    m.allocate("b", 26)  # a's 6 pages go to the host tier
+    m.free("b")
+    assert m.usage()["target"].host_used == 6
+    match = m.match_prefix(a + [7])  # 6 host pages < 7: not worth a recall
+    assert (match.num_tokens, match.recall_pages) == (0, {"target": [], "draft": []})
+    assert_empty(m)

@@ -66,6 +66,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.model.source "image") (not .Values.model.image.repository) }}
 {{- fail "model.image.repository: required when model.source is image" }}
 {{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $host := (index $.Values $role).hostKvCache | default dict }}
+{{- $tp := include "tandem.tp" (dict "root" $ "role" $role) | int }}
+{{- if and (gt (int ($host.mb | default 0)) 0) (gt $tp 1) }}
+{{- fail (printf "%s.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel ranks; use it with tp 1, not %d" $role $tp) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Environment every Tandem container gets: its pod's IP and name, then the ConfigMap. */}}

@@ -88,6 +88,16 @@ spec:
             - $(TANDEM_MAX_NUM_SEQS)
             - --kv-cache-mb
             - {{ $w.kvCacheMb | quote }}
+            {{- with $w.hostKvCache }}
+            {{- if gt (int .mb) 0 }}
+            - --host-kv-cache-mb
+            - {{ .mb | quote }}
+            - --host-kv-write-policy
+            - {{ .writePolicy | quote }}
+            - --host-kv-recall-min-pages
+            - {{ .recallMinPages | quote }}
+            {{- end }}
+            {{- end }}
             {{- if not $v.engine.prefixCache }}
             - --no-prefix-cache
             {{- end }}
