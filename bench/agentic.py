@@ -126,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["unified", "separate", "aggregated"])
     p.add_argument("--host-kv-mb", type=int, default=64, help="host tier size of the 'with' "
                    "column, MiB per worker (0 = run only without)")
+    p.add_argument("--host-write-policy", choices=["evict", "through"], default="evict",
+                   help="the host tier's write policy (tandem worker --host-kv-write-policy)")
     p.add_argument("--prefill-kv-mb", type=int, default=32)
     p.add_argument("--decode-kv-mb", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -67,7 +67,8 @@ def worker_args(config: ClusterConfig, args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.k), "--layout", layout,
            "--max-num-seqs", str(args.max_num_seqs)]
     if config.host_kv_mb:
-        out += [HOST_TIER_FLAG, str(config.host_kv_mb)]
+        out += [HOST_TIER_FLAG, str(config.host_kv_mb),
+                "--host-kv-write-policy", args.host_write_policy]
     return out
 
 
