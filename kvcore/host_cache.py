@@ -81,14 +81,14 @@ class HostCache:
         return out
 
     def recall(self, group: str, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages into device pages (same order)."""
-        if not host_pages:
-            return
-        pool = self.device_pools[group]
-        src = self.host_pools[group][torch.tensor(host_pages)]
-        pool[torch.tensor(device_pages, device=pool.device)] = src.to(pool.device, non_blocking=True)
+        """Copy host pages into device pages (same order), one copy per run of pages
+        consecutive on both sides: slices of the pinned pool copy asynchronously, where a
+        gathered (pageable) copy would not."""
+        pool, host = self.device_pools[group], self.host_pools[group]
+        for h, d, n in _common_runs(host_pages, device_pages):
+            pool[d:d + n].copy_(host[h:h + n], non_blocking=pool.is_cuda)
         self.stats.recalled_pages[group] += len(host_pages)
-        self.stats.bytes_to_device += src.numel() * src.element_size()
+        self.stats.bytes_to_device += len(host_pages) * host[0].numel() * host.element_size()
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(pages used, pages total) per group."""
@@ -124,3 +124,14 @@ class HostCache:
         for g, p in entry.items():
             if p != NULL_PAGE:
                 self.allocators[g].decref([p])
+
+
+def _common_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first source page, first destination page, length) of each run consecutive in both."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst, strict=True):
+        if runs and (h := runs[-1])[0] + h[2] == a and h[1] + h[2] == b:
+            runs[-1] = (h[0], h[1], h[2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
