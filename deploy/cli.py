@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--metrics-port", type=int, default=0)
     router.add_argument("--tokens-per-page", type=int, default=16)
+    router.add_argument("--health-timeout-s", type=positive_float, default=2.0,
+                        help="deadline of each Stats poll of a worker (every 0.5 s)")
+    router.add_argument("--health-misses", type=positive_int, default=2,
+                        help="timed-out polls in a row after which a worker gets no traffic "
+                        "(a refused connection counts at once)")
     add_security_args(router)
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_ray_parser(sub)
@@ -153,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "router":
@@ -162,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
                                args.tokens_per_page, token=args.token,
                                http_port=None if args.http_port < 0 else args.http_port,
-                               tls=tls_config(args)))
+                               tls=tls_config(args), health_timeout_s=args.health_timeout_s,
+                               health_misses=args.health_misses))
     elif args.command == "generate":
         from services.engine.cli import run_generate
 

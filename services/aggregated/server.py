@@ -22,7 +22,7 @@ class AggregatedStats(wpb_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
-        return self.worker.stats()
+        return await self.worker.stats_reply()
 
 
 class AggregatedServicer(cpb_grpc.TandemServicer):

@@ -1,7 +1,8 @@
 """Fault injection for reliability tests: named delays read from ``TANDEM_FAULTS``.
 
 ``TANDEM_FAULTS="prefill.before_send=2,engine.step=0.05"`` makes the prefill worker wait 2 s
-before pushing pages and every engine step take 50 ms longer. Unset, every delay is 0.
+before pushing pages and every engine step take 50 ms longer; ``worker.stats`` delays every
+Stats answer. Unset, every delay is 0.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.engine_loop import EngineLoop
+from services.common.faults import delay
 from services.common.metrics import Metrics
 from services.common.rank_info import build_rank_info
 from services.common.security import TlsConfig, aio_channel
@@ -105,6 +106,12 @@ class WorkerBase:
         """Every rank's RankInfo, rank 0 first."""
         rank0 = self.rank_info()
         return self.group.rank_infos(rank0) if self.group is not None else [rank0]
+
+    async def stats_reply(self) -> wpb.StatsResponse:
+        """The Stats RPC's answer (late by the ``worker.stats`` fault delay, for tests)."""
+        if delay("worker.stats"):
+            await asyncio.sleep(delay("worker.stats"))
+        return self.stats()
 
     def stats(self) -> wpb.StatsResponse:
         m = self.engine.manager

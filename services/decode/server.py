@@ -213,7 +213,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         return aux, moved
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
-        return self.worker.stats()
+        return await self.worker.stats_reply()
 
 
 def _engine_aux(aux: AuxState):

@@ -111,4 +111,4 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         return usage
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
-        return self.worker.stats()
+        return await self.worker.stats_reply()

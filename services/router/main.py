@@ -14,7 +14,7 @@ from services.common.security import TlsConfig
 from services.common.serve import _wait_for_stop
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
-from services.router.server import ModelLimits, Router
+from services.router.server import STATS_MISSES, STATS_TIMEOUT_S, ModelLimits, Router
 
 
 def model_limits(model_dir: str, num_spec_tokens: int, max_model_len: int = 0) -> ModelLimits:
@@ -31,11 +31,14 @@ async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0
                      metrics_port: int = 0, tokens_per_page: int = 16, token: str = "",
                      ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                      bound: dict | None = None, http_port: int | None = None,
-                     tls: TlsConfig | None = None) -> None:
+                     tls: TlsConfig | None = None, health_timeout_s: float = STATS_TIMEOUT_S,
+                     health_misses: int = STATS_MISSES) -> None:
     """Serve until ``stop`` is set. Ports: 0 = any free port; ``http_port`` None = no
-    OpenAI-compatible HTTP server. Prints one line with the endpoints."""
+    OpenAI-compatible HTTP server. A worker that misses ``health_misses`` Stats polls in a
+    row (``health_timeout_s`` each) gets no traffic. Prints one line with the endpoints."""
     metrics = Metrics("router")
     router = Router(limits, metrics, tokens_per_page, token, tls)
+    router.stats_timeout_s, router.stats_misses = health_timeout_s, health_misses
 
     def add(server) -> None:
         cpb_grpc.add_TandemServicer_to_server(router, server)

@@ -84,6 +84,8 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         self.token = token
         self.tls = tls
         self.queue_timeout_s = QUEUE_TIMEOUT_S
+        self.stats_timeout_s = STATS_TIMEOUT_S  # each Stats poll's deadline
+        self.stats_misses = STATS_MISSES  # timed-out polls in a row before a worker is unhealthy
         self.health = None  # grpc.health.v1 servicer, for the readiness service
         self.registry = Registry(tokens_per_page)
         self.channels: dict[str, grpc.aio.Channel] = {}
@@ -409,7 +411,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 stub = (wpb_grpc.DecodeWorkerStub if worker.role == rpb.ROLE_DECODE
                         else wpb_grpc.PrefillWorkerStub)(channel)
                 try:
-                    stats = await stub.Stats(wpb.StatsRequest(), timeout=STATS_TIMEOUT_S)
+                    stats = await stub.Stats(wpb.StatsRequest(), timeout=self.stats_timeout_s)
                     target = stats.groups[0] if stats.groups else None
                     if target is not None:
                         busy = target.num_pages_used - target.num_pages_cached
@@ -422,7 +424,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     worker.missed += 1
                     gone = isinstance(e, grpc.aio.AioRpcError) and \
                         e.code() == grpc.StatusCode.UNAVAILABLE
-                    if worker.healthy and (gone or worker.missed >= STATS_MISSES):
+                    if worker.healthy and (gone or worker.missed >= self.stats_misses):
                         self._lose(worker.id)
                         worker.healthy = False
             if self.health is not None:

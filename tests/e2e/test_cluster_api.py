@@ -141,6 +141,21 @@ def test_a_reserved_prompt_is_checked_and_decode_must_send_the_same(mixed):
     assert_no_request_holds_pages(mixed)
 
 
+def test_slow_health_answers_keep_traffic_within_the_routers_health_timeout(tiny_pair):
+    """Every Stats answer takes 2.5 s: past the default 2 s deadline (two misses would drop the
+    workers within about 5 s), within --health-timeout-s 4."""
+    cluster = start_cluster(tiny_pair, ["prefill", "decode"], env={"TANDEM_FAULTS": "worker.stats=2.5"},
+                            router_extra=("--health-timeout-s", "4", "--health-misses", "2"))
+    try:
+        time.sleep(8)  # several polls of each worker
+        with cluster.channel() as channel:
+            assert cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5).num_ready_pairs == 1
+        tokens, _ = generate(cluster.router_address, PROMPT, 4)
+        assert len(tokens) == 4
+    finally:
+        cluster.stop()
+
+
 def test_unified_layout_without_a_drafter_fails_at_startup(tiny_pair):
     worker, _ = cluster_args(tiny_pair)
     worker[worker.index("--drafter") + 1] = "none"
