@@ -13,7 +13,9 @@ recently used first; a host page is free exactly when no entry holds it.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,9 @@ class HostCache:
         Host pools are pinned when the device pools are on CUDA."""
         pin = any(p.is_cuda for p in pools.values())
         self.device_pools = pools
+        device = next((p.device for p in pools.values() if p.is_cuda), None)
+        self.stream = torch.cuda.Stream(device) if device is not None else None  # copies out
+        self._copied: torch.cuda.Event | None = None  # the last copy out still in flight
         self.host_pools = {g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype,
                                           pin_memory=pin) for g, p in pools.items()}
         self.allocators = {g: PageAllocator(num_pages) for g in pools}
@@ -56,18 +61,42 @@ class HostCache:
 
     def store(self, keys: list[int], pages: dict[str, list[int]]) -> None:
         """Copy device pages (one per key, per group) into host pages; a key held already
-        is touched, and takes the groups it lacked (NULL) where free host pages allow."""
-        for i, key in enumerate(keys):
-            row = {g: ps[i] for g, ps in pages.items()}
-            if key in self.entries:
-                self.entries.move_to_end(key)
-                self._fill(self.entries[key], row)
-                continue
-            needed = {g: int(p != NULL_PAGE) for g, p in row.items()}
-            if not self._make_room(needed):
-                return
-            self.entries[key] = {g: self._copy_out(g, p) if p != NULL_PAGE else NULL_PAGE
-                                 for g, p in row.items()}
+        is touched, and takes the groups it lacked (NULL) where free host pages allow.
+        On CUDA the copies run on a side stream: call :meth:`fence` before the device pages
+        are written again."""
+        with self._copy_stream():
+            for i, key in enumerate(keys):
+                row = {g: ps[i] for g, ps in pages.items()}
+                if key in self.entries:
+                    self.entries.move_to_end(key)
+                    self._fill(self.entries[key], row)
+                    continue
+                needed = {g: int(p != NULL_PAGE) for g, p in row.items()}
+                if not self._make_room(needed):
+                    return
+                self.entries[key] = {g: self._copy_out(g, p) if p != NULL_PAGE else NULL_PAGE
+                                     for g, p in row.items()}
+
+    def fence(self) -> None:
+        """Make the current stream wait for copies out still in flight: before it writes
+        device pages they read (a page freed by eviction) or reads host pages they write."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self._copied)
+            self._copied = None
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """Copies out on the side stream, after the work queued so far (which may still be
+        writing the pages), recording when they are done."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self._copied = self.stream.record_event()
 
     def lookup(self, keys: list[int]) -> list[dict[str, int]]:
         """Entries of the longest run of ``keys`` held here, in order (touched as used)."""
@@ -84,6 +113,7 @@ class HostCache:
         """Copy host pages into device pages (same order), one copy per run of pages
         consecutive on both sides: slices of the pinned pool copy asynchronously, where a
         gathered (pageable) copy would not."""
+        self.fence()
         pool, host = self.device_pools[group], self.host_pools[group]
         for h, d, n in _common_runs(host_pages, device_pages):
             pool[d:d + n].copy_(host[h:h + n], non_blocking=pool.is_cuda)

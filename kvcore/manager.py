@@ -247,10 +247,9 @@ class KVCacheManager:
             raise KeyError(f"request_id {request_id!r} is not allocated")
         if token_ids is not None and self.tree is not None:
             n = min(len(token_ids), req.num_computed)
-            self.tree.insert(token_ids[:n], {g: req.rows[g] for g in self.cached_groups})
+            known = self.tree.insert(token_ids[:n], {g: req.rows[g] for g in self.cached_groups})
             if self.host is not None and self.config.host_write_policy == "through":
-                keys = chain_hashes(tuple(token_ids[:n]), self.page)
-                self.host.store(keys, {g: req.rows[g][:len(keys)] for g in self.cached_groups})
+                self._write_through(req, token_ids[:n], known // self.page)
         for g, row in req.rows.items():
             self.allocators[g].decref(row[req.first_held[g]:][::-1])  # tail pages reused last
         if req.node is not None:
@@ -318,6 +317,8 @@ class KVCacheManager:
             hook, self.tree.on_evict = self.tree.on_evict, None
             self.tree.evict({g: self.allocators[g].num_pages for g in self.cached_groups})
             self.tree.on_evict = hook
+            if self.host is not None:
+                self.host.fence()
         if self.host is not None:
             self.host.clear()
 
@@ -373,6 +374,13 @@ class KVCacheManager:
             pairs = [(h, rows[g][start + j]) for j, h in enumerate(host_pages) if h != NULL_PAGE]
             self.host.recall(g, [h for h, _ in pairs], [d for _, d in pairs])
 
+    def _write_through(self, req: _Request, tokens: list[int], first: int) -> None:
+        """Copy the whole pages the tree just took from ``req`` (from page ``first`` on) to
+        the host tier. Only those: the request's other pages are freed at once, and a copy
+        may still be reading when they are written again."""
+        keys = chain_hashes(tuple(tokens), self.page)[first:]
+        self.host.store(keys, {g: req.rows[g][first:first + len(keys)] for g in self.cached_groups})
+
     def _to_host(self, node: TreeNode) -> None:
         """Radix eviction hook: keep the node's pages of every group on the host tier."""
         keys = chain_hashes(RadixCache.prefix_of(node), self.page)[-node.num_pages():]
@@ -417,6 +425,8 @@ class KVCacheManager:
                  if n > self.allocators[g].num_free}
         if short and self.tree is not None:
             self.tree.evict(short)
+            if self.host is not None:
+                self.host.fence()  # the freed pages are written next
         for g, n in needs.items():
             if not self.allocators[g].can_allocate(n):
                 raise RuntimeError(f"group {g}: {n} pages needed, "
