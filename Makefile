@@ -49,7 +49,7 @@ bench-al: proto
 	$(BIN)/python -m bench.disagg_al
 
 # agentic multi-turn replay: unified vs separate, with and without the host KV tier
-# (about 7 minutes on 2 CPU cores; AGENTIC_ARGS to scale, e.g. --conversations 16 --concurrency 8)
+# (about 5 minutes on 2 CPU cores; AGENTIC_ARGS to scale, e.g. --conversations 16 --concurrency 8)
 bench-agentic: proto
 	$(BIN)/python -m bench.agentic $(AGENTIC_ARGS)
 
