@@ -7,6 +7,8 @@ drafter depends on the draft pages that crossed over UCX.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -116,3 +118,21 @@ def test_a_continuation_turn_moves_only_the_pages_the_decode_worker_lacks(unifie
     last_page = (len(second) - 1) // PAGE
     assert moved == {"target": (held, last_page + 1 - held), "draft": (held, last_page + 1 - held)}
     assert_no_request_holds_pages(unified)
+
+
+def test_the_router_sends_a_continuation_to_the_decode_worker_that_holds_it(tiny_pair):
+    """Two decode workers: turn 2 goes back to turn 1's (fewest pages to move, after the
+    Stats polls have seen turn 1's pages cached there), and skips what it holds."""
+    cluster = start_cluster(tiny_pair, ["prefill", "decode", "decode"])
+    try:
+        first = [(t + 2) % 31 for t in prompts()[4]]  # 60 tokens no other test sends
+        answer, one = generate(cluster.router_address, first, MAX_TOKENS)
+        assert all(t.num_held_pages == 0 for t in one.usage.transfers)
+        time.sleep(1.5)  # a few Stats polls
+        second = first + answer + [5, 6, 7]
+        _, two = generate(cluster.router_address, second, MAX_TOKENS)
+        held = {t.group: t.num_held_pages for t in two.usage.transfers}
+        assert held["target"] == held["draft"] > len(first) // PAGE
+        assert_no_request_holds_pages(cluster)
+    finally:
+        cluster.stop()
