@@ -198,15 +198,7 @@ class KVCacheManager:
         """Record that positions [0, num_computed) hold valid KV; release windowed pages no
         later query can read. Rolling back speculative positions needs no call: they are
         overwritten by later writes."""
-        req = self._request(request_id)
-        req.num_computed = num_computed
-        for g, window in self._windowed:
-            row, first = req.rows[g], req.first_held[g]
-            end = min(max(0, num_computed - window + 1) // self.page, len(row))
-            if end > first:
-                self.allocators[g].decref(row[first:end])
-                row[first:end] = [NULL_PAGE] * (end - first)
-                req.first_held[g] = end
+        self.advance_batch([request_id], [num_computed])
 
     def can_extend_batch(self, request_ids: list[str], num_tokens: list[int]) -> bool:
         """Whether ``extend_batch`` finds pages for every request at once."""
@@ -227,14 +219,28 @@ class KVCacheManager:
                 i += k
 
     def advance_batch(self, request_ids: list[str], num_computed: list[int]) -> None:
+        """``advance`` for a whole batch (one loop: this runs every decode step)."""
+        page, windowed, allocators = self.page, self._windowed, self.allocators
         for rid, n in zip(request_ids, num_computed, strict=True):
-            self.advance(rid, n)
+            req = self.requests.get(rid) or self._request(rid)
+            req.num_computed = n
+            for g, window in windowed:
+                end = (n - window + 1) // page
+                first = req.first_held[g]
+                if end > first:
+                    row = req.rows[g]
+                    end = min(end, len(row))
+                    allocators[g].decref(row[first:end])
+                    row[first:end] = [NULL_PAGE] * (end - first)
+                    req.first_held[g] = end
 
     def _growth(self, request_ids: list[str], num_tokens: list[int]) -> dict[str, int]:
         """New pages per request (same for every group: all rows share the extent)."""
         out, page, head, target = {}, self.page, self.config.headroom_tokens, self._target
+        requests = self.requests
         for rid, n in zip(request_ids, num_tokens, strict=True):
-            k = (n + head + page - 1) // page - len(self._request(rid).rows[target])
+            k = (n + head + page - 1) // page - len((requests.get(rid) or self._request(rid))
+                                                    .rows[target])
             if k > 0:
                 out[rid] = k
         return out
