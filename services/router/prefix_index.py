@@ -37,11 +37,15 @@ class PrefixIndex:
 
     def cached_tokens(self, worker_id: str, token_ids: list[int]) -> int:
         """Tokens of the longest prefix of whole pages the worker is believed to hold."""
+        return self.held_tokens(worker_id, page_hashes(token_ids, self.page))
+
+    def held_tokens(self, worker_id: str, hashes: list[int]) -> int:
+        """``cached_tokens`` from the prompt's ``page_hashes``, computed once per request."""
         pages = self.workers.get(worker_id)
         if not pages:
             return 0
         n = 0
-        for h in page_hashes(token_ids, self.page):
+        for h in hashes:
             if h not in pages:
                 break
             n += self.page

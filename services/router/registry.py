@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
-from services.router.prefix_index import PrefixIndex
+from services.router.prefix_index import PrefixIndex, page_hashes
 
 
 class PairState(enum.Enum):
@@ -101,12 +101,13 @@ class Registry:
         pairs = [(p, d) for p, d in self.ready_pairs() if p not in exclude and d not in exclude]
         if not pairs:
             return None
+        hashes = page_hashes(token_ids, self.tokens_per_page)
         decodes = [self.workers[d] for d in dict.fromkeys(d for _, d in pairs)]
-        need = {w.id: self._pages_to_move(w.id, token_ids) for w in decodes}
+        need = {w.id: self._pages_to_move(w.id, token_ids, hashes) for w in decodes}
         roomy = [w for w in decodes if w.free_pages >= need[w.id]] or decodes
         decode = min(roomy, key=lambda w: (need[w.id] + w.busy_pages, -w.free_pages, w.inflight))
         prefills = [self.workers[p] for p, d in pairs if d == decode.id]
-        prefill = max(prefills, key=lambda w: (self.index.cached_tokens(w.id, token_ids),
+        prefill = max(prefills, key=lambda w: (self.index.held_tokens(w.id, hashes),
                                                -w.inflight))
         return prefill, decode
 
@@ -118,9 +119,11 @@ class Registry:
         return max(workers, key=lambda w: (self.index.cached_tokens(w.id, token_ids),
                                            -w.inflight))
 
-    def _pages_to_move(self, worker_id: str, token_ids: list[int]) -> int:
-        held = self.index.cached_tokens(worker_id, token_ids[:-1])  # the last token moves
-        return -(-(len(token_ids) - held) // self.tokens_per_page)
+    def _pages_to_move(self, worker_id: str, token_ids: list[int], hashes: list[int]) -> int:
+        page = self.tokens_per_page
+        held = min(self.index.held_tokens(worker_id, hashes),
+                   (len(token_ids) - 1) // page * page)  # the last token's page moves
+        return -(-(len(token_ids) - held) // page)
 
     def _aggregated(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == rpb.ROLE_BOTH and w.healthy]
