@@ -37,6 +37,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    sliding_window: int = 0  # tokens; 0 = full. A query at q sees keys in (q - W, q]
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -51,10 +52,13 @@ class LlamaConfig:
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                  f"{self.num_key_value_heads} does not divide {self.num_attention_heads} heads")
         _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
         check_rope_scaling(self.rope_scaling)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        d = dict(d)
+        d["sliding_window"] = d.get("sliding_window") or 0  # Mistral writes null for none
         return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict[str, Any]:
