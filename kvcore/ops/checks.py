@@ -51,7 +51,7 @@ def check_write(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: tor
 
 def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, window: int) -> None:
+                    seq_lens: torch.Tensor, window: int, key_start: int = 0) -> None:
     """query: [num_tokens, num_q_heads, head_dim]."""
     check_pool(kv_pool, layer)
     if query.dim() != 3:
@@ -77,6 +77,8 @@ def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
              f"= {batch + 1}")
     if window < 0:
         fail("window", f"must be >= 0, got {window}")
+    if key_start < 0:
+        fail("key_start", f"must be >= 0, got {key_start}")
 
 
 def check_page_ids(kv_pool: torch.Tensor, page_ids: torch.Tensor, field: str) -> None:

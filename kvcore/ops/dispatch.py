@@ -34,35 +34,39 @@ def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.
 
 def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, window: int = 0,
+                    key_start: int = 0) -> torch.Tensor:
     """Varlen causal attention over paged K/V; see reference.paged_attention."""
     impl = _on_gpu(query) or reference
     return impl.paged_attention(query, kv_pool, layer, block_table, query_start_loc,
-                                seq_lens, scale, window)
+                                seq_lens, scale, window, key_start)
 
 
 def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     """query [batch, num_q_heads, head_dim], one token per sequence."""
     impl = _on_gpu(query) or reference
-    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window)
+    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window,
+                                 key_start)
 
 
 def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     """query [batch, q_len, num_q_heads, head_dim], q_len = K + 1 tokens per sequence."""
     impl = _on_gpu(query) or reference
-    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window)
+    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window,
+                                 key_start)
 
 
 def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                       block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                      seq_lens: torch.Tensor, scale: float, window: int = 0,
+                      key_start: int = 0) -> torch.Tensor:
     """Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
     return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
-                           scale, window)
+                           scale, window, key_start)
 
 
 def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,

@@ -44,41 +44,45 @@ def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.
 def _attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                block_table: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, window: int,
-               max_q_len: int) -> torch.Tensor:
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window)
+               max_q_len: int, key_start: int = 0) -> torch.Tensor:
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window,
+                    key_start)
     _require_contiguous_pool(kv_pool)
     query = _unit_last_stride(query)
     block_table = _unit_last_stride(block_table)
     out = torch.empty_like(query)
     return launch_attention(out, query, kv_pool, layer, block_table, query_start_loc,
-                            seq_lens, scale, window, max_q_len)
+                            seq_lens, scale, window, max_q_len, key_start=key_start)
 
 
 def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, window: int = 0,
+                    key_start: int = 0) -> torch.Tensor:
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q_len = int(q_lens.max()) if q_lens.numel() else 0
     return _attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale,
-                      window, max_q_len)
+                      window, max_q_len, key_start)
 
 
 def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     starts = uniform_query_start_loc(seq_lens, 1)
-    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1)
+    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1,
+                      key_start)
 
 
 def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     if query.dim() != 4:
         fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
     starts = uniform_query_start_loc(seq_lens, q_len)
-    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len)
+    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len,
+                     key_start)
     return out.view(query.shape)
 
 

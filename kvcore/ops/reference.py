@@ -43,17 +43,20 @@ def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.
 
 def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, window: int = 0,
+                    key_start: int = 0) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of varlen queries over paged K/V.
 
     query: [num_tokens, num_q_heads, head_dim]; block_table: [batch, max_pages];
     query_start_loc: [batch + 1] cumulative query lengths; seq_lens: [batch] tokens of
     each context including its query tokens. Query i of sequence b sits at position
     ``seq_lens[b] - q_len_b + i`` and sees keys j with ``pos - window < j <= pos``
-    (no lower bound when window == 0). A row that sees no key outputs zeros.
+    (no lower bound when window == 0) and ``j >= key_start`` (positions below it hold no
+    visible key: an EAGLE-3 drafter's unused first slot). A row that sees no key outputs zeros.
     Returns [num_tokens, num_q_heads, head_dim] in the query's dtype.
     """
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window)
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window,
+                    key_start)
     num_tokens, num_q_heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0 or block_table.shape[1] == 0:
@@ -68,6 +71,10 @@ def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, block_table, seq_lens,
                                                     q_lens, window)
     q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
+    if key_start > 0:  # zero the hidden keys: 0 * NaN would leak through the matmuls
+        key_ok &= key_pos >= key_start
+        keys = keys.masked_fill(~key_ok[:, None, :, None], 0.0)
+        values = values.masked_fill(~key_ok[:, None, :, None], 0.0)
     mask = _attention_mask(q_pos, q_lens, key_pos, key_ok, window)  # [batch, max_q, num_keys]
     out = _masked_attention(q, keys, values, mask, scale)  # [batch, max_q, num_q_heads, hd]
     return out[seq_of_token, index_in_seq].to(query.dtype)
@@ -138,15 +145,16 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     """One query token per sequence. query: [batch, num_q_heads, head_dim]."""
     starts = uniform_query_start_loc(seq_lens, 1)
-    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window)
+    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window,
+                           key_start)
 
 
 def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, key_start: int = 0) -> torch.Tensor:
     """q_len (= K + 1) query tokens per sequence, causal inside the block.
     query: [batch, q_len, num_q_heads, head_dim] -> same shape."""
     if query.dim() != 4:
@@ -155,7 +163,8 @@ def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
     starts = uniform_query_start_loc(seq_lens, q_len)
-    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window)
+    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window,
+                          key_start)
     return out.view(query.shape)
 
 

@@ -29,7 +29,7 @@ NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, so masked rows sta
 def _attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, kv_ptr, block_table_ptr, starts_ptr,
     seq_lens_ptr, layer_offset, num_q_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_page, stride_kv, stride_head, stride_bt, scale_log2, window,
+    stride_page, stride_kv, stride_head, stride_bt, scale_log2, window, key_start,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -61,9 +61,9 @@ def _attention_kernel(
 
     # keys this block can see: [kv_lo, kv_hi); split s takes one BLOCK_N-aligned chunk
     kv_hi = seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len)
-    kv_lo = 0
+    kv_lo = key_start
     if HAS_WINDOW:
-        kv_lo = tl.maximum(seq_len - q_len + first_q - window + 1, 0)
+        kv_lo = tl.maximum(seq_len - q_len + first_q - window + 1, key_start)
     aligned_lo = (kv_lo // BLOCK_N) * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - aligned_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_lo = aligned_lo + split * chunk
@@ -195,7 +195,7 @@ def choose_config(num_q_heads: int, num_kv_heads: int, batch: int, max_q_len: in
 def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tensor,
                      layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
-                     **overrides) -> torch.Tensor:
+                     key_start: int = 0, **overrides) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
     every sequence's query length; ``overrides`` go to :func:`choose_config`."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -217,7 +217,7 @@ def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tens
         out, part_out, part_lse, query, kv_pool, block_table, query_start_loc, seq_lens,
         layer * kv_pool.stride(1), cfg.num_q_blocks, query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
-        block_table.stride(0), scale * LOG2E, window,
+        block_table.stride(0), scale * LOG2E, window, key_start,
         NUM_SPLITS=cfg.num_splits, GROUP=cfg.group, GROUP_PAD=cfg.group_pad,
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_pool.shape[4],
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -28,10 +28,11 @@ class Case:
     seq_lens: torch.Tensor  # [batch] int32
     scale: float
     window: int
+    key_start: int = 0
 
     def args(self) -> tuple:
         return (self.query, self.kv_pool, self.layer, self.block_table, self.query_start_loc,
-                self.seq_lens, self.scale, self.window)
+                self.seq_lens, self.scale, self.window, self.key_start)
 
 
 def first_visible(seq_len: int, q_len: int, window: int) -> int:
@@ -44,7 +45,8 @@ def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 
               pool_dtype: torch.dtype = torch.bfloat16,
               query_dtype: torch.dtype = torch.bfloat16, window: int = 0,
               num_layers: int = 2, layer: int = 1, seed: int = 0, spare_pages: int = 3,
-              device: str = "cpu") -> Case:
+              device: str = "cpu", key_start: int = 0) -> Case:
+    """Positions below ``key_start`` hold NaN too: they must never be read."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [cdiv(s, tokens_per_page) for s in seq_lens]
     num_pages = sum(pages_per_seq) + spare_pages
@@ -62,13 +64,15 @@ def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 
             table[b, k] = NULL_PAGE if released else page
             if released:
                 poisoned.append(page)
+            for pos in range(k * tokens_per_page, min(key_start, (k + 1) * tokens_per_page)):
+                pool[page, :, :, :, pos % tokens_per_page] = math.nan
     pool[poisoned] = to_pool_dtype(torch.full(shape[1:], math.nan), pool_dtype)
     num_tokens = sum(q_lens)
     query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(query_dtype)
     starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     return Case(query.to(device), pool.to(device), layer, table.to(device), starts.to(device),
                 torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                head_dim ** -0.5, window)
+                head_dim ** -0.5, window, key_start)
 
 
 def dense_attention(case: Case) -> torch.Tensor:
@@ -85,6 +89,7 @@ def dense_attention(case: Case) -> torch.Tensor:
         for i in range(q_len):
             pos = seq_len - q_len + i
             lo = max(0, pos - case.window + 1) if case.window else 0
+            lo = max(lo, case.key_start)
             if pos < lo:
                 continue
             positions = torch.arange(lo, pos + 1)

@@ -20,7 +20,7 @@ def run_kernel(case, **launch):
     q_lens = case.query_start_loc[1:] - case.query_start_loc[:-1]
     launch_attention(out, case.query, case.kv_pool, case.layer, case.block_table,
                      case.query_start_loc, case.seq_lens, case.scale, case.window,
-                     int(q_lens.max()), **launch)
+                     int(q_lens.max()), key_start=case.key_start, **launch)
     return out
 
 
@@ -47,6 +47,15 @@ def test_sliding_window_skips_null_pages(window, tokens_per_page, num_splits):
     case = make_case([1, 30, 200, 600], [1, 4, 8, 8], window=window,
                      tokens_per_page=tokens_per_page, seed=window, device="cuda")
     assert_matches_dense(run_kernel(case, num_splits=num_splits), case)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_keys_below_key_start_are_never_read(window, num_splits):
+    for q_len in (1, 5, 30):
+        case = make_case([q_len, 3, 130, 300], [q_len, 3, 5, 5], window=window, key_start=1,
+                         seed=q_len, device="cuda")
+        assert_matches_dense(run_kernel(case, num_splits=num_splits), case)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, FP8])

@@ -52,6 +52,20 @@ def test_sliding_window_never_reads_released_pages(window, tokens_per_page):
     assert_matches_dense(reference.paged_attention(*case.args()), case)
 
 
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_keys_below_key_start_are_never_read(window):
+    """An EAGLE-3 drafter's first slot (position 0) is written but attended by no query."""
+    case = make_case([1, 3, 30, 100], [1, 3, 4, 8], window=window, key_start=1, seed=11)
+    out = reference.paged_attention(*case.args())
+    assert bool(out[0].eq(0).all())  # the lone query at position 0 sees no key
+    assert_matches_dense(out, case)
+    decode = make_case([1, 2, 17, 40], [1, 1, 1, 1], window=window, key_start=1, seed=12)
+    out = reference.decode_attention(decode.query, decode.kv_pool, decode.layer,
+                                     decode.block_table, decode.seq_lens, decode.scale,
+                                     window, key_start=1)
+    assert_matches_dense(out, decode)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 def test_head_groupings(heads):
     num_q_heads, num_kv_heads = heads
@@ -96,12 +110,13 @@ def test_entries_past_the_extent_are_ignored():
     ("query_start_loc", lambda a: a.update(query_start_loc=a["query_start_loc"][:2])),
     ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"][:, None])),
     ("window", lambda a: a.update(window=-1)),
+    ("key_start", lambda a: a.update(key_start=-1)),
     ("kv_pool", lambda a: a.update(kv_pool=a["kv_pool"][0])),
 ])
 def test_bad_input_names_the_field(field, mutate):
     case = make_case([5, 9], [1, 2])
     names = ["query", "kv_pool", "layer", "block_table", "query_start_loc", "seq_lens",
-             "scale", "window"]
+             "scale", "window", "key_start"]
     args = dict(zip(names, case.args(), strict=True))
     mutate(args)
     with pytest.raises(ValueError, match=f"^{field}:"):
