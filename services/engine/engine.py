@@ -45,7 +45,7 @@ class Engine:
         if config.speculative:
             self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype,
                                         self.tp)
-            self.drafter.config.check_target(self.target.config)
+            self.drafter.config = self.drafter.config.check_target(self.target.config)
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
         self.manager = make_manager(cache_config(config, self.target, self.drafter, self.k),

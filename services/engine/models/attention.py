@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.ops import paged_attention, write_kv
-from services.engine.models.layers import apply_rotary
+from services.engine.models.layers import RMSNorm, apply_rotary
 from services.engine.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -86,21 +86,28 @@ class DenseContext:
 
 class Attention(nn.Module):
     """GQA self-attention with RoPE. ``input_size`` may differ from ``hidden_size``
-    (the EAGLE-3 layer reads [embedding, hidden] concatenated). Under tensor parallelism
-    this rank runs its share of the query heads and the KV heads they read
+    (the EAGLE-3 layer reads [embedding, hidden] concatenated). ``qkv_bias``/``o_bias``:
+    biases on q/k/v and on o; ``qk_norm_eps`` set: q and k are RMS-normalised over
+    head_dim, per head, before RoPE (Qwen3's ``q_norm``/``k_norm``). Under tensor
+    parallelism this rank runs its share of the query heads and the KV heads they read
     (``num_heads``/``num_kv_heads`` are then per rank); o sums the shares."""
 
     def __init__(self, input_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, bias: bool = False, tp: TensorParallel = SINGLE) -> None:
+                 head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         q_heads = split(num_heads, tp, "num_attention_heads")
         own_kv = kv_heads(num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(own_kv), head_dim
         self.scale = head_dim ** -0.5
-        self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), bias)
-        self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), bias)
-        self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), bias)
-        self.o_proj = RowParallelLinear(head_rows(q_heads, head_dim), hidden_size, tp, bias)
+        self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), qkv_bias)
+        self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
+        self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
+        self.o_proj = RowParallelLinear(head_rows(q_heads, head_dim), hidden_size, tp, o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: KVContext, layer: int) -> torch.Tensor:
@@ -109,6 +116,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))

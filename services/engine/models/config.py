@@ -1,28 +1,46 @@
 """Model configurations read from Hugging Face-style ``config.json`` files.
 
-Field names follow the HF Llama config, so a real Llama/Qwen-class ``config.json`` parses
-as is. Unknown keys are ignored; missing keys take the HF defaults.
+Field names follow the HF Llama config, so a Llama, Qwen2, Qwen3 or Mistral
+``config.json`` (transformers 4 or 5 spelling) parses as is; :mod:`.hf_config` reads the
+dialects and refuses by name what Tandem does not implement. Missing keys take the HF
+defaults.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+from services.engine.models.hf_config import (
+    FULL,
+    SLIDING,
+    TARGET_ARCHITECTURES,
+    aux_layers,
+    check_attention_bias,
+    check_drafter_family,
+    check_neutral,
+    default_aux_layers,
+    normalize_rope,
+    read_rope,
+    refuse,
+    target_family,
+    target_window,
+)
+from services.engine.models.hf_config import require as _require
 
-
-def _require(cond: bool, field_name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{field_name}: {msg}")
+NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
+ARCHITECTURE_OF = {family: arch for arch, family in TARGET_ARCHITECTURES.items()}
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
     """Geometry of a Llama-architecture decoder. ``head_dim`` defaults to
-    hidden_size // num_attention_heads; ``num_key_value_heads`` < heads means GQA."""
+    hidden_size // num_attention_heads; ``num_key_value_heads`` < heads means GQA.
+    ``model_type`` is the family: llama and qwen3 have q/k/v/o biases iff
+    ``attention_bias``, qwen2 has q/k/v biases and no o bias, qwen3 RMS-normalises q and
+    k per head, mistral may attend over a window of ``sliding_window`` tokens."""
 
     vocab_size: int
     hidden_size: int
@@ -37,41 +55,65 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    model_type: str = "llama"
     sliding_window: int = 0  # tokens; 0 = full. A query at q sees keys in (q - W, q]
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads == 0:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim == 0 and self.num_attention_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _fill_heads(self)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "head_dim", "max_position_embeddings"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 f"{self.num_key_value_heads} does not divide {self.num_attention_heads} heads")
-        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _check_heads(self)
+        if self.model_type not in ARCHITECTURE_OF:
+            refuse("model_type", self.model_type, ", ".join(ARCHITECTURE_OF))
         _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
-        check_rope_scaling(self.rope_scaling)
+        if self.sliding_window and self.model_type != "mistral":
+            refuse("sliding_window", self.sliding_window, f"0 for {self.model_type} "
+                   "(a windowed target is model_type 'mistral')")
+        if self.attention_bias and self.model_type not in ("llama", "qwen3"):
+            refuse("attention_bias", True, f"false for {self.model_type}")
+        object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        d = dict(d)
-        d["sliding_window"] = d.get("sliding_window") or 0  # Mistral writes null for none
-        return cls(**_known_fields(cls, d))
+        family = target_family(d)
+        check_neutral(d)
+        check_attention_bias(d, family)
+        window = target_window(d, family)
+        theta, scaling = read_rope(d, SLIDING if window else FULL)
+        return cls(**{**_known_fields(cls, d), "model_type": family, "sliding_window": window,
+                      "rope_theta": theta, "rope_scaling": scaling,
+                      "head_dim": d.get("head_dim") or 0,
+                      "attention_bias": bool(d.get("attention_bias")) and family != "qwen2"})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(self)}
+        return {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
 
 
 @dataclass(frozen=True, slots=True)
 class EagleConfig:
-    """An EAGLE-3 drafter. ``aux_layer_ids`` are the target layers whose outputs (the
-    residual stream after that layer) are concatenated, low/mid/high, and projected by
-    ``fc``. ``sliding_window`` is the drafter's attention window in tokens (0 = full).
+    """An EAGLE-3 drafter. ``aux_layer_ids`` are the target layers (0-based) whose outputs
+    (the residual stream after that layer) are concatenated, low/mid/high, and projected
+    by ``fc`` (``3 * target_hidden_size`` -> ``hidden_size``); () until
+    :meth:`check_target` fills in the defaults for a config that names none.
+    ``sliding_window`` is the drafter's attention window in tokens (0 = full).
     ``draft_vocab_size`` < ``vocab_size`` means the drafter has its own LM head over a
-    reduced vocabulary mapped to target ids by ``d2t``."""
+    reduced vocabulary mapped to target ids by ``d2t``. ``norm_before_residual``: the
+    mid layer's residual stream starts from hidden_norm(hidden) instead of hidden."""
 
     vocab_size: int
     hidden_size: int
@@ -87,61 +129,71 @@ class EagleConfig:
     draft_vocab_size: int = 0  # 0 = vocab_size
     sliding_window: int = 0
     aux_layer_ids: tuple[int, ...] = field(default=())
+    target_hidden_size: int = 0  # 0 = hidden_size
+    norm_before_residual: bool = False
+
+    qkv_bias = o_bias = qk_norm = False  # EAGLE-3 layers: no biases, no q/k norm
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads == 0:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim == 0 and self.num_attention_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _fill_heads(self)
         if self.draft_vocab_size == 0:
             object.__setattr__(self, "draft_vocab_size", self.vocab_size)
+        if self.target_hidden_size == 0:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "head_dim", "draft_vocab_size"):
+                     "num_attention_heads", "head_dim", "draft_vocab_size", "target_hidden_size"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _require(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
                  f"{self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 f"{self.num_key_value_heads} does not divide {self.num_attention_heads} heads")
+        _check_heads(self)
         _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
-        _require(len(self.aux_layer_ids) == 3, "aux_layer_ids",
+        _require(len(self.aux_layer_ids) in (0, NUM_AUX_LAYERS), "aux_layer_ids",
                  f"needs 3 target layers (low, mid, high), got {self.aux_layer_ids}")
-        check_rope_scaling(self.rope_scaling)
+        object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EagleConfig:
-        d = dict(d)
-        eagle = d.get("eagle_config") or {}
-        if "eagle_aux_hidden_state_layer_ids" in eagle:
-            d["aux_layer_ids"] = tuple(eagle["eagle_aux_hidden_state_layer_ids"])
-        d["sliding_window"] = d.get("sliding_window") or 0
-        return cls(**_known_fields(cls, d))
+        """Tandem's configs and the published ones (the EAGLE authors', SpecForge's)."""
+        check_drafter_family(d)
+        check_neutral(d)
+        for key in ("attention_bias", "tie_word_embeddings"):
+            if d.get(key):
+                refuse(key, d[key], "false")
+        if d.get("num_aux_hidden_states", NUM_AUX_LAYERS) != NUM_AUX_LAYERS:
+            refuse("num_aux_hidden_states", d["num_aux_hidden_states"], str(NUM_AUX_LAYERS))
+        theta, scaling = read_rope(d)
+        return cls(**{**_known_fields(cls, d), "aux_layer_ids": aux_layers(d),
+                      "rope_theta": theta, "rope_scaling": scaling,
+                      "sliding_window": d.get("sliding_window") or 0,
+                      "head_dim": d.get("head_dim") or 0,
+                      "draft_vocab_size": d.get("draft_vocab_size") or 0,
+                      "target_hidden_size": d.get("target_hidden_size") or 0,
+                      "norm_before_residual": bool(d.get("norm_before_residual"))})
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(d.pop("aux_layer_ids"))}
+        ids = list(d.pop("aux_layer_ids"))
+        if ids:
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids,
+                                 "eagle_aux_hidden_state_layer_convention": "output"}
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **d}
 
-    def check_target(self, target: LlamaConfig) -> None:
-        """The drafter reads the target's hidden states and shares its vocabulary."""
+    def check_target(self, target: LlamaConfig) -> EagleConfig:
+        """This config checked against the target it drafts for, with the default aux
+        layers (:func:`.hf_config.default_aux_layers`) filled in if it names none. The
+        drafter reads the target's hidden states and embedding, and shares its vocabulary."""
+        _require(self.target_hidden_size == target.hidden_size, "target_hidden_size",
+                 f"drafter reads {self.target_hidden_size}, target has {target.hidden_size}")
         _require(self.hidden_size == target.hidden_size, "hidden_size",
                  f"drafter {self.hidden_size} != target {target.hidden_size}")
         _require(self.vocab_size == target.vocab_size, "vocab_size",
                  f"drafter {self.vocab_size} != target {target.vocab_size}")
-        for i in self.aux_layer_ids:
+        ids = self.aux_layer_ids or default_aux_layers(target.num_hidden_layers)
+        for i in ids:
             _require(0 <= i < target.num_hidden_layers, "aux_layer_ids",
                      f"layer {i} not in the target's {target.num_hidden_layers} layers")
-
-
-def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
-    if rope_scaling is None:
-        return
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    _require(kind in ROPE_SCALING_TYPES or kind == "default", "rope_scaling",
-             f"type {kind!r} is not supported; known: {ROPE_SCALING_TYPES}")
-    if kind != "default":
-        _require(float(rope_scaling.get("factor", 0)) > 0, "rope_scaling",
-                 "factor must be > 0")
+        return replace(self, aux_layer_ids=ids)
 
 
 def read_config_json(folder: str | Path) -> dict[str, Any]:
@@ -154,6 +206,19 @@ def read_config_json(folder: str | Path) -> dict[str, Any]:
 def write_config_json(folder: str | Path, config: LlamaConfig | EagleConfig) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _fill_heads(c: LlamaConfig | EagleConfig) -> None:
+    if c.num_key_value_heads == 0:
+        object.__setattr__(c, "num_key_value_heads", c.num_attention_heads)
+    if c.head_dim == 0 and c.num_attention_heads > 0:
+        object.__setattr__(c, "head_dim", c.hidden_size // c.num_attention_heads)
+
+
+def _check_heads(c: LlamaConfig | EagleConfig) -> None:
+    _require(c.num_attention_heads % c.num_key_value_heads == 0, "num_key_value_heads",
+             f"{c.num_key_value_heads} does not divide {c.num_attention_heads} heads")
+    _require(c.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {c.head_dim}")
 
 
 def _known_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.models.attention import Attention, KVContext
-from services.engine.models.config import EagleConfig
+from services.engine.models.config import NUM_AUX_LAYERS, EagleConfig
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from services.engine.parallel import SINGLE, TensorParallel
@@ -28,7 +28,8 @@ from services.engine.parallel import SINGLE, TensorParallel
 
 class Eagle3Layer(nn.Module):
     """Reads [input_layernorm(embedding), hidden_norm(hidden)] (2 * hidden_size wide);
-    the residual stream starts from ``hidden``."""
+    the residual stream starts from ``hidden``, or from hidden_norm(hidden) with
+    ``norm_before_residual`` (SpecForge)."""
 
     def __init__(self, c: EagleConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -38,11 +39,14 @@ class Eagle3Layer(nn.Module):
                                    c.num_key_value_heads, c.head_dim, tp=tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
+        self.norm_before_residual = c.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, rope, ctx, 0)
+        """embeds, hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, rope, ctx, 0)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -54,7 +58,7 @@ class Eagle3Drafter(nn.Module):
                  own_embed: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(len(c.aux_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(NUM_AUX_LAYERS * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c, tp)
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_hidden_layers - 1))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -67,7 +71,8 @@ class Eagle3Drafter(nn.Module):
             self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """Target features: aux [num_tokens, 3 * hidden_size] -> f [num_tokens, hidden_size]."""
+        """Target features: aux [num_tokens, 3 * target_hidden_size] -> f [num_tokens,
+        hidden_size]."""
         return self.fc(aux)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

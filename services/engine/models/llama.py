@@ -1,4 +1,6 @@
-"""The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU).
+"""The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU), with the
+family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm; a Mistral
+window is the KV context's: callers pass ``config.sliding_window`` to it).
 
 Module names are the Hugging Face ones (``model.layers.3.self_attn.q_proj``...), so a
 state dict loads from HF safetensors without renaming. Attention goes through a
@@ -33,8 +35,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim,
-                                   getattr(c, "attention_bias", False), tp)
+                                   c.num_key_value_heads, c.head_dim, c.qkv_bias, c.o_bias,
+                                   c.rms_norm_eps if c.qk_norm else None, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
 

@@ -1,4 +1,5 @@
-"""Load and save Hugging Face-style model folders: ``config.json`` + ``*.safetensors``.
+"""Load and save Hugging Face-style model folders: ``config.json`` + ``*.safetensors``
+(one file, or shards listed by ``model.safetensors.index.json``).
 
 Every tensor of the checkpoint must map to a parameter and every parameter must be
 present: a mismatch raises ValueError naming the tensors. Under tensor parallelism each
@@ -7,6 +8,7 @@ rank reads the whole checkpoint and keeps the slices it owns.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,14 +26,32 @@ from services.engine.models.llama import LlamaForCausalLM
 from services.engine.parallel import SINGLE, TensorParallel, shard_state_dict
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX = "model.safetensors.index.json"
+UNSUPPORTED_TENSORS = {"fc_norm.": "a norm on the drafter's fc input"}
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index's ``weight_map`` names when
+    ``model.safetensors.index.json`` exists (each must exist), else every ``*.safetensors``."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"model_path: {folder / INDEX} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"model_path: {folder} lacks {missing}, listed in {INDEX}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path: no *.safetensors in {folder}")
+    return files
 
 
 def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_path: no *.safetensors in {folder}")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in checkpoint_files(folder):
         state.update(load_file(str(f)))
     return {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
 
@@ -39,17 +59,28 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
 def load_target(folder: str | Path, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
                 ) -> LlamaForCausalLM:
+    """A tied config's stored ``lm_head.weight`` is skipped (as vLLM does): the head is
+    the embedding."""
     config = LlamaConfig.from_dict(read_config_json(folder))
     model = LlamaForCausalLM(config, tp)
-    _load_into(model, shard_state_dict(model, read_state_dict(folder)), folder)
+    state = read_state_dict(folder)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    _load_into(model, shard_state_dict(model, state), folder)
     return model.to(device=device, dtype=dtype).eval()
 
 
 def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
                  ) -> Eagle3Drafter:
+    """Its aux layers may still be the defaults: resolve them with
+    ``config.check_target(target.config)``."""
     config = EagleConfig.from_dict(read_config_json(folder))
     state = read_state_dict(folder)
+    for name in state:
+        for prefix, what in UNSUPPORTED_TENSORS.items():
+            if name.startswith(prefix):
+                raise ValueError(f"{name}: {what} is not supported")
     model = Eagle3Drafter(config, own_head="lm_head.weight" in state,
                           own_embed="embed_tokens.weight" in state, tp=tp)
     _load_into(model, shard_state_dict(model, state), folder)

@@ -1,0 +1,174 @@
+"""Reading Hugging Face ``config.json`` dicts: families, RoPE dialects, refusals.
+
+Pure functions from a config dict to the values Tandem's configs hold. The rule for every
+key of a supported family's transformers config: it is read, or checked against the value
+that leaves the math unchanged (refused by name otherwise), or it changes nothing at
+inference (dtype, use_cache, initializer_range, pad/bos ids, attention_dropout...). Keys
+outside the family's transformers config are not read by transformers' model code either.
+Every refusal is a ValueError ``"<field>: <value> is not supported; supported: ..."``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                        "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+ROPE_KEYS = {  # rope type -> the scaling keys it reads (all required)
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+FULL, SLIDING = "full_attention", "sliding_attention"
+NEUTRAL = {  # key -> (is the value neutral?, what is supported)
+    "hidden_act": (lambda v: v in (None, "silu"), "silu"),
+    "mlp_bias": (lambda v: not v, "false"),
+    "partial_rotary_factor": (lambda v: v in (None, 1, 1.0), "1.0"),
+    "quantization_config": (lambda v: v is None, "none (unquantized weights)"),
+    "attn_logit_softcapping": (lambda v: v is None, "null"),
+    "final_logit_softcapping": (lambda v: v is None, "null"),
+    "use_mrope": (lambda v: not v, "false"),
+    "rope_interleave": (lambda v: not v, "false"),
+}
+
+
+def refuse(field_name: str, value: Any, supported: str) -> None:
+    raise ValueError(f"{field_name}: {value!r} is not supported; supported: {supported}")
+
+
+def require(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}: {msg}")
+
+
+def check_neutral(d: dict[str, Any]) -> None:
+    """Refuse the keys that change the math in a way Tandem does not implement."""
+    for key, (ok, supported) in NEUTRAL.items():
+        if key in d and not ok(d[key]):
+            refuse(key, d[key], supported)
+
+
+def target_family(d: dict[str, Any]) -> str:
+    """The model_type of a supported target family; a config naming neither field is
+    Llama (Tandem's own configs always name both)."""
+    archs, model_type = d.get("architectures") or [], d.get("model_type")
+    supported = ", ".join(TARGET_ARCHITECTURES)
+    if len(archs) != 1 and archs:
+        refuse("architectures", archs, f"one of {supported}")
+    if archs and archs[0] not in TARGET_ARCHITECTURES:
+        refuse("architectures", archs[0], supported)
+    family = TARGET_ARCHITECTURES[archs[0]] if archs else model_type or "llama"
+    if family not in TARGET_ARCHITECTURES.values():
+        refuse("model_type", family, ", ".join(TARGET_ARCHITECTURES.values()))
+    if model_type is not None and model_type != family:
+        refuse("model_type", model_type, f"{family!r} (architectures says {archs[0]})")
+    return family
+
+
+def check_drafter_family(d: dict[str, Any]) -> None:
+    archs, model_type = d.get("architectures") or [], d.get("model_type")
+    if archs and (len(archs) != 1 or archs[0] not in DRAFTER_ARCHITECTURES):
+        refuse("architectures", archs if len(archs) != 1 else archs[0],
+               ", ".join(DRAFTER_ARCHITECTURES))
+    if model_type not in (None, "llama"):
+        refuse("model_type", model_type, "llama")
+
+
+def target_window(d: dict[str, Any], family: str) -> int:
+    """The target's attention window in tokens (0 = full), per family:
+    Mistral reads ``sliding_window`` (null = full); Qwen2/3 attend fully unless
+    ``use_sliding_window`` (refused: its windowed layers are a per-layer mix);
+    Llama has no window."""
+    window = d.get("sliding_window") or 0
+    if family in ("qwen2", "qwen3"):
+        if d.get("use_sliding_window"):
+            refuse("use_sliding_window", True, "false (every layer attends fully)")
+        window = 0  # transformers drops sliding_window when use_sliding_window is false
+    elif family == "llama" and window:
+        refuse("sliding_window", window, "null for LlamaForCausalLM "
+               "(a windowed target is MistralForCausalLM)")
+    layer_type = SLIDING if window else FULL
+    types = d.get("layer_types")
+    if types is not None and any(t != layer_type for t in types):
+        refuse("layer_types", sorted(set(types)), f"every layer {layer_type!r}")
+    return window
+
+
+def check_attention_bias(d: dict[str, Any], family: str) -> None:
+    """``attention_bias`` (q/k/v/o biases) is read by Llama and Qwen3; Qwen2 has q/k/v
+    biases and Mistral none whatever the key says, so there it may only be false."""
+    if family in ("qwen2", "mistral") and d.get("attention_bias"):
+        refuse("attention_bias", True, f"false for {family} (its biases are fixed)")
+
+
+def read_rope(d: dict[str, Any], layer_type: str = FULL) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either dialect: transformers 4 (``rope_theta`` and
+    ``rope_scaling``) or transformers 5 (``rope_parameters``, possibly keyed by layer
+    type, in which case the entry for ``layer_type`` is read). Scaling is None for the
+    default type, else canonical: ``{"rope_type": ..., <its keys>}``."""
+    params = d.get("rope_parameters")
+    if params is None:
+        return float(d.get("rope_theta") or 10000.0), normalize_rope(d.get("rope_scaling"),
+                                                                      "rope_scaling")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        if layer_type not in params:
+            refuse("rope_parameters", sorted(params), f"an entry for {layer_type!r}")
+        params = params[layer_type]
+    theta = params.get("rope_theta", d.get("rope_theta")) or 10000.0
+    return float(theta), normalize_rope(params, "rope_parameters")
+
+
+def normalize_rope(s: dict[str, Any] | None, field_name: str) -> dict[str, Any] | None:
+    """Check a scaling dict (either spelling: ``rope_type`` or the older ``type``)."""
+    if s is None:
+        return None
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        refuse(f"{field_name}.rope_type", kind, ", ".join(ROPE_KEYS))
+    for key in set(s) - {"rope_type", "type", "rope_theta", *ROPE_KEYS[kind]}:
+        if not (key == "partial_rotary_factor" and s[key] in (1, 1.0)):
+            refuse(f"{field_name}.{key}", s[key], f"the keys of {kind!r}: {ROPE_KEYS[kind]}")
+    if kind == "default":
+        return None
+    for key in ROPE_KEYS[kind]:
+        require(key in s, f"{field_name}.{key}", f"required by rope_type {kind!r}")
+        require(float(s[key]) > 0, f"{field_name}.{key}", f"must be > 0, got {s[key]}")
+    return {"rope_type": kind, **{k: s[k] for k in ROPE_KEYS[kind]}}
+
+
+def aux_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """Tandem's aux layer ids (the target layers, 0-based, whose *outputs* the drafter
+    reads) from ``eagle_config``; () when it names none (defaults need the target).
+
+    Published ``eagle_aux_hidden_state_layer_ids`` come in two conventions: "output of
+    layer i" (the first id is 1) and "input to layer i" (the first id is 2; the same
+    hidden state, numbered one higher). As SGLang does (PR #25454), a list whose first id
+    is 1 is read as outputs and any other as inputs (each id minus 1). Tandem's own
+    configs say which with ``eagle_aux_hidden_state_layer_convention``: "output" or
+    "input"; it overrides the rule (an output list may start at 0)."""
+    eagle = d.get("eagle_config") or {}
+    known = ("eagle_aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_convention",
+             "use_aux_hidden_state")
+    for key in set(eagle) - set(known):
+        refuse(f"eagle_config.{key}", eagle[key], ", ".join(known))
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        refuse("eagle_config.use_aux_hidden_state", eagle["use_aux_hidden_state"], "true")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return ()
+    convention = eagle.get("eagle_aux_hidden_state_layer_convention")
+    if convention not in (None, "output", "input"):
+        refuse("eagle_config.eagle_aux_hidden_state_layer_convention", convention,
+               "output, input")
+    if convention is None:
+        convention = "output" if ids[0] == 1 else "input"
+    return tuple(int(i) - (convention == "input") for i in ids)
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """vLLM's and SGLang's default for a drafter that names no layers: the inputs of
+    target layers (2, n // 2, n - 3), i.e. the outputs of (1, n // 2 - 1, n - 4)."""
+    n = num_target_layers
+    return (1, n // 2 - 1, n - 4)

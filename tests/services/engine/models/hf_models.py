@@ -1,0 +1,82 @@
+"""Random small checkpoints saved by ``transformers`` (the reference), and Tandem's
+dense forward over them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+from services.engine.models import DenseContext, LlamaForCausalLM
+
+VOCAB = 256
+GEOMETRY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (biases too: transformers initialises them to zero), norms
+    near 1, so each tensor matters to the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def hf_checkpoint(folder: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
+                  **overrides) -> transformers.PreTrainedModel:
+    """A random ``family`` model saved to ``folder`` by ``save_pretrained``, float32."""
+    config_cls, model_cls = CLASSES[family]
+    config = config_cls(**{**GEOMETRY, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def prompt(n: int = 40, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(model: transformers.PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] float32 logits of transformers' own forward."""
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+def tandem_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """[n, vocab]: the dense path, with the config's window."""
+    n = ids.shape[0]
+    ctx = DenseContext(batch=1, seq_len=n, window=model.config.sliding_window)
+    with torch.no_grad():
+        out = model(ids, torch.arange(n), ctx)
+        return model.compute_logits(out.hidden)
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def write_config(folder: Path, d: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(d, indent=2))
+
+
+def to_transformers4(d: dict) -> dict:
+    """A transformers-5 config rewritten in transformers-4 spelling: ``rope_theta`` at the
+    top, scaling (if any) in ``rope_scaling``."""
+    d = dict(d)
+    params = dict(d.pop("rope_parameters"))
+    d["rope_theta"] = params.pop("rope_theta")
+    d["rope_scaling"] = None if params.get("rope_type") == "default" else params
+    return d
