@@ -8,6 +8,16 @@ Lifecycle rules (design.md §3):
 - the target (REQUIRED) group alone decides the prefix match length;
 - a windowed OPTIONAL group is reused only where its window is complete at the match
   end; otherwise the match says from which position to recompute it;
+- a windowed target (Mistral's sliding window) releases pages below its stale boundary
+  like any windowed group, so tree nodes may hold NULL target pages. A match ending at m
+  is usable only if every target page the prefill reads is held: from the window of the
+  first position the target runs, up to m. The target runs from m, or, when another
+  group is fed from it, from ``recompute_start - 1`` (a drafter's slot j reads the
+  target's features at j - 1), writing nothing below m. Held pages are exact (a page
+  depends only on its token prefix), so that re-run is exact too. Otherwise the match
+  shortens to the longest page boundary where it holds (0 at worst): released target
+  pages are never recomputed, as a windowed stack of L layers reaches back L * (W - 1)
+  tokens, a whole context for real models;
 - a match ending inside a page copies that page into a private page for every group that
   reuses it (copy-on-write), so shared pages are never written;
 - with ``KVLayout.SEPARATE`` the draft group is neither cached nor transferred.
@@ -16,6 +26,7 @@ Lifecycle rules (design.md §3):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -94,25 +105,50 @@ class KVCacheManager:
                      if config.enable_prefix_cache else None)
         self.stats = {g: GroupStats() for g in self.groups}
         self.requests: dict[str, _Request] = {}
-        self._windowed = [(g.name, g.window) for g in config.groups if g.window > 0]
         self._target = config.groups[0].name
+        # (group, window its pages are kept for): a target that feeds another group keeps
+        # one more position, so a later match at n may re-run it from n - 1
+        fed = len(config.groups) > 1
+        self._windowed = [(g.name, g.window + (fed and g.name == self._target))
+                          for g in config.groups if g.window > 0]
 
     # ------------------------------------------------------------ prefix reuse
 
     def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """Reusable prefix of a prompt, leaving at least its last token to compute."""
+        """Reusable prefix of a prompt, leaving at least its last token to compute: the
+        longest cached run, shortened to the longest end at which the target's window is
+        held (see the module docstring)."""
         match = PrefixMatch(compute_start={g: 0 for g in self.groups},
                             reused_pages={g: [] for g in self.groups})
         if self.tree is None or len(token_ids) < 2:
             return match
-        radix = self.tree.match_prefix(token_ids[:-1])
-        recalled = self._host_hits(token_ids[:-1], radix.num_tokens)
+        tokens = token_ids[:-1]
+        radix = self.tree.match_prefix(tokens)
+        recalled = self._host_hits(tokens, radix.num_tokens)
         if recalled:  # the host tier extends the match by whole pages; no partial page then
             radix.partial_tokens, radix.partial_pages = 0, {}
-        m = radix.num_tokens + self.page * len(recalled) + radix.partial_tokens
-        match.num_tokens, match.node = m, radix.node
-        for name in self.groups:
-            self._match_group(match, name, radix, m, [e.get(name, NULL_PAGE) for e in recalled])
+        device = radix.num_tokens // self.page
+        entries = {g: [*radix.pages[g], *(e.get(g, NULL_PAGE) for e in recalled)]
+                   for g in self.cached_groups}
+        if radix.partial_tokens:
+            for g, row in entries.items():
+                row.append(radix.partial_pages.get(g, NULL_PAGE))
+        m, starts = self._usable_end(radix.num_tokens + self.page * len(recalled)
+                                     + radix.partial_tokens, entries, device)
+        if m < radix.num_tokens:  # shortened inside the device tree: lock the node ending at m
+            radix, device = self.tree.match_prefix(tokens[:m]), m // self.page
+        match.num_tokens, match.node, match.compute_start = m, radix.node, starts
+        full = m // self.page
+        for g, row in entries.items():
+            if starts[g] != m:
+                continue
+            first = self._first_needed(g, starts)
+            match.reused_pages[g] = [NULL_PAGE if i < first else p
+                                     for i, p in enumerate(row[:min(full, device)])]
+            match.recall_pages[g] = [NULL_PAGE if i < first else row[i]
+                                     for i in range(device, full)]
+            if m % self.page:
+                match.cow_pages[g] = row[full]
         return match
 
     def _host_hits(self, tokens: list[int], device_tokens: int) -> list[dict[str, int]]:
@@ -122,26 +158,53 @@ class KVCacheManager:
         hits = self.host.lookup(keys[device_tokens // self.page:])
         return hits if len(hits) >= self.config.host_recall_min_pages else []
 
-    def _match_group(self, match: PrefixMatch, name: str, radix, m: int,
-                     host: list[int]) -> None:
-        spec = self.groups[name]
-        if name not in self.cached_groups:
-            match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
-            return
-        device = list(radix.pages[name])
-        full = device + host  # host entries are host page ids, recalled on allocate
-        partial = radix.partial_pages.get(name, NULL_PAGE) if radix.partial_tokens else None
-        first = win.window_start(m, spec.window) // self.page if m else 0
-        needed = full[first:] + ([partial] if partial is not None else [])
-        if NULL_PAGE in needed:  # only an OPTIONAL group can hold NULL pages
-            match.compute_start[name] = win.recompute_start(m, spec.window, spec.num_layers)
-            return
-        match.compute_start[name] = m
-        match.reused_pages[name] = [NULL_PAGE if i < first else p for i, p in enumerate(device)]
-        match.recall_pages[name] = [NULL_PAGE if len(device) + j < first else p
-                                    for j, p in enumerate(host)]
-        if partial is not None:
-            match.cow_pages[name] = partial
+    def _usable_end(self, longest: int, entries: dict[str, list[int]],
+                    device_pages: int) -> tuple[int, dict[str, int]]:
+        """The longest match end m <= ``longest`` (itself, else a page boundary) at which
+        every target page from :meth:`_first_needed` up to m is held, and each group's
+        ``compute_start`` there. ``entries`` are the cached pages per group in position
+        order (device, then host, then the partial page); a shortened match keeps no
+        partial page and recalls at least ``host_recall_min_pages`` host pages or none."""
+        nulls = {g: list(accumulate((p == NULL_PAGE for p in row), initial=0))
+                 for g, row in entries.items()}
+        ends = [(longest, len(entries[self._target]))]
+        ends += [(k * self.page, k) for k in range(longest // self.page, -1, -1)
+                 if k * self.page < longest]
+        for m, hi in ends:
+            host = max(0, hi - device_pages) if m % self.page == 0 else 0
+            if 0 < host < self.config.host_recall_min_pages:
+                continue
+            starts = self._starts_at(m, hi, nulls)
+            if _all_held(nulls[self._target], self._first_needed(self._target, starts), hi):
+                return m, starts
+        raise AssertionError("a match of length 0 is always usable")
+
+    def _starts_at(self, m: int, hi: int, nulls: dict[str, list[int]]) -> dict[str, int]:
+        """compute_start per group for a match ending at m whose cached entries [0, hi)
+        cover it: m where the group's window pages there are held, else where it
+        recomputes from. The target's is m (whether its pages are held is the caller's)."""
+        starts = {}
+        for name, spec in self.groups.items():
+            if name == self._target:
+                starts[name] = m
+            elif name in nulls and _all_held(nulls[name], win.window_start(m, spec.window)
+                                             // self.page, hi):
+                starts[name] = m
+            else:
+                starts[name] = win.recompute_start(m, spec.window, spec.num_layers)
+        return starts
+
+    def _first_needed(self, group: str, starts: dict[str, int]) -> int:
+        """First page of ``group`` a match with these ``compute_start`` values reads. A
+        group other than the target reads its window at the match end m. The target re-runs
+        from ``recompute_start - 1`` when another group is fed from it (a drafter's slot j
+        reads the target's features at j - 1), else from m, and that first query reads the
+        target's window."""
+        m, spec = starts[self._target], self.groups[group]
+        if group != self._target:
+            return win.window_start(m, spec.window) // self.page
+        rerun = max(0, min(starts.values()) - 1) if len(starts) > 1 else m
+        return win.window_start(rerun, spec.window) // self.page
 
     # ------------------------------------------------------------ allocate / free
 
@@ -196,8 +259,9 @@ class KVCacheManager:
 
     def advance(self, request_id: str, num_computed: int) -> None:
         """Record that positions [0, num_computed) hold valid KV; release windowed pages no
-        later query can read. Rolling back speculative positions needs no call: they are
-        overwritten by later writes."""
+        later query can read: pages [0, (n - W + 1) // P) for window W, where a target
+        feeding another group counts W + 1 (a match at n re-runs it from n - 1). Rolling
+        back speculative positions needs no call: they are overwritten by later writes."""
         self.advance_batch([request_id], [num_computed])
 
     def can_extend_batch(self, request_ids: list[str], num_tokens: list[int]) -> bool:
@@ -445,6 +509,11 @@ def _num_held(match: PrefixMatch | None, tokens_per_page: int) -> dict[str, int]
     m = match.num_tokens
     return {g: m // tokens_per_page for g, start in match.compute_start.items()
             if m and start == m}
+
+
+def _all_held(nulls: list[int], lo: int, hi: int) -> bool:
+    """Whether entries [lo, hi) are all real pages (``nulls[i]``: NULLs among the first i)."""
+    return lo >= hi or nulls[hi] == nulls[lo]
 
 
 def _first_held(row: list[int]) -> int:

@@ -4,8 +4,9 @@ Five calls: ``match_prefix``, ``insert``, ``evict``, ``lock``, ``unlock``.
 
 Invariants:
 - every node's key is a whole number of pages (``len(key) % tokens_per_page == 0``) and
-  it holds, per group, one entry per page of its key; REQUIRED groups hold real pages,
-  OPTIONAL groups may hold ``NULL_PAGE`` where the page was released (out of window);
+  it holds, per group, one entry per page of its key: a real page, or ``NULL_PAGE`` where
+  a windowed group (the target too) had released it out of its window or an OPTIONAL
+  group's page was dropped; a later insert of the same tokens fills NULL entries;
 - the tree owns one reference of every page it holds (``PageAllocator.incref``);
 - a node with ``lock_ref > 0`` is in use by a request, and so are all its ancestors;
   only unlocked leaves are evicted, least recently used first;
@@ -37,7 +38,7 @@ class TreeNode:
         return len(next(iter(self.pages.values()))) if self.pages else 0
 
     def num_held(self) -> dict[str, int]:
-        """Real (non-NULL) pages per group; NULLs appear in OPTIONAL groups only."""
+        """Real (non-NULL) pages per group."""
         return {g: len(ps) - ps.count(NULL_PAGE) for g, ps in self.pages.items()}
 
 
@@ -106,7 +107,7 @@ class RadixCache:
             k = self._match_pages(child.key, tokens, n)
             if k < child.num_pages():
                 child = self._split(child, k)
-            self._fill_optional(child, pages, n // self.page)
+            self._fill_missing(child, pages, n // self.page)
             node, n = child, n + len(child.key)
             self._touch(node)
         return n
@@ -253,8 +254,8 @@ class RadixCache:
         self._touch(node)
         self._count_evictable(node, +1)
 
-    def _fill_optional(self, node: TreeNode, pages: dict[str, list[int]], first: int) -> None:
-        """Take pages of groups the node lacks (NULL) where the inserted sequence has them."""
+    def _fill_missing(self, node: TreeNode, pages: dict[str, list[int]], first: int) -> None:
+        """Take pages the node lacks (NULL, any group) where the inserted sequence has them."""
         for g, held in node.pages.items():
             new = pages[g][first:first + len(held)]
             for i, p in enumerate(new):

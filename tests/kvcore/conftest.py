@@ -13,14 +13,17 @@ def make_config(*, page: int = 4, window: int = 8, k: int = 2, target_pages: int
                 draft_pages: int = 32, layout: KVLayout = KVLayout.UNIFIED,
                 draft_layers: int = 1, draft_dtype: str = "float32",
                 prefix_cache: bool = True, host_pages: int = 0, host_write: str = "evict",
-                host_recall_min: int = 1) -> CacheConfig:
-    target = LayerGroupSpec("target", Owner.TARGET, num_layers=2, num_kv_heads=2, head_dim=4,
-                            dtype="float32")
-    draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=draft_layers, num_kv_heads=1,
-                           head_dim=4, dtype=draft_dtype, window=window,
-                           lifecycle=Lifecycle.OPTIONAL)
-    return CacheConfig(groups=(target, draft), tokens_per_page=page,
-                       num_pages=(target_pages, draft_pages), num_spec_tokens=k,
+                host_recall_min: int = 1, target_window: int = 0,
+                draft: bool = True) -> CacheConfig:
+    """``target_window`` > 0 windows the target group too; ``draft=False`` leaves only it."""
+    groups = [LayerGroupSpec("target", Owner.TARGET, num_layers=2, num_kv_heads=2, head_dim=4,
+                             dtype="float32", window=target_window)]
+    if draft:
+        groups.append(LayerGroupSpec("draft", Owner.DRAFT, num_layers=draft_layers,
+                                     num_kv_heads=1, head_dim=4, dtype=draft_dtype,
+                                     window=window, lifecycle=Lifecycle.OPTIONAL))
+    return CacheConfig(groups=tuple(groups), tokens_per_page=page,
+                       num_pages=(target_pages, draft_pages)[:len(groups)], num_spec_tokens=k,
                        layout=layout, enable_prefix_cache=prefix_cache,
                        host_num_pages=host_pages, host_write_policy=host_write,
                        host_recall_min_pages=host_recall_min)
