@@ -13,10 +13,12 @@ from services.engine.tokenizer import ByteTokenizer
 
 def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
                  k: int) -> CacheConfig:
-    """The target group, plus the drafter's (OPTIONAL, windowed) group when it runs."""
+    """The target group (windowed by the model's ``sliding_window``), plus the drafter's
+    (OPTIONAL, windowed) group when it runs."""
     t = target.config
     groups = [LayerGroupSpec(TARGET_GROUP, Owner.TARGET, t.num_hidden_layers,
-                             t.num_key_value_heads, t.head_dim, dtype=c.dtype)]
+                             t.num_key_value_heads, t.head_dim, dtype=c.dtype,
+                             window=t.sliding_window)]
     if drafter is not None:
         d = drafter.config
         groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
@@ -71,11 +73,21 @@ def check_fits(prompt_len: int, max_tokens: int, max_model_len: int,
                          f"the context of {max_model_len}")
     full = prompt_len + max_tokens + manager.config.headroom_tokens
     for name, spec in manager.groups.items():
-        tokens = full
-        if spec.window > 0:  # the window, one prefill chunk, one page of misalignment
-            tokens = min(full, spec.window + manager.config.max_prefill_chunk
-                         + manager.config.headroom_tokens + manager.page)
+        tokens = min(full, _window_tokens(name, manager)) if spec.window > 0 else full
         need, total = cdiv(tokens, manager.page), manager.allocators[name].num_pages
         if need > total:
             raise ValueError(f"prompt: needs {need} KV pages of group {name}, "
                              f"the cache holds {total}")
+
+
+def _window_tokens(group: str, manager: KVCacheManager) -> int:
+    """Most positions of a windowed group one request holds at once: its window (plus one
+    for a target feeding a drafter), the longer of a prefill chunk and, for the target,
+    the span a prefix hit re-runs to refill a windowed drafter (L * (W - 1) + 1), the
+    headroom twice (verify positions not yet final, and the pages ahead), and three pages
+    of misalignment."""
+    c, spec = manager.config, manager.groups[group]
+    span = c.max_prefill_chunk
+    if group == c.groups[0].name:
+        span = max([span, *(g.num_layers * (g.window - 1) + 2 for g in c.groups[1:] if g.window)])
+    return spec.window + 1 + span + 2 * c.headroom_tokens + 3 * manager.page

@@ -266,7 +266,8 @@ class DecodeGraphs:
         max_pages = cdiv(max_model_len + manager.config.headroom_tokens, manager.page) + 1
         dtype = runner.target.head_weight.dtype
         self.target = GraphedForward(self._target_forward, manager.pools[TARGET_GROUP],
-                                     verify_len, 0, buckets, max_pages, capture=capture)
+                                     verify_len, runner.target_window, buckets, max_pages,
+                                     capture=capture)
         self.drafter = self.catch_up = None
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(

@@ -39,6 +39,7 @@ class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
                  manager: KVCacheManager, device: torch.device) -> None:
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
+        self.target_window = target.config.sliding_window
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs ran
         self.lockstep = None  # rank 0 of a tensor-parallel group: publishes each forward
@@ -56,7 +57,7 @@ class ModelRunner:
     def run_target(self, spans: list[Span]) -> TargetRun:
         if self.graphs is not None and (run := self.graphs.run_target(spans)) is not None:
             return run
-        ctx = self.context(TARGET_GROUP, spans, window=0)
+        ctx = self.context(TARGET_GROUP, spans, window=self.target_window)
         ids, positions = self._inputs(spans)
         aux_ids = self.drafter.config.aux_layer_ids if self.drafter is not None else ()
         if self.lockstep is not None:
