@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from models.byte_tokenizer import BOS_ID
 from models.data import split_files
-from services.engine.tokenizer import BOS_ID
 
 Tokens = tuple[int, ...]
 ROLE_HEADERS = {"system": b"# system: you are a coding agent; tools follow.\n",

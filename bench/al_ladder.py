@@ -19,12 +19,12 @@ import time
 
 import torch
 
+from models.byte_tokenizer import BOS_ID
 from models.data import held_out_prose, split_files
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.request import Status
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import BOS_ID
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 

@@ -15,22 +15,21 @@ import time
 import grpc
 
 from deploy.local import LocalCluster
+from models.byte_tokenizer import byte_ids
 from models.data import split_files
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import ByteTokenizer
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 
 
 def ladder_prompts(lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
     """``per_length`` prompts of exactly n tokens per n, from held-out files long enough."""
-    tokenizer = ByteTokenizer()
     _, held = split_files()
-    docs = [tokenizer.encode(p.read_bytes()) for p in sorted(held)]
+    docs = [byte_ids(p.read_bytes()) for p in sorted(held)]
     out = {}
     for n in lengths:
         long_enough = [d for d in docs if len(d) >= n + 1]

@@ -20,6 +20,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model folder (config.json + "
                    "*.safetensors); default: the bundled tiny target")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter folder; 'none' = no drafter")
+    add_tokenizer_arg(p)
     p.add_argument("-k", "--num-spec-tokens", type=int, default=4, help="draft tokens per step (K)")
     p.add_argument("--layout", choices=["auto", "unified", "separate"], default="auto",
                    help="unified: the drafter's KV lives and moves with the target's; separate: "
@@ -55,7 +56,8 @@ def engine_config(args: argparse.Namespace):
                          f"{args.drafter!r}, -k {args.num_spec_tokens}); use --layout separate "
                          "or auto, or give a drafter and K > 0")
     layout = "unified" if args.layout == "auto" else args.layout
-    return EngineConfig(model=args.model, drafter=drafter, num_spec_tokens=args.num_spec_tokens,
+    return EngineConfig(model=args.model, drafter=drafter, tokenizer=args.tokenizer,
+                        num_spec_tokens=args.num_spec_tokens,
                         device=args.device, dtype=args.dtype, tokens_per_page=args.tokens_per_page,
                         kv_cache_bytes=args.kv_cache_mb << 20,
                         host_kv_cache_bytes=args.host_kv_cache_mb << 20,
@@ -64,6 +66,25 @@ def engine_config(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs,
                         layout=KVLayout(layout), enable_prefix_cache=not args.no_prefix_cache,
                         tp_size=getattr(args, "tp", 1))
+
+
+def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer: a folder with "
+                   "tokenizer.json (and tokenizer_config.json), or a tokenizer.json; default: "
+                   "the model folder's own")
+
+
+def add_serving_name_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", default="", help="the model's name in the API "
+                   "(/v1/models, the model field, ModelInfo) and the model_name label of "
+                   "metrics; default: the model folder's name")
+    p.add_argument("--chat-template", default="", help="Jinja chat template file for "
+                   "/v1/chat/completions; default: the tokenizer's (chat_template.jinja or "
+                   "tokenizer_config.json's chat_template); without one, chat is refused")
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local cluster (router, prefill and decode processes) "
                         "on 127.0.0.1 until interrupted")
     add_engine_args(up)
+    add_serving_name_args(up)
     up.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decode", type=int, default=1, help="decode worker processes")
     up.add_argument("--aggregated", type=int, default=0,
@@ -123,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
     add_http_port_arg(up, None)
     router = sub.add_parser("router", help="run the router")
-    router.add_argument("--model", default=DEFAULT_MODEL, help="target folder (for its limits)")
+    router.add_argument("--model", default=DEFAULT_MODEL, help="target folder (for its limits "
+                        "and tokenizer)")
+    add_tokenizer_arg(router)
+    add_serving_name_args(router)
     router.add_argument("-k", "--num-spec-tokens", type=int, default=4)
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
@@ -145,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker")
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     add_engine_args(worker)
+    worker.add_argument("--served-model-name", default="", help="the model_name label of "
+                        "metrics; default: the model folder's name")
     worker.add_argument("--router", default="", help="router host:port to register with")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0)
@@ -175,14 +202,17 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "router":
-        from services.router.main import model_limits, run_router
+        from services.router.main import model_limits, router_text, run_router
 
-        limits = model_limits(args.model, args.num_spec_tokens)
+        limits = model_limits(args.model, args.num_spec_tokens,
+                              served_model_name=served_model_name(args))
+        tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
         asyncio.run(run_router(limits, args.host, args.port, args.metrics_port,
                                args.tokens_per_page, token=args.token,
                                http_port=None if args.http_port < 0 else args.http_port,
                                tls=tls_config(args), health_timeout_s=args.health_timeout_s,
-                               health_misses=args.health_misses))
+                               health_misses=args.health_misses, tokenizer=tokenizer,
+                               chat=chat))
     elif args.command == "generate":
         from services.engine.cli import run_generate
 
@@ -200,14 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                               instance_id=args.instance_id, token=args.token,
                               tls=tls_config(args), transfer_timeout_s=args.transfer_timeout_s,
                               lease_s=args.lease_s)
-        asyncio.run(run_worker(config))
+        asyncio.run(run_worker(config, model_name=served_model_name(args)))
     else:
         return run_up(args)
     return 0
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from services.router.main import router_text
+
     engine_config(args)  # refuse a configuration the workers would refuse, before starting any
+    router_text(args.model, args.tokenizer, args.chat_template)
     cluster = LocalCluster.from_args(args)
     try:
         cluster.start()

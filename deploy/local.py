@@ -62,12 +62,20 @@ class LocalCluster:
                   "--host-kv-cache-mb", str(args.host_kv_cache_mb),
                   "--host-kv-write-policy", args.host_kv_write_policy,
                   "--host-kv-recall-min-pages", str(args.host_kv_recall_min_pages)]
+        if args.tokenizer:
+            engine += ["--tokenizer", args.tokenizer]
+        if args.served_model_name:
+            engine += ["--served-model-name", args.served_model_name]
         if args.dtype:
             engine += ["--dtype", args.dtype]
         if args.no_prefix_cache:
             engine.append("--no-prefix-cache")
         router = ["--model", args.model, "-k", str(args.num_spec_tokens),
                   "--tokens-per-page", str(args.tokens_per_page)]
+        for flag, value in (("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template),
+                            ("--served-model-name", args.served_model_name)):
+            if value:
+                router += [flag, value]
         tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp,
               "decode": args.decode_tp or args.tp}
         names = (["both"] * args.aggregated if args.aggregated

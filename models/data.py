@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.tokenizer import BOS_ID, EOS_ID
+from models.byte_tokenizer import BOS_ID, EOS_ID
 
 HELD_OUT_EVERY = 20  # one file in 20 is held out
 ALWAYS_HELD_OUT = ("pydoc_data/topics.py",)

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, write_byte_tokenizer
 from models.data import random_windows, split_files, token_stream
-from models.ttt import ChainContext
+from models.ttt import DRAFT_KEY_START, ChainContext
 from services.engine.models import (
     DenseContext,
     Eagle3Drafter,
@@ -32,7 +33,6 @@ from services.engine.models import (
     LlamaForCausalLM,
     save_model,
 )
-from services.engine.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 CHAIN_DECAY = 0.8
 
@@ -183,7 +183,7 @@ def drafter_loss(drafter: Eagle3Drafter, target: LlamaForCausalLM, windows: torc
     for s in range(chain_steps):
         g = drafter(ids, hidden, positions, ctx, target)
         logq = torch.log_softmax(drafter.compute_logits(g, target), dim=-1)
-        keep = valid >= s
+        keep = valid >= s + DRAFT_KEY_START  # chains from slot 0 have no exact key
         ce = -(p[keep] * logq[keep]).sum(-1).mean()
         total = total + CHAIN_DECAY ** s * ce
         accs.append((logq[keep].argmax(-1) == p[keep].argmax(-1)).float().mean().item())
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     target.eval().requires_grad_(False)
     metrics["target"]["held_out_bits_per_byte"] = round(eval_target(target, held, a), 4)
     save_model(target, out / "tiny-target")
+    write_byte_tokenizer(out / "tiny-target")
     print(json.dumps(metrics["target"]["held_out_bits_per_byte"]), flush=True)
 
     dc = drafter_config(a, tc)

@@ -5,11 +5,18 @@ last exact slot is i - s. It sees the exact (step 0) keys at slots (i - W, i - s
 r = 1..s, the key that step r computed at slot i - s + r: exactly what the chain drafter
 sees at inference (window W; W = 0 means no lower bound). One drafter layer only: the
 context keeps the keys of every step of layer 0.
+
+Slot 0 (the first token with no target feature before it) is computed but is no key: the
+published EAGLE-3 convention feeds no such row, and serving never attends it
+(``DRAFT_KEY_START``). A query with no visible key (slot 0 at step 0) gets a finite
+uniform row instead of NaN; the loss leaves it out.
 """
 
 from __future__ import annotations
 
 import torch
+
+from services.engine.models.eagle import DRAFT_KEY_START
 
 
 class ChainContext:
@@ -35,7 +42,7 @@ class ChainContext:
         k0 = self.keys[0].repeat_interleave(group, dim=1)  # [b, heads, T, hd]
         v0 = self.values[0].repeat_interleave(group, dim=1)
         scores = torch.matmul(q4, k0.transpose(-1, -2)).float() * scale  # [b, heads, T, T]
-        scores = scores.masked_fill(~self._base_mask(s, q.device), float("-inf"))
+        scores = scores.masked_fill(~self._base_mask(s, q.device), torch.finfo(scores.dtype).min)
         diag_k = [self._shift(self.keys[r], s - r).repeat_interleave(group, dim=1)
                   for r in range(1, s + 1)]
         diag = [(q4 * dk).sum(-1, keepdim=True).float() * scale for dk in diag_k]  # [b,h,T,1]
@@ -47,10 +54,10 @@ class ChainContext:
         return out.transpose(1, 2).reshape(q.shape)
 
     def _base_mask(self, s: int, device: torch.device) -> torch.Tensor:
-        """[T, T] bool: query i sees exact key j iff i - W < j <= i - s."""
+        """[T, T] bool: query i sees exact key j iff max(i - W, 0) < j <= i - s."""
         i = torch.arange(self.seq_len, device=device)[:, None]
         j = torch.arange(self.seq_len, device=device)[None, :]
-        mask = j <= i - s
+        mask = (j <= i - s) & (j >= DRAFT_KEY_START)
         if self.window > 0:
             mask &= j > i - self.window
         return mask

@@ -83,16 +83,22 @@ class ServiceActor:
 
     def start_router(self, model: ModelOptions, options: RouterOptions, timeout_s: float) -> dict:
         """Start the router; returns its endpoints (grpc host:port, http and metrics URLs)."""
-        from services.router.main import model_limits, run_router
+        from deploy.cli import served_model_name
+        from services.router.main import model_limits, router_text, run_router
 
         args = engine_args(model)
-        limits = model_limits(args.model, args.num_spec_tokens)
+        limits = model_limits(args.model, args.num_spec_tokens,
+                              served_model_name=served_model_name(args))
+        try:
+            tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
+        except SystemExit as e:  # a missing or malformed tokenizer or chat template
+            raise ValueError(str(e)) from None
         http_port = None if options.http_port < 0 else options.http_port
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
             return run_router(limits, self.host, options.port, options.metrics_port,
                               args.tokens_per_page, ready=ready, stop=stop, bound=self.bound,
-                              http_port=http_port)
+                              http_port=http_port, tokenizer=tokenizer, chat=chat)
 
         self._start("router", serve, timeout_s)
         b = self.bound
@@ -103,19 +109,22 @@ class ServiceActor:
     def start_worker(self, role: str, instance_id: str, model: ModelOptions,
                      options: WorkerOptions, router: str, timeout_s: float) -> dict:
         """Start a worker that registers with ``router`` (host:port); returns its endpoints."""
-        from deploy.cli import engine_config
+        from deploy.cli import engine_config, served_model_name
         from services.common.serve import run_worker
         from services.common.worker import WorkerConfig
 
+        args = engine_args(model)
         try:
-            engine = engine_config(engine_args(model))
+            engine = engine_config(args)
         except SystemExit as e:  # the CLI's refusal of an impossible layout
             raise ValueError(str(e)) from None
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)
         config = WorkerConfig(role=role, engine=engine, host=self.host, port=port,
                               metrics_port=metrics_port, router=router, instance_id=instance_id)
-        self._start(instance_id, lambda ready, stop: run_worker(config, ready, stop), timeout_s)
+        name = served_model_name(args)
+        self._start(instance_id, lambda ready, stop: run_worker(config, ready, stop, name),
+                    timeout_s)
         return {"name": instance_id, "node": self.host, "grpc": f"{self.host}:{port}",
                 "metrics": f"http://{self.host}:{metrics_port}/metrics", "http": ""}
 
@@ -146,8 +155,11 @@ def engine_args(model: ModelOptions) -> argparse.Namespace:
     drafter = model.drafter or DEFAULT_DRAFTER
     if drafter != "none":
         drafter = os.path.join(HERE, drafter)
+    here = lambda path: os.path.join(HERE, path) if path else ""
     return argparse.Namespace(
         model=os.path.join(HERE, model.model or DEFAULT_MODEL), drafter=drafter,
+        tokenizer=here(model.tokenizer), chat_template=here(model.chat_template),
+        served_model_name=model.served_model_name,
         num_spec_tokens=model.num_spec_tokens, layout=model.layout, device=model.device,
         dtype=model.dtype, tokens_per_page=model.tokens_per_page, kv_cache_mb=model.kv_cache_mb,
         host_kv_cache_mb=0, host_kv_write_policy="evict", host_kv_recall_min_pages=1,

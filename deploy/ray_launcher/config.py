@@ -32,6 +32,9 @@ class ModelOptions:
 
     model: str = ""
     drafter: str = ""  # "none" = no drafter
+    tokenizer: str = ""  # a folder or tokenizer.json; "" = the model folder's own
+    served_model_name: str = ""  # the API's model name and metrics label; "" = folder name
+    chat_template: str = ""  # a Jinja file for chat; "" = the tokenizer's
     num_spec_tokens: int = 4
     layout: str = "auto"
     device: str = "cpu"

@@ -1,7 +1,10 @@
 """Prometheus metrics of every service, with the names design.md §5 fixes.
 
 One ``Metrics`` per process, on its own registry, served over HTTP by ``serve_metrics``.
-Units: seconds and bytes; counters end in ``_total``.
+Units: seconds and bytes; counters end in ``_total``. Every sample carries a
+``model_name`` label (the served model name, as vLLM labels its metrics) once
+``model_name`` is set: the registry adds it when it is scraped, so call sites pass only
+their own labels.
 """
 
 from __future__ import annotations
@@ -13,10 +16,27 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 
 
+class ModelRegistry(CollectorRegistry):
+    """A registry that adds ``model_name="<name>"`` to every sample it exposes ("" = none)."""
+
+    def __init__(self, model_name: str = "") -> None:
+        super().__init__()
+        self.model_name = model_name
+
+    def collect(self):
+        for metric in super().collect():
+            if self.model_name:
+                metric.samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
+                                  for s in metric.samples]
+            yield metric
+
+
 class Metrics:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, model_name: str = "") -> None:
+        """``model_name``: the served model's name, labelled on every sample ("" = none;
+        settable later through ``model_name``)."""
         self.role = role
-        r = self.registry = CollectorRegistry()
+        r = self.registry = ModelRegistry(model_name)
         self.requests = Counter("tandem_requests", "Finished requests", ["role", "status"], registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
                               ["role"], buckets=LATENCY_BUCKETS, registry=r)
@@ -60,6 +80,14 @@ class Metrics:
         self.timeouts = Counter("tandem_timeouts", "Deadlines that expired, by kind: lease "
                                 "(reserved pages freed unused), transfer (pages did not land or "
                                 "were not acknowledged in time)", ["kind"], registry=r)
+
+    @property
+    def model_name(self) -> str:
+        return self.registry.model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self.registry.model_name = name
 
     def set_pages(self, usage: dict) -> None:
         """``usage``: group -> object with ``used`` and ``total`` (kvcore.GroupUsage)."""

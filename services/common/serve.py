@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
@@ -15,9 +16,12 @@ from services.common.worker import WorkerBase, WorkerConfig
 
 
 async def run_worker(config: WorkerConfig, ready: asyncio.Event | None = None,
-                     stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints."""
+                     stop: asyncio.Event | None = None, model_name: str = "") -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints.
+    ``model_name``: the metrics' model_name label; "" = the model folder's name."""
     worker = WorkerBase(config)
+    worker.metrics.model_name = model_name or os.path.basename(
+        os.path.normpath(config.engine.model))
     await worker.start()
     peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token,
                          worker.rank_infos)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
 from kvcore.spec import cdiv
 from services.engine.config import EngineConfig
 from services.engine.models import Eagle3Drafter, LlamaConfig, LlamaForCausalLM
 from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import Tokenizer
 
 
 def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
@@ -34,10 +37,24 @@ def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Draft
                        host_recall_min_pages=c.host_kv_recall_min_pages)
 
 
-def eos_ids(config: LlamaConfig, tokenizer: ByteTokenizer) -> frozenset[int]:
-    eos = config.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return frozenset(ids) if ids else frozenset([tokenizer.eos_id])
+def eos_ids(model_dir: str, config: LlamaConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """The union of config.json's and generation_config.json's ``eos_token_id`` (an int
+    or a list, as Llama 3 ships); else the tokenizer's eos token; else none."""
+    ids = set(_id_list(config.eos_token_id, "config.json"))
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            ids.update(_id_list(json.load(f).get("eos_token_id"), "generation_config.json"))
+    if not ids and tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    return frozenset(ids)
+
+
+def _id_list(value, where: str) -> list[int]:
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{where}: eos_token_id: expected an id or a list of ids, got {value!r}")
+    return ids
 
 
 def check_sampling(sampling: SamplingParams | None) -> SamplingParams:
@@ -48,12 +65,17 @@ def check_sampling(sampling: SamplingParams | None) -> SamplingParams:
     return sampling
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: ByteTokenizer, vocab: int) -> list[int]:
-    """Text is byte-encoded (with BOS); token ids must lie in [0, vocab)."""
+def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab: int) -> list[int]:
+    """Text is encoded by the model's tokenizer (with its special tokens, e.g. BOS);
+    token ids must lie in [0, vocab)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: must not be empty")
-        return tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
+        if max(ids, default=0) >= vocab:
+            raise ValueError(f"prompt: the tokenizer gave id {max(ids)}, outside the model's "
+                             f"vocabulary [0, {vocab})")
+        return ids
     ids = list(prompt)
     if not ids:
         raise ValueError("prompt: must not be empty")

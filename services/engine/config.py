@@ -22,6 +22,7 @@ class EngineConfig:
 
     model: str
     drafter: str | None = None
+    tokenizer: str = ""  # a folder or tokenizer.json; "" = the model folder's own
     num_spec_tokens: int = 4
     device: str = "cpu"
     dtype: str = ""  # "" = float32 on CPU, bfloat16 on CUDA

@@ -32,7 +32,7 @@ from services.engine.scheduler import Scheduler
 from services.engine.speculative import Drafts, draft, sampling_tensors, verify_spans
 from services.engine.stats import SpecStats
 from services.engine.step_outputs import StepOutputs
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import load_tokenizer
 
 
 class Engine:
@@ -56,9 +56,9 @@ class Engine:
             self.runner.capture_cuda_graphs(self.k + 1, config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, self.k, self.drafter is not None)
-        self.tokenizer = ByteTokenizer()
-        self.out = StepOutputs(self.tokenizer, eos_ids(self.target.config, self.tokenizer),
-                               self.k > 0)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.out = StepOutputs(self.tokenizer, eos_ids(config.model, self.target.config,
+                                                       self.tokenizer), self.k > 0)
         self.requests: dict[str, Request] = {}
         self.stats: dict[str, SpecStats] = {}
         self._seeds = random.Random(config.seed)

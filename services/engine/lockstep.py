@@ -39,6 +39,7 @@ class ForwardPlan:
     aux_layer_ids: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]: the drafter's h_j
     page_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (group, src, dst)
+    key_start: int = 0
 
 
 class LockstepManager(KVCacheManager):
@@ -75,7 +76,7 @@ class Lockstep:
                            cpu(ctx.query_start_loc), cpu(ctx.seq_lens), cpu(ctx.slot_mapping),
                            ctx.window, tuple(aux_layer_ids),
                            cpu(hidden) if hidden is not None else None,
-                           self.manager.take_page_copies())
+                           self.manager.take_page_copies(), ctx.key_start)
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
 
 
@@ -113,7 +114,7 @@ def replay(plan: ForwardPlan, runner) -> None:
         pools[group][dst].copy_(pools[group][src])
     to = lambda t: t.to(device)  # noqa: E731
     ctx = PagedContext(pools[plan.group], to(plan.block_table), to(plan.query_start_loc),
-                       to(plan.seq_lens), to(plan.slot_mapping), plan.window)
+                       to(plan.seq_lens), to(plan.slot_mapping), plan.window, plan.key_start)
     ids, positions = to(plan.input_ids), to(plan.positions)
     if plan.model == "target":
         runner.target(ids, positions, ctx, plan.aux_layer_ids)

@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request, RequestOutput, Status
 from services.engine.stopping import append_tokens, output_text
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import Tokenizer
 
 
 class StepOutputs:
-    def __init__(self, tokenizer: ByteTokenizer, eos_ids: frozenset[int],
+    """Holds one Detokenizer per request that has output, dropped once it finishes."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int],
                  speculative: bool) -> None:
         self.tokenizer, self.eos_ids, self.speculative = tokenizer, eos_ids, speculative
         self._touched: dict[str, Request] = {}
         self._new: dict[str, list[int]] = {}
+        self._detok: dict[str, Detokenizer] = {}
 
     def append(self, req: Request, token_ids: list[int]) -> None:
         """Append under the stop rules (see stopping.append_tokens)."""
-        appended = append_tokens(req, token_ids, self.tokenizer, self.eos_ids)
+        appended = append_tokens(req, token_ids, self._detokenizer(req), self.eos_ids)
         self._touch(req).extend(appended)
 
     def park(self, req: Request) -> None:
         """A prefill-only request: its one token was appended without stop checks."""
+        self._detokenizer(req).push([req.output_ids[-1]])
         self._touch(req).append(req.output_ids[-1])
 
     def finish(self, req: Request) -> None:
@@ -34,6 +39,12 @@ class StepOutputs:
         self._touched, self._new = {}, {}
         return outs
 
+    def _detokenizer(self, req: Request) -> Detokenizer:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            detok = self._detok[req.request_id] = Detokenizer(self.tokenizer)
+        return detok
+
     def _touch(self, req: Request) -> list[int]:
         self._touched[req.request_id] = req
         return self._new.setdefault(req.request_id, [])
@@ -41,7 +52,8 @@ class StepOutputs:
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         parked = req.status is Status.PARKED
         finished = parked or req.status is Status.FINISHED
-        return RequestOutput(req.request_id, new, list(req.output_ids),
-                             output_text(req, self.tokenizer), finished,
+        detok = self._detok.pop(req.request_id, None) if finished else self._detokenizer(req)
+        text = output_text(req, detok, finished) if detok is not None else ""
+        return RequestOutput(req.request_id, new, list(req.output_ids), text, finished,
                              "prefilled" if parked else req.finish_reason,
                              req.usage(self.speculative), req.aux if parked else None)

@@ -1,12 +1,18 @@
-"""Stop conditions, applied token by token as a step's tokens are appended."""
+"""Stop conditions, applied token by token as a step's tokens are appended.
+
+Stop strings are matched on the request's incrementally decoded text (see detokenizer.py),
+so a stop string spanning tokens is found as soon as its last character is complete. The
+output text ends before the first match; the router's StopTrimmer cuts streamed text at
+the same place.
+"""
 
 from __future__ import annotations
 
+from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request
-from services.engine.tokenizer import ByteTokenizer
 
 
-def append_tokens(req: Request, token_ids: list[int], tokenizer: ByteTokenizer,
+def append_tokens(req: Request, token_ids: list[int], detok: Detokenizer,
                   eos_ids: frozenset[int]) -> list[int]:
     """Append tokens until one finishes the request; returns those appended. Sets
     ``finish_reason`` ("stop" or "length") and, for a stop string, ``stop_text_len``."""
@@ -15,22 +21,26 @@ def append_tokens(req: Request, token_ids: list[int], tokenizer: ByteTokenizer,
     for t in token_ids:
         req.output_ids.append(t)
         appended.append(t)
+        searched = len(detok.stable_text)
+        if sp.stop:
+            detok.push([t])
         if (t in eos_ids and not sp.ignore_eos) or t in sp.stop_token_ids:
             req.finish_reason = "stop"
-        elif sp.stop and _match_stop_string(req, tokenizer):
+        elif sp.stop and _match_stop_string(req, detok.stable_text, searched):
             req.finish_reason = "stop"
         elif len(req.output_ids) >= sp.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             break
+    if not sp.stop:
+        detok.push(appended)
     return appended
 
 
-def _match_stop_string(req: Request, tokenizer: ByteTokenizer) -> bool:
-    """Searches only the text that the newest token can have completed."""
-    text = tokenizer.decode(req.output_ids)
+def _match_stop_string(req: Request, text: str, searched: int) -> bool:
+    """Searches only matches that end past ``searched`` (the text seen before this token)."""
     longest = max(len(s) for s in req.sampling.stop)
-    tail_start = max(0, len(text) - longest - 4)
+    tail_start = max(0, searched - longest + 1)
     hits = [i for s in req.sampling.stop if (i := text.find(s, tail_start)) >= 0]
     if not hits:
         return False
@@ -38,6 +48,8 @@ def _match_stop_string(req: Request, tokenizer: ByteTokenizer) -> bool:
     return True
 
 
-def output_text(req: Request, tokenizer: ByteTokenizer) -> str:
-    text = tokenizer.decode(req.output_ids)
+def output_text(req: Request, detok: Detokenizer, finished: bool) -> str:
+    """The output's text so far: the detokenizer's (flushed once finished), cut before a
+    matched stop string."""
+    text = detok.text + detok.flush() if finished else detok.text
     return text if req.stop_text_len is None else text[:req.stop_text_len]

@@ -20,6 +20,7 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.chat_template import ChatTemplate
 from services.router.http import HttpError, Request, Response, StreamingResponse
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
 from services.router.openai_responses import DONE, StreamChunks, chat_json, completion_json, error_json, sse
@@ -43,8 +44,10 @@ class _LocalContext:
 
 
 class OpenAIServer:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, chat: ChatTemplate | None = None) -> None:
+        """``chat``: the model's chat template; None refuses /v1/chat/completions (400)."""
         self.router = router
+        self.chat = chat
         self.created = int(time.time())  # reported as the model's creation time
 
     def routes(self) -> dict:
@@ -72,7 +75,7 @@ class OpenAIServer:
         return await self._serve(parse_completion(http.json(), await self._model_id()))
 
     async def chat_completions(self, http: Request) -> Response | StreamingResponse:
-        return await self._serve(parse_chat(http.json(), await self._model_id()))
+        return await self._serve(parse_chat(http.json(), await self._model_id(), self.chat))
 
     async def models(self, http: Request) -> Response:
         info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())

@@ -8,9 +8,13 @@ is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos
 Fields this server does not implement (logprobs, penalties, tools, ...) are refused when
 set to anything but their neutral value; other unknown fields are ignored.
 
-Chat template: the byte-level models have none, so messages are rendered as plain lines,
-``"<role>: <content>\\n"`` each, followed by ``"assistant: "`` for the reply. Content is a
-string or a list of ``{"type": "text", "text": ...}`` parts, joined without separator.
+Chat: messages are rendered with the model's chat template (chat_template.py, as
+transformers' ``apply_chat_template(..., add_generation_prompt=True)``) and tokenized without
+adding special tokens; the request then carries token ids. A model without a template
+refuses chat with a 400 naming ``messages``. A message is an object with a string ``role``
+(any role the template accepts) and a ``content`` that is a string, null (rendered as "") or
+a list of ``{"type": "text", "text": ...}`` parts (joined without separator); its other
+fields reach the template unchanged.
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ import math
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.chat_template import ChatTemplate, ChatTemplateError
 from services.router.http import HttpError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-GENERATION_PROMPT = "assistant: "
 MAX_SEED = 2**64 - 1
 
 # Fields we do not implement -> a test that the value is neutral (absent counts as neutral).
@@ -71,31 +74,45 @@ def parse_completion(body, model_id: str) -> OpenAIRequest:
     return request
 
 
-def parse_chat(body, model_id: str) -> OpenAIRequest:
+def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
     body = _object(body)
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
     request = _common(body, model_id, "chat")
-    request.generate.text = render_chat(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
+    if chat is None:
+        raise invalid("messages", "no chat template is configured for this model (its "
+                      "tokenizer_config.json has no chat_template); start the server with "
+                      "--chat-template FILE, or use /v1/completions")
+    text = render_chat(messages, chat)
+    request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request.generate.sampling.max_tokens = _integer(body, limit, 0, low=1)
     request.params.update({"prompt": "messages", "sampling.max_tokens": limit})
     return request
 
 
-def render_chat(messages) -> str:
-    """The plain chat template: ``role: content`` lines, then the generation prompt."""
+def chat_messages(messages) -> list[dict]:
+    """The messages as the template sees them: content joined into one string."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of {role, content} objects")
-    lines = []
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}]", "must be an object with role and content")
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; "
-                          f"got {role!r}")
-        lines.append(f"{role}: {_content(message.get('content'), f'messages[{i}].content')}\n")
-    return "".join(lines) + GENERATION_PROMPT
+        if not isinstance(role, str) or not role:
+            raise invalid(f"messages[{i}].role", f"must be a non-empty string; got {role!r}")
+        out.append({**message, "content": _content(message.get("content"),
+                                                   f"messages[{i}].content")})
+    return out
+
+
+def render_chat(messages: list[dict], chat: ChatTemplate) -> str:
+    """The prompt text of ``chat_messages(...)``; a template error is a 400 on messages."""
+    try:
+        return chat.render(messages)
+    except ChatTemplateError as e:
+        raise invalid("messages", f"the chat template refused them: {e}") from None
 
 
 def router_param(request: OpenAIRequest, router_field: str) -> str:

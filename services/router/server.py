@@ -9,7 +9,6 @@ pair when a worker is unavailable; afterwards a failure ends it with an error.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, write_stream
 from services.common.metrics import Metrics
 from services.common.security import TlsConfig, aio_channel
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.detokenizer import Detokenizer
+from services.engine.tokenizer import Tokenizer
 from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
 from services.router.stop_trimmer import StopTrimmer
@@ -43,7 +43,7 @@ STATS_MISSES = 2  # Stats polls a worker may miss (time out) before it counts as
 
 @dataclass(slots=True)
 class ModelLimits:
-    model_id: str = ""
+    model_id: str = ""  # the served model name (--served-model-name; default the folder's)
     vocab_size: int = 264
     max_model_len: int = 2048  # tokens, prompt plus completion
     default_max_tokens: int = 128
@@ -78,7 +78,10 @@ class _Usage:
 
 class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
     def __init__(self, limits: ModelLimits, metrics: Metrics, tokens_per_page: int = 16,
-                 token: str = "", tls: TlsConfig | None = None) -> None:
+                 token: str = "", tls: TlsConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: the model's, for text prompts and streamed text; None = token-id
+        prompts only, and chunks carry no text."""
         self.limits = limits
         self.metrics = metrics
         self.token = token
@@ -90,7 +93,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         self.registry = Registry(tokens_per_page)
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, _Inflight] = {}
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ registration
@@ -194,13 +197,15 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         self.metrics.running.labels("router").inc()
         status = "error"
         trimmer = StopTrimmer(list(request.sampling.stop))
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         try:
-            async for response in self._generate(rid, token_ids, request, handle):
+            async for response in self._generate(rid, token_ids, request, handle, detok):
                 kind = response.WhichOneof("payload")
                 if kind == "chunk":
                     response.chunk.text = trimmer.feed(response.chunk.text)
-                elif kind == "complete" and (rest := trimmer.flush()):
-                    yield _chunk(rid, [], rest)  # withheld text that began no stop string
+                elif kind == "complete" and detok is not None and \
+                        (rest := trimmer.feed(detok.flush()) + trimmer.flush()):
+                    yield _chunk(rid, [], rest)  # held-back text that began no stop string
                 yield response
                 if kind == "complete":
                     status = cpb.FinishReason.Name(response.complete.finish_reason).split("_")[-1]
@@ -217,9 +222,10 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             self.metrics.e2e.labels("router").observe(time.monotonic() - start)
 
     async def _generate(self, rid: str, token_ids: list[int], request: cpb.GenerateRequest,
-                        handle: _Inflight):
+                        handle: _Inflight, detok: Detokenizer | None):
+        """The request's messages; chunk text comes from ``detok`` (one per request, across
+        the prefill's first token and the decode worker's chunks)."""
         excluded: set[str] = set()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         backoff = QUEUE_BACKOFF_S
         while len(excluded) < MAX_ATTEMPTS:
             pair = self.registry.choose_pair(token_ids, excluded)
@@ -250,26 +256,25 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
                 return
             async for response in self._stream(rid, token_ids, request, handle, first, decode,
-                                               decoder):
+                                               detok):
                 yield response
             return
         worker = self.registry.choose_aggregated(token_ids, excluded)
         if worker is not None:
-            async for response in self._forward(rid, token_ids, request, handle, worker):
+            async for response in self._forward(rid, token_ids, request, handle, worker, detok):
                 yield response
             return
         message = "no ready prefill/decode pair" + (f" (tried {sorted(excluded)})" if excluded else "")
         yield _error(rid, message)
         yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
 
-    async def _forward(self, rid, token_ids, request, handle, worker):
+    async def _forward(self, rid, token_ids, request, handle, worker, detok):
         """Aggregated serving: the worker runs the whole request behind its own client API."""
         forwarded = cpb.GenerateRequest(request_id=rid, token_ids=cpb.TokenIds(ids=token_ids),
                                         sampling=request.sampling, speculative=request.speculative)
         call = cpb_grpc.TandemStub(self.channels[worker.id]).Generate(forwarded)
         handle.call = call
         worker.inflight += 1
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         first = True
         try:
             async for message in call:
@@ -277,8 +282,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     if first:
                         self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
                         first = False
-                    ids = list(message.chunk.token_ids)
-                    message.chunk.text = decoder.decode(self.tokenizer.decode_bytes(ids))
+                    message.chunk.text = _text(detok, message.chunk.token_ids)
                 yield message
             self.registry.index.record(worker.id, token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -332,10 +336,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             prefill.inflight -= 1
             decode.inflight -= 1
 
-    async def _stream(self, rid, token_ids, request, handle, first, decode, decoder):
+    async def _stream(self, rid, token_ids, request, handle, first, decode, detok):
         usage = _Usage(prefill=first.usage)
-        yield _chunk(rid, [first.first_token_id], decoder.decode(
-            self.tokenizer.decode_bytes([first.first_token_id])))
+        yield _chunk(rid, [first.first_token_id], _text(detok, [first.first_token_id]))
         self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
         decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
         if first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
@@ -360,8 +363,8 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     now = time.monotonic()
                     self.metrics.itl.labels("router").observe(now - last)
                     last = now
-                    text = decoder.decode(self.tokenizer.decode_bytes(list(message.chunk.token_ids)))
-                    yield _chunk(rid, list(message.chunk.token_ids), text)
+                    ids = list(message.chunk.token_ids)
+                    yield _chunk(rid, ids, _text(detok, ids))
                 elif kind == "error":
                     yield cpb.GenerateResponse(request_id=rid, error=message.error)
                 else:
@@ -486,6 +489,10 @@ def _classify(error: grpc.aio.AioRpcError, worker_id: str) -> Exception:
     if error.code() in RETRYABLE:
         return _Retry(worker_id)
     return _Fail(f"worker {worker_id}: {error.code().name}: {error.details()}")
+
+
+def _text(detok: Detokenizer | None, token_ids) -> str:
+    return detok.push(list(token_ids)) if detok is not None else ""
 
 
 def _chunk(rid: str, token_ids: list[int], text: str) -> cpb.GenerateResponse:

@@ -34,7 +34,15 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     if kind == "text":
         if not request.text:
             raise RequestError("prompt.text: empty")
-        return tokenizer.encode(request.text)
+        if tokenizer is None:
+            raise RequestError("prompt.text: this router has no tokenizer; send token_ids")
+        ids = tokenizer.encode(request.text)  # with the special tokens the model's adds
+        if not ids:
+            raise RequestError("prompt.text: encodes to no tokens")
+        if max(ids) >= limits.vocab_size:
+            raise RequestError(f"prompt.text: the tokenizer gave id {max(ids)}, outside the "
+                               f"model's vocabulary [0, {limits.vocab_size})")
+        return ids
     ids = list(request.token_ids.ids)
     if not ids:
         raise RequestError("prompt.token_ids: empty")

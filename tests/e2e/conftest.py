@@ -82,8 +82,8 @@ def byte_pair(tmp_path_factory):
     (OpenAI completions and chat) encode to valid ids."""
     import torch
 
+    from models.byte_tokenizer import VOCAB_SIZE, write_byte_tokenizer
     from services.engine.models import Eagle3Drafter, LlamaForCausalLM, save_model
-    from services.engine.tokenizer import VOCAB_SIZE
     from tests.services.engine.helpers import drafter_config, randomize, target_config
 
     folder = tmp_path_factory.mktemp("byte-pair")
@@ -93,4 +93,5 @@ def byte_pair(tmp_path_factory):
     randomize(drafter, 1)
     save_model(target, folder / "target", dtype=torch.float32)
     save_model(drafter, folder / "drafter", dtype=torch.float32)
+    write_byte_tokenizer(folder / "target")
     return folder / "target", folder / "drafter"

@@ -189,5 +189,6 @@ def _decode_requests_seen(cluster) -> dict[str, float]:
         if p.name.startswith("decode"):
             text = urllib.request.urlopen(p.metrics, timeout=5).read().decode()
             out[p.name] = sum(float(line.split()[-1]) for line in text.splitlines()
-                              if line.startswith('tandem_requests_total{role="decode"'))
+                              if line.startswith('tandem_requests_total{')
+                              and 'role="decode"' in line)
     return out

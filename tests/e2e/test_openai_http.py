@@ -10,10 +10,9 @@ import urllib.request
 import grpc
 import pytest
 
+from models.byte_tokenizer import byte_ids
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from services.engine.tokenizer import ByteTokenizer
-from services.router.openai_protocol import render_chat
 from tests.e2e.conftest import start_cluster
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install "
@@ -65,7 +64,7 @@ def test_a_completion_equals_the_grpc_answer_and_reports_usage(client, cluster, 
     choice = completion.choices[0]
     assert choice.text == _grpc_text(cluster.router_address, PROMPT, 10)
     assert choice.finish_reason == "length" and completion.object == "text_completion"
-    prompt_tokens = len(ByteTokenizer().encode(PROMPT))
+    prompt_tokens = len(byte_ids(PROMPT))
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens,
             completion.usage.total_tokens) == (prompt_tokens, 10, prompt_tokens + 10)
     tandem = completion.usage.model_extra["tandem"]
@@ -84,20 +83,20 @@ def test_a_streamed_completion_joins_to_the_same_text(client, model):
 
 
 def test_a_token_id_prompt_is_served(client, model):
-    ids = ByteTokenizer().encode(PROMPT)
+    ids = byte_ids(PROMPT)
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, **GREEDY)
     by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, **GREEDY)
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
-def test_chat_renders_the_plain_template_and_answers_as_the_assistant(client, model):
+def test_chat_renders_the_models_template_and_answers_as_the_assistant(client, model):
     chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, **GREEDY)
-    same = client.completions.create(model=model, prompt=render_chat(MESSAGES), max_tokens=8,
-                                     **GREEDY)
+    rendered = byte_ids("".join(f"{m['role']}: {m['content']}\n" for m in MESSAGES) + "assistant: ")
+    same = client.completions.create(model=model, prompt=rendered, max_tokens=8, **GREEDY)
     message = chat.choices[0].message
     assert (message.role, message.content) == ("assistant", same.choices[0].text)
     assert chat.object == "chat.completion" and chat.choices[0].finish_reason == "length"
-    assert chat.usage.prompt_tokens == len(ByteTokenizer().encode(render_chat(MESSAGES)))
+    assert chat.usage.prompt_tokens == len(rendered)
     assert chat.usage.completion_tokens == 8
 
 
@@ -164,7 +163,7 @@ def test_health_and_metrics_are_served_over_http(cluster, client, model):
     assert health["status"] == "serving" and health["num_ready_pairs"] == 1
     with urllib.request.urlopen(cluster.http_address + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    assert 'tandem_requests_total{role="router",status="length"}' in text
+    assert 'tandem_requests_total{model_name="target",role="router",status="length"}' in text
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(cluster.http_address + "/v1/nothing", timeout=5)
     assert e.value.code == 404

@@ -20,12 +20,12 @@ import grpc
 import pytest
 
 from deploy.local import LocalCluster
+from models.byte_tokenizer import byte_ids
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.tokenizer import ByteTokenizer
 from tests.e2e.conftest import assert_no_request_holds_pages, generate
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ MODEL, DRAFTER = ROOT / "models/tiny-target", ROOT / "models/tiny-drafter"
 K = 4
 MAX_TOKENS = 24
 SOURCE = (ROOT / "kvcore/radix.py").read_text()
-PROMPTS = [ByteTokenizer().encode(t) for t in ("class Stack:\n    def __init__(self):",
+PROMPTS = [byte_ids(t) for t in ("class Stack:\n    def __init__(self):",
                                                SOURCE[:300])]
 ROLES = {"prefill-0": 1, "prefill-1": 2, "decode-2": 1, "decode-3": 2}  # name -> TP size
 PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3")]
@@ -138,7 +138,7 @@ def test_a_continuation_skips_the_pages_each_decode_rank_holds(cluster, referenc
     pages after the held prefix travel, re-sliced as before, and the tokens still agree."""
     first = PROMPTS[0] + [ord(decode[-1])]  # a turn 1 of this decode worker's own
     answer, _, _ = run_on_pair(cluster, prefill, decode, first, reserve_prompt=True)
-    second = first + answer + ByteTokenizer().encode("\n    def push(self, x):")
+    second = first + answer + byte_ids("\n    def push(self, x):")
     tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, second, reserve_prompt=True)
     engine = Engine(EngineConfig(model=str(MODEL), drafter=str(DRAFTER), num_spec_tokens=K,
                                  kv_cache_bytes=32 << 20, max_num_seqs=16))

@@ -47,12 +47,13 @@ class PagedContext:
     seq_lens: torch.Tensor  # [batch] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
     window: int = 0
+    key_start: int = 0  # positions below it are written but never attended
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
         return paged_attention(q, self.kv_pool, layer, self.block_table, self.query_start_loc,
-                               self.seq_lens, scale, self.window)
+                               self.seq_lens, scale, self.window, self.key_start)
 
 
 @dataclass(slots=True)
@@ -62,11 +63,17 @@ class DenseContext:
     batch: int
     seq_len: int
     window: int = 0
+    key_start: int = 0  # positions below it are never attended (a row seeing none gives 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         q4, k4, v4 = (self._heads_first(t) for t in (q, k, v))  # [batch, heads, seq, hd]
-        if self.window > 0:
+        if self.key_start > 0:
+            mask = self.mask(q.device)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            out = out.masked_fill(~mask.any(-1)[:, None], 0.0)  # rows with no key: NaN -> 0
+        elif self.window > 0:
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.mask(q.device),
                                                  scale=scale, enable_gqa=True)
         else:
@@ -75,10 +82,12 @@ class DenseContext:
         return out.transpose(1, 2).reshape(q.shape)
 
     def mask(self, device: torch.device) -> torch.Tensor:
-        """[seq_len, seq_len] bool: query i sees key j iff i - window < j <= i."""
+        """[seq_len, seq_len] bool: query i sees key j iff i - window < j <= i (no lower
+        bound for window 0) and j >= key_start."""
         i = torch.arange(self.seq_len, device=device)[:, None]
         j = torch.arange(self.seq_len, device=device)[None, :]
-        return (j <= i) & (j > i - self.window)
+        mask = (j <= i) & (j >= self.key_start)
+        return mask & (j > i - self.window) if self.window > 0 else mask
 
     def _heads_first(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.batch, self.seq_len, *t.shape[1:]).transpose(1, 2)

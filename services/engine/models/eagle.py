@@ -6,7 +6,10 @@ position j is computed from the embedding of token t_j and a hidden row h_j:
   j = 0, for every slot whose token is known (prompt, accepted tokens);
 - h_j = g_{j-1}, the drafter's own output at j-1, for the speculative slots of a chain.
 So a slot computed from true features depends only on tokens [0..j] and is cached by token
-prefix like the target's KV.
+prefix like the target's KV. Slot 0 (t_0 with zeros) is written but is no key: attention
+starts at ``DRAFT_KEY_START``. That is the published input-row convention (vLLM, SGLang,
+SpecForge feed row p = (t_{p+1}, f_p) at position p and no leading row): slot j at position
+j is their row j - 1, and RoPE only sees relative positions.
 
 Tensor names follow the published EAGLE-3 layout: ``fc``, ``midlayer.*``, ``norm``, and
 optionally ``lm_head`` with ``d2t``/``t2d`` (a reduced draft vocabulary) and
@@ -25,6 +28,7 @@ from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from services.engine.parallel import SINGLE, TensorParallel
 
+DRAFT_KEY_START = 1  # first drafter position attended as a key (see the module docstring)
 
 class Eagle3Layer(nn.Module):
     """Reads [input_layernorm(embedding), hidden_norm(hidden)] (2 * hidden_size wide);

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM, save_model
@@ -50,6 +51,7 @@ def write_pair(folder: Path, seed: int = 0, window: int = WINDOW) -> tuple[Path,
     randomize(drafter, seed + 1)
     save_model(target, folder / "target", dtype=torch.float32)
     save_model(drafter, folder / "drafter", dtype=torch.float32)
+    write_byte_tokenizer(folder / "target")  # ids below VOCAB decode to bytes, as before
     return folder / "target", folder / "drafter"
 
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
+from services.engine.tokenizer import load_tokenizer
+from services.router.chat_template import load_chat_template
 from services.router.http import HttpServer, Request, Response, StreamingResponse
 from services.router.openai_api import OpenAIServer
 from services.router.server import ModelLimits, Router
 
 MODEL = "tiny"
+TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))
+CHAT = load_chat_template(TOKENIZER)
 USAGE = cpb.Usage(prompt_tokens=4, cached_tokens=2, completion_tokens=3, acceptance_length=1.5,
                   num_drafts=2, num_draft_tokens=6, num_accepted_tokens=1,
                   cached_tokens_per_group=[cpb.GroupTokens(group="target", num_tokens=2)],
@@ -121,13 +126,13 @@ def test_a_completion_joins_the_chunks_and_reports_usage_with_tandem_extras():
 
 def test_a_chat_completion_answers_as_the_assistant():
     router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    response = _call(OpenAIServer(router), "/v1/chat/completions",
+    response = _call(OpenAIServer(router, CHAT), "/v1/chat/completions",
                      {"model": MODEL, "messages": [{"role": "user", "content": "yo"}]})
     payload = json.loads(response.body)
     assert payload["object"] == "chat.completion" and payload["id"].startswith("chatcmpl-")
     assert payload["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                                    "logprobs": None, "finish_reason": "stop"}]
-    assert router.requests[0].text == "user: yo\nassistant: "
+    assert list(router.requests[0].token_ids.ids) == TOKENIZER.encode("user: yo\nassistant: ")
 
 
 def test_a_streamed_completion_sends_text_deltas_a_finish_chunk_usage_and_done():
@@ -147,7 +152,7 @@ def test_a_streamed_completion_sends_text_deltas_a_finish_chunk_usage_and_done()
 
 def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
     router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    events = _call(OpenAIServer(router), "/v1/chat/completions",
+    events = _call(OpenAIServer(router, CHAT), "/v1/chat/completions",
                    {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "yo"}]})
     assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == \
         [({"role": "assistant", "content": ""}, None), ({"content": "hi"}, None), ({}, "stop")]
@@ -221,7 +226,8 @@ def test_metrics_serves_the_router_registry_in_prometheus_text():
 
 
 def _real_router() -> Router:
-    return Router(ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"))
+    return Router(ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"),
+                  tokenizer=TOKENIZER)
 
 
 def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
@@ -234,7 +240,7 @@ def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
 
 
 def test_chat_prompt_overflow_names_messages():
-    response = _call(OpenAIServer(_real_router()), "/v1/chat/completions",
+    response = _call(OpenAIServer(_real_router(), CHAT), "/v1/chat/completions",
                      {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]})
     assert response.status == 400 and json.loads(response.body)["error"]["param"] == "messages"
 

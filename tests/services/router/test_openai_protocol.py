@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from services.engine.tokenizer import load_tokenizer
+from services.router.chat_template import load_chat_template
 from services.router.http import HttpError
-from services.router.openai_protocol import parse_chat, parse_completion, render_chat, router_param
+from services.router.openai_protocol import (
+    chat_messages,
+    parse_chat,
+    parse_completion,
+    render_chat,
+    router_param,
+)
 
 MODEL = "tiny"
+TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))
+CHAT = load_chat_template(TOKENIZER)
+
+
+def _parse_chat(body, model_id):
+    return parse_chat(body, model_id, CHAT)
 
 
 def _error(parse, body) -> tuple[int, dict]:
@@ -40,23 +56,25 @@ def test_every_supported_completion_field_is_carried():
     assert request.stream and request.include_usage
 
 
-def test_the_chat_template_is_role_colon_content_lines_then_the_assistant_prompt():
+def test_the_bundled_chat_template_is_role_colon_content_lines_then_the_assistant_prompt():
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "},
                                              {"type": "text", "text": "there"}]},
                 {"role": "assistant", "content": None}]
-    assert render_chat(messages) == "system: Be brief.\nuser: Hi there\nassistant: \nassistant: "
+    assert render_chat(chat_messages(messages), CHAT) == \
+        "<bos>system: Be brief.\nuser: Hi there\nassistant: \nassistant: "
 
 
 def test_chat_takes_max_completion_tokens_over_max_tokens_and_defaults_to_the_server():
     messages = [{"role": "user", "content": "x"}]
-    chat = parse_chat({"model": MODEL, "messages": messages}, MODEL)
-    assert chat.generate.text == "user: x\nassistant: " and chat.generate.sampling.max_tokens == 0
-    chat = parse_chat({"model": MODEL, "messages": messages, "max_tokens": 3,
-                       "max_completion_tokens": 9}, MODEL)
+    chat = _parse_chat({"model": MODEL, "messages": messages}, MODEL)
+    assert list(chat.generate.token_ids.ids) == TOKENIZER.encode("user: x\nassistant: ")
+    assert chat.generate.sampling.max_tokens == 0
+    chat = _parse_chat({"model": MODEL, "messages": messages, "max_tokens": 3,
+                        "max_completion_tokens": 9}, MODEL)
     assert chat.generate.sampling.max_tokens == 9
     assert router_param(chat, "sampling.max_tokens") == "max_completion_tokens"
-    assert router_param(chat, "prompt.text") == "messages"
+    assert router_param(chat, "prompt.token_ids") == "messages"
 
 
 @pytest.mark.parametrize("patch, param", [
@@ -73,9 +91,7 @@ def test_chat_takes_max_completion_tokens_over_max_tokens_and_defaults_to_the_se
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"logprobs": 2}, "logprobs"),
     ({"echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
@@ -92,7 +108,7 @@ def test_bad_completion_fields_are_400s_naming_the_field(patch, param):
 @pytest.mark.parametrize("patch, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"tools": [{"type": "function"}]}, "tools"),
@@ -101,7 +117,7 @@ def test_bad_completion_fields_are_400s_naming_the_field(patch, param):
 ])
 def test_bad_chat_fields_are_400s_naming_the_field(patch, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **patch}
-    status, error = _error(parse_chat, body)
+    status, error = _error(_parse_chat, body)
     assert (status, error["param"]) == (400, param)
 
 
