@@ -110,11 +110,13 @@ def test_streamed_text_is_the_decoded_text_and_no_chunk_splits_a_character(folde
 @FAST
 @given(st.text(max_size=60))
 def test_streaming_an_encoded_text_gives_it_back(folders, text):
-    for _, tok, _ in folders.values():
+    for name, (_, tok, _) in folders.items():
         detok = Detokenizer(tok)
         ids = tok.encode(text)
         streamed = "".join(detok.push([t]) for t in ids) + detok.flush()
-        assert streamed == tok.decode(ids) == text
+        assert streamed == tok.decode(ids)
+        if name == "bpe":  # sentencepiece-style decoding drops a leading space
+            assert streamed == text
 
 
 def test_the_detokenizer_holds_back_an_incomplete_character(folders):
