@@ -25,11 +25,11 @@ TIMEOUT_S = 10.0
 CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtype="bfloat16")
 
 
-def seeded_manager(layout: KVLayout, seed: int):
+def seeded_manager(layout: KVLayout, seed: int, target_window: int = 0):
     """A manager whose pools hold seeded random bits, with request "r" prefilled (sender).
     Children report plain bytes and lists: tensors through a pipe travel as file
     descriptors, which a child exiting first would close."""
-    m = make_manager(layout=layout, **CONFIG)
+    m = make_manager(layout=layout, target_window=target_window, **CONFIG)
     gen = torch.Generator().manual_seed(seed)
     for pool in m.pools.values():
         bits = pool.view(torch.uint8)
@@ -39,17 +39,17 @@ def seeded_manager(layout: KVLayout, seed: int):
     return m
 
 
-def _child(role: str, layout: KVLayout, conn) -> None:
+def _child(role: str, layout: KVLayout, target_window: int, conn) -> None:
     os.environ.update(LOOPBACK_ENV)
-    asyncio.run(_session(role, layout, conn))
+    asyncio.run(_session(role, layout, target_window, conn))
 
 
-async def _session(role: str, layout: KVLayout, conn) -> None:
+async def _session(role: str, layout: KVLayout, target_window: int, conn) -> None:
     from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent
     from kvcore.transfer.ucx import TransferTimeout, UcxEndpointInfo
 
-    manager = seeded_manager(layout, 7) if role == "prefill" else make_manager(layout=layout,
-                                                                               **CONFIG)
+    manager = (seeded_manager(layout, 7, target_window) if role == "prefill"
+               else make_manager(layout=layout, target_window=target_window, **CONFIG))
     agent = KVTransferAgent(manager, hidden_size=HIDDEN)
     await agent.start()
     rows = None
@@ -87,10 +87,10 @@ async def _session(role: str, layout: KVLayout, conn) -> None:
     await agent.close()
 
 
-def run_pair(layout: KVLayout) -> tuple[dict, dict]:
+def run_pair(layout: KVLayout, target_window: int = 0) -> tuple[dict, dict]:
     ctx = mp.get_context("spawn")
     pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
-    procs = {r: ctx.Process(target=_child, args=(r, layout, pipes[r][1]), daemon=True)
+    procs = {r: ctx.Process(target=_child, args=(r, layout, target_window, pipes[r][1]), daemon=True)
              for r in pipes}
     for p in procs.values():
         p.start()
@@ -113,10 +113,11 @@ def _recv(conn):
     return conn.recv()
 
 
-@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.SEPARATE])
-def test_pages_of_every_group_land_bit_exactly(layout):
-    sent, got = run_pair(layout)
-    sender = seeded_manager(layout, 7)
+@pytest.mark.parametrize(("layout", "target_window"), [
+    (KVLayout.UNIFIED, 0), (KVLayout.SEPARATE, 0), (KVLayout.UNIFIED, 8)])
+def test_pages_of_every_group_land_bit_exactly(layout, target_window):
+    sent, got = run_pair(layout, target_window)
+    sender = seeded_manager(layout, 7, target_window)
     expected = sender.transfer_pages("r", NUM_TOKENS)
     groups = {"target", "draft"} if layout == KVLayout.UNIFIED else {"target"}
     assert set(got["landed"]) == groups
@@ -125,9 +126,12 @@ def test_pages_of_every_group_land_bit_exactly(layout):
         assert first == expected[g].first_page
         assert len(ids) == len(expected[g].page_ids)
         assert bits == sender.pools[g][expected[g].page_ids].view(torch.uint8).numpy().tobytes()
-    if layout == KVLayout.UNIFIED:  # the draft's window at 22 covers pages 3..5 only
-        assert got["landed"]["draft"][0] == 3
-        assert len(got["landed"]["draft"][1]) == 3
+    windowed = ["draft"] if layout == KVLayout.UNIFIED else []
+    for g in windowed + (["target"] if target_window else []):  # the window at 22: pages 3..5
+        assert got["landed"][g][0] == 3
+        assert len(got["landed"][g][1]) == 3
+    if not target_window:
+        assert got["landed"]["target"][0] == 0
     page_bytes = {g: sender.groups[g].page_bytes(4) for g in groups}
     assert got["bytes"] == sent["bytes"] == {g: page_bytes[g] * len(expected[g].page_ids)
                                              for g in groups}
