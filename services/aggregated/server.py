@@ -12,7 +12,13 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
-from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+from services.common.worker import (
+    FINISH_REASONS,
+    WorkerBase,
+    logprobs_to_proto,
+    sampling_from_proto,
+    spec_tokens_from_proto,
+)
 
 
 class AggregatedStats(wpb_grpc.PrefillWorkerServicer):
@@ -42,12 +48,14 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
         sent, last = 0, None
         try:
-            submit = lambda: w.engine.add_request(prompt, sampling, rid)  # noqa: E731
+            k = spec_tokens_from_proto(request.speculative)
+            submit = lambda: w.engine.add_request(prompt, sampling, rid, num_spec_tokens=k)  # noqa: E731
             async for out in w.loop.outputs(rid, submit):
                 last = out
                 if len(out.token_ids) > sent:
                     yield cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(
-                        token_ids=out.token_ids[sent:]))
+                        token_ids=out.token_ids[sent:],
+                        logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:])))
                     sent = len(out.token_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

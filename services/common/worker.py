@@ -27,6 +27,7 @@ from services.common.security import TlsConfig, aio_channel
 from services.common.tp_group import GroupTransferAgent, RankGroup
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.request import TokenLogprob
 from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 from services.engine.sampling import SamplingParams
 
@@ -209,12 +210,30 @@ def engine_rank_info(engine: Engine, role: str, instance_id: str,
 
 
 def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
-    """Proto defaults: max_tokens 0 = the server default, temperature 0 = greedy, top_p 0 = 1."""
+    """Proto defaults: max_tokens 0 = the server default, temperature 0 = greedy, top_p 0 = 1,
+    repetition_penalty 0 = 1; logprobs unset = none. Raises ValueError naming the field."""
     return SamplingParams(temperature=float(params.temperature),
                           top_p=float(params.top_p) if params.top_p > 0 else 1.0,
                           max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
                           seed=params.seed if params.HasField("seed") else None,
-                          stop=tuple(params.stop), ignore_eos=params.ignore_eos)
+                          stop=tuple(params.stop), ignore_eos=params.ignore_eos,
+                          top_k=params.top_k, min_p=float(params.min_p),
+                          repetition_penalty=float(params.repetition_penalty or 1.0),
+                          presence_penalty=float(params.presence_penalty),
+                          frequency_penalty=float(params.frequency_penalty),
+                          min_tokens=params.min_tokens,
+                          logprobs=params.logprobs if params.HasField("logprobs") else None)
+
+
+def spec_tokens_from_proto(options: cpb.SpeculativeOptions) -> int | None:
+    """speculative.num_spec_tokens: unset = the server's K (None)."""
+    return options.num_spec_tokens if options.HasField("num_spec_tokens") else None
+
+
+def logprobs_to_proto(entries: list[TokenLogprob | None] | None) -> list[cpb.TokenLogprobs]:
+    """Engine logprobs -> Chunk.logprobs (None entries, computed elsewhere, are skipped)."""
+    return [cpb.TokenLogprobs(token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids,
+                              top_logprobs=e.top_logprobs) for e in entries or () if e is not None]
 
 
 FINISH_REASONS = {"stop": cpb.FINISH_REASON_STOP, "length": cpb.FINISH_REASON_LENGTH,

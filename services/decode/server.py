@@ -25,7 +25,13 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
-from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+from services.common.worker import (
+    FINISH_REASONS,
+    WorkerBase,
+    logprobs_to_proto,
+    sampling_from_proto,
+    spec_tokens_from_proto,
+)
 
 
 @dataclass(slots=True)
@@ -173,14 +179,17 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         try:
             aux, moved = await self._landed(res, request, context)
             prompt = list(request.prompt_token_ids)
-            submit = lambda: w.engine.add_prefilled(rid, prompt, _engine_aux(aux), sampling)  # noqa: E731
+            k = spec_tokens_from_proto(request.speculative)
+            submit = lambda: w.engine.add_prefilled(rid, prompt, _engine_aux(aux), sampling, k)  # noqa: E731
             sent = 1  # the first token came with the prefill's answer
             last = None
             try:
                 async for out in w.loop.outputs(rid, submit):
                     last = out
                     if len(out.token_ids) > sent:
-                        yield wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=out.token_ids[sent:]))
+                        yield wpb.DecodeResponse(chunk=cpb.Chunk(
+                            token_ids=out.token_ids[sent:],
+                            logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:])))
                         sent = len(out.token_ids)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -24,12 +24,13 @@ from services.engine.lockstep import attach_lockstep, make_manager
 from services.engine.models import load_drafter, load_target
 from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.rejection import rejection_sample
-from services.engine.request import AuxState, PrefillSpan, Request, RequestOutput, Status
+from services.engine.request import AuxState, PrefillSpan, Request, RequestOutput, Status, TokenLogprob
+from services.engine.row_sampling import row_params, token_logprobs
 from services.engine.runner import ModelRunner, Span, TargetRun
-from services.engine.sampler import probs_from_logits, sample
+from services.engine.sampler import probs_for_rows, sample
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.speculative import Drafts, draft, sampling_tensors, verify_spans
+from services.engine.speculative import Drafts, draft, verify_spans
 from services.engine.stats import SpecStats
 from services.engine.step_outputs import StepOutputs
 from services.engine.tokenizer import load_tokenizer
@@ -67,22 +68,29 @@ class Engine:
     # ------------------------------------------------------------ public API
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False) -> str:
-        """Queue a request; returns its id. Raises ValueError naming the bad field."""
+                    request_id: str | None = None, prefill_only: bool = False,
+                    num_spec_tokens: int | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError naming the bad field.
+        ``num_spec_tokens``: drafts verified per step for this request, 0..K (None = K)."""
         sampling = check_sampling(sampling)
+        k = self._spec_tokens(num_spec_tokens)
         prompt_ids = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size)
         request_id = self._new_id(request_id)
         check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
-        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), prefill_only)
+        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), prefill_only,
+                      num_spec_tokens=k)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], aux: AuxState,
-                      sampling: SamplingParams | None = None) -> None:
+                      sampling: SamplingParams | None = None,
+                      num_spec_tokens: int | None = None) -> None:
         """Start decoding a request whose pages were reserved with
-        ``manager.allocate(request_id, n, num_computed=n)`` and filled by a transfer."""
+        ``manager.allocate(request_id, n, num_computed=n)`` and filled by a transfer. The
+        first token's logprobs (when asked for) came with the prefill: its entry is None."""
         sampling = check_sampling(sampling)
+        k = self._spec_tokens(num_spec_tokens)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if request_id not in self.manager.requests:
@@ -92,13 +100,14 @@ class Engine:
             raise ValueError(f"aux: prompt_len {n} does not match {len(prompt_ids)} prompt tokens")
         check_fits(n, sampling.max_tokens, self.max_model_len, self.manager)
         origin = "transferred" if self.config.layout == KVLayout.UNIFIED else "cold"
-        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), origin=origin)
+        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), origin=origin,
+                      num_spec_tokens=k)
         req.status = Status.DECODE
         req.num_computed = req.target_write_start = req.draft_valid = n
         req.pending_start, req.pending_tokens = n, [aux.first_token_id]
         req.pending_features = aux.hidden.reshape(1, -1).to(self.device, self.config.torch_dtype)
         self.requests[request_id] = req
-        self.out.append(req, [aux.first_token_id])
+        self._append(req, [aux.first_token_id], [None])
         if req.finish_reason is not None:
             self._finish(req)
             return
@@ -163,7 +172,9 @@ class Engine:
     # block as costly as a prefill chunk.
 
     def _decode(self, decode: list[Request]) -> None:
-        drafts = draft(self.runner, decode, self.k) if self.k else None
+        k = max(r.num_spec_tokens for r in decode)
+        drafts = draft(self.runner, decode, k, self.out.eos_ids) if self.drafter is not None \
+            else None
         spans = verify_spans(decode, drafts)
         run = self.runner.run_target(spans)
         offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
@@ -202,18 +213,21 @@ class Engine:
             return
         reqs = [req for _, req in done]
         logits = self.runner.target_logits(run.hidden[[offsets[i + 1] - 1 for i, _ in done]])
-        probs = probs_from_logits(logits, *sampling_tensors(reqs, self.device))
-        for req, token in zip(reqs, sample(probs, [r.generator for r in reqs]).tolist(),
-                              strict=True):
-            self._start_decode(req, token)
+        params = row_params([(r, []) for r in reqs], logits.shape[-1], self.out.eos_ids,
+                            self.device)
+        tokens = sample(probs_for_rows(logits, params), [r.generator for r in reqs]).tolist()
+        logprobs = self._logprobs(logits, [[t] for t in tokens], reqs)
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            self._start_decode(req, token, lp)
 
-    def _start_decode(self, req: Request, token: int) -> None:
+    def _start_decode(self, req: Request, token: int, logprobs: list[TokenLogprob]) -> None:
         n = req.num_computed
         req.pending_start, req.pending_tokens = n, [token]
         if req.last_feature is not None:
             req.pending_features = req.last_feature[None]
         if req.prefill_only:
             req.output_ids.append(token)
+            req.output_logprobs.extend(logprobs)
             req.status = Status.PARKED
             req.aux = AuxState(token, req.last_feature.float().cpu() if req.last_feature
                                is not None else torch.zeros(0), n)
@@ -221,33 +235,79 @@ class Engine:
             self.out.park(req)
             return
         req.status = Status.DECODE
-        self.out.append(req, [token])
+        self._append(req, [token], logprobs)
         if req.finish_reason is not None:
             self._finish(req)
 
     def _finish_decodes(self, decode: list[Request], drafts: Drafts | None, run: TargetRun,
                         offsets: list[int]) -> None:
+        """Verify: row j of request i's block is scored with d_1..d_j counted by its
+        penalties and min_tokens (row_sampling.py); request i keeps at most k_i drafts."""
         if not decode:
             return
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
-        logits = self.runner.target_logits(run.hidden[rows.to(self.device)])
-        probs = probs_from_logits(logits, *sampling_tensors(decode, self.device, self.k + 1))
-        probs = probs.view(len(decode), self.k + 1, -1)
+        logits = self.runner.target_logits(run.hidden[rows.to(self.device)])  # [sum(k_i + 1), V]
+        ks = [r.num_spec_tokens for r in decode]
         draft_ids = drafts.token_ids if drafts is not None \
             else torch.zeros(len(decode), 0, dtype=torch.long, device=self.device)
-        draft_probs = drafts.probs if drafts is not None else probs[:, :0]
-        verdict = rejection_sample(probs, draft_probs, draft_ids,
-                                   [r.generator for r in decode])
-        accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
         ids = draft_ids.tolist()
+        params = row_params([(r, ids[i][:j]) for i, r in enumerate(decode) for j in range(ks[i] + 1)],
+                            logits.shape[-1], self.out.eos_ids, self.device)
+        probs = self._by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
+        draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
+        num_drafts = torch.tensor(ks, device=self.device) if min(ks) < draft_ids.shape[1] else None
+        verdict = rejection_sample(probs, draft_probs, draft_ids, [r.generator for r in decode],
+                                   num_drafts)
+        accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
+        emitted = [ids[i][:accepted[i]] + [nexts[i]] for i in range(len(decode))]
+        logprobs = self._logprobs(logits, emitted, decode, offsets)
         for i, req in enumerate(decode):
-            self._advance_decode(req, ids[i][:accepted[i]] + [nexts[i]], run, offsets[i])
+            self._advance_decode(req, emitted[i], logprobs[i], run, offsets[i])
 
-    def _advance_decode(self, req: Request, emitted: list[int], run: TargetRun, row: int) -> None:
+    def _by_position(self, probs: torch.Tensor, ks: list[int], k: int) -> torch.Tensor:
+        """probs [sum(k_i + 1), V] -> [batch, k + 1, V], request i's rows at 0..k_i (rows past
+        k_i are zeros; rejection_sample never reads them)."""
+        if all(n == k for n in ks):
+            return probs.view(len(ks), k + 1, -1)
+        out = probs.new_zeros(len(ks), k + 1, probs.shape[-1])
+        batch = torch.tensor([i for i, n in enumerate(ks) for _ in range(n + 1)], device=probs.device)
+        pos = torch.tensor([j for n in ks for j in range(n + 1)], device=probs.device)
+        out[batch, pos] = probs
+        return out
+
+    def _logprobs(self, logits: torch.Tensor, emitted: list[list[int]], reqs: list[Request],
+                  offsets: list[int] | None = None) -> list[list[TokenLogprob]]:
+        """Per request, the logprobs of its emitted tokens (empty unless sampling.logprobs):
+        request i's token j was chosen at logits row offsets[i] + j (offsets None: row i)."""
+        out: list[list[TokenLogprob]] = [[] for _ in reqs]
+        rows, chosen, top_n, owner = [], [], [], []
+        for i, req in enumerate(reqs):
+            if req.sampling.logprobs is None:
+                continue
+            start = offsets[i] if offsets is not None else i
+            rows += range(start, start + len(emitted[i]))
+            chosen += emitted[i]
+            top_n += [req.sampling.logprobs] * len(emitted[i])
+            owner += [i] * len(emitted[i])
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            for i, lp in zip(owner, token_logprobs(logits[index], chosen, top_n), strict=True):
+                out[i].append(lp)
+        return out
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
+        """Append under the stop rules, with the logprobs of the tokens kept."""
+        before = len(req.output_ids)
+        self.out.append(req, tokens)
+        if req.sampling.logprobs is not None:
+            req.output_logprobs.extend(logprobs[:len(req.output_ids) - before])
+
+    def _advance_decode(self, req: Request, emitted: list[int], logprobs: list[TokenLogprob],
+                        run: TargetRun, row: int) -> None:
         n, a = req.num_computed, len(emitted) - 1
-        req.spec.record(self.k, a)
-        self.stats.setdefault(req.origin, SpecStats()).record(self.k, a)
-        self.out.append(req, emitted)
+        req.spec.record(req.num_spec_tokens, a)
+        self.stats.setdefault(req.origin, SpecStats()).record(req.num_spec_tokens, a)
+        self._append(req, emitted, logprobs)
         req.num_computed = n + a + 1
         req.pending_start, req.pending_tokens = n + 1, emitted
         if run.features is not None:
@@ -280,6 +340,16 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         return request_id
+
+    def _spec_tokens(self, num_spec_tokens: int | None) -> int:
+        """A request's drafts per step: None = the engine's K; else 0..K."""
+        if num_spec_tokens is None:
+            return self.k
+        if isinstance(num_spec_tokens, bool) or not isinstance(num_spec_tokens, int) \
+                or not 0 <= num_spec_tokens <= self.k:
+            raise ValueError(f"num_spec_tokens: must be an integer in [0, {self.k}] (the "
+                             f"server's K), got {num_spec_tokens!r}")
+        return num_spec_tokens
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
         if sampling.greedy:

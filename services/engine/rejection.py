@@ -28,19 +28,25 @@ class Verdict:
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                     draft_ids: torch.Tensor,
-                     generators: list[torch.Generator | None]) -> Verdict:
+                     draft_ids: torch.Tensor, generators: list[torch.Generator | None],
+                     num_drafts: torch.Tensor | None = None) -> Verdict:
     """target_probs [batch, K + 1, vocab]; draft_probs [batch, K, vocab]; draft_ids
-    [batch, K]. Rows whose generator is None must be greedy (one-hot p and q)."""
+    [batch, K]. Rows whose generator is None must be greedy (one-hot p and q).
+    ``num_drafts`` [batch] (default K): row i verifies only its first k_i drafts; its
+    target_probs past position k_i and draft_probs past k_i - 1 are never read."""
     batch, k = draft_ids.shape
     p_draft = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
     q_draft = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
     u = uniforms(batch, k, generators, target_probs.device)
     keep = u * q_draft < p_draft  # u < p / q, with q > 0 for a drawn draft
+    if num_drafts is not None:
+        keep &= torch.arange(k, device=keep.device) < num_drafts[:, None]
     num_accepted = keep.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     rows = torch.arange(batch, device=draft_ids.device)
     p_next = target_probs[rows, num_accepted]  # [batch, vocab]
     q_next = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)[rows, num_accepted]
+    if num_drafts is not None:  # all k_i kept: the bonus token is drawn from p alone
+        q_next = torch.where((num_accepted == num_drafts)[:, None], 0.0, q_next)
     residual = (p_next - q_next).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q leaves no residual: the rejection had probability 0, fall back to p

@@ -36,6 +36,17 @@ class AuxState:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target, and its most likely
+    alternatives: log-softmax of the target's raw logits (before penalties and temperature)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]  # [N] most likely first
+    top_logprobs: list[float]  # [N]
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One step's news for one request. ``text`` and ``token_ids`` cover the whole output
     so far (cut before a matched stop string once finished)."""
@@ -48,6 +59,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort", "prefilled"
     usage: Usage
     aux: AuxState | None = None
+    # aligned with token_ids when sampling.logprobs is set, else None; an entry is None for
+    # a token whose logprob was computed elsewhere (a prefilled request's first token)
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -61,10 +75,12 @@ class PrefillSpan:
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                  generator: torch.Generator | None, prefill_only: bool = False,
-                 origin: str = "local") -> None:
+                 origin: str = "local", num_spec_tokens: int = 0) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob | None] = []  # only with sampling.logprobs
+        self.num_spec_tokens = num_spec_tokens  # drafts verified per step, at most the engine's K
         self.sampling = sampling
         self.generator = generator
         self.prefill_only = prefill_only
@@ -72,6 +88,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # output text length before a matched stop
+        self.stop_search_floor = 0  # a stop string must begin here or later (min_tokens)
         self.spec = SpecStats()
         self.cached_tokens: dict[str, int] = {}  # prompt tokens reused per layer group
         self.reset_kv_state()

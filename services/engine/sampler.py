@@ -1,14 +1,87 @@
-"""Logits -> probabilities -> tokens, per request.
+"""Logits -> probabilities -> tokens, per row (a row is one request at one position).
 
-Rows of a batch may mix greedy and sampled requests. A greedy row's distribution is the
-one-hot of its argmax, so the same rejection rule serves both. Sampling draws through
-each request's own ``torch.Generator``: a seeded request reproduces its tokens whatever
-else shares the batch.
+The transforms run in vLLM v1's order: stop tokens banned by ``min_tokens``, penalties on
+the raw logits, then temperature, then top-k, min-p and top-p. Rows of a batch may mix
+greedy and sampled requests. A greedy row's distribution is the one-hot of the argmax of
+its penalized logits, so the same rejection rule serves both. Sampling draws through each
+request's own ``torch.Generator``: a seeded request reproduces its tokens whatever else
+shares the batch. Logprobs are read from the raw logits, before any transform.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The penalties of the rows that have any; ``rows`` indexes the batch."""
+
+    rows: torch.Tensor  # [m] int64
+    repetition: torch.Tensor  # [m] float32, 1 = off
+    presence: torch.Tensor  # [m] float32, 0 = off
+    frequency: torch.Tensor  # [m] float32, 0 = off
+    seen: torch.Tensor  # [m, vocab] bool: the token occurs in the prompt or the output so far
+    counts: torch.Tensor  # [m, vocab] float32: its occurrences in the output so far
+
+
+@dataclass(slots=True)
+class RowParams:
+    """Per-row sampling parameters of one logits batch."""
+
+    temperature: torch.Tensor  # [rows] float32, 0 = greedy
+    top_p: torch.Tensor  # [rows] float32, 1 = off
+    top_k: torch.Tensor | None = None  # [rows] int64, <= 0 = off; None: off for every row
+    min_p: torch.Tensor | None = None  # [rows] float32, 0 = off; None: off for every row
+    penalties: Penalties | None = None
+    banned: torch.Tensor | None = None  # [rows, vocab] bool: -inf (min_tokens' stop tokens)
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """logits [rows, vocab] -> a penalized copy: repetition (positive logits divided,
+    negative multiplied, over prompt + output tokens), then frequency and presence
+    subtracted over output tokens."""
+    out = logits.clone()
+    sub = out[pen.rows]  # [m, vocab]
+    rep = pen.repetition[:, None]
+    scaled = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(pen.seen, scaled, sub)
+    sub = sub - pen.frequency[:, None] * pen.counts
+    sub = sub - pen.presence[:, None] * (pen.counts > 0).float()
+    out[pen.rows] = sub
+    return out
+
+
+def process_logits(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """The logits every choice reads: min_tokens' ban, then penalties (a copy when either
+    applies; ``logits`` is never modified)."""
+    if params.banned is not None:
+        logits = logits.masked_fill(params.banned, float("-inf"))
+    if params.penalties is not None:
+        logits = apply_penalties(logits, params.penalties)
+    return logits
+
+
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab], top_k [rows] (<= 0 = off) -> logits with everything below each
+    row's k-th largest value at -inf (ties with it are kept, as vLLM does)."""
+    vocab = logits.shape[-1]
+    on = (top_k > 0) & (top_k < vocab)  # [rows]
+    if not bool(on.any()):
+        return logits
+    k = torch.where(on, top_k, 1)
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [rows, 1]
+    return logits.masked_fill((logits < kth) & on[:, None], float("-inf"))
+
+
+def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab], min_p [rows] -> renormalized probs without the tokens below
+    min_p times the row's largest probability."""
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    kept = probs.masked_fill(probs < threshold, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -21,19 +94,32 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] float32; temperature, top_p [rows] -> probs [rows, vocab].
-    Rows with temperature 0 are one-hot at the argmax."""
+def probs_for_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """logits [rows, vocab] float32 (raw) -> probs [rows, vocab] after every transform.
+    Greedy rows are one-hot at the argmax of their penalized logits."""
+    logits = process_logits(logits, params)
+    temperature = params.temperature
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if params.top_k is not None and bool((params.top_k > 0).any()):
+        scaled = top_k_mask(scaled, params.top_k)
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p is not None and bool((params.min_p > 0).any()):
+        probs = torch.where((params.min_p > 0)[:, None], min_p_filter(probs, params.min_p), probs)
+    top_p = params.top_p
     if bool((top_p < 1).any()):
         probs = torch.where((top_p < 1)[:, None], top_p_filter(probs, top_p), probs)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32; temperature, top_p [rows] -> probs [rows, vocab]
+    (temperature and top-p only). Rows with temperature 0 are one-hot at the argmax."""
+    return probs_for_rows(logits, RowParams(temperature, top_p))
 
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -55,3 +141,17 @@ def uniforms(rows: int, count: int, generators: list[torch.Generator | None],
         if g is not None and count:
             out[i].uniform_(generator=g)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] raw, chosen [rows] -> (chosen_logprobs [rows], top_logprobs
+    [rows, top_n], top_ids [rows, top_n]): log-softmax of the raw logits, before penalties
+    and temperature (vLLM's default ``logprobs_mode``)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(top_n, dim=-1) if top_n else None
+    chosen_lp = logp.gather(-1, chosen[:, None])[:, 0]
+    if top is None:
+        empty = logp.new_zeros(logp.shape[0], 0)
+        return chosen_lp, empty, empty.long()
+    return chosen_lp, top.values, top.indices

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.request import Request
+from services.engine.row_sampling import row_params
 from services.engine.runner import ModelRunner, Span
-from services.engine.sampler import probs_from_logits, sample
+from services.engine.sampler import probs_for_rows, sample
 
 
 @dataclass(slots=True)
@@ -26,39 +27,43 @@ class Drafts:
     probs: torch.Tensor  # [batch, K, vocab] float32: the drafter's q at each draft
 
 
-def sampling_tensors(requests: list[Request], device: torch.device,
-                     repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(temperature, top_p) [len(requests) * repeat], each request's value repeated."""
-    t = torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32)
-    p = torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32)
-    return t.repeat_interleave(repeat).to(device), p.repeat_interleave(repeat).to(device)
-
-
-def draft(runner: ModelRunner, requests: list[Request], k: int) -> Drafts:
+def draft(runner: ModelRunner, requests: list[Request], k: int,
+          eos_ids: frozenset[int]) -> Drafts:
+    """K drafts for every request (K = the largest num_spec_tokens of the batch; a request
+    verifies only its own first num_spec_tokens). q at chain step s takes the request's
+    transforms with d_1..d_s counted (row_sampling.py). K = 0 runs the catch-up forward
+    alone, so the drafter's KV stays exact for later steps."""
     device = runner.device
     spans = [Span(r.request_id, r.pending_start, r.pending_tokens) for r in requests]
     hidden = torch.cat([r.pending_features for r in requests]).to(device)
     g = runner.run_drafter(spans, hidden)  # [num_pending, hidden]
     last_rows = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
     g = g[last_rows.to(device)]  # [batch, hidden]
-    temperature, top_p = sampling_tensors(requests, device)
     generators = [r.generator for r in requests]
+    drafted: list[list[int]] = [[] for _ in requests]
     tokens, probs = [], []
     for step in range(k):
-        q = probs_from_logits(runner.draft_logits(g), temperature, top_p)  # [batch, vocab]
+        logits = runner.draft_logits(g)  # [batch, vocab]
+        params = row_params(list(zip(requests, drafted, strict=True)), logits.shape[-1],
+                            eos_ids, device)
+        q = probs_for_rows(logits, params)
         d = sample(q, generators)
         tokens.append(d)
         probs.append(q)
+        ids = d.tolist()
+        drafted = [prev + [t] for prev, t in zip(drafted, ids, strict=True)]
         if step + 1 < k:
-            ids = d.tolist()
             spans = [Span(r.request_id, r.num_computed + step + 1, [ids[i]])
                      for i, r in enumerate(requests)]
             g = runner.run_drafter(spans, g)
+    if not k:
+        empty = torch.zeros(len(requests), 0, dtype=torch.long, device=device)
+        return Drafts(empty, torch.zeros(len(requests), 0, 0, device=device))
     return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1))
 
 
 def verify_spans(requests: list[Request], drafts: Drafts | None) -> list[Span]:
-    """[t_n, d_1..d_K] at positions n..n + K for each request."""
+    """[t_n, d_1..d_k] at positions n..n + k for each request, k its num_spec_tokens."""
     ids = drafts.token_ids.tolist() if drafts is not None else [[] for _ in requests]
-    return [Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i]], r.target_write_start)
-            for i, r in enumerate(requests)]
+    return [Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i][:r.num_spec_tokens]],
+                 r.target_write_start) for i, r in enumerate(requests)]

@@ -56,4 +56,6 @@ class StepOutputs:
         text = output_text(req, detok, finished) if detok is not None else ""
         return RequestOutput(req.request_id, new, list(req.output_ids), text, finished,
                              "prefilled" if parked else req.finish_reason,
-                             req.usage(self.speculative), req.aux if parked else None)
+                             req.usage(self.speculative), req.aux if parked else None,
+                             list(req.output_logprobs) if req.sampling.logprobs is not None
+                             else None)

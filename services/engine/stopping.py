@@ -24,12 +24,15 @@ def append_tokens(req: Request, token_ids: list[int], detok: Detokenizer,
         searched = len(detok.stable_text)
         if sp.stop:
             detok.push([t])
-        if (t in eos_ids and not sp.ignore_eos) or t in sp.stop_token_ids:
+        stoppable = len(req.output_ids) > sp.min_tokens  # min_tokens: the first never stop
+        if stoppable and ((t in eos_ids and not sp.ignore_eos) or t in sp.stop_token_ids):
             req.finish_reason = "stop"
-        elif sp.stop and _match_stop_string(req, detok.stable_text, searched):
+        elif stoppable and sp.stop and _match_stop_string(req, detok.stable_text, searched):
             req.finish_reason = "stop"
         elif len(req.output_ids) >= sp.max_tokens:
             req.finish_reason = "length"
+        if not stoppable and sp.stop:  # a stop string must begin after their text
+            req.stop_search_floor = len(detok.stable_text)
         if req.finish_reason is not None:
             break
     if not sp.stop:
@@ -40,7 +43,7 @@ def append_tokens(req: Request, token_ids: list[int], detok: Detokenizer,
 def _match_stop_string(req: Request, text: str, searched: int) -> bool:
     """Searches only matches that end past ``searched`` (the text seen before this token)."""
     longest = max(len(s) for s in req.sampling.stop)
-    tail_start = max(0, searched - longest + 1)
+    tail_start = max(req.stop_search_floor, searched - longest + 1)
     hits = [i for s in req.sampling.stop if (i := text.find(s, tail_start)) >= 0]
     if not hits:
         return False

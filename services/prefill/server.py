@@ -20,7 +20,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import delay
 from services.common.peering import PeerRegistry
-from services.common.worker import FINISH_REASONS, WorkerBase, sampling_from_proto
+from services.common.worker import FINISH_REASONS, WorkerBase, logprobs_to_proto, sampling_from_proto
 
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
@@ -70,9 +70,12 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             if final is not None and final.finish_reason == "prefilled":
                 await w.loop.call(w.engine.release, rid)
         w.metrics.requests.labels("prefill", "ok").inc()
-        return wpb.PrefillResponse(first_token_id=final.token_ids[0],
-                                   finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
-                                   usage=usage)
+        response = wpb.PrefillResponse(first_token_id=final.token_ids[0],
+                                       finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
+                                       usage=usage)
+        if final.logprobs:
+            response.first_token_logprobs.CopyFrom(logprobs_to_proto(final.logprobs[:1])[0])
+        return response
 
     async def _transfer(self, rid, prompt, final, decode_id, dest, held, context) -> cpb.Usage:
         w = self.worker

@@ -23,7 +23,16 @@ from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import ChatTemplate
 from services.router.http import HttpError, Request, Response, StreamingResponse
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
-from services.router.openai_responses import DONE, StreamChunks, chat_json, completion_json, error_json, sse
+from services.router.openai_responses import (
+    DONE,
+    StreamChunks,
+    chat_json,
+    chat_logprobs,
+    completion_json,
+    completion_logprobs,
+    error_json,
+    sse,
+)
 from services.router.server import Router
 
 ABANDON_TIMEOUT_S = 5.0
@@ -130,22 +139,32 @@ class OpenAIServer:
 
     async def _collect(self, request: OpenAIRequest, first, messages) -> dict:
         texts, reason, usage = [], cpb.FINISH_REASON_UNSPECIFIED, cpb.Usage()
+        entries: list[cpb.TokenLogprobs] = []
         async for message in _chain(first, messages):
             kind = message.WhichOneof("payload")
             if kind == "chunk":
                 texts.append(message.chunk.text)  # the router trimmed stop strings
+                entries.extend(message.chunk.logprobs)
             elif kind == "error":
                 await self._abandon(request.generate.request_id, messages)
                 raise _stream_error(request, message.error)
             else:
                 reason, usage = message.complete.finish_reason, message.complete.usage
         build = chat_json if request.kind == "chat" else completion_json
+        logprobs = None
+        if request.generate.sampling.HasField("logprobs"):
+            as_json = chat_logprobs if request.kind == "chat" else completion_logprobs
+            logprobs = as_json(entries, self._decode)
         return build(request.generate.request_id, _now(), request.model,
-                     "".join(texts), reason, usage)
+                     "".join(texts), reason, usage, logprobs)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A token's string in logprobs."""
+        return self.router.tokenizer.decode(token_ids)
 
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
         rid = request.generate.request_id
-        chunks = StreamChunks(request.kind, rid, _now(), request.model)
+        chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decode)
         try:
             if chunks.chat:
                 yield chunks.role()
@@ -153,8 +172,8 @@ class OpenAIServer:
                 async for message in _chain(first, messages):
                     kind = message.WhichOneof("payload")
                     if kind == "chunk":  # text the router trimmed of stop strings
-                        if message.chunk.text:
-                            yield chunks.text(message.chunk.text)
+                        if message.chunk.text or message.chunk.logprobs:
+                            yield chunks.text(message.chunk.text, message.chunk.logprobs)
                     elif kind == "error":
                         yield sse(_stream_error(request, message.error).body)
                         break

@@ -5,8 +5,14 @@ Defaults follow OpenAI's API reference: ``temperature`` 1, ``top_p`` 1, and for
 ``max_tokens`` gets the server's default (ModelInfo.default_max_tokens). Only ``n`` = 1
 is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
 ``num_spec_tokens`` (draft tokens per step, at most the server's K; 0 = no speculation).
-Fields this server does not implement (logprobs, penalties, tools, ...) are refused when
-set to anything but their neutral value; other unknown fields are ignored.
+Sampling: OpenAI's ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]) and vLLM's extra
+fields ``top_k`` (-1 or 0 = off), ``min_p`` ([0, 1]), ``repetition_penalty`` (> 0, 1 = off)
+and ``min_tokens`` (at most max_tokens). Logprobs: completions take ``logprobs`` (0..20
+alternatives per token), chat takes ``logprobs: true`` with ``top_logprobs`` (0..20); the
+values are the target's log-softmax over its raw logits, as vLLM returns them.
+Fields this server does not implement (logit_bias, best_of, echo, suffix, tools,
+response_format, ...) are refused when set to anything but their neutral value; other
+unknown fields are ignored.
 
 Chat: messages are rendered with the model's chat template (chat_template.py, as
 transformers' ``apply_chat_template(..., add_generation_prompt=True)``) and tokenized without
@@ -28,18 +34,16 @@ from services.router.http import HttpError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20
 
 # Fields we do not implement -> a test that the value is neutral (absent counts as neutral).
 _UNSUPPORTED_COMMON = {
     "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
 }
 _UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": lambda v: v in (None, 1),
-                           "echo": lambda v: v in (None, False), "logprobs": lambda v: v is None,
+                           "echo": lambda v: v in (None, False),
                            "suffix": lambda v: v in (None, "")}
-_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "logprobs": lambda v: v in (None, False),
-                     "top_logprobs": lambda v: v in (None, 0), "tools": lambda v: not v,
+_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": lambda v: not v,
                      "tool_choice": lambda v: v in (None, "none"),
                      "response_format": lambda v: v in (None, {"type": "text"})}
 
@@ -70,7 +74,11 @@ def parse_completion(body, model_id: str) -> OpenAIRequest:
     _set_prompt(request.generate, body)
     request.generate.sampling.max_tokens = _integer(body, "max_tokens",
                                                     COMPLETION_DEFAULT_MAX_TOKENS, low=1)
-    request.params.update({"prompt": "prompt", "sampling.max_tokens": "max_tokens"})
+    logprobs = _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    if logprobs is not None:
+        request.generate.sampling.logprobs = logprobs
+    request.params.update({"prompt": "prompt", "sampling.max_tokens": "max_tokens",
+                           "sampling.logprobs": "logprobs"})
     return request
 
 
@@ -87,7 +95,13 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
     request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request.generate.sampling.max_tokens = _integer(body, limit, 0, low=1)
-    request.params.update({"prompt": "messages", "sampling.max_tokens": limit})
+    top = _integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if _boolean(body, "logprobs", False):
+        request.generate.sampling.logprobs = top or 0
+    elif top:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    request.params.update({"prompt": "messages", "sampling.max_tokens": limit,
+                           "sampling.logprobs": "top_logprobs"})
     return request
 
 
@@ -156,6 +170,15 @@ def _set_sampling(generate: cpb.GenerateRequest, body: dict) -> None:
         sampling.seed = seed
     sampling.stop.extend(_stop(body.get("stop")))
     sampling.ignore_eos = _boolean(body, "ignore_eos", False)
+    top_k = _integer(body, "top_k", 0, low=-1)
+    sampling.top_k = max(top_k, 0)  # -1 and 0 both mean off
+    sampling.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    sampling.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, math.inf)
+    if sampling.repetition_penalty == 0:
+        raise invalid("repetition_penalty", "must be > 0 (1 = off), got 0")
+    sampling.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    sampling.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    sampling.min_tokens = _integer(body, "min_tokens", 0, low=0)
     k = _integer(body, "num_spec_tokens", None, low=0)
     if k is not None:
         generate.speculative.num_spec_tokens = k

@@ -4,17 +4,26 @@
 acceptance length (tokens per target forward in decode), drafts, draft and accepted
 tokens, cached prompt tokens per layer group, and the KV bytes and seconds moved per
 group from the prefill to the decode worker (empty in aggregated serving).
+
+``logprobs`` (when asked for) take OpenAI's shapes: completions ``{tokens, token_logprobs,
+top_logprobs, text_offset}`` (each top_logprobs entry maps the chosen token and the top-N
+to their logprobs), chat ``{content: [{token, logprob, bytes, top_logprobs: [{token,
+logprob, bytes}]}]}``. Token strings are ``decode([id])``; logprobs below -9999 (or -inf)
+read -9999, as vLLM sends them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 
 from proto.tandem.v1 import client_pb2 as cpb
 
 FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
                   cpb.FINISH_REASON_ABORT: "abort", cpb.FINISH_REASON_ERROR: "error"}
 DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0
+Decode = Callable[[list[int]], str]
 
 
 def sse(payload: dict) -> bytes:
@@ -45,17 +54,50 @@ def finish_reason(reason: int) -> str | None:
     return FINISH_REASONS.get(reason)
 
 
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def completion_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode,
+                        offset: int = 0) -> dict:
+    """Completions' logprobs of ``entries``; ``offset``: text_offset of the first token."""
+    tokens = [decode([e.token_id]) for e in entries]
+    top = []
+    for e, token in zip(entries, tokens, strict=True):
+        alternatives = {token: _lp(e.logprob)}
+        for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True):
+            alternatives.setdefault(decode([t]), _lp(lp))
+        top.append(alternatives)
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        token = decode([token_id])
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in
+                                          zip(e.top_token_ids, e.top_logprobs, strict=True)]}
+                        for e in entries]}
+
+
 def completion_json(rid: str, created: int, model: str, text: str, reason: int,
-                    usage: cpb.Usage) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+                    usage: cpb.Usage, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs,
+              "finish_reason": finish_reason(reason)}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage_json(usage)}
 
 
 def chat_json(rid: str, created: int, model: str, text: str, reason: int,
-              usage: cpb.Usage) -> dict:
+              usage: cpb.Usage, logprobs: dict | None = None) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish_reason(reason)}
+              "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [choice], "usage": usage_json(usage)}
 
@@ -63,8 +105,12 @@ def chat_json(rid: str, created: int, model: str, text: str, reason: int,
 class StreamChunks:
     """The SSE events of one streamed completion or chat, all with one id and time."""
 
-    def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
+    def __init__(self, kind: str, rid: str, created: int, model: str,
+                 decode: Decode | None = None) -> None:
+        """``decode``: token strings for logprobs (needed only when chunks carry them)."""
         self.chat = kind == "chat"
+        self.decode = decode
+        self.offset = 0  # completions' text_offset of the next token
         self.head = {"id": rid, "object": "chat.completion.chunk" if self.chat
                      else "text_completion", "created": created, "model": model}
 
@@ -72,8 +118,16 @@ class StreamChunks:
         """A chat stream opens with the assistant's role and no text."""
         return self._choice({"delta": {"role": "assistant", "content": ""}})
 
-    def text(self, text: str) -> bytes:
-        return self._choice({"delta": {"content": text}} if self.chat else {"text": text})
+    def text(self, text: str, logprobs: Sequence[cpb.TokenLogprobs] = ()) -> bytes:
+        """A text delta, with the logprobs of the chunk's tokens when there are any."""
+        lp = None
+        if logprobs and self.chat:
+            lp = chat_logprobs(logprobs, self.decode)
+        elif logprobs:
+            lp = completion_logprobs(logprobs, self.decode, self.offset)
+            self.offset += sum(len(t) for t in lp["tokens"])
+        return self._choice({"delta": {"content": text}} if self.chat else {"text": text},
+                            logprobs=lp)
 
     def finish(self, reason: int) -> bytes:
         return self._choice({"delta": {}} if self.chat else {"text": ""}, finish_reason(reason))
@@ -82,8 +136,9 @@ class StreamChunks:
         """The last chunk under ``stream_options.include_usage``: no choices, only usage."""
         return sse({**self.head, "choices": [], "usage": usage_json(usage)})
 
-    def _choice(self, body: dict, reason: str | None = None) -> bytes:
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    def _choice(self, body: dict, reason: str | None = None, logprobs: dict | None = None
+                ) -> bytes:
+        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
         return sse({**self.head, "choices": [choice]})
 
 

@@ -338,7 +338,8 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
 
     async def _stream(self, rid, token_ids, request, handle, first, decode, detok):
         usage = _Usage(prefill=first.usage)
-        yield _chunk(rid, [first.first_token_id], _text(detok, [first.first_token_id]))
+        yield _chunk(rid, [first.first_token_id], _text(detok, [first.first_token_id]),
+                     [first.first_token_logprobs] if first.HasField("first_token_logprobs") else [])
         self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
         decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
         if first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
@@ -364,7 +365,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                     self.metrics.itl.labels("router").observe(now - last)
                     last = now
                     ids = list(message.chunk.token_ids)
-                    yield _chunk(rid, ids, _text(detok, ids))
+                    yield _chunk(rid, ids, _text(detok, ids), message.chunk.logprobs)
                 elif kind == "error":
                     yield cpb.GenerateResponse(request_id=rid, error=message.error)
                 else:
@@ -495,8 +496,10 @@ def _text(detok: Detokenizer | None, token_ids) -> str:
     return detok.push(list(token_ids)) if detok is not None else ""
 
 
-def _chunk(rid: str, token_ids: list[int], text: str) -> cpb.GenerateResponse:
-    return cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(token_ids=token_ids, text=text))
+def _chunk(rid: str, token_ids: list[int], text: str, logprobs=()) -> cpb.GenerateResponse:
+    """``logprobs``: TokenLogprobs aligned with token_ids, or empty."""
+    return cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(token_ids=token_ids, text=text,
+                                                                logprobs=logprobs))
 
 
 def _complete(rid: str, reason: int, usage: cpb.Usage) -> cpb.GenerateResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
 
 
 class RequestError(ValueError):
@@ -17,7 +18,8 @@ def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[i
     if len(token_ids) >= limits.max_model_len:
         raise RequestError(f"prompt: {len(token_ids)} tokens leave no room in the model's "
                            f"{limits.max_model_len}-token context")
-    _check_sampling(request.sampling, limits.max_model_len - len(token_ids))
+    _check_sampling(request.sampling, limits.max_model_len - len(token_ids),
+                    limits.default_max_tokens)
     spec = request.speculative
     if spec.HasField("num_spec_tokens") and spec.num_spec_tokens > limits.num_spec_tokens:
         raise RequestError(f"speculative.num_spec_tokens: {spec.num_spec_tokens} exceeds the "
@@ -53,7 +55,7 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     return ids
 
 
-def _check_sampling(sampling: cpb.SamplingParams, room: int) -> None:
+def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens: int) -> None:
     if sampling.max_tokens > room:
         raise RequestError(f"sampling.max_tokens: {sampling.max_tokens} exceeds the {room} "
                            "tokens left in the context after the prompt")
@@ -65,3 +67,21 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int) -> None:
     for i, stop in enumerate(sampling.stop):
         if not stop:
             raise RequestError(f"sampling.stop[{i}]: empty stop string")
+    if not math.isfinite(sampling.min_p) or not 0 <= sampling.min_p <= 1:
+        raise RequestError(f"sampling.min_p: must be in [0, 1], got {sampling.min_p}")
+    r = sampling.repetition_penalty
+    if not math.isfinite(r) or r < 0:
+        raise RequestError(f"sampling.repetition_penalty: must be > 0 (0 reads as 1), got {r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise RequestError(f"sampling.{name}: must be in [-2, 2], got {value}")
+    max_tokens = sampling.max_tokens or default_max_tokens
+    if sampling.min_tokens > max_tokens:
+        raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens "
+                           f"({max_tokens})")
+    if sampling.min_tokens and sampling.stop:
+        raise RequestError("sampling.min_tokens: not supported together with stop strings "
+                           "(sampling.stop) by this router")
+    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
+        raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")

@@ -131,6 +131,31 @@ def test_a_seeded_sample_repeats(client, model):
     assert len(texts) == 1
 
 
+def test_logprobs_with_and_without_speculation_agree_and_top_k_one_is_greedy(client, model):
+    """Float32 noise between a verify block and single-token decode on the bundled pair is
+    about 2e-5 (the engine tests pin 1e-5 on a calmer model), hence 1e-4 here."""
+    runs = [client.completions.create(model=model, prompt=PROMPT, max_tokens=12, logprobs=2,
+                                      temperature=0, extra_body={"ignore_eos": True, **extra})
+            for extra in ({}, {"num_spec_tokens": 0})]
+    spec, plain = (r.choices[0] for r in runs)
+    assert spec.text == plain.text and "".join(spec.logprobs.tokens) == spec.text
+    assert len(spec.logprobs.token_logprobs) == 12
+    assert runs[1].usage.model_extra["tandem"]["acceptance_length"] == 1.0
+    for a, b in zip(spec.logprobs.token_logprobs, plain.logprobs.token_logprobs, strict=True):
+        assert abs(a - b) < 1e-4
+    for token, lp, top in zip(spec.logprobs.tokens, spec.logprobs.token_logprobs,
+                              spec.logprobs.top_logprobs, strict=True):
+        assert top[token] == lp and all(v <= 0 for v in top.values())
+    top1 = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1,
+                                     extra_body={"ignore_eos": True, "top_k": 1})
+    assert top1.choices[0].text == plain.text
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(n=2), "n"),
     (dict(temperature=3), "temperature"),

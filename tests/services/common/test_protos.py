@@ -129,6 +129,24 @@ def test_generate_request_round_trip_and_presence():
     assert not client_pb2.SpeculativeOptions().HasField("num_spec_tokens")
 
 
+def test_sampling_surface_and_logprobs_round_trip():
+    sampling = round_trip(client_pb2.SamplingParams(
+        top_k=40, min_p=0.05, repetition_penalty=1.25, presence_penalty=-0.5,
+        frequency_penalty=1.5, min_tokens=3, logprobs=0))
+    assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty, sampling.min_tokens) == pytest.approx(
+        (40, 0.05, 1.25, -0.5, 1.5, 3))
+    assert sampling.HasField("logprobs") and sampling.logprobs == 0
+    assert not client_pb2.SamplingParams().HasField("logprobs")
+    lp = client_pb2.TokenLogprobs(token_id=7, logprob=-0.5, top_token_ids=[7, 9],
+                                  top_logprobs=[-0.5, -1.25])
+    chunk = round_trip(client_pb2.Chunk(token_ids=[7], text="a", logprobs=[lp]))
+    assert list(chunk.logprobs) == [lp]
+    prefill = round_trip(worker_pb2.PrefillResponse(first_token_id=7, first_token_logprobs=lp))
+    assert prefill.HasField("first_token_logprobs") and prefill.first_token_logprobs == lp
+    assert not worker_pb2.PrefillResponse().HasField("first_token_logprobs")
+
+
 @pytest.mark.parametrize("payload", ["chunk", "complete", "error"])
 def test_generate_response_payloads(payload):
     values = {"chunk": client_pb2.Chunk(token_ids=[7, 8], text="ab"),
