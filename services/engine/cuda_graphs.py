@@ -33,6 +33,7 @@ import torch
 
 from kvcore.ops import decode_attention, slot_mapping_for, verify_attention, write_kv
 from kvcore.spec import NULL_PAGE, cdiv
+from services.engine.models.eagle import DRAFT_KEY_START
 from services.engine.runner import DRAFT_GROUP, TARGET_GROUP, ModelRunner, Span, TargetRun
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -62,12 +63,14 @@ class UniformContext:
     slot_mapping: torch.Tensor  # [batch * q_len] int64, -1 = do not write
     q_len: int
     window: int = 0
+    key_start: int = 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [batch * q_len, num_heads, head_dim], k/v [batch * q_len, num_kv_heads, head_dim]."""
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
-        args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window)
+        args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window,
+                self.key_start)
         if self.q_len == 1:
             return decode_attention(q, *args)
         out = verify_attention(q.view(-1, self.q_len, *q.shape[1:]), *args)
@@ -118,8 +121,10 @@ class GraphedForward:
 
     def __init__(self, forward: ForwardFn, kv_pool: torch.Tensor, q_len: int, window: int,
                  buckets: Sequence[int], max_pages: int, hidden_size: int = 0,
-                 hidden_dtype: torch.dtype = torch.float32, capture: bool = True) -> None:
+                 hidden_dtype: torch.dtype = torch.float32, capture: bool = True,
+                 key_start: int = 0) -> None:
         self.forward, self.kv_pool, self.q_len, self.window = forward, kv_pool, q_len, window
+        self.key_start = key_start
         self.buckets = tuple(sorted(buckets))
         self.max_batch, self.max_pages = self.buckets[-1], max_pages
         self.max_tokens = self.max_batch * q_len
@@ -194,7 +199,7 @@ class GraphedForward:
         n, t = bucket * self.q_len, self.max_tokens
         ctx = UniformContext(self.kv_pool, self._table(self.dev_i32, bucket),
                              self.dev_i32[:bucket], self.dev_i64[2 * t:2 * t + n],
-                             self.q_len, self.window)
+                             self.q_len, self.window, self.key_start)
         hidden = self.hidden[:n] if self.hidden is not None else None
         results = self.forward(self.dev_i64[:n], self.dev_i64[t:t + n], hidden, ctx)
         if not self.outputs:
@@ -272,7 +277,8 @@ class DecodeGraphs:
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
                 self._drafter_forward, manager.pools[DRAFT_GROUP], q_len, runner.draft_window,
-                buckets, max_pages, runner.drafter.config.hidden_size, dtype, capture)
+                buckets, max_pages, runner.drafter.config.hidden_size, dtype, capture,
+                DRAFT_KEY_START)
             self.drafter = drafter_graph(1)
             if verify_len > 1:
                 self.catch_up = drafter_graph(verify_len)

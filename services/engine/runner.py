@@ -16,6 +16,7 @@ import torch
 from kvcore import KVCacheManager
 from kvcore.ops import slot_mapping_for
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
+from services.engine.models.eagle import DRAFT_KEY_START
 
 TARGET_GROUP = "target"
 DRAFT_GROUP = "draft"
@@ -71,7 +72,7 @@ class ModelRunner:
         """hidden [num_tokens, hidden_size]: the h_j inputs -> g [num_tokens, hidden_size]."""
         if self.graphs is not None and (g := self.graphs.run_drafter(spans, hidden)) is not None:
             return g
-        ctx = self.context(DRAFT_GROUP, spans, window=self.draft_window)
+        ctx = self.context(DRAFT_GROUP, spans, self.draft_window, DRAFT_KEY_START)
         ids, positions = self._inputs(spans)
         if self.lockstep is not None:
             self.lockstep.publish("draft", ids, positions, ctx, DRAFT_GROUP, hidden=hidden)
@@ -85,7 +86,8 @@ class ModelRunner:
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.drafter.compute_logits(g, self.target)
 
-    def context(self, group: str, spans: list[Span], window: int) -> PagedContext:
+    def context(self, group: str, spans: list[Span], window: int,
+                key_start: int = 0) -> PagedContext:
         lengths = [len(s.token_ids) for s in spans]
         starts = [s.start for s in spans]
         block_table = self.manager.block_tables([s.request_id for s in spans], group, self.device)
@@ -99,7 +101,7 @@ class ModelRunner:
         seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)],
                                 dtype=torch.int32)
         return PagedContext(self.manager.pools[group], block_table, qsl.to(self.device),
-                            seq_lens.to(self.device), slots, window)
+                            seq_lens.to(self.device), slots, window, key_start)
 
     def _inputs(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long)
