@@ -26,8 +26,8 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 def exported() -> dict[str, set[str]]:
     """Every series name a service exports -> its label names (``le`` on buckets)."""
-    metrics = Metrics("router")
-    labels = {m._name: set(m._labelnames) for m in vars(metrics).values()
+    metrics = Metrics("router", "tiny-target")  # the registry adds model_name to every sample
+    labels = {m._name: set(m._labelnames) | {"model_name"} for m in vars(metrics).values()
               if isinstance(m, MetricWrapperBase)}
     names = {}
     for family in metrics.registry.collect():

@@ -74,6 +74,14 @@ spec:
             - $(TANDEM_MODEL)
             - --drafter
             - $(TANDEM_DRAFTER)
+            {{- if $m.tokenizer }}
+            - --tokenizer
+            - $(TANDEM_TOKENIZER)
+            {{- end }}
+            {{- if $m.servedModelName }}
+            - --served-model-name
+            - $(TANDEM_SERVED_MODEL_NAME)
+            {{- end }}
             - -k
             - $(TANDEM_NUM_SPEC_TOKENS)
             - --layout

@@ -1,0 +1,86 @@
+"""The serving options of `tandem up` / `router` / `worker` (tokenizer, chat template, served
+model name): parsed, passed on by the local launcher, and applied by the router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from deploy.cli import build_parser, served_model_name
+from deploy.local import LocalCluster
+from deploy.ray_launcher.actors import engine_args
+from deploy.ray_launcher.config import parse_config
+from proto.tandem.v1 import client_pb2 as cpb
+from services.common.metrics import Metrics
+from services.router.main import model_limits, router_text
+from services.router.openai_api import OpenAIServer
+from services.router.server import Router
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-target"
+OPTIONS = ["--tokenizer", "/tok", "--chat-template", "/chat.jinja", "--served-model-name", "m"]
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_up_help_shows_the_serving_options():
+    text = build_parser()._subparsers._group_actions[0].choices["up"].format_help()
+    for flag in ("--tokenizer", "--chat-template", "--served-model-name"):
+        assert flag in text
+
+
+def test_up_passes_them_to_the_router_and_the_workers_their_part():
+    args = build_parser().parse_args(["up", *OPTIONS])
+    cluster = LocalCluster.from_args(args)
+    router, worker = cluster.router_args, cluster.worker_args
+    assert [_value(router, f) for f in OPTIONS[::2]] == ["/tok", "/chat.jinja", "m"]
+    assert [_value(worker, f) for f in OPTIONS[::2]] == ["/tok", None, "m"]
+    plain = LocalCluster.from_args(build_parser().parse_args(["up"]))
+    assert "--tokenizer" not in plain.router_args + plain.worker_args
+
+
+def test_the_served_name_defaults_to_the_model_folder():
+    args = build_parser().parse_args(["router", "--model", str(TINY)])
+    assert served_model_name(args) == "tiny-target"
+    assert model_limits(str(TINY), 4, served_model_name="").model_id == "tiny-target"
+    assert model_limits(str(TINY), 4, served_model_name="m").model_id == "m"
+
+
+def test_the_router_serves_the_name_and_labels_its_metrics_with_it():
+    limits = model_limits(str(TINY), 4, served_model_name="my-model")
+    tokenizer, chat = router_text(str(TINY))
+    metrics = Metrics("router", limits.model_id)
+    router = Router(limits, metrics, tokenizer=tokenizer)
+    info = asyncio.run(router.ModelInfo(cpb.ModelInfoRequest(), None))
+    assert info.model_id == "my-model"
+    server = OpenAIServer(router, chat)
+    response = asyncio.run(server.models(None))
+    assert json.loads(response.body)["data"][0]["id"] == "my-model"
+    metrics.requests.labels("router", "stop").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert 'tandem_requests_total{model_name="my-model",role="router",status="stop"} 1.0' in text
+
+
+def test_a_router_without_a_tokenizer_exits_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    try:
+        router_text(str(tmp_path))
+    except SystemExit as e:
+        assert str(e).startswith(f"tandem: model: {str(tmp_path)!r} has no tokenizer.json")
+    else:
+        raise AssertionError("no exit")
+
+
+def test_the_ray_config_takes_the_serving_options():
+    config = parse_config({"model": {"tokenizer": "tok", "chat_template": "chat.jinja",
+                                     "served_model_name": "m"}})
+    args = engine_args(config.model)
+    assert args.tokenizer.endswith("/tok") and args.chat_template.endswith("/chat.jinja")
+    assert served_model_name(args) == "m"
+    default = engine_args(parse_config({}).model)
+    assert (default.tokenizer, default.chat_template, served_model_name(default)) == \
+        ("", "", "tiny-target")
