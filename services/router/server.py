@@ -25,11 +25,10 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, write_stream
 from services.common.metrics import Metrics
 from services.common.security import TlsConfig, aio_channel
-from services.engine.detokenizer import Detokenizer
 from services.engine.tokenizer import Tokenizer
 from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
-from services.router.stop_trimmer import StopTrimmer
+from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -196,15 +195,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         start = time.monotonic()
         self.metrics.running.labels("router").inc()
         status = "error"
-        trimmer = StopTrimmer(list(request.sampling.stop))
-        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        detok = StreamText(self.tokenizer, list(request.sampling.stop),
+                           request.sampling.min_tokens) if self.tokenizer is not None else None
         try:
             async for response in self._generate(rid, token_ids, request, handle, detok):
-                kind = response.WhichOneof("payload")
-                if kind == "chunk":
-                    response.chunk.text = trimmer.feed(response.chunk.text)
-                elif kind == "complete" and detok is not None and \
-                        (rest := trimmer.feed(detok.flush()) + trimmer.flush()):
+                kind = response.WhichOneof("payload")  # chunk text comes trimmed (StreamText)
+                if kind == "complete" and detok is not None and (rest := detok.flush()):
                     yield _chunk(rid, [], rest)  # held-back text that began no stop string
                 yield response
                 if kind == "complete":
@@ -222,7 +218,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             self.metrics.e2e.labels("router").observe(time.monotonic() - start)
 
     async def _generate(self, rid: str, token_ids: list[int], request: cpb.GenerateRequest,
-                        handle: _Inflight, detok: Detokenizer | None):
+                        handle: _Inflight, detok: StreamText | None):
         """The request's messages; chunk text comes from ``detok`` (one per request, across
         the prefill's first token and the decode worker's chunks)."""
         excluded: set[str] = set()
@@ -492,7 +488,7 @@ def _classify(error: grpc.aio.AioRpcError, worker_id: str) -> Exception:
     return _Fail(f"worker {worker_id}: {error.code().name}: {error.details()}")
 
 
-def _text(detok: Detokenizer | None, token_ids) -> str:
+def _text(detok: StreamText | None, token_ids) -> str:
     return detok.push(list(token_ids)) if detok is not None else ""
 
 

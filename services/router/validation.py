@@ -80,8 +80,5 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens:
     if sampling.min_tokens > max_tokens:
         raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens "
                            f"({max_tokens})")
-    if sampling.min_tokens and sampling.stop:
-        raise RequestError("sampling.min_tokens: not supported together with stop strings "
-                           "(sampling.stop) by this router")
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")

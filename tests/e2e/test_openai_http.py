@@ -149,6 +149,11 @@ def test_logprobs_with_and_without_speculation_agree_and_top_k_one_is_greedy(cli
     top1 = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1,
                                      extra_body={"ignore_eos": True, "top_k": 1})
     assert top1.choices[0].text == plain.text
+    stop = plain.text[1]  # inside the first 4 tokens' text (byte-level: a token per char)
+    late = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 4})
+    cut = plain.text.find(stop, 4)
+    assert late.choices[0].text == (plain.text[:cut] if cut >= 0 else plain.text)
     chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content

@@ -12,9 +12,10 @@ from services.router.http import HttpError
 from services.router.openai_api import OpenAIServer
 from services.router.openai_protocol import parse_completion, router_param
 from services.router.server import ModelLimits
+from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from tests.services.router.test_openai_api import CHAT, MODEL, ScriptedRouter, _call, _complete
-from tests.services.router.test_openai_protocol import _parse_chat
+from tests.services.router.test_openai_protocol import TOKENIZER, _parse_chat
 
 
 def _completion(**fields) -> cpb.GenerateRequest:
@@ -87,7 +88,6 @@ def _validate(**sampling) -> None:
     ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
     ({"min_tokens": 9}, "sampling.min_tokens"),  # past the default max_tokens of 8
     ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
-    ({"min_tokens": 2, "stop": ["\n"]}, "sampling.min_tokens"),
     ({"logprobs": 21}, "sampling.logprobs"),
 ])
 def test_the_router_validates_the_new_fields_by_name(sampling, field):
@@ -98,6 +98,18 @@ def test_the_router_validates_the_new_fields_by_name(sampling, field):
 def test_the_router_accepts_their_neutral_and_edge_values():
     _validate(top_k=1, min_p=1.0, repetition_penalty=0, presence_penalty=-2,
               frequency_penalty=2, min_tokens=8, logprobs=20)
+
+
+def test_streamed_text_searches_stop_strings_only_after_the_min_tokens_text():
+    """As the engine: a stop string counts only where it begins after the text of the first
+    min_tokens tokens (one byte-level token per character here)."""
+    text = StreamText(TOKENIZER, ["b"], min_tokens=3)
+    assert [text.push(list(b"ab")), text.push(list(b"cab")), text.push(list(b"x")),
+            text.flush()] == ["ab", "ca", "", ""]
+    plain = StreamText(TOKENIZER, ["b"])
+    assert [plain.push(list(b"ab")), plain.flush()] == ["a", ""]
+    held = StreamText(TOKENIZER, ["cd"], min_tokens=1)
+    assert [held.push(list(b"ac")), held.push(list(b"e")), held.flush()] == ["a", "ce", ""]
 
 
 # ---------------------------------------------------------------- response shapes
