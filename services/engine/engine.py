@@ -213,7 +213,7 @@ class Engine:
             return
         reqs = [req for _, req in done]
         logits = self.runner.target_logits(run.hidden[[offsets[i + 1] - 1 for i, _ in done]])
-        params = row_params([(r, []) for r in reqs], logits.shape[-1], self.out.eos_ids,
+        params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], self.out.eos_ids,
                             self.device)
         tokens = sample(probs_for_rows(logits, params), [r.generator for r in reqs]).tolist()
         logprobs = self._logprobs(logits, [[t] for t in tokens], reqs)
@@ -251,8 +251,8 @@ class Engine:
         draft_ids = drafts.token_ids if drafts is not None \
             else torch.zeros(len(decode), 0, dtype=torch.long, device=self.device)
         ids = draft_ids.tolist()
-        params = row_params([(r, ids[i][:j]) for i, r in enumerate(decode) for j in range(ks[i] + 1)],
-                            logits.shape[-1], self.out.eos_ids, self.device)
+        extras = [[ids[i][:j] for j in range(ks[i] + 1)] for i in range(len(decode))]
+        params = row_params(decode, extras, logits.shape[-1], self.out.eos_ids, self.device)
         probs = self._by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
         draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
         num_drafts = torch.tensor(ks, device=self.device) if min(ks) < draft_ids.shape[1] else None

@@ -19,19 +19,28 @@ from services.engine.sampler import Penalties, RowParams, logprobs_of
 Row = tuple[Request, list[int]]  # (request, extra tokens before the row's position)
 
 
-def row_params(rows: list[Row], vocab: int, eos_ids: frozenset[int],
-               device: torch.device) -> RowParams:
-    """RowParams for ``rows``; the tensors of a transform no row uses are left None."""
-    sp = [r.sampling for r, _ in rows]
-    temperature = torch.tensor([s.temperature for s in sp], dtype=torch.float32)
-    top_p = torch.tensor([s.top_p for s in sp], dtype=torch.float32)
-    top_k = torch.tensor([s.top_k for s in sp]) if any(s.top_k > 0 for s in sp) else None
-    min_p = torch.tensor([s.min_p for s in sp], dtype=torch.float32) \
-        if any(s.min_p > 0 for s in sp) else None
-    return RowParams(temperature.to(device), top_p.to(device),
-                     top_k.to(device) if top_k is not None else None,
-                     min_p.to(device) if min_p is not None else None,
-                     _penalties(rows, vocab, device), _banned(rows, vocab, eos_ids, device))
+def row_params(requests: list[Request], extras: list[list[list[int]]], vocab: int,
+               eos_ids: frozenset[int], device: torch.device) -> RowParams:
+    """RowParams for request i's rows, one per entry of extras[i] (its extra tokens), in
+    request order. Per-request values are expanded to rows on the tensor side; the tensors
+    of a transform no request uses are left None."""
+    sp = [r.sampling for r in requests]
+    counts = [len(e) for e in extras]
+    repeat = torch.tensor(counts) if any(n != 1 for n in counts) else None
+
+    def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return (t.repeat_interleave(repeat) if repeat is not None else t).to(device)
+
+    top_k = per_row([s.top_k for s in sp], torch.long) if any(s.top_k > 0 for s in sp) else None
+    min_p = per_row([s.min_p for s in sp]) if any(s.min_p > 0 for s in sp) else None
+    penalties = banned = None
+    if any(s.penalized or s.min_tokens for s in sp):
+        rows = [(r, x) for r, e in zip(requests, extras, strict=True) for x in e]
+        penalties = _penalties(rows, vocab, device)
+        banned = _banned(rows, vocab, eos_ids, device)
+    return RowParams(per_row([s.temperature for s in sp]), per_row([s.top_p for s in sp]),
+                     top_k, min_p, penalties, banned)
 
 
 def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties | None:

@@ -44,8 +44,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int,
     tokens, probs = [], []
     for step in range(k):
         logits = runner.draft_logits(g)  # [batch, vocab]
-        params = row_params(list(zip(requests, drafted, strict=True)), logits.shape[-1],
-                            eos_ids, device)
+        params = row_params(requests, [[d] for d in drafted], logits.shape[-1], eos_ids, device)
         q = probs_for_rows(logits, params)
         d = sample(q, generators)
         tokens.append(d)

@@ -68,7 +68,7 @@ def test_rows_count_the_drafts_before_them_for_penalties_and_min_tokens():
                         stop_token_ids=(5,))
     req = Request("r", [1, 2], sp, None)
     req.output_ids = [3]
-    params = row_params([(req, []), (req, [4]), (req, [4, 4])], 8, frozenset([EOS % 8]), "cpu")
+    params = row_params([req], [[[], [4], [4, 4]]], 8, frozenset([EOS % 8]), "cpu")
     assert params.penalties.counts.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0],
                                                 [0, 0, 0, 1, 1, 0, 0, 0],
                                                 [0, 0, 0, 1, 2, 0, 0, 0]]
@@ -76,7 +76,7 @@ def test_rows_count_the_drafts_before_them_for_penalties_and_min_tokens():
     # 1 and 2 tokens so far are < 3: EOS (7) and the stop id banned; 3 so far: free
     assert params.banned.nonzero().tolist() == [[0, 5], [0, 7], [1, 5], [1, 7]]
     ignored = Request("s", [1], SamplingParams(max_tokens=8, min_tokens=2, ignore_eos=True), None)
-    assert row_params([(ignored, [])], 8, frozenset([7]), "cpu").banned is None
+    assert row_params([ignored], [[[]]], 8, frozenset([7]), "cpu").banned is None
 
 
 @pytest.mark.parametrize("kwargs, field", [
