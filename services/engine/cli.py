@@ -22,7 +22,7 @@ BUNDLED = Path(__file__).resolve().parents[2] / "models"
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true", help="run the engine in this process")
-    p.add_argument("--prompt", required=True, help="prompt text (byte-level tokens)")
+    p.add_argument("--prompt", required=True, help="prompt text (encoded by the model's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
