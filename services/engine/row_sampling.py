@@ -49,16 +49,16 @@ def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties |
         return None
     seen = torch.zeros(len(idx), vocab, dtype=torch.bool)
     counts = torch.zeros(len(idx), vocab)
-    base: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per request: (seen, counts)
+    base: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per request: (seen, counts)
     for m, i in enumerate(idx):
         req, extra = rows[i]
-        if req.request_id not in base:
+        if id(req) not in base:
             s, c = torch.zeros(vocab, dtype=torch.bool), torch.zeros(vocab)
             s[torch.tensor(req.prompt_ids + req.output_ids, dtype=torch.long)] = True
             c.index_add_(0, torch.tensor(req.output_ids, dtype=torch.long),
                          torch.ones(len(req.output_ids)))
-            base[req.request_id] = (s, c)
-        s, c = base[req.request_id]
+            base[id(req)] = (s, c)
+        s, c = base[id(req)]
         seen[m], counts[m] = s, c
         if extra:
             ids = torch.tensor(extra, dtype=torch.long)

@@ -7,6 +7,7 @@ token by token, with and without speculation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from services.engine.row_sampling import row_params
 from services.engine.sampler import Penalties, RowParams, apply_penalties, probs_for_rows
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts, write_pair
+from tests.services.engine.test_distribution import PROMPT, chi_square_passes
 from tests.services.engine.test_engine import transfer
 
 EOS = 31
@@ -301,3 +303,40 @@ def test_min_tokens_lets_a_stop_string_count_only_after_their_text(pair, prompts
     assert j is not None  # without min_tokens the stop string ends it at token 2
     assert out.finish_reason == "stop" and out.token_ids == full[:j + 1]
     assert out.text == "".join(chr(t) for t in full[:j])
+
+
+def test_speculative_sampling_with_every_transform_follows_the_target(pair, target):
+    """Chi-square of the 2nd and 3rd tokens of 1500 seeded requests (K = 2: verify rows,
+    accepted, recovered and bonus tokens) against the exact marginals, each next-token
+    distribution computed densely with the transforms over that prefix's outputs."""
+    sp = SamplingParams(temperature=1.5, top_k=12, min_p=0.02, repetition_penalty=1.3,
+                        presence_penalty=0.8, frequency_penalty=0.5, min_tokens=2, max_tokens=3)
+
+    def probs_after(outputs: list[list[int]]) -> torch.Tensor:
+        reqs = []
+        for out in outputs:
+            reqs.append(Request("x", PROMPT, sp, None))
+            reqs[-1].output_ids = out
+        ids = torch.tensor([PROMPT + out for out in outputs])
+        b, t = ids.shape
+        with torch.no_grad():
+            hidden = target(ids.reshape(-1), torch.arange(t).repeat(b), DenseContext(b, t)).hidden
+            logits = target.compute_logits(hidden.view(b, t, -1)[:, -1])
+        return probs_for_rows(logits, row_params(reqs, [[[]]] * b, logits.shape[-1],
+                                                 frozenset([EOS]), "cpu"))
+
+    vocab = 32
+    p1 = probs_after([[]])[0]
+    p2 = probs_after([[a] for a in range(vocab)])  # [a, b]
+    p3 = probs_after([[a, b] for a in range(vocab) for b in range(vocab)])  # [a * b, c]
+    joint12 = p1[:, None] * p2
+    second, third = joint12.sum(0), (joint12.reshape(-1, 1) * p3).sum(0)
+    n = 1500
+    engine = make_engine(pair, k=2, max_num_seqs=128, num_pages=(1024, 1024),
+                         max_num_batched_tokens=1024)
+    params = [dataclasses.replace(sp, seed=s) for s in range(n)]
+    tokens = torch.tensor([o.token_ids for o in engine.generate([PROMPT] * n, params)])
+    stats = engine.stats["local"]
+    assert 0 < stats.num_accepted < stats.num_draft_tokens
+    assert chi_square_passes(torch.bincount(tokens[:, 1], minlength=vocab).float(), second)
+    assert chi_square_passes(torch.bincount(tokens[:, 2], minlength=vocab).float(), third)
