@@ -10,6 +10,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
@@ -38,7 +39,7 @@ def test_a_mismatched_pair_is_refused_naming_the_field_and_both_values(mixed):
     assert health.message.startswith("prefill-0->decode-2: ")
     router = mixed.processes[0]
     text = urllib.request.urlopen(router.metrics, timeout=5).read().decode()
-    assert 'tandem_peer_registrations_total{result="refused"} 1.0' in text
+    assert _sample(text, "tandem_peer_registrations_total", result="refused") == 1.0
 
 
 def test_the_refusal_names_num_spec_tokens_with_both_values(mixed):
@@ -83,9 +84,11 @@ def test_every_process_serves_grpc_health_and_metrics(mixed):
         assert "tandem_requests_total" in text or "tandem_peer_registrations_total" in text
     generate(mixed.router_address, PROMPT, 8, temperature=0)
     prefill = urllib.request.urlopen(mixed.processes[1].metrics, timeout=5).read().decode()
-    moved = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
-             for line in prefill.splitlines() if line.startswith("tandem_kv_transfer_bytes_total")}
-    assert moved['group="target"'] > 0 and moved['group="draft"'] > 0
+    for group in ("target", "draft"):
+        assert _sample(prefill, "tandem_kv_transfer_bytes_total", group=group) > 0
+
+
+IDS = cpb.TokenIds(ids=[1, 2])
 
 
 @pytest.mark.parametrize("request_kwargs, field", [
@@ -93,11 +96,11 @@ def test_every_process_serves_grpc_health_and_metrics(mixed):
     (dict(text=""), "prompt"),
     (dict(token_ids=cpb.TokenIds(ids=[])), "prompt.token_ids"),
     (dict(token_ids=cpb.TokenIds(ids=[1, 99])), "prompt.token_ids"),
-    (dict(text="x", sampling=cpb.SamplingParams(temperature=-1)), "sampling.temperature"),
-    (dict(text="x", sampling=cpb.SamplingParams(top_p=2)), "sampling.top_p"),
-    (dict(text="x", sampling=cpb.SamplingParams(max_tokens=100000)), "sampling.max_tokens"),
-    (dict(text="x", sampling=cpb.SamplingParams(stop=[""])), "sampling.stop[0]"),
-    (dict(text="x", speculative=cpb.SpeculativeOptions(num_spec_tokens=9)),
+    (dict(token_ids=IDS, sampling=cpb.SamplingParams(temperature=-1)), "sampling.temperature"),
+    (dict(token_ids=IDS, sampling=cpb.SamplingParams(top_p=2)), "sampling.top_p"),
+    (dict(token_ids=IDS, sampling=cpb.SamplingParams(max_tokens=100000)), "sampling.max_tokens"),
+    (dict(token_ids=IDS, sampling=cpb.SamplingParams(stop=[""])), "sampling.stop[0]"),
+    (dict(token_ids=IDS, speculative=cpb.SpeculativeOptions(num_spec_tokens=9)),
      "speculative.num_spec_tokens"),
 ])
 def test_bad_requests_get_invalid_argument_naming_the_field(mixed, request_kwargs, field):
@@ -181,6 +184,15 @@ def _pair_reason(cluster, prefill: str, decode: str) -> str:
     with grpc.insecure_channel(cluster.router_address) as channel:
         health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
     return health.message if f"{prefill}->{decode}" in health.message else ""
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample of ``name`` whose labels include ``labels`` (others,
+    such as model_name, may be there too)."""
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and labels.items() <= s.labels.items()]
+    assert len(values) == 1, (name, labels, values)
+    return values[0]
 
 
 def _decode_requests_seen(cluster) -> dict[str, float]:
