@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
@@ -56,6 +57,15 @@ def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
             else:
                 raise AssertionError(f"error message: {message.error}")
     return tokens, complete
+
+
+def metric_sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample of ``name`` whose labels include ``labels`` (others, such
+    as model_name, may be there too) in a /metrics page."""
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and labels.items() <= s.labels.items()]
+    assert len(values) == 1, (name, labels, values)
+    return values[0]
 
 
 def worker_pages(cluster: LocalCluster) -> dict[str, dict[str, tuple[int, int]]]:

@@ -10,13 +10,18 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
-from tests.e2e.conftest import assert_no_request_holds_pages, cluster_args, generate, start_cluster
+from tests.e2e.conftest import (
+    assert_no_request_holds_pages,
+    cluster_args,
+    generate,
+    metric_sample,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.slow
 PROMPT = list(range(1, 21))
@@ -39,7 +44,7 @@ def test_a_mismatched_pair_is_refused_naming_the_field_and_both_values(mixed):
     assert health.message.startswith("prefill-0->decode-2: ")
     router = mixed.processes[0]
     text = urllib.request.urlopen(router.metrics, timeout=5).read().decode()
-    assert _sample(text, "tandem_peer_registrations_total", result="refused") == 1.0
+    assert metric_sample(text, "tandem_peer_registrations_total", result="refused") == 1.0
 
 
 def test_the_refusal_names_num_spec_tokens_with_both_values(mixed):
@@ -85,7 +90,7 @@ def test_every_process_serves_grpc_health_and_metrics(mixed):
     generate(mixed.router_address, PROMPT, 8, temperature=0)
     prefill = urllib.request.urlopen(mixed.processes[1].metrics, timeout=5).read().decode()
     for group in ("target", "draft"):
-        assert _sample(prefill, "tandem_kv_transfer_bytes_total", group=group) > 0
+        assert metric_sample(prefill, "tandem_kv_transfer_bytes_total", group=group) > 0
 
 
 IDS = cpb.TokenIds(ids=[1, 2])
@@ -184,15 +189,6 @@ def _pair_reason(cluster, prefill: str, decode: str) -> str:
     with grpc.insecure_channel(cluster.router_address) as channel:
         health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
     return health.message if f"{prefill}->{decode}" in health.message else ""
-
-
-def _sample(text: str, name: str, **labels: str) -> float:
-    """The value of the one sample of ``name`` whose labels include ``labels`` (others,
-    such as model_name, may be there too)."""
-    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.name == name and labels.items() <= s.labels.items()]
-    assert len(values) == 1, (name, labels, values)
-    return values[0]
 
 
 def _decode_requests_seen(cluster) -> dict[str, float]:
