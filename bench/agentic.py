@@ -33,13 +33,13 @@ from bench.agentic_workload import Workload, WorkloadConfig, generate
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 
 
-def run_config(config: ClusterConfig, workload: Workload, args: argparse.Namespace
-               ) -> tuple[ReplayResult, Geometry]:
+def run_config(
+    config: ClusterConfig, workload: Workload, args: argparse.Namespace
+) -> tuple[ReplayResult, Geometry]:
     cluster = start_cluster(config, args)
     try:
         shape = geometry(cluster.router_address)
-        result = replay(cluster.router_address, workload, args.concurrency,
-                        shape.tokens_per_page)
+        result = replay(cluster.router_address, workload, args.concurrency, shape.tokens_per_page)
     finally:
         cluster.stop()
     return result, shape
@@ -68,36 +68,53 @@ def matrix(args: argparse.Namespace, host_tier: bool) -> tuple[list[ClusterConfi
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    return WorkloadConfig(seed=args.seed, conversations=args.conversations,
-                          min_turns=args.min_turns, max_turns=args.max_turns,
-                          answer_tokens=args.answer_tokens, preamble_tokens=args.preamble_tokens,
-                          branch_probability=args.branch_probability)
+    return WorkloadConfig(
+        seed=args.seed,
+        conversations=args.conversations,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        answer_tokens=args.answer_tokens,
+        preamble_tokens=args.preamble_tokens,
+        branch_probability=args.branch_probability,
+    )
 
 
 def describe(workload: Workload, args: argparse.Namespace) -> str:
     threads = workload.threads
     branches = sum(t.is_branch for t in threads)
-    return (f"workload: seed {args.seed}, {len(threads) - branches} conversations + {branches} "
-            f"subagent branches, {workload.num_requests()} requests, {args.answer_tokens}-token "
-            f"answers, concurrency {args.concurrency}; K = {args.k}, greedy; prefill KV "
-            f"{args.prefill_kv_mb} MiB, decode KV {args.decode_kv_mb} MiB")
+    return (
+        f"workload: seed {args.seed}, {len(threads) - branches} conversations + {branches} "
+        f"subagent branches, {workload.num_requests()} requests, {args.answer_tokens}-token "
+        f"answers, concurrency {args.concurrency}; K = {args.k}, greedy; prefill KV "
+        f"{args.prefill_kv_mb} MiB, decode KV {args.decode_kv_mb} MiB"
+    )
 
 
-def report(summaries: list[Summary], shapes: dict[str, Geometry],
-           skipped: dict[str, str], args: argparse.Namespace, header: str) -> None:
+def report(
+    summaries: list[Summary],
+    shapes: dict[str, Geometry],
+    skipped: dict[str, str],
+    args: argparse.Namespace,
+    header: str,
+) -> None:
     print(header)
     print(markdown_table(summaries, skipped))
     for name, shape in shapes.items():
-        pages = "; ".join(f"{worker} " + ", ".join(f"{g} {n}" for g, n in groups.items())
-                          for worker, groups in shape.pages.items())
-        print(f"- {name}: device pages: {pages}; draft window rebuild {shape.rebuild_tokens} "
-              "tokens")
+        pages = "; ".join(
+            f"{worker} " + ", ".join(f"{g} {n}" for g, n in groups.items())
+            for worker, groups in shape.pages.items()
+        )
+        print(f"- {name}: device pages: {pages}; draft window rebuild {shape.rebuild_tokens} tokens")
     for s in summaries:
-        print(f"- {s.name}: an unbounded prompt cache would prefill {s.floor_prefilled / 1000:.1f}K "
-              "target tokens (the floor)")
+        print(
+            f"- {s.name}: an unbounded prompt cache would prefill {s.floor_prefilled / 1000:.1f}K "
+            "target tokens (the floor)"
+        )
         if s.over_cached:
-            print(f"- {s.name}: {s.over_cached} requests reported more cached than prompt "
-                  "tokens (re-admitted after preemption); counted as fully cached")
+            print(
+                f"- {s.name}: {s.over_cached} requests reported more cached than prompt "
+                "tokens (re-admitted after preemption); counted as fully cached"
+            )
         for error in s.first_errors:
             print(f"- {s.name}: error: {error}")
     if args.svg and summaries:
@@ -110,30 +127,50 @@ def report(summaries: list[Summary], shapes: dict[str, Geometry],
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--router", default="", help="replay against this running router "
-                   "(host:port) instead of starting clusters")
+    p.add_argument(
+        "--router",
+        default="",
+        help="replay against this running router (host:port) instead of starting clusters",
+    )
     p.add_argument("--origin", default="transferred", help="AL origin label with --router")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--min-turns", type=int, default=4)
     p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=4, help="threads (conversations or "
-                   "subagent branches) in flight")
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="threads (conversations or subagent branches) in flight"
+    )
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--preamble-tokens", type=int, default=1024)
     p.add_argument("--branch-probability", type=float, default=0.5)
-    p.add_argument("--layouts", nargs="+", default=["unified", "separate", "aggregated"],
-                   choices=["unified", "separate", "aggregated"])
-    p.add_argument("--host-kv-mb", type=int, default=64, help="host tier size of the 'with' "
-                   "column, MiB per worker (0 = run only without)")
-    p.add_argument("--host-write-policy", choices=["evict", "through"], default="evict",
-                   help="the host tier's write policy (tandem worker --host-kv-write-policy)")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["unified", "separate", "aggregated"],
+        choices=["unified", "separate", "aggregated"],
+    )
+    p.add_argument(
+        "--host-kv-mb",
+        type=int,
+        default=64,
+        help="host tier size of the 'with' column, MiB per worker (0 = run only without)",
+    )
+    p.add_argument(
+        "--host-write-policy",
+        choices=["evict", "through"],
+        default="evict",
+        help="the host tier's write policy (tandem worker --host-kv-write-policy)",
+    )
     p.add_argument("--prefill-kv-mb", type=int, default=32)
     p.add_argument("--decode-kv-mb", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("-k", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process "
-                   "(1: prefill and decode each keep one core of two)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker process (1: prefill and decode each keep one core of two)",
+    )
     p.add_argument("--model", default=MODEL)
     p.add_argument("--drafter", default=DRAFTER)
     p.add_argument("--svg", default="docs/agentic.svg", help="plot path ('' = none)")

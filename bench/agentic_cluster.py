@@ -57,18 +57,28 @@ class Geometry:
 
 def host_tier_supported() -> bool:
     """Whether ``tandem worker`` accepts the host KV tier's size flag."""
-    help_text = subprocess.run([sys.executable, "-m", "deploy.cli", "worker", "--help"],
-                               capture_output=True, text=True, check=False).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "worker", "--help"], capture_output=True, text=True, check=False
+    ).stdout
     return HOST_TIER_FLAG in help_text
 
 
 def worker_args(config: ClusterConfig, args: argparse.Namespace) -> list[str]:
     layout = "unified" if config.layout == "aggregated" else config.layout
-    out = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.k), "--layout", layout,
-           "--max-num-seqs", str(args.max_num_seqs)]
+    out = [
+        "--model",
+        args.model,
+        "--drafter",
+        args.drafter,
+        "-k",
+        str(args.k),
+        "--layout",
+        layout,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
     if config.host_kv_mb:
-        out += [HOST_TIER_FLAG, str(config.host_kv_mb),
-                "--host-kv-write-policy", args.host_write_policy]
+        out += [HOST_TIER_FLAG, str(config.host_kv_mb), "--host-kv-write-policy", args.host_write_policy]
     return out
 
 
@@ -78,10 +88,14 @@ def start_cluster(config: ClusterConfig, args: argparse.Namespace) -> LocalClust
     prefill = ["--kv-cache-mb", str(args.prefill_kv_mb)]
     decode = ["--kv-cache-mb", str(args.decode_kv_mb)]
     both = ["--kv-cache-mb", str(args.prefill_kv_mb + args.decode_kv_mb)]
-    roles = ([("both", both)] if config.layout == "aggregated"
-             else [("prefill", prefill), ("decode", decode)])
-    cluster = LocalCluster(worker_args(config, args), ["--model", args.model, "-k", str(args.k)],
-                           roles, start_timeout_s=180, env={"OMP_NUM_THREADS": str(args.threads)})
+    roles = [("both", both)] if config.layout == "aggregated" else [("prefill", prefill), ("decode", decode)]
+    cluster = LocalCluster(
+        worker_args(config, args),
+        ["--model", args.model, "-k", str(args.k)],
+        roles,
+        start_timeout_s=180,
+        env={"OMP_NUM_THREADS": str(args.threads)},
+    )
     cluster.start()
     return cluster
 

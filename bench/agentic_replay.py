@@ -67,19 +67,21 @@ def turn_kind(thread: Thread, turn: int) -> str:
 def generate_request(request_id: str, prompt: Tokens, answer_tokens: int) -> cpb.GenerateRequest:
     """Greedy, exactly ``answer_tokens`` tokens. The id is set by the client, so a replay can
     also address an aggregated worker directly (which assigns none)."""
-    return cpb.GenerateRequest(request_id=request_id, token_ids=cpb.TokenIds(ids=list(prompt)),
-                               sampling=cpb.SamplingParams(max_tokens=answer_tokens,
-                                                           temperature=0.0, ignore_eos=True))
+    return cpb.GenerateRequest(
+        request_id=request_id,
+        token_ids=cpb.TokenIds(ids=list(prompt)),
+        sampling=cpb.SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
-async def run_turn(stub: cpb_grpc.TandemStub, record: TurnRecord, prompt: Tokens,
-                   answer_tokens: int, request_id: str) -> Tokens:
+async def run_turn(
+    stub: cpb_grpc.TandemStub, record: TurnRecord, prompt: Tokens, answer_tokens: int, request_id: str
+) -> Tokens:
     """Send one turn, fill ``record`` from the stream; returns the answer's tokens."""
     answer: list[int] = []
     start = last = time.monotonic()
     record.prompt_tokens = len(prompt)
-    call = stub.Generate(generate_request(request_id, prompt, answer_tokens),
-                         timeout=REQUEST_TIMEOUT_S)
+    call = stub.Generate(generate_request(request_id, prompt, answer_tokens), timeout=REQUEST_TIMEOUT_S)
     async for message in call:
         kind = message.WhichOneof("payload")
         now = time.monotonic()
@@ -113,8 +115,9 @@ def _fill_usage(record: TurnRecord, usage: cpb.Usage) -> None:
 class Replay:
     """The scheduling state of one replay: ready threads, thread states, records."""
 
-    def __init__(self, workload: Workload, stub: cpb_grpc.TandemStub, concurrency: int,
-                 tokens_per_page: int) -> None:
+    def __init__(
+        self, workload: Workload, stub: cpb_grpc.TandemStub, concurrency: int, tokens_per_page: int
+    ) -> None:
         self.workload, self.stub, self.concurrency = workload, stub, concurrency
         self.floor = PromptCacheFloor(tokens_per_page)
         self.ready: asyncio.PriorityQueue = asyncio.PriorityQueue()
@@ -157,9 +160,13 @@ class Replay:
             prompt = state.next_prompt()
             record.floor_cached = self.floor.best_hit(prompt)
             try:
-                answer = await run_turn(self.stub, record, prompt,
-                                        self.workload.config.answer_tokens,
-                                        f"agentic-{self.id_prefix}-{thread.name}-t{turn}")
+                answer = await run_turn(
+                    self.stub,
+                    record,
+                    prompt,
+                    self.workload.config.answer_tokens,
+                    f"agentic-{self.id_prefix}-{thread.name}-t{turn}",
+                )
             except grpc.aio.AioRpcError as e:
                 record.error = f"{e.code().name}: {e.details()}"
             if record.error:
@@ -172,12 +179,12 @@ class Replay:
 
     def _drop_descendants(self, name: str) -> None:
         """A failed thread's branches never become ready: count them as done."""
-        self._finish(sum(1 for t in self.workload.threads
-                         if t.parent == name and t.name not in self.states))
+        self._finish(sum(1 for t in self.workload.threads if t.parent == name and t.name not in self.states))
 
 
-async def replay_async(address: str, workload: Workload, concurrency: int,
-                       tokens_per_page: int = 16) -> ReplayResult:
+async def replay_async(
+    address: str, workload: Workload, concurrency: int, tokens_per_page: int = 16
+) -> ReplayResult:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = cpb_grpc.TandemStub(channel)
         start = time.monotonic()
@@ -185,8 +192,7 @@ async def replay_async(address: str, workload: Workload, concurrency: int,
         return ReplayResult(records, time.monotonic() - start)
 
 
-def replay(address: str, workload: Workload, concurrency: int,
-           tokens_per_page: int = 16) -> ReplayResult:
+def replay(address: str, workload: Workload, concurrency: int, tokens_per_page: int = 16) -> ReplayResult:
     """Replay ``workload`` against the router at ``address`` (host:port); ``tokens_per_page``
     sets the page granularity of the unbounded-cache floor."""
     return asyncio.run(replay_async(address, workload, concurrency, tokens_per_page))

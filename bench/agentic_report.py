@@ -93,7 +93,9 @@ def summarize(name: str, origin: str, result: ReplayResult, rebuild_tokens: int 
     later = [r for r in ok if not r.is_first]
     gaps = [g for r in ok for g in r.itl_s]
     return Summary(
-        name=name, origin=origin, requests=len(result.records),
+        name=name,
+        origin=origin,
+        requests=len(result.records),
         errors=len(result.records) - len(ok),
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         cached={g: sum(_cached(r, g) for r in ok) for g in GROUPS},
@@ -101,13 +103,17 @@ def summarize(name: str, origin: str, result: ReplayResult, rebuild_tokens: int 
         floor_prefilled=sum(r.prompt_tokens - r.floor_cached for r in ok),
         ttft_first=_p50_p90([r.ttft_s for r in first]),
         ttft_continuation=_p50_p90([r.ttft_s for r in later]),
-        itl=_p50_p90(gaps), al=weighted_al(ok), al_continuation=weighted_al(later),
-        output_tokens=sum(r.completion_tokens for r in ok), wall_s=result.wall_s,
+        itl=_p50_p90(gaps),
+        al=weighted_al(ok),
+        al_continuation=weighted_al(later),
+        output_tokens=sum(r.completion_tokens for r in ok),
+        wall_s=result.wall_s,
         first_errors=[r.error for r in result.records if r.error][:3],
         over_cached=sum(any(n > r.prompt_tokens for n in r.cached_per_group.values()) for r in ok),
         sent_pages={g: sum(r.sent_pages.get(g, 0) for r in ok) for g in GROUPS},
         held_pages={g: sum(r.held_pages.get(g, 0) for r in ok) for g in GROUPS},
-        transfer_bytes=sum(r.transfer_bytes for r in ok))
+        transfer_bytes=sum(r.transfer_bytes for r in ok),
+    )
 
 
 def _cached(record: TurnRecord, group: str) -> int:
@@ -120,30 +126,42 @@ def _p50_p90(values: list[float]) -> tuple[float, float]:
     return percentile(values, 0.5), percentile(values, 0.9)
 
 
-HEADER = ("| configuration | requests (errors) | prefilled target / draft | prefill forward "
-          "| cached target / draft "
-          "| hit rate target / draft | TTFT p50 / p90 first turns (ms) | TTFT p50 / p90 "
-          "continuations (ms) | ITL p50 / p90 (ms) | AL (origin) | AL continuations | "
-          "output tok/s | transfer pages sent / skipped target; draft (MiB sent) |")
+HEADER = (
+    "| configuration | requests (errors) | prefilled target / draft | prefill forward "
+    "| cached target / draft "
+    "| hit rate target / draft | TTFT p50 / p90 first turns (ms) | TTFT p50 / p90 "
+    "continuations (ms) | ITL p50 / p90 (ms) | AL (origin) | AL continuations | "
+    "output tok/s | transfer pages sent / skipped target; draft (MiB sent) |"
+)
 
 
 def markdown_table(summaries: list[Summary], skipped: dict[str, str] | None = None) -> str:
     """The table; ``skipped``: configuration -> why it has no numbers (a row saying so)."""
     lines = [HEADER, "|---" * HEADER.count(" | ") + "|---|"]
     lines += [markdown_row(s) for s in summaries]
-    lines += [f"| {name} | not run: {why} |" + " |" * (HEADER.count(" | ") - 1)
-              for name, why in (skipped or {}).items()]
+    lines += [
+        f"| {name} | not run: {why} |" + " |" * (HEADER.count(" | ") - 1)
+        for name, why in (skipped or {}).items()
+    ]
     return "\n".join(lines)
 
 
 def markdown_row(s: Summary) -> str:
-    cells = [s.name, f"{s.requests} ({s.errors})",
-             f"{_k(s.prefilled('target'))} / {_k(s.prefilled('draft'))}", _k(s.forward_tokens),
-             f"{_k(s.cached['target'])} / {_k(s.cached['draft'])}",
-             f"{s.hit_rate('target'):.1%} / {s.hit_rate('draft'):.1%}",
-             _ms_pair(s.ttft_first), _ms_pair(s.ttft_continuation), _ms_pair(s.itl),
-             f"{s.al:.2f} ({s.origin})", f"{s.al_continuation:.2f}", f"{s.output_tok_s:.1f}",
-             _transfer_cell(s)]
+    cells = [
+        s.name,
+        f"{s.requests} ({s.errors})",
+        f"{_k(s.prefilled('target'))} / {_k(s.prefilled('draft'))}",
+        _k(s.forward_tokens),
+        f"{_k(s.cached['target'])} / {_k(s.cached['draft'])}",
+        f"{s.hit_rate('target'):.1%} / {s.hit_rate('draft'):.1%}",
+        _ms_pair(s.ttft_first),
+        _ms_pair(s.ttft_continuation),
+        _ms_pair(s.itl),
+        f"{s.al:.2f} ({s.origin})",
+        f"{s.al_continuation:.2f}",
+        f"{s.output_tok_s:.1f}",
+        _transfer_cell(s),
+    ]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -22,8 +22,12 @@ from models.byte_tokenizer import BOS_ID
 from models.data import split_files
 
 Tokens = tuple[int, ...]
-ROLE_HEADERS = {"system": b"# system: you are a coding agent; tools follow.\n",
-                "user": b"\n# user:\n", "tool": b"\n# tool result:\n", "task": b"\n# subagent task:\n"}
+ROLE_HEADERS = {
+    "system": b"# system: you are a coding agent; tools follow.\n",
+    "user": b"\n# user:\n",
+    "tool": b"\n# tool result:\n",
+    "task": b"\n# subagent task:\n",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +58,17 @@ class WorkloadConfig:
             raise ValueError(f"min_turns/max_turns: need 1 <= {self.min_turns} <= {self.max_turns}")
         if self.conversations < 1 or self.preambles < 1 or self.answer_tokens < 1:
             raise ValueError("conversations, preambles and answer_tokens must be >= 1")
-        worst = (self.preamble_tokens + self.first_tokens[1]
-                 + (self.min_turns - 1) * self.turn_tokens[1] + self.min_turns * self.answer_tokens)
+        worst = (
+            self.preamble_tokens
+            + self.first_tokens[1]
+            + (self.min_turns - 1) * self.turn_tokens[1]
+            + self.min_turns * self.answer_tokens
+        )
         if worst > self.max_context:
-            raise ValueError(f"max_context: {self.min_turns} turns may need {worst} tokens "
-                             f"> {self.max_context}; shrink the segments or the turns")
+            raise ValueError(
+                f"max_context: {self.min_turns} turns may need {worst} tokens "
+                f"> {self.max_context}; shrink the segments or the turns"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,15 +155,16 @@ def text_segment(rng: random.Random, role: str, size: int) -> Tokens:
     body_size = max(0, size - len(header))
     text = corpus()
     start = rng.randrange(0, len(text) - body_size)
-    return tuple((header + text[start:start + body_size])[:size])
+    return tuple((header + text[start : start + body_size])[:size])
 
 
 def generate(config: WorkloadConfig) -> Workload:
     """The workload of ``config``; the same config gives the same workload."""
     config.validate()
     rng = random.Random(config.seed)
-    preambles = [(BOS_ID, *text_segment(rng, "system", config.preamble_tokens - 1))
-                 for _ in range(config.preambles)]
+    preambles = [
+        (BOS_ID, *text_segment(rng, "system", config.preamble_tokens - 1)) for _ in range(config.preambles)
+    ]
     conversations, branches = [], []
     for i in range(config.conversations):
         conversation = _conversation(rng, config, f"c{i}", preambles[i % config.preambles])
@@ -165,8 +176,10 @@ def generate(config: WorkloadConfig) -> Workload:
 def _conversation(rng: random.Random, config: WorkloadConfig, name: str, head: Tokens) -> Thread:
     turns = rng.randint(config.min_turns, config.max_turns)
     segments = [text_segment(rng, "user", rng.randint(*config.first_tokens))]
-    segments += [text_segment(rng, rng.choice(("tool", "user")), rng.randint(*config.turn_tokens))
-                 for _ in range(turns - 1)]
+    segments += [
+        text_segment(rng, rng.choice(("tool", "user")), rng.randint(*config.turn_tokens))
+        for _ in range(turns - 1)
+    ]
     return Thread(name, head, tuple(_fit(segments, len(head), config)))
 
 
@@ -175,26 +188,28 @@ def _branches(rng: random.Random, config: WorkloadConfig, parent: Thread) -> lis
     if parent.turns < 2 or rng.random() >= config.branch_probability:
         return []
     fork = rng.randrange(0, parent.turns - 1)
-    base = _prompt_length(parent.head, parent.segments[:fork + 1], config) + config.answer_tokens
+    base = _prompt_length(parent.head, parent.segments[: fork + 1], config) + config.answer_tokens
     out = []
     for j in range(rng.randint(*config.branches)):
         segments = [text_segment(rng, "task", rng.randint(*config.branch_task_tokens))]
-        segments += [text_segment(rng, "tool", rng.randint(*config.turn_tokens))
-                     for _ in range(config.branch_turns - 1)]
+        segments += [
+            text_segment(rng, "tool", rng.randint(*config.turn_tokens))
+            for _ in range(config.branch_turns - 1)
+        ]
         fitted = _fit(segments, base, config, minimum=1)
         if fitted:
             out.append(Thread(f"{parent.name}.b{j}", (), tuple(fitted), parent.name, fork))
     return out
 
 
-def _prompt_length(head: Tokens, segments: tuple[Tokens, ...] | list[Tokens],
-                   config: WorkloadConfig) -> int:
+def _prompt_length(head: Tokens, segments: tuple[Tokens, ...] | list[Tokens], config: WorkloadConfig) -> int:
     """Length of the prompt of the turn that appends the last of ``segments``."""
     return len(head) + sum(map(len, segments)) + (len(segments) - 1) * config.answer_tokens
 
 
-def _fit(segments: list[Tokens], base: int, config: WorkloadConfig,
-         minimum: int | None = None) -> list[Tokens]:
+def _fit(
+    segments: list[Tokens], base: int, config: WorkloadConfig, minimum: int | None = None
+) -> list[Tokens]:
     """The longest leading run of ``segments`` whose every turn fits the context."""
     minimum = config.min_turns if minimum is None else minimum
     kept: list[Tokens] = []

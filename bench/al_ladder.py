@@ -39,7 +39,7 @@ def windows(corpus: bytes, length: int, count: int, seed: int) -> list[list[int]
     """``count`` prompts of ``length`` tokens: BOS + length - 1 bytes at random offsets."""
     g = torch.Generator().manual_seed(seed * 7919 + length)
     starts = torch.randint(0, len(corpus) - length, (count,), generator=g).tolist()
-    return [[BOS_ID, *corpus[s:s + length - 1]] for s in starts]
+    return [[BOS_ID, *corpus[s : s + length - 1]] for s in starts]
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -61,12 +61,15 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
         final.update({o.request_id: o for o in outputs if o.finished})
     stats = engine.stats.get("local")
     generated = sum(len(final[i].token_ids) for i in ids)
-    return {"al": round(stats.acceptance_length, 3) if stats else 1.0,
-            "per_position": list(stats.accepted_per_position) if stats else [],
-            "steps": stats.num_steps if stats else None,
-            "tokens_per_s": round(generated / total_s, 1), "seconds": round(total_s, 2),
-            "decode_tokens_per_s": round(decode_tokens / max(decode_s, 1e-9), 1),
-            "token_ids": [final[i].token_ids for i in ids]}
+    return {
+        "al": round(stats.acceptance_length, 3) if stats else 1.0,
+        "per_position": list(stats.accepted_per_position) if stats else [],
+        "steps": stats.num_steps if stats else None,
+        "tokens_per_s": round(generated / total_s, 1),
+        "seconds": round(total_s, 2),
+        "decode_tokens_per_s": round(decode_tokens / max(decode_s, 1e-9), 1),
+        "token_ids": [final[i].token_ids for i in ids],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,10 +86,16 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     ks, rungs = [int(k) for k in a.ks.split(",")], [int(r) for r in a.rungs.split(",")]
-    common = dict(model=MODEL, device=a.device, enable_prefix_cache=False,
-                  max_num_seqs=max(8, a.prompts), kv_cache_bytes=1 << 30)
-    engines = {k: Engine(EngineConfig(drafter=DRAFTER if k else None, num_spec_tokens=k, **common))
-               for k in [0, *ks]}
+    common = dict(
+        model=MODEL,
+        device=a.device,
+        enable_prefix_cache=False,
+        max_num_seqs=max(8, a.prompts),
+        kv_cache_bytes=1 << 30,
+    )
+    engines = {
+        k: Engine(EngineConfig(drafter=DRAFTER if k else None, num_spec_tokens=k, **common)) for k in [0, *ks]
+    }
     results = []
     for domain, corpus in held_out_corpora().items():
         for rung in rungs:

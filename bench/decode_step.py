@@ -45,18 +45,30 @@ PAGE = 16
 
 
 def llama_8b(vocab: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       rope_theta=500000.0, max_position_embeddings=8192)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    )
 
 
 def toy(vocab: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
-def build_target(config: LlamaConfig, device: torch.device, dtype: torch.dtype
-                 ) -> LlamaForCausalLM:
+def build_target(config: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """Random weights (the modules' own initialisation), made directly on ``device``."""
     torch.manual_seed(0)
     before = torch.get_default_dtype()
@@ -82,18 +94,29 @@ def weight_bytes_per_step(model: LlamaForCausalLM, batch: int) -> int:
 
 
 def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: int) -> int:
-    return (batch * context * config.num_hidden_layers * config.num_key_value_heads
-            * config.head_dim * 2 * itemsize)
+    return (
+        batch
+        * context
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * 2
+        * itemsize
+    )
 
 
-def make_pool(config: LlamaConfig, max_batch: int, context: int, device: torch.device,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def make_pool(
+    config: LlamaConfig, max_batch: int, context: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A random KV pool and a block table [max_batch, pages per sequence] of scattered
     pages."""
     pages_per_seq = cdiv(context, PAGE)
     num_pages = max_batch * pages_per_seq
-    pool = torch.empty((num_pages, config.num_hidden_layers, 2, config.num_key_value_heads,
-                        PAGE, config.head_dim), dtype=dtype, device=device)
+    pool = torch.empty(
+        (num_pages, config.num_hidden_layers, 2, config.num_key_value_heads, PAGE, config.head_dim),
+        dtype=dtype,
+        device=device,
+    )
     for chunk in pool.split(256):
         chunk.normal_()
     table = torch.randperm(num_pages, dtype=torch.int32).view(max_batch, pages_per_seq)
@@ -106,14 +129,16 @@ def step_batch(table: torch.Tensor, batch: int, context: int, vocab: int) -> Uni
     pos = context - 1
     slots = rows[:, pos // PAGE].long() * PAGE + pos % PAGE
     ids = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(batch))
-    return UniformBatch(ids, torch.full((batch,), pos), slots, rows,
-                        torch.full((batch,), context, dtype=torch.int32))
+    return UniformBatch(
+        ids, torch.full((batch,), pos), slots, rows, torch.full((batch,), context, dtype=torch.int32)
+    )
 
 
 def greedy_step(model: LlamaForCausalLM):
     def forward(input_ids, positions, hidden, ctx):
         logits = model.compute_logits(model(input_ids, positions, ctx).hidden)
         return (logits.argmax(dim=-1),)
+
     return forward
 
 
@@ -129,6 +154,7 @@ def matmuls_only(model: LlamaForCausalLM, batch: int):
             a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(x)
             m.gate_proj(x), m.up_proj(x), m.down_proj(inter)
         F.linear(x, model.head_weight)
+
     return run
 
 
@@ -143,6 +169,7 @@ def time_ms(fn, device: torch.device, graph: bool = False) -> float:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
     import triton
+
     if graph:
         fn()
         torch.cuda.synchronize()
@@ -157,11 +184,13 @@ def copy_rate_gbps(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
     from bench.kernels import copy_rate_gbps as measured
+
     return measured()
 
 
-def run_batch(model, graphed: GraphedForward, pool, table, batch: int, context: int,
-              device: torch.device) -> dict:
+def run_batch(
+    model, graphed: GraphedForward, pool, table, batch: int, context: int, device: torch.device
+) -> dict:
     host = step_batch(table, batch, context, model.config.vocab_size)
     graphed.load(host)
     tokens = {}
@@ -176,9 +205,13 @@ def run_batch(model, graphed: GraphedForward, pool, table, batch: int, context: 
     for name, fn in (("graph", graph_step), ("eager_uniform", uniform_step)):
         fn()
         tokens[name] = graphed.outputs[0][:batch].tolist()
-    ctx = PagedContext(pool, host.block_table.to(device),
-                       torch.arange(batch + 1, dtype=torch.int32, device=device),
-                       host.seq_lens.to(device), host.slot_mapping.to(device))
+    ctx = PagedContext(
+        pool,
+        host.block_table.to(device),
+        torch.arange(batch + 1, dtype=torch.int32, device=device),
+        host.seq_lens.to(device),
+        host.slot_mapping.to(device),
+    )
     ids, positions = host.input_ids.to(device), host.positions.to(device)
     paged = greedy_step(model)
     timings["eager_paged"] = time_ms(lambda: paged(ids, positions, None, ctx), device)
@@ -202,8 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         model = build_target(config, device, dtype)
         pool, table = make_pool(config, batches[-1], a.context, device, dtype)
-        graphed = GraphedForward(greedy_step(model), pool, q_len=1, window=0, buckets=batches,
-                                 max_pages=table.shape[1], capture=device.type == "cuda")
+        graphed = GraphedForward(
+            greedy_step(model),
+            pool,
+            q_len=1,
+            window=0,
+            buckets=batches,
+            max_pages=table.shape[1],
+            capture=device.type == "cuda",
+        )
         if device.type == "cuda":
             graphed.capture(torch.cuda.graph_pool_handle())
         copy = copy_rate_gbps(device)
@@ -212,8 +252,9 @@ def main(argv: list[str] | None = None) -> None:
             r = run_batch(model, graphed, pool, table, batch, a.context, device)
             weights = weight_bytes_per_step(model, batch)
             kv = kv_bytes_per_step(config, batch, a.context, pool.element_size())
-            r.update(batch=batch, weight_bytes=weights, kv_bytes=kv,
-                     roofline_ms=(weights + kv) / (copy * 1e6))
+            r.update(
+                batch=batch, weight_bytes=weights, kv_bytes=kv, roofline_ms=(weights + kv) / (copy * 1e6)
+            )
             rows.append(r)
     print_table(rows, copy, a, config)
     if a.out:
@@ -221,18 +262,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(rows: list[dict], copy: float, a, config: LlamaConfig) -> None:
-    print(f"\ndecode step, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"vocab {config.vocab_size}, context {a.context}; copy {copy:,.0f} GB/s (read + write)")
-    print("| B | weights GB | KV GB | roofline ms | eager paged ms | eager uniform ms | graph ms "
-          "| graph / roofline | matmuls ms | graph GB/s | tokens equal |")
+    print(
+        f"\ndecode step, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"vocab {config.vocab_size}, context {a.context}; copy {copy:,.0f} GB/s (read + write)"
+    )
+    print(
+        "| B | weights GB | KV GB | roofline ms | eager paged ms | eager uniform ms | graph ms "
+        "| graph / roofline | matmuls ms | graph GB/s | tokens equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["ms"]
         gbs = (r["weight_bytes"] + r["kv_bytes"]) / (t["graph"] * 1e6)
-        print(f"| {r['batch']} | {r['weight_bytes'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} "
-              f"| {r['roofline_ms']:.2f} | {t['eager_paged']:.2f} | {t['eager_uniform']:.2f} "
-              f"| {t['graph']:.2f} | {t['graph'] / r['roofline_ms']:.2f} | {t['matmuls']:.2f} "
-              f"| {gbs:,.0f} | {'yes' if r['tokens_equal'] else 'NO'} |")
+        print(
+            f"| {r['batch']} | {r['weight_bytes'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} "
+            f"| {r['roofline_ms']:.2f} | {t['eager_paged']:.2f} | {t['eager_uniform']:.2f} "
+            f"| {t['graph']:.2f} | {t['graph'] / r['roofline_ms']:.2f} | {t['matmuls']:.2f} "
+            f"| {gbs:,.0f} | {'yes' if r['tokens_equal'] else 'NO'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def ladder_prompts(lengths: list[int], per_length: int) -> dict[int, list[list[i
 def run_aggregated(prompts: dict[int, list[list[int]]], k: int, max_tokens: int) -> dict:
     engine = Engine(EngineConfig(model=MODEL, drafter=DRAFTER, num_spec_tokens=k))
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return {n: [(o.token_ids, o.usage.acceptance_length) for o in
-                (engine.generate([p], greedy)[0] for p in ps)] for n, ps in prompts.items()}
+    return {
+        n: [(o.token_ids, o.usage.acceptance_length) for o in (engine.generate([p], greedy)[0] for p in ps)]
+        for n, ps in prompts.items()
+    }
 
 
 def run_cluster(layout: str, prompts: dict[int, list[list[int]]], k: int, max_tokens: int) -> dict:
@@ -59,8 +61,10 @@ def run_cluster(layout: str, prompts: dict[int, list[list[int]]], k: int, max_to
 
 
 def _generate(stub, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0))
+    request = cpb.GenerateRequest(
+        token_ids=cpb.TokenIds(ids=prompt),
+        sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
     tokens, al = [], 0.0
     for message in stub.Generate(request, timeout=600):
         if message.HasField("chunk"):
@@ -84,17 +88,27 @@ def main() -> None:
     results = {"aggregated": run_aggregated(prompts, args.k, args.max_tokens)}
     for layout in ("unified", "separate"):
         results[layout] = run_cluster(layout, prompts, args.k, args.max_tokens)
-    print(f"K = {args.k}, {args.per_length} held-out prompts per length, {args.max_tokens} "
-          f"tokens each, greedy ({time.time() - start:.0f} s)")
-    print("| prompt tokens | AL aggregated | AL disaggregated, unified | AL disaggregated, "
-          "separate | outputs equal |")
+    print(
+        f"K = {args.k}, {args.per_length} held-out prompts per length, {args.max_tokens} "
+        f"tokens each, greedy ({time.time() - start:.0f} s)"
+    )
+    print(
+        "| prompt tokens | AL aggregated | AL disaggregated, unified | AL disaggregated, "
+        "separate | outputs equal |"
+    )
     print("|---|---|---|---|---|")
     for n in args.lengths:
         al = {name: statistics.mean(a for _, a in r[n]) for name, r in results.items()}
-        same = all(results[x][n][i][0] == results["aggregated"][n][i][0]
-                   for x in ("unified", "separate") for i in range(len(prompts[n])))
-        print(f"| {n} | {al['aggregated']:.2f} | {al['unified']:.2f} | {al['separate']:.2f} | "
-              f"{'yes' if same else 'NO'} |", flush=True)
+        same = all(
+            results[x][n][i][0] == results["aggregated"][n][i][0]
+            for x in ("unified", "separate")
+            for i in range(len(prompts[n]))
+        )
+        print(
+            f"| {n} | {al['aggregated']:.2f} | {al['unified']:.2f} | {al['separate']:.2f} | "
+            f"{'yes' if same else 'NO'} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,15 +28,20 @@ PROMPT = "def parse(self, text):\n    "
 
 
 def cluster(roles, faults: str = "") -> LocalCluster:
-    c = LocalCluster(["--model", MODEL, "--drafter", DRAFTER, "-k", "4"], ["--model", MODEL, "-k", "4"],
-                     roles, env={"TANDEM_FAULTS": faults} if faults else None)
+    c = LocalCluster(
+        ["--model", MODEL, "--drafter", DRAFTER, "-k", "4"],
+        ["--model", MODEL, "-k", "4"],
+        roles,
+        env={"TANDEM_FAULTS": faults} if faults else None,
+    )
     c.start()
     return c
 
 
 def request(max_tokens: int) -> cpb.GenerateRequest:
-    return cpb.GenerateRequest(text=PROMPT, sampling=cpb.SamplingParams(max_tokens=max_tokens,
-                                                                        ignore_eos=True))
+    return cpb.GenerateRequest(
+        text=PROMPT, sampling=cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> float:
@@ -108,7 +113,8 @@ def lease_expiry() -> float:
     try:
         with grpc.insecure_channel(c.processes[2].grpc) as channel:
             wpb_grpc.DecodeWorkerStub(channel).Reserve(
-                wpb.ReserveRequest(request_id="orphan", prompt_len=64, lease_ms=1000))
+                wpb.ReserveRequest(request_id="orphan", prompt_len=64, lease_ms=1000)
+            )
         return wait_until(lambda: held_pages(c)["decode-1"] == 0)
     finally:
         c.stop()
@@ -118,11 +124,16 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     print("| fault | measured |")
     print("|---|---|")
-    print(f"| decode SIGKILL mid-decode | client sees UNAVAILABLE after {decode_killed_mid_decode():.3f} s |",
-          flush=True)
+    print(
+        f"| decode SIGKILL mid-decode | client sees UNAVAILABLE after {decode_killed_mid_decode():.3f} s |",
+        flush=True,
+    )
     freed, completed = decode_killed_mid_transfer()
-    print(f"| decode SIGKILL mid-transfer | prefill pages free after {freed:.2f} s; request "
-          f"completes on the other decode worker {completed:.2f} s after the kill |", flush=True)
+    print(
+        f"| decode SIGKILL mid-transfer | prefill pages free after {freed:.2f} s; request "
+        f"completes on the other decode worker {completed:.2f} s after the kill |",
+        flush=True,
+    )
     print(f"| prefill SIGKILL | next request served in {prefill_killed():.2f} s |", flush=True)
     print(f"| transfer never comes (lease 1 s) | pages free after {lease_expiry():.2f} s |", flush=True)
 

@@ -20,13 +20,27 @@ P = 16
 
 
 def config(pages: int, policy: str) -> CacheConfig:
-    target = LayerGroupSpec("target", Owner.TARGET, num_layers=32, num_kv_heads=8, head_dim=128,
-                            dtype="bfloat16")
-    draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=1, num_kv_heads=8, head_dim=128,
-                           dtype="bfloat16", window=512, lifecycle=Lifecycle.OPTIONAL)
-    return CacheConfig(groups=(target, draft), tokens_per_page=P,
-                       num_pages=(pages + 8, pages + 8), num_spec_tokens=4,
-                       host_num_pages=pages + 8, host_write_policy=policy)
+    target = LayerGroupSpec(
+        "target", Owner.TARGET, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"
+    )
+    draft = LayerGroupSpec(
+        "draft",
+        Owner.DRAFT,
+        num_layers=1,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        window=512,
+        lifecycle=Lifecycle.OPTIONAL,
+    )
+    return CacheConfig(
+        groups=(target, draft),
+        tokens_per_page=P,
+        num_pages=(pages + 8, pages + 8),
+        num_spec_tokens=4,
+        host_num_pages=pages + 8,
+        host_write_policy=policy,
+    )
 
 
 def timed(fn) -> float:
@@ -71,10 +85,10 @@ def overlap(pages: int) -> dict[str, float]:
         def both() -> None:
             m.free("a", tokens)
             work()
+
         return timed(both)
 
-    return {"copy": cache_with(lambda: None), "both": cache_with(compute),
-            "compute": timed(compute)}
+    return {"copy": cache_with(lambda: None), "both": cache_with(compute), "compute": timed(compute)}
 
 
 def baseline(nbytes: int) -> tuple[float, float]:
@@ -95,18 +109,24 @@ def main() -> None:
     rows = {policy: run(args.pages, policy) for policy in ("evict", "through")}
     d2h, h2d = baseline(int(rows["evict"]["GB"] * 1e9))
     gb = rows["evict"]["GB"]
-    print(f"{args.pages} target pages ({gb:.2f} GB) on {torch.cuda.get_device_name()}; "
-          f"one contiguous pinned copy: D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
+    print(
+        f"{args.pages} target pages ({gb:.2f} GB) on {torch.cuda.get_device_name()}; "
+        f"one contiguous pinned copy: D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s"
+    )
     print("| policy | free + cache (ms) | evict to host (ms, GB/s) | recall (ms, GB/s) |")
     print("|---|---|---|---|")
     for policy, r in rows.items():
-        print(f"| {policy} | {r['cache'] * 1e3:.1f} | {r['evict'] * 1e3:.1f} "
-              f"({gb / r['evict']:.1f}) | {r['recall'] * 1e3:.1f} ({gb / r['recall']:.1f}) |")
+        print(
+            f"| {policy} | {r['cache'] * 1e3:.1f} | {r['evict'] * 1e3:.1f} "
+            f"({gb / r['evict']:.1f}) | {r['recall'] * 1e3:.1f} ({gb / r['recall']:.1f}) |"
+        )
     overlap(16)  # warm-up
     o = overlap(args.pages)
-    print(f"write-through copy on the side stream: copy alone {o['copy'] * 1e3:.1f} ms, "
-          f"12 bf16 8K matmuls alone {o['compute'] * 1e3:.1f} ms, both issued together "
-          f"{o['both'] * 1e3:.1f} ms")
+    print(
+        f"write-through copy on the side stream: copy alone {o['copy'] * 1e3:.1f} ms, "
+        f"12 bf16 8K matmuls alone {o['compute'] * 1e3:.1f} ms, both issued together "
+        f"{o['both'] * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

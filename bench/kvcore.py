@@ -22,10 +22,22 @@ from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
 
 def make_manager(num_pages: int, page: int, window: int, k: int) -> KVCacheManager:
     target = LayerGroupSpec("target", Owner.TARGET, num_layers=32, num_kv_heads=8, head_dim=128)
-    draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=1, num_kv_heads=8, head_dim=128,
-                           window=window, lifecycle=Lifecycle.OPTIONAL)
-    config = CacheConfig(groups=(target, draft), tokens_per_page=page,
-                         num_pages=(num_pages, num_pages), num_spec_tokens=k, max_num_seqs=512)
+    draft = LayerGroupSpec(
+        "draft",
+        Owner.DRAFT,
+        num_layers=1,
+        num_kv_heads=8,
+        head_dim=128,
+        window=window,
+        lifecycle=Lifecycle.OPTIONAL,
+    )
+    config = CacheConfig(
+        groups=(target, draft),
+        tokens_per_page=page,
+        num_pages=(num_pages, num_pages),
+        num_spec_tokens=k,
+        max_num_seqs=512,
+    )
     return KVCacheManager(config, allocate_tensors=False)
 
 
@@ -63,16 +75,18 @@ def bench_step(batch: int, page: int, window: int, k: int, steps: int) -> dict[s
             step_times.append(t1 - t0)
             prefix_times.append(t2 - t1)
             table_times.append(t3 - t2)
-    return {"decode_ms": 1e3 * statistics.median(step_times),
-            "prefix_ms": 1e3 * statistics.median(prefix_times),
-            "tables_ms": 1e3 * statistics.median(table_times)}
+    return {
+        "decode_ms": 1e3 * statistics.median(step_times),
+        "prefix_ms": 1e3 * statistics.median(prefix_times),
+        "tables_ms": 1e3 * statistics.median(table_times),
+    }
 
 
 def bench_allocate_free(num_requests: int, cache: bool) -> float:
     rng = random.Random(1)
     m = make_manager(num_pages=8192, page=16, window=512, k=4)
     docs = [[rng.randrange(256) for _ in range(2048)] for _ in range(8)]
-    prompts = [docs[i % 8][:rng.randint(256, 2048)] + [i % 256] for i in range(num_requests)]
+    prompts = [docs[i % 8][: rng.randint(256, 2048)] + [i % 256] for i in range(num_requests)]
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         rid = f"q{i}"
@@ -122,8 +136,10 @@ def main() -> None:
         print(f"| {batch} | {r['decode_ms']:.3f} | {r['prefix_ms']:.3f} | {r['tables_ms']:.3f} |")
     for cache in (False, True):
         us = bench_allocate_free(args.requests, cache)
-        print(f"allocate+free per request ({'with' if cache else 'without'} prefix cache, "
-              f"{args.requests} requests): {us:.1f} us")
+        print(
+            f"allocate+free per request ({'with' if cache else 'without'} prefix cache, "
+            f"{args.requests} requests): {us:.1f} us"
+        )
     mem = bench_memory(1_000_000, args.page)
     print(f"prefix-cache bookkeeping: {mem / 2**20:.1f} MiB per million cached tokens")
 

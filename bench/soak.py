@@ -20,8 +20,14 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self",
-         "for i in range(10):\n    ", "# Copyright (c) Python Software Foundation\n", "return {"]
+TEXTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Parser:\n    def __init__(self",
+    "for i in range(10):\n    ",
+    "# Copyright (c) Python Software Foundation\n",
+    "return {",
+]
 
 
 @dataclass
@@ -34,8 +40,12 @@ class Tally:
 
 async def one_stream(stub, rng: random.Random, tally: Tally, cancel_rate: float) -> None:
     text = rng.choice(TEXTS) * rng.randint(1, 8)  # under 400 tokens
-    request = cpb.GenerateRequest(text=text, sampling=cpb.SamplingParams(
-        max_tokens=rng.randint(8, 64), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1 << 30)))
+    request = cpb.GenerateRequest(
+        text=text,
+        sampling=cpb.SamplingParams(
+            max_tokens=rng.randint(8, 64), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1 << 30)
+        ),
+    )
     call = stub.Generate(request, timeout=120)
     cancel_after = rng.randint(0, 20) if rng.random() < cancel_rate else None
     try:
@@ -86,26 +96,28 @@ def held_pages(cluster: LocalCluster) -> dict[str, int]:
     out = {}
     for p in cluster.processes[1:]:
         with grpc.insecure_channel(p.grpc) as channel:
-            stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode")
-                    else wpb_grpc.PrefillWorkerStub)(channel)
+            stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode") else wpb_grpc.PrefillWorkerStub)(
+                channel
+            )
             stats = stub.Stats(wpb.StatsRequest(), timeout=10)
         out[p.name] = sum(g.num_pages_used - g.num_pages_cached for g in stats.groups)
     return out
 
 
-async def soak(cluster: LocalCluster, streams: int, seconds: float, cancel_rate: float,
-               sample_s: float) -> tuple[Tally, list[tuple[float, dict[str, float]]]]:
+async def soak(
+    cluster: LocalCluster, streams: int, seconds: float, cancel_rate: float, sample_s: float
+) -> tuple[Tally, list[tuple[float, dict[str, float]]]]:
     samples, start = [], time.monotonic()
     task = asyncio.ensure_future(client(cluster.router_address, streams, seconds, cancel_rate, 1))
     while not task.done():
-        samples.append((time.monotonic() - start,
-                        {p.name: rss_mib(p.popen.pid) for p in cluster.processes}))
+        samples.append((time.monotonic() - start, {p.name: rss_mib(p.popen.pid) for p in cluster.processes}))
         await asyncio.wait([task], timeout=sample_s)
     return task.result(), samples
 
 
-def run(cluster: LocalCluster, streams: int, seconds: float, cancel_rate: float = 0.2,
-        sample_s: float = 10.0) -> dict:
+def run(
+    cluster: LocalCluster, streams: int, seconds: float, cancel_rate: float = 0.2, sample_s: float = 10.0
+) -> dict:
     tally, samples = asyncio.run(soak(cluster, streams, seconds, cancel_rate, sample_s))
     deadline = time.monotonic() + 10
     held = held_pages(cluster)
@@ -123,16 +135,21 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=30, help="seconds between RSS samples")
     args = parser.parse_args()
     model, drafter = "models/tiny-target", "models/tiny-drafter"
-    cluster = LocalCluster(["--model", model, "--drafter", drafter, "-k", "4"],
-                           ["--model", model, "-k", "4"], ["prefill", "decode"])
+    cluster = LocalCluster(
+        ["--model", model, "--drafter", drafter, "-k", "4"],
+        ["--model", model, "-k", "4"],
+        ["prefill", "decode"],
+    )
     cluster.start()
     try:
         result = run(cluster, args.streams, args.seconds, args.cancel_rate, args.sample)
     finally:
         cluster.stop()
     t = result["tally"]
-    print(f"{args.streams} streams, {args.seconds:.0f} s: {t.completed} completed, {t.cancelled} "
-          f"cancelled, {len(t.errors)} errors, {t.tokens} tokens ({t.tokens / args.seconds:.1f}/s)")
+    print(
+        f"{args.streams} streams, {args.seconds:.0f} s: {t.completed} completed, {t.cancelled} "
+        f"cancelled, {len(t.errors)} errors, {t.tokens} tokens ({t.tokens / args.seconds:.1f}/s)"
+    )
     for e in t.errors[:10]:
         print("  error:", e)
     print("pages held by requests at the end:", result["held"])

@@ -38,13 +38,23 @@ PHASES = ("run_drafter", "draft_logits", "run_target", "target_logits")
 
 
 def make_engine(k: int, max_batch: int, device: str, eager: bool) -> Engine:
-    return Engine(EngineConfig(model=MODEL, drafter=DRAFTER if k else None, num_spec_tokens=k,
-                               device=device, enable_prefix_cache=False, max_num_seqs=max_batch,
-                               kv_cache_bytes=1 << 30, enforce_eager=eager))
+    return Engine(
+        EngineConfig(
+            model=MODEL,
+            drafter=DRAFTER if k else None,
+            num_spec_tokens=k,
+            device=device,
+            enable_prefix_cache=False,
+            max_num_seqs=max_batch,
+            kv_cache_bytes=1 << 30,
+            enforce_eager=eager,
+        )
+    )
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
-               spent: dict[str, float] | None = None) -> dict:
+def decode_run(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, spent: dict[str, float] | None = None
+) -> dict:
     """One batch to completion. Time, steps and tokens count only the steps where every
     request decodes (no prefill chunk in the step); so does ``spent`` (seconds per phase,
     filled by :func:`timed_phases`) when given."""
@@ -66,10 +76,14 @@ def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
             spent.update(before)
         final.update({o.request_id: o for o in outputs if o.finished})
     stats = engine.stats.get("local")
-    return {"al": stats.acceptance_length if stats else 1.0, "seconds": seconds,
-            "steps": steps, "tok_s": tokens / max(seconds, 1e-9),
-            "ms_per_step": 1e3 * seconds / max(steps, 1),
-            "token_ids": [final[i].token_ids for i in ids]}
+    return {
+        "al": stats.acceptance_length if stats else 1.0,
+        "seconds": seconds,
+        "steps": steps,
+        "tok_s": tokens / max(seconds, 1e-9),
+        "ms_per_step": 1e3 * seconds / max(steps, 1),
+        "token_ids": [final[i].token_ids for i in ids],
+    }
 
 
 def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callable[[], None]]:
@@ -85,6 +99,7 @@ def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callabl
             synchronize(device)
             spent[name] += time.perf_counter() - start
             return out
+
         return call
 
     for name in PHASES:
@@ -93,6 +108,7 @@ def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callabl
     def undo() -> None:
         for name in PHASES:
             delattr(runner, name)  # back to the class's methods
+
     return spent, undo
 
 
@@ -135,11 +151,19 @@ def main(argv: list[str] | None = None) -> None:
             prompts = windows(code, a.prompt_len, batch, a.seed)
             base = measure(engines[0], prompts, a.max_tokens, a.device)
             spec = measure(engines[a.k], prompts, a.max_tokens, a.device)
-            row = {"mode": mode, "batch": batch, "k": a.k, "al": spec["al"],
-                   "base_tok_s": base["tok_s"], "spec_tok_s": spec["tok_s"],
-                   "base_ms_per_step": base["ms_per_step"], "spec_ms_per_step": spec["ms_per_step"],
-                   "base_phases_ms": base["phases_ms"], "spec_phases_ms": spec["phases_ms"],
-                   "outputs_equal": base["token_ids"] == spec["token_ids"]}
+            row = {
+                "mode": mode,
+                "batch": batch,
+                "k": a.k,
+                "al": spec["al"],
+                "base_tok_s": base["tok_s"],
+                "spec_tok_s": spec["tok_s"],
+                "base_ms_per_step": base["ms_per_step"],
+                "spec_ms_per_step": spec["ms_per_step"],
+                "base_phases_ms": base["phases_ms"],
+                "spec_phases_ms": spec["phases_ms"],
+                "outputs_equal": base["token_ids"] == spec["token_ids"],
+            }
             row["speedup"] = row["spec_tok_s"] / row["base_tok_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -149,21 +173,25 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| mode | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
-          "| ms/step target-only | ms/step spec | outputs equal |")
+    print(
+        "\n| mode | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
+        "| ms/step target-only | ms/step spec | outputs equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['batch']} | {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
-              f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
-              f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
-              f"| {'yes' if r['outputs_equal'] else 'no'} |")
-    print("\nphases, ms per decode step (synchronized pass): "
-          + ", ".join(PHASES) + ", rest")
+        print(
+            f"| {r['mode']} | {r['batch']} | {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
+            f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
+            f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
+            f"| {'yes' if r['outputs_equal'] else 'no'} |"
+        )
+    print("\nphases, ms per decode step (synchronized pass): " + ", ".join(PHASES) + ", rest")
     for r in rows:
         for who in ("base", "spec"):
             ph = r[f"{who}_phases_ms"]
-            print(f"  {r['mode']} B{r['batch']} {who}: "
-                  + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest")))
+            print(
+                f"  {r['mode']} B{r['batch']} {who}: " + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
+            )
 
 
 if __name__ == "__main__":

@@ -35,17 +35,31 @@ PAGE = 16
 
 
 def llama_8b() -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       rope_theta=500000.0, max_position_embeddings=8192)
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    )
 
 
 def toy() -> LlamaConfig:
-    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 # ---------------------------------------------------------------- decode: TP 2 vs TP 1
+
 
 def seeded(name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """The whole checkpoint tensor ``name``: norms near 1, the rest N(0, 1 / fan_in)."""
@@ -56,8 +70,9 @@ def seeded(name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
     return t if name.endswith("embed_tokens.weight") else t / shape[-1] ** 0.5
 
 
-def random_target(config: LlamaConfig, device: torch.device, dtype: torch.dtype,
-                  tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+def random_target(
+    config: LlamaConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> LlamaForCausalLM:
     """This rank's shards of the seeded checkpoint, made on ``device``."""
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
@@ -85,13 +100,23 @@ def decode(config: LlamaConfig, device: str, tp_size: int, max_tokens: int) -> d
     import services.engine.engine as engine_module
     from services.engine import Engine, EngineConfig, SamplingParams
 
-    engine_module.load_target = lambda folder, dev, dtype, tp: random_target(config, dev,
-                                                                             dtype, tp)
-    engine = Engine(EngineConfig(model="random-8b", drafter=None, num_spec_tokens=0,
-                                 device=device, dtype="float32", kv_cache_bytes=2 << 30,
-                                 max_num_seqs=4, enforce_eager=True, tp_size=tp_size))
+    engine_module.load_target = lambda folder, dev, dtype, tp: random_target(config, dev, dtype, tp)
+    engine = Engine(
+        EngineConfig(
+            model="random-8b",
+            drafter=None,
+            num_spec_tokens=0,
+            device=device,
+            dtype="float32",
+            kv_cache_bytes=2 << 30,
+            max_num_seqs=4,
+            enforce_eager=True,
+            tp_size=tp_size,
+        )
+    )
     if engine.tp.rank > 0:
         from services.engine.lockstep import follow
+
         follow(engine.runner, engine.tp)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate([prompts(config.vocab_size)[0]], greedy)  # warm-up
@@ -119,8 +144,10 @@ def run_decode(toy_shapes: bool, max_tokens: int) -> dict:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     parent, child = ctx.Pipe()
-    procs = [ctx.Process(target=_decode_rank, args=(r, address, toy_shapes, max_tokens, child),
-                         daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_decode_rank, args=(r, address, toy_shapes, max_tokens, child), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -129,15 +156,21 @@ def run_decode(toy_shapes: bool, max_tokens: int) -> dict:
         for p in procs:
             p.kill()
     same = got["tp1"]["tokens"] == got["tp2"]["tokens"]
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
-                  for x, y in zip(got["tp1"]["tokens"], got["tp2"]["tokens"], strict=True)]
-    return {"same_tokens": same, "first_difference": first_diff,
-            "tokens_per_prompt": max_tokens,
-            "tp1_ms_per_token": 1e3 * got["tp1"]["s_per_token"],
-            "tp2_ms_per_token": 1e3 * got["tp2"]["s_per_token"]}
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+        for x, y in zip(got["tp1"]["tokens"], got["tp2"]["tokens"], strict=True)
+    ]
+    return {
+        "same_tokens": same,
+        "first_difference": first_diff,
+        "tokens_per_prompt": max_tokens,
+        "tp1_ms_per_token": 1e3 * got["tp1"]["s_per_token"],
+        "tp2_ms_per_token": 1e3 * got["tp2"]["s_per_token"],
+    }
 
 
 # ---------------------------------------------------------------- transfer between GPUs
+
 
 def cache(num_tokens: int, kv_heads: int):
     """8B-shaped KV: 32 layers, ``kv_heads`` heads of 128, bf16, 16-token pages (2 MiB a
@@ -145,20 +178,22 @@ def cache(num_tokens: int, kv_heads: int):
     from kvcore import CacheConfig, LayerGroupSpec, Lifecycle, Owner
 
     target = LayerGroupSpec("target", Owner.TARGET, 32, kv_heads, 128, dtype="bfloat16")
-    draft = LayerGroupSpec("draft", Owner.DRAFT, 1, kv_heads, 128, dtype="bfloat16",
-                           window=512, lifecycle=Lifecycle.OPTIONAL)
+    draft = LayerGroupSpec(
+        "draft", Owner.DRAFT, 1, kv_heads, 128, dtype="bfloat16", window=512, lifecycle=Lifecycle.OPTIONAL
+    )
     pages = num_tokens // PAGE + 8
-    return CacheConfig(groups=(target, draft), tokens_per_page=PAGE, num_pages=(pages, pages),
-                       num_spec_tokens=4)
+    return CacheConfig(
+        groups=(target, draft), tokens_per_page=PAGE, num_pages=(pages, pages), num_spec_tokens=4
+    )
 
 
-def _transfer_side(side: str, num_tokens: int, raw_bytes: int, repeats: int, device: str,
-                   conn) -> None:
+def _transfer_side(side: str, num_tokens: int, raw_bytes: int, repeats: int, device: str, conn) -> None:
     asyncio.run(_transfer_session(side, num_tokens, raw_bytes, repeats, device, conn))
 
 
-async def _transfer_session(side: str, num_tokens: int, raw_bytes: int, repeats: int,
-                            device: str, conn) -> None:
+async def _transfer_session(
+    side: str, num_tokens: int, raw_bytes: int, repeats: int, device: str, conn
+) -> None:
     from kvcore import KVCacheManager
     from kvcore.transfer.head_routes import HeadRoute
     from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent
@@ -197,8 +232,9 @@ async def _transfer_session(side: str, num_tokens: int, raw_bytes: int, repeats:
                 if kind == "whole":  # equal TP: whole pages, runs pool to pool
                     usage = await agent.send_request(rid, num_tokens, peer, aux, 60.0, dest)
                 else:  # TP 1 -> 2, decode rank 1's half of the heads: packed on the GPU
-                    usage = await agent.send_pages(rid, m.transfer_pages(rid, num_tokens),
-                                                   peer, 60.0, dest, route)
+                    usage = await agent.send_pages(
+                        rid, m.transfer_pages(rid, num_tokens), peer, 60.0, dest, route
+                    )
                     await agent.wait_ack(rid, num_tokens, 60.0)
                 results[kind].append(time.perf_counter() - start)
                 results[f"{kind}_bytes"] = [sum(usage.bytes.values())]
@@ -208,13 +244,11 @@ async def _transfer_session(side: str, num_tokens: int, raw_bytes: int, repeats:
                 if kind == "whole":
                     await agent.receive_request(rid, num_tokens, 60.0)
                 else:
-                    await agent.receive_pages(rid, m.transfer_pages(rid, num_tokens), 60.0,
-                                              route)
+                    await agent.receive_pages(rid, m.transfer_pages(rid, num_tokens), 60.0, route)
                     await agent.acknowledge(rid, "A", num_tokens, 60.0)
             m.free(rid)
     if side == "A":
-        results["peer_copy"] = _peer_copy_seconds(raw_bytes, repeats) if dev.type == "cuda" \
-            else []
+        results["peer_copy"] = _peer_copy_seconds(raw_bytes, repeats) if dev.type == "cuda" else []
         conn.send(results)
     await transport.close()
 
@@ -239,9 +273,14 @@ def run_transfer(toy_shapes: bool, num_tokens: int, repeats: int) -> dict:
     pipes = {s: ctx.Pipe() for s in "AB"}
     raw_bytes = 256 << 20
     devices = {"A": "cpu", "B": "cpu"} if toy_shapes else {"A": "cuda:0", "B": "cuda:1"}
-    procs = {s: ctx.Process(target=_transfer_side, args=(s, num_tokens, raw_bytes, repeats,
-                                                         devices[s], pipes[s][1]), daemon=True)
-             for s in "AB"}
+    procs = {
+        s: ctx.Process(
+            target=_transfer_side,
+            args=(s, num_tokens, raw_bytes, repeats, devices[s], pipes[s][1]),
+            daemon=True,
+        )
+        for s in "AB"
+    }
     for p in procs.values():
         p.start()
     a, b = pipes["A"][0], pipes["B"][0]
@@ -254,11 +293,14 @@ def run_transfer(toy_shapes: bool, num_tokens: int, repeats: int) -> dict:
     for p in procs.values():
         p.join(timeout=30)
     rate = lambda n, ts: n / statistics.median(ts[1:] if len(ts) > 1 else ts) / 1e9  # noqa: E731
-    out = {"prompt_tokens": num_tokens, "raw_ucx_GBps": rate(raw_bytes, got["raw"]),
-           "whole_pages_GBps": rate(got["whole_bytes"][0], got["whole"]),
-           "whole_pages_bytes": got["whole_bytes"][0],
-           "sliced_heads_GBps": rate(got["sliced_bytes"][0], got["sliced"]),
-           "sliced_heads_bytes": got["sliced_bytes"][0]}
+    out = {
+        "prompt_tokens": num_tokens,
+        "raw_ucx_GBps": rate(raw_bytes, got["raw"]),
+        "whole_pages_GBps": rate(got["whole_bytes"][0], got["whole"]),
+        "whole_pages_bytes": got["whole_bytes"][0],
+        "sliced_heads_GBps": rate(got["sliced_bytes"][0], got["sliced"]),
+        "sliced_heads_bytes": got["sliced_bytes"][0],
+    }
     if got["peer_copy"]:
         out["device_copy_GBps"] = raw_bytes / statistics.median(got["peer_copy"]) / 1e9
     return out

@@ -23,11 +23,13 @@ def make_manager(num_tokens: int):
     from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
 
     target = LayerGroupSpec("target", Owner.TARGET, 32, 8, 128, dtype="bfloat16")
-    draft = LayerGroupSpec("draft", Owner.DRAFT, 1, 8, 128, dtype="bfloat16", window=512,
-                           lifecycle=Lifecycle.OPTIONAL)
+    draft = LayerGroupSpec(
+        "draft", Owner.DRAFT, 1, 8, 128, dtype="bfloat16", window=512, lifecycle=Lifecycle.OPTIONAL
+    )
     pages = num_tokens // 16 + 8
-    config = CacheConfig(groups=(target, draft), tokens_per_page=16, num_pages=(pages, pages),
-                         num_spec_tokens=4)
+    config = CacheConfig(
+        groups=(target, draft), tokens_per_page=16, num_pages=(pages, pages), num_spec_tokens=4
+    )
     return KVCacheManager(config)
 
 
@@ -72,8 +74,10 @@ async def _session(role: str, num_tokens: int, iters: int, direct: bool, conn) -
 def run(num_tokens: int, iters: int, direct: bool) -> dict:
     ctx = mp.get_context("spawn")
     pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
-    procs = [ctx.Process(target=_child, args=(r, num_tokens, iters, direct, pipes[r][1]),
-                         daemon=True) for r in pipes]
+    procs = [
+        ctx.Process(target=_child, args=(r, num_tokens, iters, direct, pipes[r][1]), daemon=True)
+        for r in pipes
+    ]
     for p in procs:
         p.start()
     infos = {r: pipes[r][0].recv() for r in pipes}
@@ -103,9 +107,11 @@ def main() -> None:
             t = statistics.median(r["times"][1:] or r["times"])
             total = sum(r["bytes"].values())
             path = "pool to pool" if direct else "packed"
-            print(f"| {n} | {path} | {r['bytes']['target'] / 1e6:.1f} | "
-                  f"{r['bytes']['draft'] / 1e6:.2f} | {t:.4f} | {total / t / 1e9:.2f} |",
-                  flush=True)
+            print(
+                f"| {n} | {path} | {r['bytes']['target'] / 1e6:.1f} | "
+                f"{r['bytes']['draft'] / 1e6:.2f} | {t:.4f} | {total / t / 1e9:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,10 @@ def tag_batches(path: str, size: int, warmup: int, iters: int, repeats: int) -> 
     """Tags of the warmup batch, then of each timed repeat; every message's tag is unique."""
     counts = [warmup] + [iters] * repeats
     firsts = [sum(counts[:i]) for i in range(len(counts))]
-    return [[make_tag(f"bench-{path}-{size}", 0, first + i) for i in range(count)]
-            for first, count in zip(firsts, counts, strict=True)]
+    return [
+        [make_tag(f"bench-{path}-{size}", 0, first + i) for i in range(count)]
+        for first, count in zip(firsts, counts, strict=True)
+    ]
 
 
 ACK_TAG = make_tag("bench-ack", 0, 0)
@@ -100,16 +102,14 @@ async def child_session(role: str, conn, config: dict) -> None:
         for size in config["sizes"]:
             iters = iters_for(size, config["iters"])
             run = send_all if role == "sender" else recv_all
-            seconds = await run(transport, name, size, config["warmup"], iters,
-                                config["repeats"])
+            seconds = await run(transport, name, size, config["warmup"], iters, config["repeats"])
             rows.append(Row(name, size, iters, seconds))
     conn.send(rows)
     await asyncio.to_thread(conn.recv)  # both done: safe to close
     await transport.close()
 
 
-async def send_all(transport, path: str, size: int, warmup: int, iters: int,
-                   repeats: int) -> list[float]:
+async def send_all(transport, path: str, size: int, warmup: int, iters: int, repeats: int) -> list[float]:
     """Seconds of each repeat: ``iters`` sends, one at a time, then the receiver's ack."""
     buffer = torch.ones(size, dtype=torch.uint8)  # touched: no page faults while timed
     ack = torch.empty(1, dtype=torch.uint8)
@@ -127,8 +127,7 @@ async def send_all(transport, path: str, size: int, warmup: int, iters: int,
     return seconds
 
 
-async def recv_all(transport, path: str, size: int, warmup: int, iters: int,
-                   repeats: int) -> list[float]:
+async def recv_all(transport, path: str, size: int, warmup: int, iters: int, repeats: int) -> list[float]:
     """Receive every batch into one buffer; ack the end of each batch."""
     buffer = torch.zeros(size, dtype=torch.uint8)
     ack = torch.ones(1, dtype=torch.uint8)
@@ -159,8 +158,7 @@ def parse_protocols(ucx_log: str) -> dict[str, list[tuple[float, float, str]]]:
                 in_tag_send = cells[1].startswith("tagged message by ucp_tag_send* from host")
             elif len(cells) == 3 and in_tag_send and path and owner.setdefault(path, table) == table:
                 low, high = _size_range(cells[0])
-                out.setdefault(path, []).append(
-                    (low, high, f"{cells[1].removeprefix('(?) ')}, {cells[2]}"))
+                out.setdefault(path, []).append((low, high, f"{cells[1].removeprefix('(?) ')}, {cells[2]}"))
     return out
 
 
@@ -188,8 +186,10 @@ def run(config: dict) -> list[Row]:
     fd, ucx_log = tempfile.mkstemp(prefix="ucx_proto_", suffix=".log")
     os.close(fd)
     pipes = {role: ctx.Pipe() for role in ("sender", "receiver")}
-    children = [ctx.Process(target=child_main, args=(role, pipes[role][1], config, ucx_log),
-                            daemon=True) for role in pipes]
+    children = [
+        ctx.Process(target=child_main, args=(role, pipes[role][1], config, ucx_log), daemon=True)
+        for role in pipes
+    ]
     try:
         for c in children:
             c.start()
@@ -219,33 +219,34 @@ def expect(conn, what: str, children: list) -> object:
     while not conn.poll(0.2):
         dead = [c.exitcode for c in children if c.exitcode is not None]
         if dead or time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} from a child (exit codes {dead}, waited "
-                               f"up to {WAIT_S} s)")
+            raise RuntimeError(f"no {what} from a child (exit codes {dead}, waited up to {WAIT_S} s)")
     return conn.recv()
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'path':<5} {'size':>8} {'iters':>6} {'GB/s':>6} {'(min-max)':>12}  "
-          "protocol, transport (UCX)")
+    print(f"{'path':<5} {'size':>8} {'iters':>6} {'GB/s':>6} {'(min-max)':>12}  protocol, transport (UCX)")
     for r in rows:
         rates = r.rates
         median = statistics.median(rates)
         spread = f"({rates[0]:.2f}-{rates[-1]:.2f})"
-        print(f"{r.path:<5} {r.size // MIB:>4} MiB {r.iters:>6} {median:>6.2f} {spread:>12}  "
-              f"{r.protocol}")
+        print(f"{r.path:<5} {r.size // MIB:>4} MiB {r.iters:>6} {median:>6.2f} {spread:>12}  {r.protocol}")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1,16,256",
-                        help="message sizes in MiB, comma separated (default: 1,16,256)")
-    parser.add_argument("--iters", type=int, default=0,
-                        help="timed messages per size (default: enough for 1 GiB, 5..200)")
+    parser.add_argument(
+        "--sizes", default="1,16,256", help="message sizes in MiB, comma separated (default: 1,16,256)"
+    )
+    parser.add_argument(
+        "--iters", type=int, default=0, help="timed messages per size (default: enough for 1 GiB, 5..200)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed messages per size")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed batches per size; the table shows their median GB/s")
-    parser.add_argument("--paths", default="shm,tcp",
-                        help="shm (worker address) and/or tcp (listener), comma separated")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed batches per size; the table shows their median GB/s"
+    )
+    parser.add_argument(
+        "--paths", default="shm,tcp", help="shm (worker address) and/or tcp (listener), comma separated"
+    )
     args = parser.parse_args()
     try:
         args.sizes = [int(s) * MIB for s in args.sizes.split(",")]
@@ -264,15 +265,22 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    config = {"sizes": args.sizes, "iters": args.iters, "warmup": args.warmup,
-              "repeats": args.repeats, "paths": args.paths}
+    config = {
+        "sizes": args.sizes,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "paths": args.paths,
+    }
     os.environ.update(LOOPBACK_ENV)
     import ucxx
 
     mode = os.environ.get("UCXPY_PROGRESS_MODE", PROGRESS_MODE)
     version = ".".join(map(str, ucxx.get_ucx_version()))
-    print(f"ucx_raw: {os.cpu_count()} CPUs, loopback only, UCX {version}, ucxx "
-          f"{ucxx.__version__.strip()}, progress mode {mode}")
+    print(
+        f"ucx_raw: {os.cpu_count()} CPUs, loopback only, UCX {version}, ucxx "
+        f"{ucxx.__version__.strip()}, progress mode {mode}"
+    )
     print_table(run(config))
 
 

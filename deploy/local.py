@@ -34,11 +34,18 @@ class Process:
 
 
 class LocalCluster:
-    def __init__(self, worker_args: list[str], router_args: list[str],
-                 roles: list[str | tuple[str, list[str]]],
-                 port: int = 0, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 120.0, expected_pairs: int | None = None,
-                 http_port: int = 0, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        worker_args: list[str],
+        router_args: list[str],
+        roles: list[str | tuple[str, list[str]]],
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+        expected_pairs: int | None = None,
+        http_port: int = 0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         """``roles``: one entry per worker, a role or (role, extra worker arguments).
         ``http_port``: the router's OpenAI-compatible HTTP port (0 = any free, -1 = off).
         ``credentials``: how this process reaches the router when it runs mutual TLS."""
@@ -55,13 +62,30 @@ class LocalCluster:
 
     @classmethod
     def from_args(cls, args) -> LocalCluster:
-        engine = ["--model", args.model, "--drafter", args.drafter, "-k", str(args.num_spec_tokens),
-                  "--layout", args.layout, "--device", args.device,
-                  "--tokens-per-page", str(args.tokens_per_page),
-                  "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
-                  "--host-kv-cache-mb", str(args.host_kv_cache_mb),
-                  "--host-kv-write-policy", args.host_kv_write_policy,
-                  "--host-kv-recall-min-pages", str(args.host_kv_recall_min_pages)]
+        engine = [
+            "--model",
+            args.model,
+            "--drafter",
+            args.drafter,
+            "-k",
+            str(args.num_spec_tokens),
+            "--layout",
+            args.layout,
+            "--device",
+            args.device,
+            "--tokens-per-page",
+            str(args.tokens_per_page),
+            "--kv-cache-mb",
+            str(args.kv_cache_mb),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--host-kv-cache-mb",
+            str(args.host_kv_cache_mb),
+            "--host-kv-write-policy",
+            args.host_kv_write_policy,
+            "--host-kv-recall-min-pages",
+            str(args.host_kv_recall_min_pages),
+        ]
         if args.tokenizer:
             engine += ["--tokenizer", args.tokenizer]
         if args.served_model_name:
@@ -70,16 +94,27 @@ class LocalCluster:
             engine += ["--dtype", args.dtype]
         if args.no_prefix_cache:
             engine.append("--no-prefix-cache")
-        router = ["--model", args.model, "-k", str(args.num_spec_tokens),
-                  "--tokens-per-page", str(args.tokens_per_page)]
-        for flag, value in (("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template),
-                            ("--served-model-name", args.served_model_name)):
+        router = [
+            "--model",
+            args.model,
+            "-k",
+            str(args.num_spec_tokens),
+            "--tokens-per-page",
+            str(args.tokens_per_page),
+        ]
+        for flag, value in (
+            ("--tokenizer", args.tokenizer),
+            ("--chat-template", args.chat_template),
+            ("--served-model-name", args.served_model_name),
+        ):
             if value:
                 router += [flag, value]
-        tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp,
-              "decode": args.decode_tp or args.tp}
-        names = (["both"] * args.aggregated if args.aggregated
-                 else ["prefill"] * args.prefill + ["decode"] * args.decode)
+        tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp, "decode": args.decode_tp or args.tp}
+        names = (
+            ["both"] * args.aggregated
+            if args.aggregated
+            else ["prefill"] * args.prefill + ["decode"] * args.decode
+        )
         roles = [(role, ["--tp", str(tp[role])]) for role in names]
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
@@ -106,13 +141,26 @@ class LocalCluster:
             raise
 
     def _start(self) -> None:
-        router = self._spawn("router", ["router", "--port", str(self.port),
-                                        "--http-port", str(self.http_port), *self.router_args])
+        router = self._spawn(
+            "router",
+            ["router", "--port", str(self.port), "--http-port", str(self.http_port), *self.router_args],
+        )
         self._wait_endpoint(router)
         for i, role in enumerate(self.roles):
-            self._spawn(f"{role}-{i}", ["worker", "--role", role, "--router", router.grpc,
-                                        "--instance-id", f"{role}-{i}", *self.worker_args,
-                                        *self.extra[i]])
+            self._spawn(
+                f"{role}-{i}",
+                [
+                    "worker",
+                    "--role",
+                    role,
+                    "--router",
+                    router.grpc,
+                    "--instance-id",
+                    f"{role}-{i}",
+                    *self.worker_args,
+                    *self.extra[i],
+                ],
+            )
         for p in self.processes[1:]:
             self._wait_endpoint(p)
         self.wait_serving()
@@ -132,13 +180,18 @@ class LocalCluster:
             stub = cpb_grpc.TandemStub(channel)
             while time.monotonic() < deadline:
                 health = stub.Health(cpb.HealthRequest(), timeout=5)
-                if health.num_ready_pairs >= pairs and health.num_decode_workers >= aggregated \
-                        and health.status == cpb.SERVING_STATUS_SERVING:
+                if (
+                    health.num_ready_pairs >= pairs
+                    and health.num_decode_workers >= aggregated
+                    and health.status == cpb.SERVING_STATUS_SERVING
+                ):
                     return
                 self._check_alive()
                 time.sleep(0.2)
-        raise RuntimeError(f"cluster not serving after {self.start_timeout_s} s: "
-                           f"{health.num_ready_pairs}/{pairs} pairs ready; {health.message}")
+        raise RuntimeError(
+            f"cluster not serving after {self.start_timeout_s} s: "
+            f"{health.num_ready_pairs}/{pairs} pairs ready; {health.message}"
+        )
 
     def channel(self, address: str = "") -> grpc.Channel:
         """A blocking channel to the router (or ``address``), with TLS when configured."""
@@ -195,9 +248,14 @@ class LocalCluster:
     # ------------------------------------------------------------------ internals
 
     def _spawn(self, name: str, argv: list[str]) -> Process:
-        popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], env=self.env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", *argv],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         process = Process(name, popen, argv=argv)
         threading.Thread(target=_pump, args=(process,), daemon=True).start()
         self.processes.append(process)
@@ -207,8 +265,9 @@ class LocalCluster:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline and not process.grpc:
             if process.popen.poll() is not None:
-                raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n"
-                                   + "".join(process.log[-30:]))
+                raise RuntimeError(
+                    f"{process.name} exited with {process.popen.returncode}:\n" + "".join(process.log[-30:])
+                )
             time.sleep(0.05)
         if not process.grpc:
             raise RuntimeError(f"{process.name} printed no endpoint in {self.start_timeout_s} s")
@@ -216,8 +275,7 @@ class LocalCluster:
     def _check_alive(self) -> None:
         for p in self.processes:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n"
-                                   + "".join(p.log[-30:]))
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n" + "".join(p.log[-30:]))
 
 
 def _pump(process: Process) -> None:

@@ -15,6 +15,15 @@ from kvcore.spec import (
 from kvcore.stats import GroupStats, GroupUsage
 
 __all__ = [
-    "NULL_PAGE", "CacheConfig", "GroupStats", "GroupUsage", "KVCacheManager", "KVLayout",
-    "LayerGroupSpec", "Lifecycle", "Owner", "PrefixMatch", "TransferPages",
+    "NULL_PAGE",
+    "CacheConfig",
+    "GroupStats",
+    "GroupUsage",
+    "KVCacheManager",
+    "KVLayout",
+    "LayerGroupSpec",
+    "Lifecycle",
+    "Owner",
+    "PrefixMatch",
+    "TransferPages",
 ]

@@ -36,6 +36,8 @@ def split_capacity(config: CacheConfig) -> tuple[int, ...]:
     bytes_per_page_set = sum(g.page_bytes(p) for g in shared)
     n_shared = (config.memory_bytes - fixed_bytes) // bytes_per_page_set
     if n_shared <= 0:
-        raise ValueError(f"memory_bytes: {config.memory_bytes} bytes cannot hold the windowed "
-                         f"groups ({fixed_bytes} bytes) plus one page of every other group")
+        raise ValueError(
+            f"memory_bytes: {config.memory_bytes} bytes cannot hold the windowed "
+            f"groups ({fixed_bytes} bytes) plus one page of every other group"
+        )
     return tuple(fixed.get(g.name, n_shared) for g in config.groups)

@@ -28,7 +28,7 @@ def chain_hashes(tokens: tuple[int, ...], tokens_per_page: int) -> list[int]:
     """Key of every whole page of ``tokens``: a hash chained over the pages before it."""
     out, h = [], 0
     for start in range(0, len(tokens) - tokens_per_page + 1, tokens_per_page):
-        h = hash((h, tokens[start:start + tokens_per_page]))
+        h = hash((h, tokens[start : start + tokens_per_page]))
         out.append(h)
     return out
 
@@ -52,8 +52,9 @@ class HostCache:
         device = next((p.device for p in pools.values() if p.is_cuda), None)
         self.stream = torch.cuda.Stream(device) if device is not None else None  # copies out
         self._copied: torch.cuda.Event | None = None  # the last copy out still in flight
-        self.host_pools = {g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype,
-                                          pin_memory=pin) for g, p in pools.items()}
+        self.host_pools = {
+            g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype, pin_memory=pin) for g, p in pools.items()
+        }
         self.allocators = {g: PageAllocator(num_pages) for g in pools}
         self.page = tokens_per_page
         self.entries: OrderedDict[int, dict[str, int]] = OrderedDict()
@@ -74,8 +75,9 @@ class HostCache:
                 needed = {g: int(p != NULL_PAGE) for g, p in row.items()}
                 if not self._make_room(needed):
                     return
-                self.entries[key] = {g: self._copy_out(g, p) if p != NULL_PAGE else NULL_PAGE
-                                     for g, p in row.items()}
+                self.entries[key] = {
+                    g: self._copy_out(g, p) if p != NULL_PAGE else NULL_PAGE for g, p in row.items()
+                }
 
     def fence(self) -> None:
         """Make the current stream wait for copies out still in flight: before it writes
@@ -116,7 +118,7 @@ class HostCache:
         self.fence()
         pool, host = self.device_pools[group], self.host_pools[group]
         for h, d, n in _common_runs(host_pages, device_pages):
-            pool[d:d + n].copy_(host[h:h + n], non_blocking=pool.is_cuda)
+            pool[d : d + n].copy_(host[h : h + n], non_blocking=pool.is_cuda)
         self.stats.recalled_pages[group] += len(host_pages)
         self.stats.bytes_to_device += len(host_pages) * host[0].numel() * host.element_size()
 
@@ -130,8 +132,7 @@ class HostCache:
 
     def _fill(self, entry: dict[str, int], row: dict[str, int]) -> None:
         for g, p in row.items():
-            if entry.get(g, NULL_PAGE) == NULL_PAGE and p != NULL_PAGE \
-                    and self.allocators[g].can_allocate(1):
+            if entry.get(g, NULL_PAGE) == NULL_PAGE and p != NULL_PAGE and self.allocators[g].can_allocate(1):
                 entry[g] = self._copy_out(g, p)
 
     def _copy_out(self, group: str, device_page: int) -> int:

@@ -80,37 +80,55 @@ class _Request:
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig, device: str | torch.device = "cpu",
-                 allocate_tensors: bool = True) -> None:
+    def __init__(
+        self, config: CacheConfig, device: str | torch.device = "cpu", allocate_tensors: bool = True
+    ) -> None:
         self.config = config
         self.page = config.tokens_per_page
         self.groups: dict[str, LayerGroupSpec] = {g.name: g for g in config.groups}
-        self.allocators = {g.name: PageAllocator(n)
-                           for g, n in zip(config.groups, split_capacity(config), strict=True)}
+        self.allocators = {
+            g.name: PageAllocator(n) for g, n in zip(config.groups, split_capacity(config), strict=True)
+        }
         self.pools: dict[str, torch.Tensor] = {}
         if allocate_tensors:
-            self.pools = {g.name: torch.zeros((self.allocators[g.name].num_pages,
-                                               *g.page_shape(self.page)),
-                                              dtype=g.torch_dtype, device=device)
-                          for g in config.groups}
+            self.pools = {
+                g.name: torch.zeros(
+                    (self.allocators[g.name].num_pages, *g.page_shape(self.page)),
+                    dtype=g.torch_dtype,
+                    device=device,
+                )
+                for g in config.groups
+            }
         self.cached_groups = [g.name for g in config.groups if self._is_cached(g)]
         self.host = None
         if config.host_num_pages and config.enable_prefix_cache and self.pools:
-            self.host = HostCache({g: self.pools[g] for g in self.cached_groups},
-                                  config.host_num_pages, self.page)
-        optional = frozenset(g.name for g in config.groups
-                             if g.lifecycle == Lifecycle.OPTIONAL and g.name in self.cached_groups)
-        self.tree = (RadixCache({g: self.allocators[g] for g in self.cached_groups}, self.page,
-                                on_evict=self._to_host if self.host else None, optional=optional)
-                     if config.enable_prefix_cache else None)
+            self.host = HostCache(
+                {g: self.pools[g] for g in self.cached_groups}, config.host_num_pages, self.page
+            )
+        optional = frozenset(
+            g.name
+            for g in config.groups
+            if g.lifecycle == Lifecycle.OPTIONAL and g.name in self.cached_groups
+        )
+        self.tree = (
+            RadixCache(
+                {g: self.allocators[g] for g in self.cached_groups},
+                self.page,
+                on_evict=self._to_host if self.host else None,
+                optional=optional,
+            )
+            if config.enable_prefix_cache
+            else None
+        )
         self.stats = {g: GroupStats() for g in self.groups}
         self.requests: dict[str, _Request] = {}
         self._target = config.groups[0].name
         # (group, window its pages are kept for): a target that feeds another group keeps
         # one more position, so a later match at n may re-run it from n - 1
         fed = len(config.groups) > 1
-        self._windowed = [(g.name, g.window + (fed and g.name == self._target))
-                          for g in config.groups if g.window > 0]
+        self._windowed = [
+            (g.name, g.window + (fed and g.name == self._target)) for g in config.groups if g.window > 0
+        ]
 
     # ------------------------------------------------------------ prefix reuse
 
@@ -118,8 +136,9 @@ class KVCacheManager:
         """Reusable prefix of a prompt, leaving at least its last token to compute: the
         longest cached run, shortened to the longest end at which the target's window is
         held (see the module docstring)."""
-        match = PrefixMatch(compute_start={g: 0 for g in self.groups},
-                            reused_pages={g: [] for g in self.groups})
+        match = PrefixMatch(
+            compute_start={g: 0 for g in self.groups}, reused_pages={g: [] for g in self.groups}
+        )
         if self.tree is None or len(token_ids) < 2:
             return match
         tokens = token_ids[:-1]
@@ -128,13 +147,13 @@ class KVCacheManager:
         if recalled:  # the host tier extends the match by whole pages; no partial page then
             radix.partial_tokens, radix.partial_pages = 0, {}
         device = radix.num_tokens // self.page
-        entries = {g: [*radix.pages[g], *(e.get(g, NULL_PAGE) for e in recalled)]
-                   for g in self.cached_groups}
+        entries = {g: [*radix.pages[g], *(e.get(g, NULL_PAGE) for e in recalled)] for g in self.cached_groups}
         if radix.partial_tokens:
             for g, row in entries.items():
                 row.append(radix.partial_pages.get(g, NULL_PAGE))
-        m, starts = self._usable_end(radix.num_tokens + self.page * len(recalled)
-                                     + radix.partial_tokens, entries, device)
+        m, starts = self._usable_end(
+            radix.num_tokens + self.page * len(recalled) + radix.partial_tokens, entries, device
+        )
         if m < radix.num_tokens:  # shortened inside the device tree: lock the node ending at m
             radix, device = self.tree.match_prefix(tokens[:m]), m // self.page
         match.num_tokens, match.node, match.compute_start = m, radix.node, starts
@@ -143,10 +162,10 @@ class KVCacheManager:
             if starts[g] != m:
                 continue
             first = self._first_needed(g, starts)
-            match.reused_pages[g] = [NULL_PAGE if i < first else p
-                                     for i, p in enumerate(row[:min(full, device)])]
-            match.recall_pages[g] = [NULL_PAGE if i < first else row[i]
-                                     for i in range(device, full)]
+            match.reused_pages[g] = [
+                NULL_PAGE if i < first else p for i, p in enumerate(row[: min(full, device)])
+            ]
+            match.recall_pages[g] = [NULL_PAGE if i < first else row[i] for i in range(device, full)]
             if m % self.page:
                 match.cow_pages[g] = row[full]
         return match
@@ -155,21 +174,20 @@ class KVCacheManager:
         if self.host is None:
             return []
         keys = chain_hashes(tuple(tokens), self.page)
-        hits = self.host.lookup(keys[device_tokens // self.page:])
+        hits = self.host.lookup(keys[device_tokens // self.page :])
         return hits if len(hits) >= self.config.host_recall_min_pages else []
 
-    def _usable_end(self, longest: int, entries: dict[str, list[int]],
-                    device_pages: int) -> tuple[int, dict[str, int]]:
+    def _usable_end(
+        self, longest: int, entries: dict[str, list[int]], device_pages: int
+    ) -> tuple[int, dict[str, int]]:
         """The longest match end m <= ``longest`` (itself, else a page boundary) at which
         every target page from :meth:`_first_needed` up to m is held, and each group's
         ``compute_start`` there. ``entries`` are the cached pages per group in position
         order (device, then host, then the partial page); a shortened match keeps no
         partial page and recalls at least ``host_recall_min_pages`` host pages or none."""
-        nulls = {g: list(accumulate((p == NULL_PAGE for p in row), initial=0))
-                 for g, row in entries.items()}
+        nulls = {g: list(accumulate((p == NULL_PAGE for p in row), initial=0)) for g, row in entries.items()}
         ends = [(longest, len(entries[self._target]))]
-        ends += [(k * self.page, k) for k in range(longest // self.page, -1, -1)
-                 if k * self.page < longest]
+        ends += [(k * self.page, k) for k in range(longest // self.page, -1, -1) if k * self.page < longest]
         for m, hi in ends:
             host = max(0, hi - device_pages) if m % self.page == 0 else 0
             if 0 < host < self.config.host_recall_min_pages:
@@ -187,8 +205,7 @@ class KVCacheManager:
         for name, spec in self.groups.items():
             if name == self._target:
                 starts[name] = m
-            elif name in nulls and _all_held(nulls[name], win.window_start(m, spec.window)
-                                             // self.page, hi):
+            elif name in nulls and _all_held(nulls[name], win.window_start(m, spec.window) // self.page, hi):
                 starts[name] = m
             else:
                 starts[name] = win.recompute_start(m, spec.window, spec.num_layers)
@@ -208,16 +225,18 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ allocate / free
 
-    def can_allocate(self, num_tokens: int, match: PrefixMatch | None = None,
-                     num_computed: int = 0) -> bool:
+    def can_allocate(self, num_tokens: int, match: PrefixMatch | None = None, num_computed: int = 0) -> bool:
         """Whether ``allocate`` with the same arguments would find its pages."""
         needs = self._new_pages(self._initial_rows(num_tokens, match, num_computed))
         locked = self._path_evictable(match.node if match else None)
-        return all(needs[g] + (1 if match and g in match.cow_pages else 0)
-                   <= self._available(g) - locked.get(g, 0) for g in needs)
+        return all(
+            needs[g] + (1 if match and g in match.cow_pages else 0) <= self._available(g) - locked.get(g, 0)
+            for g in needs
+        )
 
-    def allocate(self, request_id: str, num_tokens: int, match: PrefixMatch | None = None,
-                 num_computed: int = 0) -> None:
+    def allocate(
+        self, request_id: str, num_tokens: int, match: PrefixMatch | None = None, num_computed: int = 0
+    ) -> None:
         """Give a new request pages for positions [0, num_tokens + headroom), taking the
         matched prefix. ``num_computed`` > 0 reserves pages whose KV arrives by transfer:
         windowed groups then skip pages already out of the window."""
@@ -240,9 +259,12 @@ class KVCacheManager:
         if match:
             self._count_match(match, num_tokens)
         self.requests[request_id] = _Request(
-            rows=rows, num_computed=num_computed, node=node,
+            rows=rows,
+            num_computed=num_computed,
+            node=node,
             first_held={g: _first_held(row) for g, row in rows.items()},
-            num_held=_num_held(match, self.page))
+            num_held=_num_held(match, self.page),
+        )
 
     def can_extend(self, request_id: str, num_tokens: int) -> bool:
         req = self._request(request_id)
@@ -279,7 +301,7 @@ class KVCacheManager:
         for g, allocator in self.allocators.items():
             fresh, i = allocator.allocate(total), 0
             for rid, k in growth.items():
-                self.requests[rid].rows[g].extend(fresh[i:i + k])
+                self.requests[rid].rows[g].extend(fresh[i : i + k])
                 i += k
 
     def advance_batch(self, request_ids: list[str], num_computed: list[int]) -> None:
@@ -303,8 +325,7 @@ class KVCacheManager:
         out, page, head, target = {}, self.page, self.config.headroom_tokens, self._target
         requests = self.requests
         for rid, n in zip(request_ids, num_tokens, strict=True):
-            k = (n + head + page - 1) // page - len((requests.get(rid) or self._request(rid))
-                                                    .rows[target])
+            k = (n + head + page - 1) // page - len((requests.get(rid) or self._request(rid)).rows[target])
             if k > 0:
                 out[rid] = k
         return out
@@ -321,7 +342,7 @@ class KVCacheManager:
             if self.host is not None and self.config.host_write_policy == "through":
                 self._write_through(req, token_ids[:n], known // self.page)
         for g, row in req.rows.items():
-            self.allocators[g].decref(row[req.first_held[g]:][::-1])  # tail pages reused last
+            self.allocators[g].decref(row[req.first_held[g] :][::-1])  # tail pages reused last
         if req.node is not None:
             self.tree.unlock(req.node)
         del self.requests[request_id]
@@ -331,14 +352,15 @@ class KVCacheManager:
     def block_table(self, request_id: str, group: str) -> list[int]:
         return list(self._request(request_id).rows[group])
 
-    def block_tables(self, request_ids: list[str], group: str,
-                     device: str | torch.device = "cpu") -> torch.Tensor:
+    def block_tables(
+        self, request_ids: list[str], group: str, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
         """[batch, max_extent] int32, padded with NULL_PAGE."""
         rows = [self._request(r).rows[group] for r in request_ids]
         width = max((len(r) for r in rows), default=0)
         out = np.full((len(rows), width), NULL_PAGE, dtype=np.int32)
         for i, row in enumerate(rows):
-            out[i, :len(row)] = row
+            out[i, : len(row)] = row
         return torch.from_numpy(out).to(device)
 
     def held_pages(self, request_id: str) -> dict[str, int]:
@@ -349,8 +371,9 @@ class KVCacheManager:
         window was complete and 0 where it must be recomputed."""
         return dict(self._request(request_id).num_held)
 
-    def transfer_pages(self, request_id: str, num_tokens: int,
-                       held: dict[str, int] | None = None) -> dict[str, TransferPages]:
+    def transfer_pages(
+        self, request_id: str, num_tokens: int, held: dict[str, int] | None = None
+    ) -> dict[str, TransferPages]:
         """Pages holding positions [0, num_tokens) that a disaggregated transfer moves, per
         group: windowed groups only inside the window, separate draft groups not at all,
         none of the receiver's ``held`` leading entries (its :meth:`held_pages`). Sender
@@ -363,23 +386,28 @@ class KVCacheManager:
             if self.config.layout == KVLayout.SEPARATE and spec.lifecycle == Lifecycle.OPTIONAL:
                 continue
             end = cdiv(num_tokens, self.page)
-            first = min(max(win.stale_page_end(num_tokens, spec.window, self.page),
-                            held.get(g, 0)), end)
+            first = min(max(win.stale_page_end(num_tokens, spec.window, self.page), held.get(g, 0)), end)
             out[g] = TransferPages(first, row[first:end])
         return out
 
     def usage(self) -> dict[str, GroupUsage]:
         cached = self.tree.num_cached_pages() if self.tree else {}
         host = self.host.usage() if self.host else {}
-        return {g: GroupUsage(used=a.num_used, total=a.num_pages, cached=cached.get(g, 0),
-                              evictable=self.tree.evictable.get(g, 0) if self.tree else 0,
-                              host_used=host.get(g, (0, 0))[0], host_total=host.get(g, (0, 0))[1])
-                for g, a in self.allocators.items()}
+        return {
+            g: GroupUsage(
+                used=a.num_used,
+                total=a.num_pages,
+                cached=cached.get(g, 0),
+                evictable=self.tree.evictable.get(g, 0) if self.tree else 0,
+                host_used=host.get(g, (0, 0))[0],
+                host_total=host.get(g, (0, 0))[1],
+            )
+            for g, a in self.allocators.items()
+        }
 
     def num_request_pages(self, request_id: str) -> dict[str, int]:
         """Valid (held) entries per group; compare with len(block_table) for the extent."""
-        return {g: sum(p != NULL_PAGE for p in row)
-                for g, row in self._request(request_id).rows.items()}
+        return {g: sum(p != NULL_PAGE for p in row) for g, row in self._request(request_id).rows.items()}
 
     def reset_prefix_cache(self) -> None:
         """Evict everything unlocked from the prefix cache, host tier included."""
@@ -395,8 +423,7 @@ class KVCacheManager:
     # ------------------------------------------------------------ internals
 
     def _is_cached(self, spec: LayerGroupSpec) -> bool:
-        return not (self.config.layout == KVLayout.SEPARATE
-                    and spec.lifecycle == Lifecycle.OPTIONAL)
+        return not (self.config.layout == KVLayout.SEPARATE and spec.lifecycle == Lifecycle.OPTIONAL)
 
     def _request(self, request_id: str) -> _Request:
         req = self.requests.get(request_id)
@@ -407,16 +434,19 @@ class KVCacheManager:
     def _extent(self, num_tokens: int) -> int:
         return cdiv(num_tokens + self.config.headroom_tokens, self.page)
 
-    def _initial_rows(self, num_tokens: int, match: PrefixMatch | None,
-                      num_computed: int) -> dict[str, list[int | None]]:
+    def _initial_rows(
+        self, num_tokens: int, match: PrefixMatch | None, num_computed: int
+    ) -> dict[str, list[int | None]]:
         """Rows with reused pages filled, NULL where nothing is held, None where a new
         page goes."""
         extent = self._extent(num_tokens)
         rows = {}
         for g, spec in self.groups.items():
             reused = list(match.reused_pages.get(g, [])) if match else []
-            reused += [NULL_PAGE if h == NULL_PAGE else None  # a recalled page is a new page
-                       for h in (match.recall_pages.get(g, []) if match else [])]
+            reused += [
+                NULL_PAGE if h == NULL_PAGE else None  # a recalled page is a new page
+                for h in (match.recall_pages.get(g, []) if match else [])
+            ]
             compute_start = match.compute_start[g] if match else 0
             stale = min(win.stale_page_end(num_computed, spec.window, self.page), extent)
             reused[:stale] = [NULL_PAGE] * min(stale, len(reused))
@@ -449,11 +479,11 @@ class KVCacheManager:
         the host tier. Only those: the request's other pages are freed at once, and a copy
         may still be reading when they are written again."""
         keys = chain_hashes(tuple(tokens), self.page)[first:]
-        self.host.store(keys, {g: req.rows[g][first:first + len(keys)] for g in self.cached_groups})
+        self.host.store(keys, {g: req.rows[g][first : first + len(keys)] for g in self.cached_groups})
 
     def _to_host(self, node: TreeNode) -> None:
         """Radix eviction hook: keep the node's pages of every group on the host tier."""
-        keys = chain_hashes(RadixCache.prefix_of(node), self.page)[-node.num_pages():]
+        keys = chain_hashes(RadixCache.prefix_of(node), self.page)[-node.num_pages() :]
         self.host.store(keys, node.pages)
 
     def _copy_partial_pages(self, match: PrefixMatch | None, rows: dict[str, list[int]]) -> None:
@@ -469,9 +499,12 @@ class KVCacheManager:
         for g, stats in self.stats.items():
             hit = match.num_tokens if match.compute_start[g] == match.num_tokens else 0
             recalled = self.page * len(match.recall_pages.get(g, [])) if hit else 0
-            stats.record(query_tokens=num_tokens, hit_tokens=hit,
-                         recomputed_tokens=match.num_tokens - match.compute_start[g],
-                         recalled_tokens=recalled)
+            stats.record(
+                query_tokens=num_tokens,
+                hit_tokens=hit,
+                recomputed_tokens=match.num_tokens - match.compute_start[g],
+                recalled_tokens=recalled,
+            )
 
     def _extension(self, req: _Request, num_tokens: int) -> dict[str, int]:
         extent = self._extent(num_tokens)
@@ -491,24 +524,26 @@ class KVCacheManager:
         return out
 
     def _make_room(self, needs: dict[str, int]) -> None:
-        short = {g: n - self.allocators[g].num_free for g, n in needs.items()
-                 if n > self.allocators[g].num_free}
+        short = {
+            g: n - self.allocators[g].num_free for g, n in needs.items() if n > self.allocators[g].num_free
+        }
         if short and self.tree is not None:
             self.tree.evict(short)
             if self.host is not None:
                 self.host.fence()  # the freed pages are written next
         for g, n in needs.items():
             if not self.allocators[g].can_allocate(n):
-                raise RuntimeError(f"group {g}: {n} pages needed, "
-                                   f"{self.allocators[g].num_free} free: check can_allocate first")
+                raise RuntimeError(
+                    f"group {g}: {n} pages needed, "
+                    f"{self.allocators[g].num_free} free: check can_allocate first"
+                )
 
 
 def _num_held(match: PrefixMatch | None, tokens_per_page: int) -> dict[str, int]:
     if match is None:
         return {}
     m = match.num_tokens
-    return {g: m // tokens_per_page for g, start in match.compute_start.items()
-            if m and start == m}
+    return {g: m // tokens_per_page for g, start in match.compute_start.items() if m and start == m}
 
 
 def _all_held(nulls: list[int], lo: int, hi: int) -> bool:

@@ -32,8 +32,9 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with one reference. The caller checked can_allocate."""
         if n > len(self.free_queue):
-            raise RuntimeError(f"allocate({n}) with {len(self.free_queue)} free pages: "
-                               "call can_allocate first")
+            raise RuntimeError(
+                f"allocate({n}) with {len(self.free_queue)} free pages: call can_allocate first"
+            )
         pages = [self.free_queue.popleft() for _ in range(n)]
         for p in pages:
             self.ref_counts[p] = 1

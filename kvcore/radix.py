@@ -54,9 +54,13 @@ class RadixMatch:
 
 
 class RadixCache:
-    def __init__(self, allocators: dict[str, PageAllocator], tokens_per_page: int,
-                 on_evict: Callable[[TreeNode], None] | None = None,
-                 optional: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        allocators: dict[str, PageAllocator],
+        tokens_per_page: int,
+        on_evict: Callable[[TreeNode], None] | None = None,
+        optional: frozenset[str] = frozenset(),
+    ) -> None:
         """``on_evict(node)`` sees each node just before its pages are released (a whole
         node: not when only ``optional`` groups' pages are dropped from it)."""
         self.allocators = allocators
@@ -78,7 +82,7 @@ class RadixCache:
         pages: dict[str, list[int]] = {g: [] for g in self.allocators}
         self._touch(node)
         while n + self.page <= len(tokens):
-            child = node.children.get(tokens[n:n + self.page])
+            child = node.children.get(tokens[n : n + self.page])
             if child is None:
                 break
             k = self._match_pages(child.key, tokens, n)
@@ -99,10 +103,13 @@ class RadixCache:
         node, n = self.root, 0
         self._touch(node)
         while n < len(tokens):
-            child = node.children.get(tokens[n:n + self.page])
+            child = node.children.get(tokens[n : n + self.page])
             if child is None:
-                self._add_leaf(node, tokens[n:], {g: ps[n // self.page:len(tokens) // self.page]
-                                                  for g, ps in pages.items()})
+                self._add_leaf(
+                    node,
+                    tokens[n:],
+                    {g: ps[n // self.page : len(tokens) // self.page] for g, ps in pages.items()},
+                )
                 return n
             k = self._match_pages(child.key, tokens, n)
             if k < child.num_pages():
@@ -134,7 +141,7 @@ class RadixCache:
                 self.evictable[g] -= len(real)
                 freed[g] += len(real)
             parent = node.parent
-            del parent.children[node.key[:self.page]]
+            del parent.children[node.key[: self.page]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
@@ -143,8 +150,9 @@ class RadixCache:
         """Drop whole runs of optional groups' pages from unlocked nodes, least recently
         used first, until ``freed`` covers ``needed``: a group's window in a node is useful
         only whole, and later matches recompute it."""
-        nodes = sorted((n for n in self.nodes() if n.lock_ref == 0 and n is not self.root),
-                       key=lambda n: n.last_access)
+        nodes = sorted(
+            (n for n in self.nodes() if n.lock_ref == 0 and n is not self.root), key=lambda n: n.last_access
+        )
         for node in nodes:
             short = [g for g in needed if freed[g] < needed[g]]
             if not short:
@@ -209,24 +217,24 @@ class RadixCache:
 
     def _match_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
         """Number of whole pages of ``key`` equal to ``tokens[start:]``."""
-        if tokens[start:start + len(key)] == key:
+        if tokens[start : start + len(key)] == key:
             return len(key) // self.page
         k = 0
         for i in range(0, len(key), self.page):
-            if key[i:i + self.page] != tokens[start + i:start + i + self.page]:
+            if key[i : i + self.page] != tokens[start + i : start + i + self.page]:
                 break
             k += 1
         return k
 
     def _match_partial(self, match: RadixMatch, tokens: tuple[int, ...]) -> None:
-        rest = tokens[match.num_tokens:match.num_tokens + self.page - 1]
+        rest = tokens[match.num_tokens : match.num_tokens + self.page - 1]
         if not rest:
             return
         best, best_len, first = None, 0, rest[0]
         for child in match.node.children.values():
             if child.key[0] != first:
                 continue
-            n = _common_prefix_len(child.key[:self.page], rest)
+            n = _common_prefix_len(child.key[: self.page], rest)
             if n > best_len:
                 best, best_len = child, n
         if best is not None:
@@ -237,27 +245,32 @@ class RadixCache:
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
         """Split ``node`` after ``num_pages`` pages; returns the new upper node."""
         cut = num_pages * self.page
-        upper = TreeNode(key=node.key[:cut], pages={g: ps[:num_pages] for g, ps in node.pages.items()},
-                         parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access)
-        node.parent.children[upper.key[:self.page]] = upper
+        upper = TreeNode(
+            key=node.key[:cut],
+            pages={g: ps[:num_pages] for g, ps in node.pages.items()},
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
+        node.parent.children[upper.key[: self.page]] = upper
         node.key = node.key[cut:]
         node.pages = {g: ps[num_pages:] for g, ps in node.pages.items()}
         node.parent = upper
-        upper.children[node.key[:self.page]] = node
+        upper.children[node.key[: self.page]] = node
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: dict[str, list[int]]) -> None:
         node = TreeNode(key=key, pages={g: list(ps) for g, ps in pages.items()}, parent=parent)
         for g, ps in node.pages.items():
             self.allocators[g].incref([p for p in ps if p != NULL_PAGE])
-        parent.children[key[:self.page]] = node
+        parent.children[key[: self.page]] = node
         self._touch(node)
         self._count_evictable(node, +1)
 
     def _fill_missing(self, node: TreeNode, pages: dict[str, list[int]], first: int) -> None:
         """Take pages the node lacks (NULL, any group) where the inserted sequence has them."""
         for g, held in node.pages.items():
-            new = pages[g][first:first + len(held)]
+            new = pages[g][first : first + len(held)]
             for i, p in enumerate(new):
                 if held[i] == NULL_PAGE and p != NULL_PAGE:
                     held[i] = p

@@ -53,9 +53,16 @@ _DTYPES: dict[str, torch.dtype] = {
 if hasattr(torch, "float8_e4m3fn"):
     _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                  "fp32": "float32", "float": "float32", "fp8": "float8_e4m3fn",
-                  "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -96,8 +103,9 @@ class LayerGroupSpec:
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be non-empty")
         _require(isinstance(self.owner, Owner), "owner", f"must be an Owner, got {self.owner!r}")
-        _require(isinstance(self.lifecycle, Lifecycle), "lifecycle",
-                 f"must be a Lifecycle, got {self.lifecycle!r}")
+        _require(
+            isinstance(self.lifecycle, Lifecycle), "lifecycle", f"must be a Lifecycle, got {self.lifecycle!r}"
+        )
         _require(self.num_layers > 0, "num_layers", f"must be > 0, got {self.num_layers}")
         _require(self.num_kv_heads > 0, "num_kv_heads", f"must be > 0, got {self.num_kv_heads}")
         _require(self.head_dim > 0, "head_dim", f"must be > 0, got {self.head_dim}")
@@ -105,8 +113,11 @@ class LayerGroupSpec:
         dtype_from_name(self.dtype)
         if not self.layer_ids:
             object.__setattr__(self, "layer_ids", tuple(range(self.num_layers)))
-        _require(len(self.layer_ids) == self.num_layers, "layer_ids",
-                 f"has {len(self.layer_ids)} ids for {self.num_layers} layers")
+        _require(
+            len(self.layer_ids) == self.num_layers,
+            "layer_ids",
+            f"has {len(self.layer_ids)} ids for {self.num_layers} layers",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,8 +132,7 @@ class LayerGroupSpec:
         return (self.num_layers, 2, self.num_kv_heads, tokens_per_page, self.head_dim)
 
     def page_bytes(self, tokens_per_page: int) -> int:
-        return (self.num_layers * 2 * self.num_kv_heads * tokens_per_page
-                * self.head_dim * self.element_bytes)
+        return self.num_layers * 2 * self.num_kv_heads * tokens_per_page * self.head_dim * self.element_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,36 +162,44 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(len(self.groups) > 0, "groups", "at least one layer group is required")
-        _require(self.tokens_per_page > 0, "tokens_per_page",
-                 f"must be > 0, got {self.tokens_per_page}")
-        _require(self.num_spec_tokens >= 0, "num_spec_tokens",
-                 f"must be >= 0, got {self.num_spec_tokens}")
-        _require(self.draft_block_width > 0, "draft_block_width",
-                 f"must be > 0, got {self.draft_block_width}")
+        _require(self.tokens_per_page > 0, "tokens_per_page", f"must be > 0, got {self.tokens_per_page}")
+        _require(self.num_spec_tokens >= 0, "num_spec_tokens", f"must be >= 0, got {self.num_spec_tokens}")
+        _require(
+            self.draft_block_width > 0, "draft_block_width", f"must be > 0, got {self.draft_block_width}"
+        )
         _require(self.max_num_seqs > 0, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
-        _require(self.max_prefill_chunk > 0, "max_prefill_chunk",
-                 f"must be > 0, got {self.max_prefill_chunk}")
-        _require(isinstance(self.layout, KVLayout), "layout",
-                 f"must be a KVLayout, got {self.layout!r}")
+        _require(
+            self.max_prefill_chunk > 0, "max_prefill_chunk", f"must be > 0, got {self.max_prefill_chunk}"
+        )
+        _require(isinstance(self.layout, KVLayout), "layout", f"must be a KVLayout, got {self.layout!r}")
         names = tuple(g.name for g in self.groups)
         _require(len(set(names)) == len(names), "groups", f"duplicate group names {names}")
-        _require(self.groups[0].owner == Owner.TARGET
-                 and self.groups[0].lifecycle == Lifecycle.REQUIRED, "groups",
-                 "the first group must be the target's REQUIRED group")
+        _require(
+            self.groups[0].owner == Owner.TARGET and self.groups[0].lifecycle == Lifecycle.REQUIRED,
+            "groups",
+            "the first group must be the target's REQUIRED group",
+        )
         if self.num_pages:
-            _require(len(self.num_pages) == len(self.groups), "num_pages",
-                     f"has {len(self.num_pages)} entries for {len(self.groups)} groups")
+            _require(
+                len(self.num_pages) == len(self.groups),
+                "num_pages",
+                f"has {len(self.num_pages)} entries for {len(self.groups)} groups",
+            )
             for n in self.num_pages:
                 _require(n > 0, "num_pages", f"every entry must be > 0, got {self.num_pages}")
         else:
-            _require(self.memory_bytes > 0, "memory_bytes",
-                     "must be > 0 when num_pages is not given")
-        _require(self.host_num_pages >= 0, "host_num_pages",
-                 f"must be >= 0, got {self.host_num_pages}")
-        _require(self.host_write_policy in HOST_WRITE_POLICIES, "host_write_policy",
-                 f"must be one of {HOST_WRITE_POLICIES}, got {self.host_write_policy!r}")
-        _require(self.host_recall_min_pages >= 1, "host_recall_min_pages",
-                 f"must be >= 1, got {self.host_recall_min_pages}")
+            _require(self.memory_bytes > 0, "memory_bytes", "must be > 0 when num_pages is not given")
+        _require(self.host_num_pages >= 0, "host_num_pages", f"must be >= 0, got {self.host_num_pages}")
+        _require(
+            self.host_write_policy in HOST_WRITE_POLICIES,
+            "host_write_policy",
+            f"must be one of {HOST_WRITE_POLICIES}, got {self.host_write_policy!r}",
+        )
+        _require(
+            self.host_recall_min_pages >= 1,
+            "host_recall_min_pages",
+            f"must be >= 1, got {self.host_recall_min_pages}",
+        )
         object.__setattr__(self, "group_names", names)
 
     @property

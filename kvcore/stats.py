@@ -18,8 +18,9 @@ class GroupStats:
     recomputed_tokens: int = 0
     recalled_tokens: int = 0  # of hit_tokens, recalled from the host tier
 
-    def record(self, query_tokens: int, hit_tokens: int, recomputed_tokens: int,
-               recalled_tokens: int = 0) -> None:
+    def record(
+        self, query_tokens: int, hit_tokens: int, recomputed_tokens: int, recalled_tokens: int = 0
+    ) -> None:
         self.queries += 1
         self.hits += hit_tokens > 0
         self.query_tokens += query_tokens

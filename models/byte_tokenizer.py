@@ -50,10 +50,10 @@ def byte_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in (BOS, EOS, PAD)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, PAD)])
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
     return tok
 
 
@@ -61,9 +61,15 @@ def write_byte_tokenizer(folder: str | Path) -> None:
     """Write the tokenizer files into a model folder (weights untouched)."""
     folder = Path(folder)
     byte_tokenizer().save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-              "pad_token": PAD, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-              "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     for name, data in (("tokenizer_config.json", config), ("generation_config.json", generation)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")
@@ -71,8 +77,11 @@ def write_byte_tokenizer(folder: str | Path) -> None:
 
 def _byte_to_char() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(NUM_BYTES):
         if b in printable:

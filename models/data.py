@@ -27,8 +27,7 @@ def stdlib_root() -> Path:
 
 
 def is_held_out(relative_path: str) -> bool:
-    return (relative_path in ALWAYS_HELD_OUT
-            or zlib.crc32(relative_path.encode()) % HELD_OUT_EVERY == 0)
+    return relative_path in ALWAYS_HELD_OUT or zlib.crc32(relative_path.encode()) % HELD_OUT_EVERY == 0
 
 
 def python_files(root: Path | None = None) -> list[tuple[str, Path]]:
@@ -72,13 +71,15 @@ def token_stream(files: list[Path]) -> torch.Tensor:
 def held_out_prose(root: Path | None = None) -> bytes:
     """Documentation text held out from training: the license and the pydoc topics."""
     root = root or stdlib_root()
-    parts = [(root / name).read_bytes() for name in ("LICENSE.txt", "pydoc_data/topics.py")
-             if (root / name).is_file()]
+    parts = [
+        (root / name).read_bytes()
+        for name in ("LICENSE.txt", "pydoc_data/topics.py")
+        if (root / name).is_file()
+    ]
     return b"\n".join(parts)
 
 
-def random_windows(stream: torch.Tensor, batch: int, length: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def random_windows(stream: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """[batch, length] int64 windows at random offsets of ``stream``."""
     starts = torch.randint(0, len(stream) - length, (batch,), generator=generator)
     index = starts[:, None] + torch.arange(length)[None, :]

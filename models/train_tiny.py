@@ -66,22 +66,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def target_config(a: argparse.Namespace) -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                       num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                       num_key_value_heads=a.kv_heads, max_position_embeddings=a.context,
-                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=BOS_ID,
-                       eos_token_id=EOS_ID)
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=a.context,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
 
 
 def drafter_config(a: argparse.Namespace, target: LlamaConfig) -> EagleConfig:
     n = target.num_hidden_layers
-    return EagleConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                       intermediate_size=target.intermediate_size,
-                       num_attention_heads=target.num_attention_heads,
-                       num_key_value_heads=target.num_key_value_heads,
-                       max_position_embeddings=target.max_position_embeddings,
-                       rope_theta=target.rope_theta, sliding_window=a.window,
-                       aux_layer_ids=(min(1, n - 1), n // 2, n - 1))
+    return EagleConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        max_position_embeddings=target.max_position_embeddings,
+        rope_theta=target.rope_theta,
+        sliding_window=a.window,
+        aux_layer_ids=(min(1, n - 1), n // 2, n - 1),
+    )
 
 
 def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
@@ -90,8 +102,9 @@ def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
     for name, p in model.named_parameters():
         if p.dim() < 2:
             continue
-        std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) \
-            else 0.02
+        std = (
+            0.02 / math.sqrt(2 * num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+        )
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
@@ -100,8 +113,11 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def lr_at(progress: float, base: float, warmup: float = 0.05) -> float:
@@ -124,8 +140,11 @@ class Budget:
 
 
 def autocast(device: str):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.startswith("cuda")
         else torch.autocast("cpu", enabled=False)
+    )
 
 
 def dense_forward(target: LlamaForCausalLM, ids: torch.Tensor, aux_layer_ids=()):
@@ -158,15 +177,21 @@ def train_loop(model, loss_fn, stream, a, batch, length, lr, budget, label) -> d
         step += 1
         if step % 50 == 0 or step == 1:
             losses.append((step, round(loss.item(), 4)))
-            print(f"{label} step {step} loss {loss.item():.4f} "
-                  f"t {time.time() - budget.start:.0f}s", flush=True)
-    return {"steps": step, "seconds": round(time.time() - budget.start, 1),
-            "tokens": step * batch * length, "loss_curve": losses,
-            "final_loss": losses[-1][1] if losses else None}
+            print(
+                f"{label} step {step} loss {loss.item():.4f} t {time.time() - budget.start:.0f}s", flush=True
+            )
+    return {
+        "steps": step,
+        "seconds": round(time.time() - budget.start, 1),
+        "tokens": step * batch * length,
+        "loss_curve": losses,
+        "final_loss": losses[-1][1] if losses else None,
+    }
 
 
-def drafter_loss(drafter: Eagle3Drafter, target: LlamaForCausalLM, windows: torch.Tensor,
-                 window: int, chain_steps: int) -> tuple[torch.Tensor, list[float]]:
+def drafter_loss(
+    drafter: Eagle3Drafter, target: LlamaForCausalLM, windows: torch.Tensor, window: int, chain_steps: int
+) -> tuple[torch.Tensor, list[float]]:
     """Weighted soft cross-entropy over chain steps, and per-step top-1 agreement with
     the target. windows [batch, seq_len]; slot i at step s predicts the target's
     distribution at position i, valid for i >= s."""
@@ -185,7 +210,7 @@ def drafter_loss(drafter: Eagle3Drafter, target: LlamaForCausalLM, windows: torc
         logq = torch.log_softmax(drafter.compute_logits(g, target), dim=-1)
         keep = valid >= s + DRAFT_KEY_START  # chains from slot 0 have no exact key
         ce = -(p[keep] * logq[keep]).sum(-1).mean()
-        total = total + CHAIN_DECAY ** s * ce
+        total = total + CHAIN_DECAY**s * ce
         accs.append((logq[keep].argmax(-1) == p[keep].argmax(-1)).float().mean().item())
         hidden = shift_right(g, b, t)  # h_i = g_{i-1}
     return total, accs
@@ -227,18 +252,34 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     train_files, held_files = split_files(max_files=a.max_files)
     train, held = token_stream(train_files).to(a.device), token_stream(held_files).to(a.device)
-    print(f"train {len(train_files)} files {len(train)} bytes; held out {len(held_files)} "
-          f"files {len(held)} bytes", flush=True)
-    metrics = {"args": vars(a), "train_files": len(train_files), "train_bytes": len(train),
-               "held_out_files": len(held_files), "held_out_bytes": len(held)}
+    print(
+        f"train {len(train_files)} files {len(train)} bytes; held out {len(held_files)} "
+        f"files {len(held)} bytes",
+        flush=True,
+    )
+    metrics = {
+        "args": vars(a),
+        "train_files": len(train_files),
+        "train_bytes": len(train),
+        "held_out_files": len(held_files),
+        "held_out_bytes": len(held),
+    }
 
     tc = target_config(a)
     target = LlamaForCausalLM(tc)
     init_weights(target, tc.num_hidden_layers, a.seed)
     target.to(a.device).train()
-    metrics["target"] = train_loop(target, lambda w: target_loss(target, w), train, a, a.batch,
-                                   a.seq_len + 1, a.lr, Budget(a.target_steps, a.target_seconds),
-                                   "target")
+    metrics["target"] = train_loop(
+        target,
+        lambda w: target_loss(target, w),
+        train,
+        a,
+        a.batch,
+        a.seq_len + 1,
+        a.lr,
+        Budget(a.target_steps, a.target_seconds),
+        "target",
+    )
     target.eval().requires_grad_(False)
     metrics["target"]["held_out_bits_per_byte"] = round(eval_target(target, held, a), 4)
     save_model(target, out / "tiny-target")
@@ -250,9 +291,17 @@ def main(argv: list[str] | None = None) -> None:
     init_weights(drafter, 1, a.seed + 2)
     drafter.to(a.device).train()
     loss_fn = lambda w: drafter_loss(drafter, target, w, a.window, a.chain_steps)[0]
-    metrics["drafter"] = train_loop(drafter, loss_fn, train, a, a.draft_batch, a.draft_seq_len,
-                                    a.draft_lr, Budget(a.drafter_steps, a.drafter_seconds),
-                                    "drafter")
+    metrics["drafter"] = train_loop(
+        drafter,
+        loss_fn,
+        train,
+        a,
+        a.draft_batch,
+        a.draft_seq_len,
+        a.draft_lr,
+        Budget(a.drafter_steps, a.drafter_seconds),
+        "drafter",
+    )
     drafter.eval()
     metrics["drafter"]["held_out_top1_per_step"] = eval_drafter(drafter, target, held, a)
     save_model(drafter, out / "tiny-drafter")

@@ -29,8 +29,9 @@ class ChainContext:
     def step(self) -> int:
         return len(self.keys)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [batch * seq_len, heads, hd], k/v [batch * seq_len, kv_heads, hd]."""
         if layer != 0:
             raise ValueError("layer: chain training supports a one-layer drafter")
@@ -43,14 +44,13 @@ class ChainContext:
         v0 = self.values[0].repeat_interleave(group, dim=1)
         scores = torch.matmul(q4, k0.transpose(-1, -2)).float() * scale  # [b, heads, T, T]
         scores = scores.masked_fill(~self._base_mask(s, q.device), torch.finfo(scores.dtype).min)
-        diag_k = [self._shift(self.keys[r], s - r).repeat_interleave(group, dim=1)
-                  for r in range(1, s + 1)]
+        diag_k = [self._shift(self.keys[r], s - r).repeat_interleave(group, dim=1) for r in range(1, s + 1)]
         diag = [(q4 * dk).sum(-1, keepdim=True).float() * scale for dk in diag_k]  # [b,h,T,1]
         probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
-        out = torch.matmul(probs[..., :self.seq_len].to(v0.dtype), v0)
+        out = torch.matmul(probs[..., : self.seq_len].to(v0.dtype), v0)
         for r in range(1, s + 1):
             dv = self._shift(self.values[r], s - r).repeat_interleave(group, dim=1)
-            out = out + probs[..., self.seq_len + r - 1:self.seq_len + r].to(dv.dtype) * dv
+            out = out + probs[..., self.seq_len + r - 1 : self.seq_len + r].to(dv.dtype) * dv
         return out.transpose(1, 2).reshape(q.shape)
 
     def _base_mask(self, s: int, device: torch.device) -> torch.Tensor:
@@ -70,4 +70,4 @@ class ChainContext:
         """Along the sequence axis (2): out[..., i, :] = t[..., i - by, :], zeros below."""
         if by == 0:
             return t
-        return torch.nn.functional.pad(t, (0, 0, by, 0))[..., :t.shape[2], :]
+        return torch.nn.functional.pad(t, (0, 0, by, 0))[..., : t.shape[2], :]

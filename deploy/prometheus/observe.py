@@ -78,10 +78,16 @@ class Prometheus:
         _check_port_free(self.port)
         self.write_targets(endpoints)
         self.popen = subprocess.Popen(
-            [self.binary, f"--config.file={os.path.join(self.workdir, 'prometheus.yml')}",
-             f"--storage.tsdb.path={os.path.join(self.workdir, 'data')}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, start_new_session=True)
+            [
+                self.binary,
+                f"--config.file={os.path.join(self.workdir, 'prometheus.yml')}",
+                f"--storage.tsdb.path={os.path.join(self.workdir, 'data')}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
@@ -117,9 +123,14 @@ class Prometheus:
 def start_tandem_up(up_args: list[str], echo: bool = True) -> tuple[subprocess.Popen, list[str]]:
     """Start `tandem up`; return it and what it printed, once it printed its summary (the
     cluster is serving then)."""
-    popen = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", *up_args], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True, start_new_session=True,
-                             preexec_fn=_default_sigint)
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "up", *up_args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     lines = []
     try:
         for line in popen.stdout:
@@ -133,8 +144,7 @@ def start_tandem_up(up_args: list[str], echo: bool = True) -> tuple[subprocess.P
         stop_tandem_up(popen)
         raise
     popen.wait()
-    raise RuntimeError(f"tandem up exited with {popen.returncode} before serving:\n"
-                       + "".join(lines[-20:]))
+    raise RuntimeError(f"tandem up exited with {popen.returncode} before serving:\n" + "".join(lines[-20:]))
 
 
 def _drain(popen: subprocess.Popen, echo: bool) -> None:
@@ -170,18 +180,23 @@ def _check_port_free(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise RuntimeError(f"127.0.0.1:{port} is taken (Debian's prometheus service listens on "
-                               "9090 once installed: stop it, or pass --prometheus-port)") from None
+            raise RuntimeError(
+                f"127.0.0.1:{port} is taken (Debian's prometheus service listens on "
+                "9090 once installed: stop it, or pass --prometheus-port)"
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.prometheus.observe",
-                                     description=__doc__.splitlines()[0],
-                                     epilog="Other options go to `tandem up`.")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.prometheus.observe",
+        description=__doc__.splitlines()[0],
+        epilog="Other options go to `tandem up`.",
+    )
     parser.add_argument("--prometheus-port", type=int, default=9090)
     parser.add_argument("--prometheus", default="prometheus", help="the prometheus binary")
-    parser.add_argument("--endpoints", help="a saved `tandem up` output: scrape that cluster "
-                        "instead of starting one")
+    parser.add_argument(
+        "--endpoints", help="a saved `tandem up` output: scrape that cluster instead of starting one"
+    )
     args, up_args = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -198,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             if not endpoints:
                 raise RuntimeError("no endpoints: expected lines like 'router grpc=... metrics=...'")
             server.start(endpoints)
-            print(f"prometheus at {server.url} scraping {len(endpoints)} processes "
-                  f"(job=\"tandem\"); Ctrl-C stops it", flush=True)
+            print(
+                f"prometheus at {server.url} scraping {len(endpoints)} processes "
+                f'(job="tandem"); Ctrl-C stops it',
+                flush=True,
+            )
             while server.popen.poll() is None and (cluster is None or cluster.poll() is None):
                 time.sleep(0.5)
             print("observe: prometheus or the cluster exited", file=sys.stderr)

@@ -87,8 +87,7 @@ class ServiceActor:
         from services.router.main import model_limits, router_text, run_router
 
         args = engine_args(model)
-        limits = model_limits(args.model, args.num_spec_tokens,
-                              served_model_name=served_model_name(args))
+        limits = model_limits(args.model, args.num_spec_tokens, served_model_name=served_model_name(args))
         try:
             tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
         except SystemExit as e:  # a missing or malformed tokenizer or chat template
@@ -96,18 +95,39 @@ class ServiceActor:
         http_port = None if options.http_port < 0 else options.http_port
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
-            return run_router(limits, self.host, options.port, options.metrics_port,
-                              args.tokens_per_page, ready=ready, stop=stop, bound=self.bound,
-                              http_port=http_port, tokenizer=tokenizer, chat=chat)
+            return run_router(
+                limits,
+                self.host,
+                options.port,
+                options.metrics_port,
+                args.tokens_per_page,
+                ready=ready,
+                stop=stop,
+                bound=self.bound,
+                http_port=http_port,
+                tokenizer=tokenizer,
+                chat=chat,
+            )
 
         self._start("router", serve, timeout_s)
         b = self.bound
-        return {"name": "router", "node": self.host, "grpc": f"{self.host}:{b['port']}",
-                "metrics": f"http://{self.host}:{b['metrics_port']}/metrics",
-                "http": f"http://{self.host}:{b['http_port']}" if b["http_port"] else ""}
+        return {
+            "name": "router",
+            "node": self.host,
+            "grpc": f"{self.host}:{b['port']}",
+            "metrics": f"http://{self.host}:{b['metrics_port']}/metrics",
+            "http": f"http://{self.host}:{b['http_port']}" if b["http_port"] else "",
+        }
 
-    def start_worker(self, role: str, instance_id: str, model: ModelOptions,
-                     options: WorkerOptions, router: str, timeout_s: float) -> dict:
+    def start_worker(
+        self,
+        role: str,
+        instance_id: str,
+        model: ModelOptions,
+        options: WorkerOptions,
+        router: str,
+        timeout_s: float,
+    ) -> dict:
         """Start a worker that registers with ``router`` (host:port); returns its endpoints."""
         from deploy.cli import engine_config, served_model_name
         from services.common.serve import run_worker
@@ -120,22 +140,37 @@ class ServiceActor:
             raise ValueError(str(e)) from None
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)
-        config = WorkerConfig(role=role, engine=engine, host=self.host, port=port,
-                              metrics_port=metrics_port, router=router, instance_id=instance_id)
+        config = WorkerConfig(
+            role=role,
+            engine=engine,
+            host=self.host,
+            port=port,
+            metrics_port=metrics_port,
+            router=router,
+            instance_id=instance_id,
+        )
         name = served_model_name(args)
-        self._start(instance_id, lambda ready, stop: run_worker(config, ready, stop, name),
-                    timeout_s)
-        return {"name": instance_id, "node": self.host, "grpc": f"{self.host}:{port}",
-                "metrics": f"http://{self.host}:{metrics_port}/metrics", "http": ""}
+        self._start(instance_id, lambda ready, stop: run_worker(config, ready, stop, name), timeout_s)
+        return {
+            "name": instance_id,
+            "node": self.host,
+            "grpc": f"{self.host}:{port}",
+            "metrics": f"http://{self.host}:{metrics_port}/metrics",
+            "http": "",
+        }
 
     def health(self) -> dict:
         """The router's Health, as a dict (router actors only)."""
         from proto.tandem.v1 import client_pb2 as cpb
 
         h = self.service.call(self.bound["router"].Health(cpb.HealthRequest(), None))
-        return {"serving": h.status == cpb.SERVING_STATUS_SERVING,
-                "num_ready_pairs": h.num_ready_pairs, "num_prefill_workers": h.num_prefill_workers,
-                "num_decode_workers": h.num_decode_workers, "message": h.message}
+        return {
+            "serving": h.status == cpb.SERVING_STATUS_SERVING,
+            "num_ready_pairs": h.num_ready_pairs,
+            "num_prefill_workers": h.num_prefill_workers,
+            "num_decode_workers": h.num_decode_workers,
+            "message": h.message,
+        }
 
     def stop(self) -> bool:
         return self.service.stop() if self.service is not None else True
@@ -157,14 +192,23 @@ def engine_args(model: ModelOptions) -> argparse.Namespace:
         drafter = os.path.join(HERE, drafter)
     here = lambda path: os.path.join(HERE, path) if path else ""
     return argparse.Namespace(
-        model=os.path.join(HERE, model.model or DEFAULT_MODEL), drafter=drafter,
-        tokenizer=here(model.tokenizer), chat_template=here(model.chat_template),
+        model=os.path.join(HERE, model.model or DEFAULT_MODEL),
+        drafter=drafter,
+        tokenizer=here(model.tokenizer),
+        chat_template=here(model.chat_template),
         served_model_name=model.served_model_name,
-        num_spec_tokens=model.num_spec_tokens, layout=model.layout, device=model.device,
-        dtype=model.dtype, tokens_per_page=model.tokens_per_page, kv_cache_mb=model.kv_cache_mb,
-        host_kv_cache_mb=0, host_kv_write_policy="evict", host_kv_recall_min_pages=1,
+        num_spec_tokens=model.num_spec_tokens,
+        layout=model.layout,
+        device=model.device,
+        dtype=model.dtype,
+        tokens_per_page=model.tokens_per_page,
+        kv_cache_mb=model.kv_cache_mb,
+        host_kv_cache_mb=0,
+        host_kv_write_policy="evict",
+        host_kv_recall_min_pages=1,
         max_num_seqs=model.max_num_seqs,
-        no_prefix_cache=not model.prefix_cache)
+        no_prefix_cache=not model.prefix_cache,
+    )
 
 
 def _free_port(host: str) -> int:

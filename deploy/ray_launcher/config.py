@@ -120,8 +120,7 @@ def _check(config: ClusterConfig) -> None:
     if not config.ray.start_local and not config.ray.address:
         raise ConfigError("ray.address: empty; give a cluster address or set ray.start_local")
     if config.model.layout not in ("auto", "unified", "separate"):
-        raise ConfigError(f"model.layout: must be auto, unified or separate, "
-                          f"got {config.model.layout!r}")
+        raise ConfigError(f"model.layout: must be auto, unified or separate, got {config.model.layout!r}")
     if not isinstance(config.ray.env, dict):
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:

@@ -30,11 +30,16 @@ def connect(config: ClusterConfig, address: str = "") -> None:
     if ray.is_initialized():
         return
     if options.start_local and not address:
-        ray.init(address="local", num_cpus=options.num_cpus, num_gpus=options.num_gpus,
-                 namespace=options.namespace, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=options.num_cpus,
+            num_gpus=options.num_gpus,
+            namespace=options.namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     else:
-        ray.init(address=address or options.address, namespace=options.namespace,
-                 log_to_driver=False)
+        ray.init(address=address or options.address, namespace=options.namespace, log_to_driver=False)
 
 
 def up(config: ClusterConfig) -> list[dict]:
@@ -42,15 +47,18 @@ def up(config: ClusterConfig) -> list[dict]:
     On failure, whatever was placed is stopped again."""
     taken = _running(config.ray.namespace)
     if taken:
-        raise RuntimeError(f"already running in namespace {config.ray.namespace!r}: "
-                           f"{', '.join(taken)}; run `tandem ray down` first")
+        raise RuntimeError(
+            f"already running in namespace {config.ray.namespace!r}: "
+            f"{', '.join(taken)}; run `tandem ray down` first"
+        )
     try:
         router = _place(config, config.router, ROUTER)
-        endpoint = ray.get(router.start_router.remote(config.model, config.router,
-                                                      config.ready_timeout_s))
-        started = [_start_worker(config, role, i, endpoint["grpc"])
-                   for role in ("prefill", "decode")
-                   for i in range(getattr(config, role).replicas)]
+        endpoint = ray.get(router.start_router.remote(config.model, config.router, config.ready_timeout_s))
+        started = [
+            _start_worker(config, role, i, endpoint["grpc"])
+            for role in ("prefill", "decode")
+            for i in range(getattr(config, role).replicas)
+        ]
         endpoints = [endpoint] + ray.get(started)
         _wait_ready(router, config)
         return endpoints
@@ -77,11 +85,12 @@ def describe(config: ClusterConfig, endpoints: list[dict]) -> str:
     lines = [f"tandem on Ray (namespace {config.ray.namespace!r}):"]
     for e in endpoints:
         http = f"  http={e['http']}" if e["http"] else ""
-        lines.append(f"{e['name']:<12} grpc={e['grpc']}  metrics={e['metrics']}{http}"
-                     f"  node={e['node']}")
+        lines.append(f"{e['name']:<12} grpc={e['grpc']}  metrics={e['metrics']}{http}  node={e['node']}")
     router = endpoints[0]
-    lines.append(f"router endpoint: {router['grpc']}"
-                 + (f"  (OpenAI-compatible: {router['http']}/v1)" if router["http"] else ""))
+    lines.append(
+        f"router endpoint: {router['grpc']}"
+        + (f"  (OpenAI-compatible: {router['http']}/v1)" if router["http"] else "")
+    )
     return "\n".join(lines)
 
 
@@ -110,8 +119,11 @@ def main(args) -> int:
     connect(config, args.address)
     if args.ray_command == "down":
         stopped = down(config)
-        print(f"stopped {len(stopped)} actors in namespace {config.ray.namespace!r}"
-              + (f": {', '.join(stopped)}" if stopped else ""), flush=True)
+        print(
+            f"stopped {len(stopped)} actors in namespace {config.ray.namespace!r}"
+            + (f": {', '.join(stopped)}" if stopped else ""),
+            flush=True,
+        )
         return 0
     try:
         endpoints = up(config)
@@ -121,17 +133,24 @@ def main(args) -> int:
         return 1
     print(describe(config, endpoints), flush=True)
     if config.ray.start_local and not args.address:
-        print(f"the local Ray instance ({ray.get_runtime_context().gcs_address}) lives as long "
-              "as this process (Ctrl-C stops it)", flush=True)
+        print(
+            f"the local Ray instance ({ray.get_runtime_context().gcs_address}) lives as long "
+            "as this process (Ctrl-C stops it)",
+            flush=True,
+        )
         serve_foreground(config)
     return 0
 
 
 # ---------------------------------------------------------------------- internals
 
+
 def _running(namespace: str) -> list[str]:
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == namespace and a["name"].startswith(NAME_PREFIX))
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(NAME_PREFIX)
+    )
 
 
 _actor_class = None
@@ -143,17 +162,22 @@ def _place(config: ClusterConfig, options, name: str):
     if _actor_class is None:
         _actor_class = ray.remote(ServiceActor)
     return _actor_class.options(
-        name=name, namespace=config.ray.namespace, lifetime="detached", max_restarts=0,
-        num_cpus=options.num_cpus, num_gpus=options.num_gpus, resources=dict(options.resources),
-        runtime_env={"env_vars": {k: str(v) for k, v in config.ray.env.items()}}).remote()
+        name=name,
+        namespace=config.ray.namespace,
+        lifetime="detached",
+        max_restarts=0,
+        num_cpus=options.num_cpus,
+        num_gpus=options.num_gpus,
+        resources=dict(options.resources),
+        runtime_env={"env_vars": {k: str(v) for k, v in config.ray.env.items()}},
+    ).remote()
 
 
 def _start_worker(config: ClusterConfig, role: str, index: int, router: str):
     options: WorkerOptions = getattr(config, role)
     instance_id = f"{role}-{index}"
     actor = _place(config, options, NAME_PREFIX + instance_id)
-    return actor.start_worker.remote(role, instance_id, config.model, options, router,
-                                     config.ready_timeout_s)
+    return actor.start_worker.remote(role, instance_id, config.model, options, router, config.ready_timeout_s)
 
 
 def _wait_ready(router, config: ClusterConfig) -> None:
@@ -165,6 +189,8 @@ def _wait_ready(router, config: ClusterConfig) -> None:
         if health["serving"] and health["num_ready_pairs"] >= config.expected_pairs:
             return
         time.sleep(HEALTH_POLL_S)
-    raise TimeoutError(f"not serving after {config.ready_timeout_s} s: "
-                       f"{health.get('num_ready_pairs', 0)}/{config.expected_pairs} pairs ready; "
-                       f"{health.get('message', '')}")
+    raise TimeoutError(
+        f"not serving after {config.ready_timeout_s} s: "
+        f"{health.get('num_ready_pairs', 0)}/{config.expected_pairs} pairs ready; "
+        f"{health.get('message', '')}"
+    )

@@ -19,8 +19,11 @@ def fail(field: str, msg: str) -> None:
 
 def check_pool(kv_pool: torch.Tensor, layer: int | None = None) -> None:
     if kv_pool.dim() != POOL_RANK or kv_pool.shape[2] != 2:
-        fail("kv_pool", "expected [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, "
-             f"head_dim], got {tuple(kv_pool.shape)}")
+        fail(
+            "kv_pool",
+            "expected [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, "
+            f"head_dim], got {tuple(kv_pool.shape)}",
+        )
     if layer is not None and not 0 <= layer < kv_pool.shape[1]:
         fail("layer", f"must be in [0, {kv_pool.shape[1]}), got {layer}")
 
@@ -34,14 +37,14 @@ def check_index(t: torch.Tensor, field: str, rank: int, device: torch.device) ->
         fail(field, f"on {t.device}, expected {device}")
 
 
-def check_write(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+def check_write(
+    kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     check_pool(kv_pool, layer)
     heads_dim = (kv_pool.shape[3], kv_pool.shape[5])
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != heads_dim:
-            fail(name, f"expected [num_tokens, {heads_dim[0]}, {heads_dim[1]}], "
-                 f"got {tuple(t.shape)}")
+            fail(name, f"expected [num_tokens, {heads_dim[0]}, {heads_dim[1]}], got {tuple(t.shape)}")
     if key.shape != value.shape:
         fail("value", f"shape {tuple(value.shape)} differs from key's {tuple(key.shape)}")
     check_index(slot_mapping, "slot_mapping", 1, kv_pool.device)
@@ -49,9 +52,16 @@ def check_write(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: tor
         fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
-def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, window: int, key_start: int = 0) -> None:
+def check_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    key_start: int = 0,
+) -> None:
     """query: [num_tokens, num_q_heads, head_dim]."""
     check_pool(kv_pool, layer)
     if query.dim() != 3:
@@ -64,8 +74,7 @@ def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     if query.shape[2] != head_dim:
         fail("query", f"head_dim {query.shape[2]} differs from the pool's {head_dim}")
     if query.shape[1] % num_kv_heads != 0:
-        fail("query", f"num_q_heads {query.shape[1]} is not a multiple of "
-             f"num_kv_heads {num_kv_heads}")
+        fail("query", f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     check_index(block_table, "block_table", 2, kv_pool.device)
     check_index(query_start_loc, "query_start_loc", 1, kv_pool.device)
     check_index(seq_lens, "seq_lens", 1, kv_pool.device)
@@ -73,8 +82,7 @@ def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     if block_table.shape[0] != batch:
         fail("block_table", f"has {block_table.shape[0]} rows for batch {batch}")
     if query_start_loc.shape[0] != batch + 1:
-        fail("query_start_loc", f"has {query_start_loc.shape[0]} entries, expected batch + 1 "
-             f"= {batch + 1}")
+        fail("query_start_loc", f"has {query_start_loc.shape[0]} entries, expected batch + 1 = {batch + 1}")
     if window < 0:
         fail("window", f"must be >= 0, got {window}")
     if key_start < 0:
@@ -85,8 +93,9 @@ def check_page_ids(kv_pool: torch.Tensor, page_ids: torch.Tensor, field: str) ->
     check_index(page_ids, field, 1, kv_pool.device)
 
 
-def check_packed(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                 heads: slice | None) -> None:
+def check_packed(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
+) -> None:
     shape = list(kv_pool.shape)
     shape[0] = page_ids.shape[0]
     if heads is not None:

@@ -24,65 +24,93 @@ def _on_gpu(t: torch.Tensor) -> ModuleType | None:
     return _gpu_kernels() if t.is_cuda else None
 
 
-def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at slots (page * P + offset);
     slot -1 is skipped. fp8 pools store a saturating cast."""
     impl = _on_gpu(kv_pool) or reference
     impl.write_kv(kv_pool, layer, key, value, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0,
-                    key_start: int = 0) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """Varlen causal attention over paged K/V; see reference.paged_attention."""
     impl = _on_gpu(query) or reference
-    return impl.paged_attention(query, kv_pool, layer, block_table, query_start_loc,
-                                seq_lens, scale, window, key_start)
+    return impl.paged_attention(
+        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, key_start
+    )
 
 
-def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """query [batch, num_q_heads, head_dim], one token per sequence."""
     impl = _on_gpu(query) or reference
-    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window,
-                                 key_start)
+    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window, key_start)
 
 
-def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def verify_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """query [batch, q_len, num_q_heads, head_dim], q_len = K + 1 tokens per sequence."""
     impl = _on_gpu(query) or reference
-    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window,
-                                 key_start)
+    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window, key_start)
 
 
-def prefill_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, window: int = 0,
-                      key_start: int = 0) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
-    return paged_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens,
-                           scale, window, key_start)
+    return paged_attention(
+        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, key_start
+    )
 
 
-def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
-               heads: slice | None = None) -> torch.Tensor:
+def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
     """Contiguous copy of pages ``page_ids`` (optionally only kv heads ``heads``):
     [n, num_layers, 2, num_heads, P, head_dim]. The transfer primitive."""
     return (_on_gpu(kv_pool) or pages).pack_pages(kv_pool, page_ids, heads)
 
 
-def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                 heads: slice | None = None) -> None:
+def unpack_pages(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None = None
+) -> None:
     """Write ``packed`` (from pack_pages) into pages ``page_ids``; bit-exact."""
     (_on_gpu(kv_pool) or pages).unpack_pages(kv_pool, page_ids, packed, heads)
 
 
-def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
-               dst_page_ids: torch.Tensor) -> None:
+def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
     """Copy whole pages src[i] -> dst[i]; all sources are read before any write."""
     (_on_gpu(kv_pool) or pages).copy_pages(kv_pool, src_page_ids, dst_page_ids)

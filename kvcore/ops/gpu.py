@@ -33,61 +33,98 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     check_write(kv_pool, layer, key, value, slot_mapping)
     _require_contiguous_pool(kv_pool)
-    launch_write_kv(kv_pool, layer, _unit_last_stride(key), _unit_last_stride(value),
-                    slot_mapping)
+    launch_write_kv(kv_pool, layer, _unit_last_stride(key), _unit_last_stride(value), slot_mapping)
 
 
-def _attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-               block_table: torch.Tensor, query_start_loc: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, window: int,
-               max_q_len: int, key_start: int = 0) -> torch.Tensor:
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window,
-                    key_start)
+def _attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    max_q_len: int,
+    key_start: int = 0,
+) -> torch.Tensor:
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window, key_start)
     _require_contiguous_pool(kv_pool)
     query = _unit_last_stride(query)
     block_table = _unit_last_stride(block_table)
     out = torch.empty_like(query)
-    return launch_attention(out, query, kv_pool, layer, block_table, query_start_loc,
-                            seq_lens, scale, window, max_q_len, key_start=key_start)
+    return launch_attention(
+        out,
+        query,
+        kv_pool,
+        layer,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        window,
+        max_q_len,
+        key_start=key_start,
+    )
 
 
-def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0,
-                    key_start: int = 0) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q_len = int(q_lens.max()) if q_lens.numel() else 0
-    return _attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale,
-                      window, max_q_len, key_start)
+    return _attention(
+        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, max_q_len, key_start
+    )
 
 
-def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     starts = uniform_query_start_loc(seq_lens, 1)
-    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1,
-                      key_start)
+    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1, key_start)
 
 
-def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def verify_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     if query.dim() != 4:
         fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
     starts = uniform_query_start_loc(seq_lens, q_len)
-    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len,
-                     key_start)
+    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len, key_start)
     return out.view(query.shape)
 
 
-def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
-               heads: slice | None = None) -> torch.Tensor:
+def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
     check_pool(kv_pool)
     check_page_ids(kv_pool, page_ids, "page_ids")
     _require_contiguous_pool(kv_pool)
@@ -98,8 +135,9 @@ def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
     return packed
 
 
-def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                 heads: slice | None = None) -> None:
+def unpack_pages(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None = None
+) -> None:
     check_pool(kv_pool)
     check_page_ids(kv_pool, page_ids, "page_ids")
     check_packed(kv_pool, page_ids, packed, heads)
@@ -109,11 +147,9 @@ def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Te
     launch_unpack(kv_pool, page_ids, packed.contiguous(), heads)
 
 
-def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
-               dst_page_ids: torch.Tensor) -> None:
+def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
     """Two launches (gather, then scatter), so every source is read before any write."""
     check_page_ids(kv_pool, dst_page_ids, "dst_page_ids")
     if src_page_ids.shape != dst_page_ids.shape:
-        fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for "
-             f"{src_page_ids.shape[0]} sources")
+        fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for {src_page_ids.shape[0]} sources")
     unpack_pages(kv_pool, dst_page_ids, pack_pages(kv_pool, src_page_ids))

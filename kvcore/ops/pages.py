@@ -26,8 +26,7 @@ def _head_view(kv_pool: torch.Tensor, heads: slice | None) -> torch.Tensor:
     return bits if heads is None else bits[:, :, :, heads]
 
 
-def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
-               heads: slice | None = None) -> torch.Tensor:
+def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
     """Gather pages (optionally only kv heads ``heads``) into one contiguous tensor."""
     check_pool(kv_pool)
     check_page_ids(kv_pool, page_ids, "page_ids")
@@ -35,8 +34,9 @@ def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor,
     return packed.view(kv_pool.dtype)
 
 
-def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                 heads: slice | None = None) -> None:
+def unpack_pages(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None = None
+) -> None:
     """Scatter ``packed`` (from :func:`pack_pages`) into pages ``page_ids`` of the pool."""
     check_pool(kv_pool)
     check_page_ids(kv_pool, page_ids, "page_ids")
@@ -46,15 +46,13 @@ def unpack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Te
     _head_view(kv_pool, heads).index_copy_(0, page_ids.long(), as_bits(packed))
 
 
-def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor,
-               dst_page_ids: torch.Tensor) -> None:
+def copy_pages(kv_pool: torch.Tensor, src_page_ids: torch.Tensor, dst_page_ids: torch.Tensor) -> None:
     """Copy whole pages src[i] -> dst[i] (all layers, K and V). Sources are read before
     any destination is written, so the two lists may overlap."""
     check_pool(kv_pool)
     check_page_ids(kv_pool, src_page_ids, "src_page_ids")
     check_page_ids(kv_pool, dst_page_ids, "dst_page_ids")
     if src_page_ids.shape != dst_page_ids.shape:
-        fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for "
-             f"{src_page_ids.shape[0]} sources")
+        fail("dst_page_ids", f"has {dst_page_ids.shape[0]} ids for {src_page_ids.shape[0]} sources")
     bits = as_bits(kv_pool)
     bits.index_copy_(0, dst_page_ids.long(), bits.index_select(0, src_page_ids.long()))

@@ -28,8 +28,9 @@ def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store key/value ``[num_tokens, num_kv_heads, head_dim]`` of one layer at slots
     ``page_id * P + offset``; slots equal to -1 are skipped."""
     check_write(kv_pool, layer, key, value, slot_mapping)
@@ -41,10 +42,17 @@ def write_kv(kv_pool: torch.Tensor, layer: int, key: torch.Tensor, value: torch.
     kv_pool[pages, layer, 1, :, offsets] = to_pool_dtype(value[keep], kv_pool.dtype)
 
 
-def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int = 0,
-                    key_start: int = 0) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of varlen queries over paged K/V.
 
     query: [num_tokens, num_q_heads, head_dim]; block_table: [batch, max_pages];
@@ -55,8 +63,7 @@ def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     visible key: an EAGLE-3 drafter's unused first slot). A row that sees no key outputs zeros.
     Returns [num_tokens, num_q_heads, head_dim] in the query's dtype.
     """
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window,
-                    key_start)
+    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window, key_start)
     num_tokens, num_q_heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0 or block_table.shape[1] == 0:
@@ -68,8 +75,7 @@ def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
 
     q = query.new_zeros((batch, max_q, num_q_heads, head_dim), dtype=torch.float32)
     q[seq_of_token, index_in_seq] = query.float()
-    keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, block_table, seq_lens,
-                                                    q_lens, window)
+    keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, block_table, seq_lens, q_lens, window)
     q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
     if key_start > 0:  # zero the hidden keys: 0 * NaN would leak through the matmuls
         key_ok &= key_pos >= key_start
@@ -80,8 +86,14 @@ def paged_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     return out[seq_of_token, index_in_seq].to(query.dtype)
 
 
-def _gather_context(kv_pool: torch.Tensor, layer: int, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, q_lens: torch.Tensor, window: int):
+def _gather_context(
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    window: int,
+):
     """Gather, per sequence, the pages from the first one any query can see to the last
     one of the context. Returns keys/values [batch, num_kv_heads, num_keys, head_dim]
     (float32, zeros where no page is held), key positions [batch, num_keys] and
@@ -108,8 +120,9 @@ def _gather_context(kv_pool: torch.Tensor, layer: int, block_table: torch.Tensor
     return kv[0], kv[1], key_pos, key_ok
 
 
-def _attention_mask(q_pos: torch.Tensor, q_lens: torch.Tensor, key_pos: torch.Tensor,
-                    key_ok: torch.Tensor, window: int) -> torch.Tensor:
+def _attention_mask(
+    q_pos: torch.Tensor, q_lens: torch.Tensor, key_pos: torch.Tensor, key_ok: torch.Tensor, window: int
+) -> torch.Tensor:
     """[batch, max_q, num_keys]: query row i of b may attend key column j."""
     max_q = q_pos.shape[1]
     q_ok = torch.arange(max_q, device=q_pos.device)[None, :] < q_lens[:, None]
@@ -120,8 +133,9 @@ def _attention_mask(q_pos: torch.Tensor, q_lens: torch.Tensor, key_pos: torch.Te
     return mask
 
 
-def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [batch, max_q, num_q_heads, hd]; keys/values [batch, num_kv_heads, num_keys, hd];
     mask [batch, max_q, num_keys]. Query head h reads kv head h // group."""
     batch, max_q, num_q_heads, head_dim = q.shape
@@ -143,30 +157,40 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_q_heads, head_dim)
 
 
-def decode_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """One query token per sequence. query: [batch, num_q_heads, head_dim]."""
     starts = uniform_query_start_loc(seq_lens, 1)
-    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window,
-                           key_start)
+    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, key_start)
 
 
-def verify_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int = 0, key_start: int = 0) -> torch.Tensor:
+def verify_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    key_start: int = 0,
+) -> torch.Tensor:
     """q_len (= K + 1) query tokens per sequence, causal inside the block.
     query: [batch, q_len, num_q_heads, head_dim] -> same shape."""
     if query.dim() != 4:
-        raise ValueError(f"query: expected [batch, q_len, num_q_heads, head_dim], "
-                         f"got {tuple(query.shape)}")
+        raise ValueError(f"query: expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
     starts = uniform_query_start_loc(seq_lens, q_len)
-    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window,
-                          key_start)
+    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, key_start)
     return out.view(query.shape)
 
 
 prefill_attention = paged_attention
-

@@ -23,8 +23,9 @@ def _as_longs(x: IntsLike, batch: int, field: str, device: torch.device) -> torc
     return t
 
 
-def slot_mapping_for(block_table: torch.Tensor, start_positions: IntsLike, lengths: IntsLike,
-                     tokens_per_page: int) -> torch.Tensor:
+def slot_mapping_for(
+    block_table: torch.Tensor, start_positions: IntsLike, lengths: IntsLike, tokens_per_page: int
+) -> torch.Tensor:
     """Slots of positions ``start_b .. start_b + length_b - 1`` of every row b, concatenated.
 
     block_table: [batch, max_pages] or one row [max_pages]. Returns [sum(lengths)] int64.

@@ -27,13 +27,40 @@ NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, so masked rows sta
 
 @triton.jit
 def _attention_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, kv_ptr, block_table_ptr, starts_ptr,
-    seq_lens_ptr, layer_offset, num_q_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_page, stride_kv, stride_head, stride_bt, scale_log2, window, key_start,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CLAMP: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    starts_ptr,
+    seq_lens_ptr,
+    layer_offset,
+    num_q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_page,
+    stride_kv,
+    stride_head,
+    stride_bt,
+    scale_log2,
+    window,
+    key_start,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    Q_CLAMP: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     first_q = (tl.program_id(0) % num_q_blocks) * BLOCK_Q
@@ -53,8 +80,11 @@ def _attention_kernel(
     row_token = (q_start + row_q).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh
-                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if Q_CLAMP > 0:  # a bf16/fp32 query narrowed to fp16 saturates instead of overflowing
         q = tl.clamp(q.to(tl.float32), -Q_CLAMP, Q_CLAMP)
     q = q.to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
@@ -103,36 +133,49 @@ def _attention_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         part_row = (row_token * tl.num_programs(1) * GROUP + row_head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=store_mask)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, TINY)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
 
 
 @triton.jit
-def _combine_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads,
-                    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = token * num_heads + head
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS,
-                  other=float("-inf"))  # [SPLITS_PAD]
+    lse = tl.load(
+        part_lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf")
+    )  # [SPLITS_PAD]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
-    part = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM
-                   + dims[None, :], mask=(w > 0)[:, None] & (dims < HEAD_DIM)[None, :],
-                   other=0.0)  # [SPLITS_PAD, BLOCK_D]
+    part = tl.load(
+        part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=(w > 0)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, BLOCK_D]
     out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), TINY)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
-_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-               torch.float32: tl.float32}
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _dot_dtype(pool_dtype: torch.dtype):
@@ -146,8 +189,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_splits(num_programs: int, device: torch.device, waves: int = 2,
-                   max_splits: int = 64) -> int:
+def default_splits(num_programs: int, device: torch.device, waves: int = 2, max_splits: int = 64) -> int:
     """Context splits so that a small batch still fills the chip (``waves`` programs per
     SM); 1 once the batch alone does."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
@@ -169,10 +211,18 @@ class AttentionConfig:
     num_stages: int
 
 
-def choose_config(num_q_heads: int, num_kv_heads: int, batch: int, max_q_len: int,
-                  fp8: bool, device: torch.device, num_splits: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> AttentionConfig:
+def choose_config(
+    num_q_heads: int,
+    num_kv_heads: int,
+    batch: int,
+    max_q_len: int,
+    fp8: bool,
+    device: torch.device,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> AttentionConfig:
     """Defaults from H200 sweeps (docs/performance.md); any argument given wins."""
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -186,47 +236,97 @@ def choose_config(num_q_heads: int, num_kv_heads: int, batch: int, max_q_len: in
     fp8_decode = fp8 and decode_like
     wide = fp8_decode or num_splits >= 8 or (block_m == 32 and num_splits == 1)
     return AttentionConfig(
-        group, group_pad, block_q, block_m, num_q_blocks, num_splits,
+        group,
+        group_pad,
+        block_q,
+        block_m,
+        num_q_blocks,
+        num_splits,
         block_n=block_n or (128 if wide else 64),
         num_warps=num_warps or (4 if block_m <= 64 else 8),
-        num_stages=num_stages or (3 if fp8_decode else 2))
+        num_stages=num_stages or (3 if fp8_decode else 2),
+    )
 
 
-def launch_attention(out: torch.Tensor, query: torch.Tensor, kv_pool: torch.Tensor,
-                     layer: int, block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, window: int, max_q_len: int,
-                     key_start: int = 0, **overrides) -> torch.Tensor:
+def launch_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    max_q_len: int,
+    key_start: int = 0,
+    **overrides,
+) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
     every sequence's query length; ``overrides`` go to :func:`choose_config`."""
     num_tokens, num_q_heads, head_dim = query.shape
     batch, num_kv_heads = seq_lens.shape[0], kv_pool.shape[3]
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
         return out.zero_()
-    cfg = choose_config(num_q_heads, num_kv_heads, batch, max_q_len,
-                        kv_pool.element_size() == 1, query.device, **overrides)
+    cfg = choose_config(
+        num_q_heads, num_kv_heads, batch, max_q_len, kv_pool.element_size() == 1, query.device, **overrides
+    )
     part_out = part_lse = out  # unused placeholders when there is one split
     if cfg.num_splits > 1:
-        part_out = query.new_empty((num_tokens, num_q_heads, cfg.num_splits, head_dim),
-                                   dtype=torch.float32)
-        part_lse = query.new_empty((num_tokens, num_q_heads, cfg.num_splits),
-                                   dtype=torch.float32)
+        part_out = query.new_empty((num_tokens, num_q_heads, cfg.num_splits, head_dim), dtype=torch.float32)
+        part_lse = query.new_empty((num_tokens, num_q_heads, cfg.num_splits), dtype=torch.float32)
     dot_dtype = _dot_dtype(kv_pool.dtype)
     q_clamp = 65504.0 if dot_dtype == tl.float16 and query.dtype != torch.float16 else 0.0
     grid = (batch * cfg.num_q_blocks, num_kv_heads, cfg.num_splits)
     _attention_kernel[grid](
-        out, part_out, part_lse, query, kv_pool, block_table, query_start_loc, seq_lens,
-        layer * kv_pool.stride(1), cfg.num_q_blocks, query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1), kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
-        block_table.stride(0), scale * LOG2E, window, key_start,
-        NUM_SPLITS=cfg.num_splits, GROUP=cfg.group, GROUP_PAD=cfg.group_pad,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_pool.shape[4],
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HAS_WINDOW=window > 0, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", Q_CLAMP=q_clamp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        out,
+        part_out,
+        part_lse,
+        query,
+        kv_pool,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        layer * kv_pool.stride(1),
+        cfg.num_q_blocks,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
+        block_table.stride(0),
+        scale * LOG2E,
+        window,
+        key_start,
+        NUM_SPLITS=cfg.num_splits,
+        GROUP=cfg.group,
+        GROUP_PAD=cfg.group_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGE=kv_pool.shape[4],
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HAS_WINDOW=window > 0,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        Q_CLAMP=q_clamp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if cfg.num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), num_q_heads,
-            NUM_SPLITS=cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+            out,
+            part_out,
+            part_lse,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            NUM_SPLITS=cfg.num_splits,
+            SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
     return out

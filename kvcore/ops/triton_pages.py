@@ -19,10 +19,22 @@ BLOCK = 4096  # elements per program
 
 
 @triton.jit
-def _copy_runs_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, run_len, src_page_stride,
-                      dst_page_stride, src_run_stride, dst_run_stride, src_offset, dst_offset,
-                      SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _copy_runs_kernel(
+    src_ptr,
+    dst_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    run_len,
+    src_page_stride,
+    dst_page_stride,
+    src_run_stride,
+    dst_run_stride,
+    src_offset,
+    dst_offset,
+    SRC_INDEXED: tl.constexpr,
+    DST_INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0)
     run = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -32,10 +44,8 @@ def _copy_runs_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, run_len, src_p
         src_page = tl.load(src_ids_ptr + i)
     if DST_INDEXED:
         dst_page = tl.load(dst_ids_ptr + i)
-    src = (src_ptr + src_page.to(tl.int64) * src_page_stride + run * src_run_stride
-           + src_offset + offs)
-    dst = (dst_ptr + dst_page.to(tl.int64) * dst_page_stride + run * dst_run_stride
-           + dst_offset + offs)
+    src = src_ptr + src_page.to(tl.int64) * src_page_stride + run * src_run_stride + src_offset + offs
+    dst = dst_ptr + dst_page.to(tl.int64) * dst_page_stride + run * dst_run_stride + dst_offset + offs
     mask = offs < run_len
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
@@ -49,20 +59,23 @@ def _run_geometry(pool: torch.Tensor, heads: slice | None) -> tuple[int, int, in
     return first, max(stop - first, 0), pool.shape[1] * 2
 
 
-def launch_pack(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                heads: slice | None) -> None:
+def launch_pack(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
+) -> None:
     """packed[i] = kv_pool[page_ids[i], :, :, heads]."""
     _launch(kv_pool, packed, page_ids, None, heads, pool_is_src=True)
 
 
-def launch_unpack(kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
-                  heads: slice | None) -> None:
+def launch_unpack(
+    kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
+) -> None:
     """kv_pool[page_ids[i], :, :, heads] = packed[i]."""
     _launch(packed, kv_pool, None, page_ids, heads, pool_is_src=False)
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, heads: slice | None,
-            pool_is_src: bool) -> None:
+def _launch(
+    src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, heads: slice | None, pool_is_src: bool
+) -> None:
     pool, packed = (src, dst) if pool_is_src else (dst, src)
     first, moved, runs = _run_geometry(pool, heads)
     num_pages = packed.shape[0]
@@ -72,11 +85,23 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, heads: slice
         return
     pool_geometry = (pool.stride(0), pool.stride(2), first * head_elems)
     packed_geometry = (packed.stride(0), run_len, 0)
-    src_geo, dst_geo = ((pool_geometry, packed_geometry) if pool_is_src
-                        else (packed_geometry, pool_geometry))
+    src_geo, dst_geo = (pool_geometry, packed_geometry) if pool_is_src else (packed_geometry, pool_geometry)
     grid = (num_pages, runs, triton.cdiv(run_len, BLOCK))
     ids = src_ids if src_ids is not None else dst_ids
     _copy_runs_kernel[grid](
-        as_bits(src), as_bits(dst), ids, ids, run_len, src_geo[0], dst_geo[0], src_geo[1],
-        dst_geo[1], src_geo[2], dst_geo[2], SRC_INDEXED=src_ids is not None,
-        DST_INDEXED=dst_ids is not None, BLOCK=BLOCK, num_warps=4)
+        as_bits(src),
+        as_bits(dst),
+        ids,
+        ids,
+        run_len,
+        src_geo[0],
+        dst_geo[0],
+        src_geo[1],
+        dst_geo[1],
+        src_geo[2],
+        dst_geo[2],
+        SRC_INDEXED=src_ids is not None,
+        DST_INDEXED=dst_ids is not None,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )

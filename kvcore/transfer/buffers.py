@@ -26,8 +26,7 @@ def as_ucx_array(obj: Any, *, writable: bool) -> Any:
     try:
         array = Array(obj)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"buffer: {type(obj).__name__} is not a tensor, array or "
-                         f"buffer ({e})") from e
+        raise ValueError(f"buffer: {type(obj).__name__} is not a tensor, array or buffer ({e})") from e
     if not array.c_contiguous:
         raise ValueError("buffer: must be C-contiguous")
     if writable and array.readonly:

@@ -62,13 +62,15 @@ class AuxState:
         sender = self.sender_id.encode()
         if len(sender) > 128:
             raise ValueError(f"sender_id: at most 128 bytes, got {len(sender)}")
-        return _AUX_HEADER.pack(self.prompt_len, self.first_token, values.numel(), sender) + \
-            values.numpy().tobytes()
+        return (
+            _AUX_HEADER.pack(self.prompt_len, self.first_token, values.numel(), sender)
+            + values.numpy().tobytes()
+        )
 
     @staticmethod
     def from_bytes(data: bytes | bytearray) -> AuxState:
         prompt_len, first_token, n, sender = _AUX_HEADER.unpack_from(data)
-        hidden = torch.frombuffer(bytearray(data[_AUX_HEADER.size:]), dtype=torch.float32)
+        hidden = torch.frombuffer(bytearray(data[_AUX_HEADER.size :]), dtype=torch.float32)
         if hidden.numel() != n:
             raise TransferError(f"aux state: {hidden.numel()} hidden values, header says {n}")
         return AuxState(prompt_len, first_token, hidden, sender.rstrip(b"\0").decode())
@@ -94,8 +96,9 @@ class TransferUsage:
 
 
 class KVTransferAgent:
-    def __init__(self, manager: KVCacheManager, hidden_size: int,
-                 transport: UcxTransport | None = None) -> None:
+    def __init__(
+        self, manager: KVCacheManager, hidden_size: int, transport: UcxTransport | None = None
+    ) -> None:
         self.manager = manager
         self.hidden_size = hidden_size
         self.transport = transport or UcxTransport()
@@ -119,9 +122,16 @@ class KVTransferAgent:
 
     # ------------------------------------------------------------------ sender
 
-    async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
-                           timeout_s: float, dest: dict[str, list[int]] | None = None,
-                           held: dict[str, int] | None = None) -> TransferUsage:
+    async def send_request(
+        self,
+        request_id: str,
+        num_tokens: int,
+        peer_id: str,
+        aux: AuxState,
+        timeout_s: float,
+        dest: dict[str, list[int]] | None = None,
+        held: dict[str, int] | None = None,
+    ) -> TransferUsage:
         """Push the aux state and the pages holding positions [0, num_tokens) to the peer,
         then wait for its acknowledgement. Raises TransferError/TransferTimeout.
 
@@ -135,15 +145,20 @@ class KVTransferAgent:
         await self.wait_ack(request_id, num_tokens, timeout_s)
         return with_held(usage, held)
 
-    async def send_aux(self, request_id: str, peer_id: str, aux: AuxState,
-                       timeout_s: float) -> None:
+    async def send_aux(self, request_id: str, peer_id: str, aux: AuxState, timeout_s: float) -> None:
         tag = message_tag(request_tag(request_id), AUX_GROUP, 0)
         await self.transport.send(peer_id, aux.to_bytes(), tag, timeout_s)
 
-    async def send_pages(self, request_id: str, pages: dict[str, TransferPages], peer_id: str,
-                         timeout_s: float, dest: dict[str, list[int]] | None = None,
-                         routes: dict[str, HeadRoute] | None = None,
-                         src_rank: int = 0) -> TransferUsage:
+    async def send_pages(
+        self,
+        request_id: str,
+        pages: dict[str, TransferPages],
+        peer_id: str,
+        timeout_s: float,
+        dest: dict[str, list[int]] | None = None,
+        routes: dict[str, HeadRoute] | None = None,
+        src_rank: int = 0,
+    ) -> TransferUsage:
         """Send ``pages`` of each group to ``peer_id``: whole, or along ``routes[group]``
         (groups without a route are skipped) as sender rank ``src_rank``."""
         base, usage = request_tag(request_id), TransferUsage()
@@ -154,36 +169,40 @@ class KVTransferAgent:
             start = time.perf_counter()
             index = self._tag_index(group, src_rank)
             sliced = route is not None and not route.whole
-            runs = [(0, 0, len(sent.page_ids))] if sliced and sent.page_ids else \
-                _common_runs(sent, dest.get(group) if dest else None)
-            await self.transport.send(peer_id, _runs_header(runs, len(sent.page_ids)),
-                                      message_tag(base, index, 0), timeout_s)
+            runs = (
+                [(0, 0, len(sent.page_ids))]
+                if sliced and sent.page_ids
+                else _common_runs(sent, dest.get(group) if dest else None)
+            )
+            await self.transport.send(
+                peer_id, _runs_header(runs, len(sent.page_ids)), message_tag(base, index, 0), timeout_s
+            )
             usage.bytes[group], usage.pages[group] = 0, len(sent.page_ids)
             for chunk, (first, _dst, n) in enumerate(runs, start=1):
                 heads = route.src_heads if sliced else None
                 buffer = self._source(group, sent.page_ids, first, n, heads)
-                await self.transport.send(peer_id, buffer, message_tag(base, index, chunk),
-                                          timeout_s)
+                await self.transport.send(peer_id, buffer, message_tag(base, index, chunk), timeout_s)
                 usage.bytes[group] += buffer.numel() * buffer.element_size()
             usage.seconds[group] = time.perf_counter() - start
         return usage
 
     async def wait_ack(self, request_id: str, num_tokens: int, timeout_s: float) -> None:
         ack = bytearray(_ACK.size)
-        await self.transport.recv(ack, message_tag(request_tag(request_id), ACK_GROUP, 0),
-                                  timeout_s)
+        await self.transport.recv(ack, message_tag(request_tag(request_id), ACK_GROUP, 0), timeout_s)
         if _ACK.unpack(ack)[0] != num_tokens:
-            raise TransferError(f"request {request_id!r}: peer acknowledged "
-                                f"{_ACK.unpack(ack)[0]} tokens, sent {num_tokens}")
+            raise TransferError(
+                f"request {request_id!r}: peer acknowledged {_ACK.unpack(ack)[0]} tokens, sent {num_tokens}"
+            )
 
-    def _source(self, group: str, page_ids: list[int], first: int, n: int,
-                heads: slice | None = None) -> torch.Tensor:
+    def _source(
+        self, group: str, page_ids: list[int], first: int, n: int, heads: slice | None = None
+    ) -> torch.Tensor:
         """Pages page_ids[first:first+n] (only ``heads`` when given): a view of the pool
         when they are whole and contiguous, else packed."""
         pool = self.manager.pools[group]
-        ids = page_ids[first:first + n]
+        ids = page_ids[first : first + n]
         if heads is None and ids == list(range(ids[0], ids[0] + n)):
-            return pool[ids[0]:ids[0] + n]
+            return pool[ids[0] : ids[0] + n]
         return pack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), heads)
 
     def _tag_index(self, group: str, src_rank: int) -> int:
@@ -194,8 +213,9 @@ class KVTransferAgent:
 
     # ------------------------------------------------------------------ receiver
 
-    async def receive_request(self, request_id: str, num_tokens: int,
-                              timeout_s: float) -> tuple[AuxState, TransferUsage]:
+    async def receive_request(
+        self, request_id: str, num_tokens: int, timeout_s: float
+    ) -> tuple[AuxState, TransferUsage]:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
         match, num_computed=num_tokens)`` (all but its ``held_pages``), then acknowledge to
         the sender the aux state names (which must be connected)."""
@@ -208,17 +228,22 @@ class KVTransferAgent:
 
     async def receive_aux(self, request_id: str, num_tokens: int, timeout_s: float) -> AuxState:
         data = bytearray(AuxState.wire_size(self.hidden_size))
-        await self.transport.recv(data, message_tag(request_tag(request_id), AUX_GROUP, 0),
-                                  timeout_s)
+        await self.transport.recv(data, message_tag(request_tag(request_id), AUX_GROUP, 0), timeout_s)
         aux = AuxState.from_bytes(data)
         if aux.prompt_len != num_tokens:
-            raise TransferError(f"request {request_id!r}: aux state is for {aux.prompt_len} "
-                                f"tokens, reserved {num_tokens}")
+            raise TransferError(
+                f"request {request_id!r}: aux state is for {aux.prompt_len} tokens, reserved {num_tokens}"
+            )
         return aux
 
-    async def receive_pages(self, request_id: str, pages: dict[str, TransferPages],
-                            timeout_s: float, routes: dict[str, HeadRoute] | None = None,
-                            src_rank: int = 0) -> TransferUsage:
+    async def receive_pages(
+        self,
+        request_id: str,
+        pages: dict[str, TransferPages],
+        timeout_s: float,
+        routes: dict[str, HeadRoute] | None = None,
+        src_rank: int = 0,
+    ) -> TransferUsage:
         """Receive what :meth:`send_pages` sends with the same pages, routes and rank."""
         base, usage = request_tag(request_id), TransferUsage()
         for group, landing in pages.items():
@@ -233,24 +258,29 @@ class KVTransferAgent:
             usage.bytes[group], usage.pages[group] = 0, len(landing.page_ids)
             for chunk, (first, n) in enumerate(_header_runs(header), start=1):
                 usage.bytes[group] += await self._receive_run(
-                    group, landing.page_ids[first:first + n], message_tag(base, index, chunk),
-                    timeout_s, heads)
+                    group,
+                    landing.page_ids[first : first + n],
+                    message_tag(base, index, chunk),
+                    timeout_s,
+                    heads,
+                )
             usage.seconds[group] = time.perf_counter() - start
         return usage
 
-    async def acknowledge(self, request_id: str, sender_id: str, num_tokens: int,
-                          timeout_s: float) -> None:
-        await self.transport.send(sender_id, _ACK.pack(num_tokens),
-                                  message_tag(request_tag(request_id), ACK_GROUP, 0), timeout_s)
+    async def acknowledge(self, request_id: str, sender_id: str, num_tokens: int, timeout_s: float) -> None:
+        await self.transport.send(
+            sender_id, _ACK.pack(num_tokens), message_tag(request_tag(request_id), ACK_GROUP, 0), timeout_s
+        )
 
-    async def _receive_run(self, group: str, ids: list[int], tag: int, timeout_s: float,
-                           heads: slice | None = None) -> int:
+    async def _receive_run(
+        self, group: str, ids: list[int], tag: int, timeout_s: float, heads: slice | None = None
+    ) -> int:
         """Receive one run: straight into the pool when its pages are whole and contiguous
         here, else packed and scattered (into ``heads`` only, when given)."""
         pool = self.manager.pools[group]
         n = len(ids)
         if heads is None and ids == list(range(ids[0], ids[0] + n)):
-            await self.transport.recv(pool[ids[0]:ids[0] + n], tag, timeout_s)
+            await self.transport.recv(pool[ids[0] : ids[0] + n], tag, timeout_s)
             return n * pool[0].numel() * pool.element_size()
         shape = list(pool.shape)
         shape[0] = n
@@ -258,21 +288,21 @@ class KVTransferAgent:
             shape[3] = heads.stop - heads.start
         packed = torch.empty(shape, dtype=pool.dtype, device=pool.device)
         await self.transport.recv(packed, tag, timeout_s)
-        unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed,
-                     heads)
+        unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed, heads)
         return packed.numel() * packed.element_size()
 
     # ------------------------------------------------------------------ small messages
 
-    async def send_message(self, peer_id: str, nonce: str, chunk: int, data: bytes,
-                           timeout_s: float) -> None:
+    async def send_message(self, peer_id: str, nonce: str, chunk: int, data: bytes, timeout_s: float) -> None:
         """A length-prefixed message on the ``nonce``'s side channel (chunks ``chunk`` and
         ``chunk + 1``), e.g. a TP group's RankInfos at pairing."""
         base = request_tag(nonce)
-        await self.transport.send(peer_id, _LENGTH.pack(len(data)),
-                                  message_tag(base, PING_GROUP, chunk), timeout_s)
-        await self.transport.send(peer_id, bytes(data) or b"\0",
-                                  message_tag(base, PING_GROUP, chunk + 1), timeout_s)
+        await self.transport.send(
+            peer_id, _LENGTH.pack(len(data)), message_tag(base, PING_GROUP, chunk), timeout_s
+        )
+        await self.transport.send(
+            peer_id, bytes(data) or b"\0", message_tag(base, PING_GROUP, chunk + 1), timeout_s
+        )
 
     async def receive_message(self, nonce: str, chunk: int, timeout_s: float) -> bytes:
         base = request_tag(nonce)
@@ -323,7 +353,7 @@ def _common_runs(pages: TransferPages, dest: list[int] | None) -> list[tuple[int
         return []
     if dest is None:
         return [(0, 0, len(src))]
-    dst = dest[pages.first_page:pages.first_page + len(src)]
+    dst = dest[pages.first_page : pages.first_page + len(src)]
     if len(dst) != len(src) or any(p < 0 for p in dst):
         raise TransferError(f"dest: {len(dst)} receiver pages for {len(src)} sent pages")
     runs, start = [], 0

@@ -39,8 +39,9 @@ def request_tag(request_id: str) -> int:
 def message_tag(base_tag: int, group_index: int, chunk: int) -> int:
     """Tag of one message: ``base_tag`` (from :func:`request_tag`) plus group and chunk."""
     if not 0 <= base_tag < 1 << 64 or base_tag & ((1 << _LOW_BITS) - 1):
-        raise ValueError(f"base_tag: must be a 64-bit tag with its low {_LOW_BITS} bits "
-                         f"zero, got {base_tag:#x}")
+        raise ValueError(
+            f"base_tag: must be a 64-bit tag with its low {_LOW_BITS} bits zero, got {base_tag:#x}"
+        )
     if not 0 <= group_index < MAX_GROUPS:
         raise ValueError(f"group_index: must be in [0, {MAX_GROUPS}), got {group_index}")
     if not 0 <= chunk < MAX_CHUNKS:

@@ -152,8 +152,9 @@ class UcxTransport:
 
     # ------------------------------------------------------------------ peers
 
-    async def connect(self, peer_id: str, info: UcxEndpointInfo,
-                      path: UcxPath = UcxPath.WORKER_ADDRESS) -> None:
+    async def connect(
+        self, peer_id: str, info: UcxEndpointInfo, path: UcxPath = UcxPath.WORKER_ADDRESS
+    ) -> None:
         """Open the send direction to ``peer_id``; ValueError naming the bad field."""
         self._check_open()
         if not peer_id:
@@ -184,8 +185,7 @@ class UcxTransport:
         if not info.worker_address:
             raise ValueError("worker_address: empty; the peer has no UCX worker")
         address = self._ucxx.get_ucx_address_from_buffer(info.worker_address)
-        return await self._ucxx.create_endpoint_from_worker_address(
-            address, endpoint_error_handling=False)
+        return await self._ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
     async def _connect_by_listener(self, info: UcxEndpointInfo) -> Any:
         if not info.host:
@@ -207,8 +207,7 @@ class UcxTransport:
 
     # ------------------------------------------------------------------ messages
 
-    async def send(self, peer_id: str, buffer: Any, tag: int,
-                   timeout_s: float | None = None) -> None:
+    async def send(self, peer_id: str, buffer: Any, tag: int, timeout_s: float | None = None) -> None:
         """Send ``buffer``'s bytes to ``peer_id`` under ``tag``.
 
         Returns once the buffer may be reused. On timeout (``timeout_s`` seconds, None =
@@ -225,8 +224,9 @@ class UcxTransport:
             await self._drive(request, timeout_s)
         except TimeoutError:
             await self.disconnect(peer_id)
-            raise TransferTimeout(f"send of tag {tag:#x} to {peer_id!r} not done "
-                                  f"after {timeout_s} s; endpoint aborted") from None
+            raise TransferTimeout(
+                f"send of tag {tag:#x} to {peer_id!r} not done after {timeout_s} s; endpoint aborted"
+            ) from None
         except Exception as e:
             self._check_open()
             await self.disconnect(peer_id)
@@ -247,14 +247,16 @@ class UcxTransport:
         probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s)
         if probe.length != array.nbytes:
             await self._discard(probe)
-            raise TransferError(f"recv of tag {tag:#x}: message has {probe.length} bytes, "
-                                f"buffer has {array.nbytes}")
+            raise TransferError(
+                f"recv of tag {tag:#x}: message has {probe.length} bytes, buffer has {array.nbytes}"
+            )
         request = _background(self._receive_matched(array, probe))
         try:
             await self._drive(request, max(deadline - loop.time(), 0))
         except TimeoutError:
-            raise TransferTimeout(f"recv of tag {tag:#x}: message matched but its data did "
-                                  f"not land within {timeout_s} s") from None
+            raise TransferTimeout(
+                f"recv of tag {tag:#x}: message matched but its data did not land within {timeout_s} s"
+            ) from None
 
     async def _wait_for_message(self, tag: int, deadline: float, timeout_s: float) -> Any:
         """Probe (and dequeue) the message tagged ``tag``: every loop turn for SPIN_S
@@ -292,8 +294,7 @@ class UcxTransport:
 
     async def _discard(self, probe: Any) -> None:
         """Drain a dequeued message that will not be delivered (UCX requires it)."""
-        await self._receive_matched(as_ucx_array(bytearray(probe.length), writable=True),
-                                    probe)
+        await self._receive_matched(as_ucx_array(bytearray(probe.length), writable=True), probe)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -40,8 +40,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
 
     async def _generate(self, request: cpb.GenerateRequest, context):
         w, rid = self.worker, request.request_id or f"agg-{uuid.uuid4().hex}"
-        prompt = list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" \
-            else request.text
+        prompt = list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else request.text
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -53,29 +52,43 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
             async for out in w.loop.outputs(rid, submit):
                 last = out
                 if len(out.token_ids) > sent:
-                    yield cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(
-                        token_ids=out.token_ids[sent:],
-                        logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:])))
+                    yield cpb.GenerateResponse(
+                        request_id=rid,
+                        chunk=cpb.Chunk(
+                            token_ids=out.token_ids[sent:],
+                            logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:]),
+                        ),
+                    )
                     sent = len(out.token_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.record_spec_metrics()
         u = last.usage
-        usage = cpb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=len(last.token_ids),
-                          acceptance_length=u.acceptance_length, num_drafts=u.num_steps,
-                          num_draft_tokens=u.num_draft_tokens, num_accepted_tokens=u.num_accepted,
-                          cached_tokens=u.cached_tokens.get("target", 0),
-                          cached_tokens_per_group=[cpb.GroupTokens(group=g, num_tokens=n)
-                                                   for g, n in u.cached_tokens.items()])
+        usage = cpb.Usage(
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=len(last.token_ids),
+            acceptance_length=u.acceptance_length,
+            num_drafts=u.num_steps,
+            num_draft_tokens=u.num_draft_tokens,
+            num_accepted_tokens=u.num_accepted,
+            cached_tokens=u.cached_tokens.get("target", 0),
+            cached_tokens_per_group=[
+                cpb.GroupTokens(group=g, num_tokens=n) for g, n in u.cached_tokens.items()
+            ],
+        )
         w.metrics.requests.labels("both", last.finish_reason or "stop").inc()
-        yield cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(
-            finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),
-            usage=usage))
+        yield cpb.GenerateResponse(
+            request_id=rid,
+            complete=cpb.Complete(
+                finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP), usage=usage
+            ),
+        )
 
     async def Abort(self, request, context) -> cpb.AbortResponse:
         found = await self.worker.loop.call(self.worker.engine.abort, request.request_id)
         return cpb.AbortResponse(found=found)
 
     async def Health(self, request, context) -> cpb.HealthResponse:
-        return cpb.HealthResponse(status=cpb.SERVING_STATUS_SERVING, num_prefill_workers=1,
-                                  num_decode_workers=1)
+        return cpb.HealthResponse(
+            status=cpb.SERVING_STATUS_SERVING, num_prefill_workers=1, num_decode_workers=1
+        )

@@ -16,23 +16,31 @@ READY_SERVICE = "tandem.ready"
 registered and paired; the router: at least one ready pair). "" is liveness."""
 
 
-async def start_server(add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int,
-                       tls: TlsConfig | None = None, token: str = "",
-                       ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+async def start_server(
+    add_servicers: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    tls: TlsConfig | None = None,
+    token: str = "",
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a server on ``host:port`` (0 = any free port) with ``grpc.health.v1``, whose
     overall status starts NOT_SERVING, mutual TLS and the bearer-token check when given.
     Returns the server, its health servicer and the port."""
-    server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else None,
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        interceptors=[TokenCheck(token)] if token else None,
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+    )
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", NOT_SERVING)
     await health_servicer.set(READY_SERVICE, NOT_SERVING)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, tls.server_credentials()) if tls
-             else server.add_insecure_port(address))
+    bound = (
+        server.add_secure_port(address, tls.server_credentials())
+        if tls
+        else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise OSError(f"port: cannot bind {host}:{port}")
     await server.start()

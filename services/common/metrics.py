@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 
 
@@ -26,8 +25,9 @@ class ModelRegistry(CollectorRegistry):
     def collect(self):
         for metric in super().collect():
             if self.model_name:
-                metric.samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
-                                  for s in metric.samples]
+                metric.samples = [
+                    s._replace(labels={**s.labels, "model_name": self.model_name}) for s in metric.samples
+                ]
             yield metric
 
 
@@ -38,48 +38,91 @@ class Metrics:
         self.role = role
         r = self.registry = ModelRegistry(model_name)
         self.requests = Counter("tandem_requests", "Finished requests", ["role", "status"], registry=r)
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
-                              ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed tokens",
-                             ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency", ["role"],
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("tandem_request_queue_seconds", "Time before a request is scheduled",
-                               ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Time to first token",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Request latency",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "tandem_request_queue_seconds",
+            "Time before a request is scheduled",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("tandem_requests_running", "Requests running", ["role"], registry=r)
         self.waiting = Gauge("tandem_requests_waiting", "Requests waiting", ["role"], registry=r)
         self.pages_used = Gauge("tandem_kv_pages_used", "KV pages held", ["group"], registry=r)
-        self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"],
-                                 registry=r)
-        self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up",
-                                      ["group"], registry=r)
-        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens reused", ["group"],
-                                   registry=r)
-        self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved", ["group"],
-                                      registry=r)
-        self.transfer_pages = Counter("tandem_kv_transfer_pages", "KV pages of transfers: sent, "
-                                      "or held already by the decode worker and skipped",
-                                      ["group", "kind"], registry=r)
-        self.transfer_failures = Counter("tandem_kv_transfer_failures", "Failed KV transfers",
-                                         ["group"], registry=r)
-        self.transfer_seconds = Histogram("tandem_kv_transfer_seconds", "Wall time of one "
-                                          "request's KV transfer", buckets=LATENCY_BUCKETS, registry=r)
-        self.spec_drafts = Counter("tandem_spec_drafts", "Decode steps that verified a draft",
-                                   ["origin"], registry=r)
-        self.spec_draft_tokens = Counter("tandem_spec_draft_tokens", "Draft tokens proposed",
-                                         ["origin"], registry=r)
-        self.spec_accepted = Counter("tandem_spec_accepted_tokens", "Draft tokens accepted",
-                                     ["origin"], registry=r)
-        self.spec_accepted_per_position = Counter("tandem_spec_accepted_tokens_per_position",
-                                                  "Accepted draft tokens by position",
-                                                  ["position", "origin"], registry=r)
-        self.spec_al = Histogram("tandem_spec_acceptance_length", "Tokens emitted per verify step",
-                                 ["origin"], buckets=AL_BUCKETS, registry=r)
-        self.registrations = Counter("tandem_peer_registrations", "Peer registrations",
-                                     ["result"], registry=r)
-        self.timeouts = Counter("tandem_timeouts", "Deadlines that expired, by kind: lease "
-                                "(reserved pages freed unused), transfer (pages did not land or "
-                                "were not acknowledged in time)", ["kind"], registry=r)
+        self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"], registry=r)
+        self.prefix_queries = Counter(
+            "tandem_prefix_cache_queries", "Prompt tokens looked up", ["group"], registry=r
+        )
+        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens reused", ["group"], registry=r)
+        self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved", ["group"], registry=r)
+        self.transfer_pages = Counter(
+            "tandem_kv_transfer_pages",
+            "KV pages of transfers: sent, or held already by the decode worker and skipped",
+            ["group", "kind"],
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "tandem_kv_transfer_failures", "Failed KV transfers", ["group"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "tandem_kv_transfer_seconds",
+            "Wall time of one request's KV transfer",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.spec_drafts = Counter(
+            "tandem_spec_drafts", "Decode steps that verified a draft", ["origin"], registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "tandem_spec_draft_tokens", "Draft tokens proposed", ["origin"], registry=r
+        )
+        self.spec_accepted = Counter(
+            "tandem_spec_accepted_tokens", "Draft tokens accepted", ["origin"], registry=r
+        )
+        self.spec_accepted_per_position = Counter(
+            "tandem_spec_accepted_tokens_per_position",
+            "Accepted draft tokens by position",
+            ["position", "origin"],
+            registry=r,
+        )
+        self.spec_al = Histogram(
+            "tandem_spec_acceptance_length",
+            "Tokens emitted per verify step",
+            ["origin"],
+            buckets=AL_BUCKETS,
+            registry=r,
+        )
+        self.registrations = Counter(
+            "tandem_peer_registrations", "Peer registrations", ["result"], registry=r
+        )
+        self.timeouts = Counter(
+            "tandem_timeouts",
+            "Deadlines that expired, by kind: lease "
+            "(reserved pages freed unused), transfer (pages did not land or "
+            "were not acknowledged in time)",
+            ["kind"],
+            registry=r,
+        )
 
     @property
     def model_name(self) -> str:

@@ -20,12 +20,30 @@ from google.protobuf.message import Message
 
 from proto.tandem.v1 import rank_info_pb2, registration_pb2
 
-_FIELDS = ("schema_version", "model_id", "drafter_id", "drafter_kind", "tokens_per_page",
-           "kv_layout", "num_draft_layers", "num_spec_tokens", "draft_block_width")
+_FIELDS = (
+    "schema_version",
+    "model_id",
+    "drafter_id",
+    "drafter_kind",
+    "tokens_per_page",
+    "kv_layout",
+    "num_draft_layers",
+    "num_spec_tokens",
+    "draft_block_width",
+)
 """RankInfo fields that must be equal."""
 
-_GROUP_FIELDS = ("owner", "lifecycle", "layer_ids", "dtype", "dtype_name", "element_bytes",
-                 "head_dim", "window", "total_num_kv_heads")
+_GROUP_FIELDS = (
+    "owner",
+    "lifecycle",
+    "layer_ids",
+    "dtype",
+    "dtype_name",
+    "element_bytes",
+    "head_dim",
+    "window",
+    "total_num_kv_heads",
+)
 """LayerGroupInfo fields that must be equal, per group name."""
 
 _PREFILL_SIDES = (rank_info_pb2.ROLE_PREFILL, rank_info_pb2.ROLE_BOTH)
@@ -75,31 +93,38 @@ def format_mismatches(mismatches: list[Mismatch]) -> str:
 
 
 def mismatches_to_proto(mismatches: list[Mismatch]) -> list[registration_pb2.Mismatch]:
-    return [registration_pb2.Mismatch(field=m.field, local_value=m.local, peer_value=m.peer,
-                                      reason=m.reason) for m in mismatches]
+    return [
+        registration_pb2.Mismatch(field=m.field, local_value=m.local, peer_value=m.peer, reason=m.reason)
+        for m in mismatches
+    ]
 
 
 def _check_role(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
     """Roles must be complementary: one side prefills, the other decodes (BOTH does both)."""
-    complementary = ((local.role in _PREFILL_SIDES and peer.role in _DECODE_SIDES)
-                     or (local.role in _DECODE_SIDES and peer.role in _PREFILL_SIDES))
+    complementary = (local.role in _PREFILL_SIDES and peer.role in _DECODE_SIDES) or (
+        local.role in _DECODE_SIDES and peer.role in _PREFILL_SIDES
+    )
     if complementary:
         return []
-    return [Mismatch("role", _show(local, "role"), _show(peer, "role"),
-                     "roles must be complementary: prefill with decode, or both")]
+    return [
+        Mismatch(
+            "role",
+            _show(local, "role"),
+            _show(peer, "role"),
+            "roles must be complementary: prefill with decode, or both",
+        )
+    ]
 
 
 def _check_groups(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
     local_groups, peer_groups = _by_name(local), _by_name(peer)
     if local_groups is None or peer_groups is None:
-        return [Mismatch("groups", _group_names(local), _group_names(peer),
-                         "group names must be unique")]
+        return [Mismatch("groups", _group_names(local), _group_names(peer), "group names must be unique")]
     mismatches = []
     for name in _union(local.groups, peer.groups):
         path = f"groups[{name}]"
         if name not in local_groups or name not in peer_groups:
-            mismatches.append(Mismatch(path, _presence(name, local_groups),
-                                       _presence(name, peer_groups)))
+            mismatches.append(Mismatch(path, _presence(name, local_groups), _presence(name, peer_groups)))
             continue
         lg, pg = local_groups[name], peer_groups[name]
         mismatches += _diff(lg, pg, _GROUP_FIELDS, prefix=f"{path}.")
@@ -108,17 +133,33 @@ def _check_groups(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -
     return mismatches
 
 
-def _check_heads(path: str, local: rank_info_pb2.LayerGroupInfo, local_tp: int,
-                 peer: rank_info_pb2.LayerGroupInfo, peer_tp: int) -> list[Mismatch]:
+def _check_heads(
+    path: str,
+    local: rank_info_pb2.LayerGroupInfo,
+    local_tp: int,
+    peer: rank_info_pb2.LayerGroupInfo,
+    peer_tp: int,
+) -> list[Mismatch]:
     """Both sides must split the group's heads evenly and publish the per-rank count
     that split implies; then the transfer can re-slice heads between any two TP sizes."""
-    reasons = [f"{side}: {reason}" for side, reason in
-               (("local", _heads_problem(local, local_tp)), ("peer", _heads_problem(peer, peer_tp)))
-               if reason]
+    reasons = [
+        f"{side}: {reason}"
+        for side, reason in (
+            ("local", _heads_problem(local, local_tp)),
+            ("peer", _heads_problem(peer, peer_tp)),
+        )
+        if reason
+    ]
     if not reasons:
         return []
-    return [Mismatch(f"{path}.num_kv_heads", _heads_text(local, local_tp),
-                     _heads_text(peer, peer_tp), "; ".join(reasons))]
+    return [
+        Mismatch(
+            f"{path}.num_kv_heads",
+            _heads_text(local, local_tp),
+            _heads_text(peer, peer_tp),
+            "; ".join(reasons),
+        )
+    ]
 
 
 def _heads_problem(group: rank_info_pb2.LayerGroupInfo, tp_size: int) -> str:
@@ -126,8 +167,10 @@ def _heads_problem(group: rank_info_pb2.LayerGroupInfo, tp_size: int) -> str:
     if expected is None:
         return f"{group.total_num_kv_heads} KV heads do not split over tp {tp_size}"
     if expected != group.num_kv_heads:
-        return (f"tp {tp_size} holds {expected} of {group.total_num_kv_heads} KV heads "
-                f"per rank, not {group.num_kv_heads}")
+        return (
+            f"tp {tp_size} holds {expected} of {group.total_num_kv_heads} KV heads "
+            f"per rank, not {group.num_kv_heads}"
+        )
     return ""
 
 
@@ -136,8 +179,11 @@ def _heads_text(group: rank_info_pb2.LayerGroupInfo, tp_size: int) -> str:
 
 
 def _diff(local: Message, peer: Message, fields: tuple[str, ...], prefix: str) -> list[Mismatch]:
-    return [Mismatch(prefix + name, _show(local, name), _show(peer, name))
-            for name in fields if _value(local, name) != _value(peer, name)]
+    return [
+        Mismatch(prefix + name, _show(local, name), _show(peer, name))
+        for name in fields
+        if _value(local, name) != _value(peer, name)
+    ]
 
 
 def _value(message: Message, name: str) -> object:

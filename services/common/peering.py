@@ -39,9 +39,14 @@ def pair_nonce(prefill_id: str, decode_id: str) -> str:
 
 
 class PeerRegistry(reg_grpc.RegistrationServicer):
-    def __init__(self, local_info: Callable[[], rpb.RankInfo], agent: GroupTransferAgent,
-                 metrics: Metrics, token: str = "",
-                 local_ranks: Callable[[], list[rpb.RankInfo]] | None = None) -> None:
+    def __init__(
+        self,
+        local_info: Callable[[], rpb.RankInfo],
+        agent: GroupTransferAgent,
+        metrics: Metrics,
+        token: str = "",
+        local_ranks: Callable[[], list[rpb.RankInfo]] | None = None,
+    ) -> None:
         self.local_info = local_info
         self.local_ranks = local_ranks or (lambda: [local_info()])
         self.agent = agent
@@ -57,31 +62,35 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         if not peer.instance_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")
         if peer.instance_id == local.instance_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"rank_info.instance_id: {peer.instance_id!r} is this worker")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank_info.instance_id: {peer.instance_id!r} is this worker",
+            )
         mismatches = check_peer(local, peer)
         if not mismatches:
             try:
                 mismatches = await self._connect_and_test(local, peer)
             except (TransferError, RankError, ValueError) as e:
-                mismatches = [Mismatch("ucx", local.instance_id, peer.instance_id,
-                                       f"test transfer failed: {e}")]
+                mismatches = [
+                    Mismatch("ucx", local.instance_id, peer.instance_id, f"test transfer failed: {e}")
+                ]
         if mismatches:
             self.metrics.registrations.labels("refused").inc()
-            return reg.RegisterResponse(accepted=False, mismatches=mismatches_to_proto(mismatches),
-                                        peer=local)
+            return reg.RegisterResponse(
+                accepted=False, mismatches=mismatches_to_proto(mismatches), peer=local
+            )
         self.peers[peer.instance_id] = peer
         self.metrics.registrations.labels("accepted").inc()
         return reg.RegisterResponse(accepted=True, peer=local)
 
     async def _connect_and_test(self, local: rpb.RankInfo, peer: rpb.RankInfo) -> list[Mismatch]:
         await self.agent.disconnect(peer.instance_id)  # a re-registering peer has a new address
-        await self.agent.connect(peer.instance_id, UcxEndpointInfo(
-            peer.ucx.worker_address, peer.ucx.host, peer.ucx.port))
+        await self.agent.connect(
+            peer.instance_id, UcxEndpointInfo(peer.ucx.worker_address, peer.ucx.host, peer.ucx.port)
+        )
         if local.role != rpb.ROLE_DECODE:
             return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id))
-        task = asyncio.ensure_future(self._answer(peer, pair_nonce(peer.instance_id,
-                                                                   local.instance_id)))
+        task = asyncio.ensure_future(self._answer(peer, pair_nonce(peer.instance_id, local.instance_id)))
         self._pongs.add(task)
         task.add_done_callback(self._pongs.discard)
         return []
@@ -90,22 +99,28 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         """Prefill side: test transfer, groups out and in, every rank checked and tested."""
         a, t = self.agent, PAIR_TEST_TIMEOUT_S
         await a.ping(peer.instance_id, nonce, t)
-        await a.send_message(peer.instance_id, nonce, GROUP_CHUNK,
-                             group_to_bytes(self.local_ranks()), t)
+        await a.send_message(peer.instance_id, nonce, GROUP_CHUNK, group_to_bytes(self.local_ranks()), t)
         ranks = group_from_bytes(await a.receive_message(nonce, PEER_GROUP_CHUNK, t))
         verdict = reg.RegisterResponse.FromString(await a.receive_message(nonce, VERDICT_CHUNK, t))
         if not verdict.accepted:  # named from the decode side: its values are "local" there
-            return [Mismatch(m.field, m.peer_value, m.local_value, m.reason or
-                             f"refused by {peer.instance_id}") for m in verdict.mismatches]
+            return [
+                Mismatch(m.field, m.peer_value, m.local_value, m.reason or f"refused by {peer.instance_id}")
+                for m in verdict.mismatches
+            ]
         mismatches = check_peer_group(self.local_ranks(), ranks)
         if not mismatches:
             try:
                 await a.test_links(ranks, sender=True, nonce=nonce)
             except TransferError as e:
-                mismatches = [Mismatch("ucx", self.local_info().instance_id, peer.instance_id,
-                                       f"test transfer between ranks failed: {e}")]
-        final = reg.RegisterResponse(accepted=not mismatches,
-                                     mismatches=mismatches_to_proto(mismatches))
+                mismatches = [
+                    Mismatch(
+                        "ucx",
+                        self.local_info().instance_id,
+                        peer.instance_id,
+                        f"test transfer between ranks failed: {e}",
+                    )
+                ]
+        final = reg.RegisterResponse(accepted=not mismatches, mismatches=mismatches_to_proto(mismatches))
         await a.send_message(peer.instance_id, nonce, FINAL_CHUNK, final.SerializeToString(), t)
         if not mismatches:
             a.peer_ranks[peer.instance_id] = ranks
@@ -122,12 +137,13 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
             mismatches = check_peer_group(self.local_ranks(), ranks)
             if not mismatches:
                 a.peer_ranks[peer.instance_id] = ranks  # before the answer: traffic may follow
-            await a.send_message(peer.instance_id, nonce, PEER_GROUP_CHUNK,
-                                 group_to_bytes(self.local_ranks()), t)
-            verdict = reg.RegisterResponse(accepted=not mismatches,
-                                           mismatches=mismatches_to_proto(mismatches))
-            await a.send_message(peer.instance_id, nonce, VERDICT_CHUNK,
-                                 verdict.SerializeToString(), t)
+            await a.send_message(
+                peer.instance_id, nonce, PEER_GROUP_CHUNK, group_to_bytes(self.local_ranks()), t
+            )
+            verdict = reg.RegisterResponse(
+                accepted=not mismatches, mismatches=mismatches_to_proto(mismatches)
+            )
+            await a.send_message(peer.instance_id, nonce, VERDICT_CHUNK, verdict.SerializeToString(), t)
             if mismatches:
                 return
             await a.test_links(ranks, sender=False, nonce=nonce)
@@ -146,8 +162,9 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         return reg.DeregisterResponse(removed=removed)
 
     async def ListPeers(self, request, context) -> reg.ListPeersResponse:
-        return reg.ListPeersResponse(peers=[p for p in self.peers.values()
-                                            if request.role in (rpb.ROLE_UNSPECIFIED, p.role)])
+        return reg.ListPeersResponse(
+            peers=[p for p in self.peers.values() if request.role in (rpb.ROLE_UNSPECIFIED, p.role)]
+        )
 
     async def Heartbeat(self, request, context) -> reg.HeartbeatResponse:
         return reg.HeartbeatResponse(registered=request.instance_id in self.peers)

@@ -16,17 +16,26 @@ from services.common.peer_check import heads_per_rank
 SCHEMA_VERSION = 1
 """Bumped whenever a change to RankInfo changes what a field means."""
 
-_ROLES = {"prefill": rank_info_pb2.ROLE_PREFILL, "decode": rank_info_pb2.ROLE_DECODE,
-          "both": rank_info_pb2.ROLE_BOTH}
-_LAYOUTS = {KVLayout.UNIFIED: rank_info_pb2.KV_LAYOUT_UNIFIED,
-            KVLayout.SEPARATE: rank_info_pb2.KV_LAYOUT_SEPARATE}
-_OWNERS = {Owner.TARGET: rank_info_pb2.GROUP_OWNER_TARGET,
-           Owner.DRAFT: rank_info_pb2.GROUP_OWNER_DRAFT}
-_LIFECYCLES = {Lifecycle.REQUIRED: rank_info_pb2.LIFECYCLE_REQUIRED,
-               Lifecycle.OPTIONAL: rank_info_pb2.LIFECYCLE_OPTIONAL}
-_DTYPES = {"bfloat16": rank_info_pb2.KV_DTYPE_BF16, "float16": rank_info_pb2.KV_DTYPE_FP16,
-           "float32": rank_info_pb2.KV_DTYPE_FP32,
-           "float8_e4m3fn": rank_info_pb2.KV_DTYPE_FP8_E4M3}
+_ROLES = {
+    "prefill": rank_info_pb2.ROLE_PREFILL,
+    "decode": rank_info_pb2.ROLE_DECODE,
+    "both": rank_info_pb2.ROLE_BOTH,
+}
+_LAYOUTS = {
+    KVLayout.UNIFIED: rank_info_pb2.KV_LAYOUT_UNIFIED,
+    KVLayout.SEPARATE: rank_info_pb2.KV_LAYOUT_SEPARATE,
+}
+_OWNERS = {Owner.TARGET: rank_info_pb2.GROUP_OWNER_TARGET, Owner.DRAFT: rank_info_pb2.GROUP_OWNER_DRAFT}
+_LIFECYCLES = {
+    Lifecycle.REQUIRED: rank_info_pb2.LIFECYCLE_REQUIRED,
+    Lifecycle.OPTIONAL: rank_info_pb2.LIFECYCLE_OPTIONAL,
+}
+_DTYPES = {
+    "bfloat16": rank_info_pb2.KV_DTYPE_BF16,
+    "float16": rank_info_pb2.KV_DTYPE_FP16,
+    "float32": rank_info_pb2.KV_DTYPE_FP32,
+    "float8_e4m3fn": rank_info_pb2.KV_DTYPE_FP8_E4M3,
+}
 
 
 def build_rank_info(
@@ -64,15 +73,31 @@ def build_rank_info(
         raise ValueError("model_id: must be non-empty")
     pages = _pool_sizes(cache_config, num_pages)
     totals = dict(total_kv_heads or {})
-    groups = [_group_info(spec, cache_config.tokens_per_page, tp_size, pages[i],
-                          totals.get(spec.name, spec.num_kv_heads * tp_size))
-              for i, spec in enumerate(cache_config.groups)]
+    groups = [
+        _group_info(
+            spec,
+            cache_config.tokens_per_page,
+            tp_size,
+            pages[i],
+            totals.get(spec.name, spec.num_kv_heads * tp_size),
+        )
+        for i, spec in enumerate(cache_config.groups)
+    ]
     return rank_info_pb2.RankInfo(
-        schema_version=SCHEMA_VERSION, instance_id=instance_id, role=_ROLES[role],
-        model_id=model_id, drafter_id=drafter_id, drafter_kind=drafter_kind,
-        tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
-        tokens_per_page=cache_config.tokens_per_page, kv_layout=_LAYOUTS[cache_config.layout],
-        groups=groups, num_draft_layers=num_draft_layers(cache_config),
+        schema_version=SCHEMA_VERSION,
+        instance_id=instance_id,
+        role=_ROLES[role],
+        model_id=model_id,
+        drafter_id=drafter_id,
+        drafter_kind=drafter_kind,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        tokens_per_page=cache_config.tokens_per_page,
+        kv_layout=_LAYOUTS[cache_config.layout],
+        groups=groups,
+        num_draft_layers=num_draft_layers(cache_config),
         num_spec_tokens=cache_config.num_spec_tokens,
         draft_block_width=cache_config.draft_block_width,
         ucx=rank_info_pb2.UcxEndpoint(worker_address=ucx_address, host=ucx_host, port=ucx_port),
@@ -83,19 +108,29 @@ def num_draft_layers(cache_config: CacheConfig) -> int:
     return sum(g.num_layers for g in cache_config.groups if g.owner == Owner.DRAFT)
 
 
-def _group_info(spec: LayerGroupSpec, tokens_per_page: int, tp_size: int, num_pages: int,
-                total_kv_heads: int) -> rank_info_pb2.LayerGroupInfo:
+def _group_info(
+    spec: LayerGroupSpec, tokens_per_page: int, tp_size: int, num_pages: int, total_kv_heads: int
+) -> rank_info_pb2.LayerGroupInfo:
     if heads_per_rank(total_kv_heads, tp_size) != spec.num_kv_heads:
-        raise ValueError(f"total_kv_heads: group {spec.name!r} has {spec.num_kv_heads} KV "
-                         f"heads per rank, which {total_kv_heads} heads over tp {tp_size} "
-                         f"do not give")
+        raise ValueError(
+            f"total_kv_heads: group {spec.name!r} has {spec.num_kv_heads} KV "
+            f"heads per rank, which {total_kv_heads} heads over tp {tp_size} "
+            f"do not give"
+        )
     name = dtype_name(spec.torch_dtype)
     return rank_info_pb2.LayerGroupInfo(
-        name=spec.name, owner=_OWNERS[spec.owner], layer_ids=spec.layer_ids,
-        num_kv_heads=spec.num_kv_heads, total_num_kv_heads=total_kv_heads,
-        head_dim=spec.head_dim, dtype=_DTYPES[name], dtype_name=name,
-        element_bytes=spec.element_bytes, window=spec.window,
-        lifecycle=_LIFECYCLES[spec.lifecycle], page_bytes=spec.page_bytes(tokens_per_page),
+        name=spec.name,
+        owner=_OWNERS[spec.owner],
+        layer_ids=spec.layer_ids,
+        num_kv_heads=spec.num_kv_heads,
+        total_num_kv_heads=total_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=_DTYPES[name],
+        dtype_name=name,
+        element_bytes=spec.element_bytes,
+        window=spec.window,
+        lifecycle=_LIFECYCLES[spec.lifecycle],
+        page_bytes=spec.page_bytes(tokens_per_page),
         num_pages=num_pages,
     )
 
@@ -105,8 +140,9 @@ def _pool_sizes(cache_config: CacheConfig, num_pages: Sequence[int]) -> tuple[in
     num_groups = len(cache_config.groups)
     if cache_config.num_pages:
         if num_pages and tuple(num_pages) != cache_config.num_pages:
-            raise ValueError(f"num_pages: {tuple(num_pages)} contradicts the config's "
-                             f"{cache_config.num_pages}")
+            raise ValueError(
+                f"num_pages: {tuple(num_pages)} contradicts the config's {cache_config.num_pages}"
+            )
         return cache_config.num_pages
     if not num_pages:
         return (0,) * num_groups

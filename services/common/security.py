@@ -26,18 +26,15 @@ class TlsConfig:
                 raise ValueError(f"tls_{name}: no such file {getattr(self, name)!r}")
 
     def _read(self) -> tuple[bytes, bytes, bytes]:
-        return (Path(self.key).read_bytes(), Path(self.cert).read_bytes(),
-                Path(self.ca).read_bytes())
+        return (Path(self.key).read_bytes(), Path(self.cert).read_bytes(), Path(self.ca).read_bytes())
 
     def server_credentials(self) -> grpc.ServerCredentials:
         key, cert, ca = self._read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         key, cert, ca = self._read()
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                            certificate_chain=cert)
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
 def tls_from(cert: str = "", key: str = "", ca: str = "") -> TlsConfig | None:
@@ -66,7 +63,7 @@ def bearer_token(metadata) -> str:
     """The token of an ``authorization: Bearer <token>`` metadata entry, or ""."""
     for key, value in metadata or ():
         if key == "authorization" and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return ""
 
 
@@ -77,8 +74,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         self.token = token
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith(OPEN_METHODS) or \
-                bearer_token(details.invocation_metadata) == self.token:
+        if details.method.startswith(OPEN_METHODS) or bearer_token(details.invocation_metadata) == self.token:
             return await continuation(details)
         handler = await continuation(details)
         return _refusal(handler)
@@ -86,9 +82,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
 def _refusal(handler):
     """A handler of the same kind that ends the RPC with UNAUTHENTICATED."""
+
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "authorization: missing or wrong bearer token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
 
     async def refuse_stream(request, context):
         await refuse(request, context)
@@ -98,11 +94,15 @@ def _refusal(handler):
         return None
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            refuse_stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            refuse_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
     return grpc.unary_unary_rpc_method_handler(
-        refuse, request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer)
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _with_token(details, token: str):

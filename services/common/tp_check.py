@@ -15,9 +15,20 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from services.common.peer_check import Mismatch, check_peer
 
-_SAME_IN_GROUP = ("schema_version", "role", "model_id", "drafter_id", "drafter_kind", "tp_size",
-                  "pp_size", "tokens_per_page", "kv_layout", "num_draft_layers",
-                  "num_spec_tokens", "draft_block_width")
+_SAME_IN_GROUP = (
+    "schema_version",
+    "role",
+    "model_id",
+    "drafter_id",
+    "drafter_kind",
+    "tp_size",
+    "pp_size",
+    "tokens_per_page",
+    "kv_layout",
+    "num_draft_layers",
+    "num_spec_tokens",
+    "draft_block_width",
+)
 """RankInfo fields every rank of a group shares with its rank 0."""
 
 
@@ -41,21 +52,43 @@ def check_group(ranks: list[rpb.RankInfo]) -> list[Mismatch]:
     first, out = ranks[0], []
     size = first.tp_size or 1
     if [r.tp_rank for r in ranks] != list(range(size)):
-        out.append(Mismatch("ranks.tp_rank", str(list(range(size))),
-                            str([r.tp_rank for r in ranks]), f"tp_size {size} needs ranks "
-                            "0.. once each, in order"))
+        out.append(
+            Mismatch(
+                "ranks.tp_rank",
+                str(list(range(size))),
+                str([r.tp_rank for r in ranks]),
+                f"tp_size {size} needs ranks 0.. once each, in order",
+            )
+        )
     for r in ranks[1:]:
         path = f"ranks[{r.tp_rank}]"
         for name in _SAME_IN_GROUP:
             if getattr(r, name) != getattr(first, name):
-                out.append(Mismatch(f"{path}.{name}", str(getattr(first, name)),
-                                    str(getattr(r, name)), "differs from rank 0"))
+                out.append(
+                    Mismatch(
+                        f"{path}.{name}",
+                        str(getattr(first, name)),
+                        str(getattr(r, name)),
+                        "differs from rank 0",
+                    )
+                )
         if _geometry(r) != _geometry(first):
-            out.append(Mismatch(f"{path}.groups", str(_geometry(first)), str(_geometry(r)),
-                                "layer groups differ from rank 0's"))
+            out.append(
+                Mismatch(
+                    f"{path}.groups",
+                    str(_geometry(first)),
+                    str(_geometry(r)),
+                    "layer groups differ from rank 0's",
+                )
+            )
         if r.instance_id != rank_instance_id(first.instance_id, r.tp_rank):
-            out.append(Mismatch(f"{path}.instance_id", repr(rank_instance_id(
-                first.instance_id, r.tp_rank)), repr(r.instance_id)))
+            out.append(
+                Mismatch(
+                    f"{path}.instance_id",
+                    repr(rank_instance_id(first.instance_id, r.tp_rank)),
+                    repr(r.instance_id),
+                )
+            )
     return out
 
 
@@ -70,12 +103,25 @@ def check_peer_group(local: list[rpb.RankInfo], peer: list[rpb.RankInfo]) -> lis
                 if key in seen:
                     continue
                 seen.add(key)
-                prefix = "" if mine.tp_rank == theirs.tp_rank == 0 \
-                    else f"ranks[{mine.tp_rank}/{theirs.tp_rank}]."
+                prefix = (
+                    "" if mine.tp_rank == theirs.tp_rank == 0 else f"ranks[{mine.tp_rank}/{theirs.tp_rank}]."
+                )
                 out.append(Mismatch(prefix + m.field, m.local, m.peer, m.reason))
     return out
 
 
 def _geometry(info: rpb.RankInfo) -> list[tuple]:
-    return [(g.name, g.num_kv_heads, g.total_num_kv_heads, g.head_dim, g.dtype_name, g.window,
-             list(g.layer_ids), g.page_bytes, g.num_pages) for g in info.groups]
+    return [
+        (
+            g.name,
+            g.num_kv_heads,
+            g.total_num_kv_heads,
+            g.head_dim,
+            g.dtype_name,
+            g.window,
+            list(g.layer_ids),
+            g.page_bytes,
+            g.num_pages,
+        )
+        for g in info.groups
+    ]

@@ -54,8 +54,14 @@ def _write(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
 class RankLink:
     """Rank 0's handle on one other rank."""
 
-    def __init__(self, rank: int, hello: dict[str, Any], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, on_lost: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        hello: dict[str, Any],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_lost: Callable[[int], None],
+    ) -> None:
         self.rank, self.hello = rank, hello
         self._reader, self._writer = reader, writer
         self._ids = itertools.count()
@@ -96,8 +102,9 @@ class RankLink:
         self._writer.close()
 
 
-async def accept_ranks(sock: socket.socket, ranks: range, timeout_s: float,
-                       on_lost: Callable[[int], None]) -> dict[int, RankLink]:
+async def accept_ranks(
+    sock: socket.socket, ranks: range, timeout_s: float, on_lost: Callable[[int], None]
+) -> dict[int, RankLink]:
     """Wait until every rank in ``ranks`` has connected and said hello."""
     links: dict[int, RankLink] = {}
     done = asyncio.get_running_loop().create_future()
@@ -113,8 +120,9 @@ async def accept_ranks(sock: socket.socket, ranks: range, timeout_s: float,
     try:
         await asyncio.wait_for(done, timeout_s)
     except TimeoutError:
-        raise RankError(f"ranks {sorted(set(ranks) - set(links))} did not join within "
-                        f"{timeout_s} s") from None
+        raise RankError(
+            f"ranks {sorted(set(ranks) - set(links))} did not join within {timeout_s} s"
+        ) from None
     finally:
         server.close()
     return links

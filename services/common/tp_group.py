@@ -72,15 +72,15 @@ class RankGroup:
         with listen_socket() as probe:  # a free port for torch.distributed's rendezvous
             dist_address = "{}:{}".format(*probe.getsockname())
         ctx = mp.get_context("spawn")
-        processes = [ctx.Process(target=run_rank, args=(config, r, dist_address,
-                                                        sock.getsockname()[1]), daemon=True)
-                     for r in range(1, size)]
+        processes = [
+            ctx.Process(target=run_rank, args=(config, r, dist_address, sock.getsockname()[1]), daemon=True)
+            for r in range(1, size)
+        ]
         for p in processes:
             p.start()
         joined = threading.Event()
         threading.Thread(target=_exit_if_one_dies, args=(processes, joined), daemon=True).start()
-        init_tensor_parallel(size, 0, dist_address, backend_for(config.engine.device),
-                             config.engine.device)
+        init_tensor_parallel(size, 0, dist_address, backend_for(config.engine.device), config.engine.device)
         return cls(size, processes, sock, joined)
 
     async def join(self, rank0: rpb.RankInfo, timeout_s: float = JOIN_TIMEOUT_S) -> None:
@@ -89,12 +89,16 @@ class RankGroup:
         self._joined.set()  # from here on a lost rank is noticed on its control connection
         mismatches = check_group(self.rank_infos(rank0))
         if mismatches:
-            raise RuntimeError("tensor-parallel ranks disagree: " + "; ".join(
-                f"{m.field}: rank 0 {m.local}, rank {m.peer} ({m.reason})" for m in mismatches))
+            raise RuntimeError(
+                "tensor-parallel ranks disagree: "
+                + "; ".join(f"{m.field}: rank 0 {m.local}, rank {m.peer} ({m.reason})" for m in mismatches)
+            )
 
     def rank_infos(self, rank0: rpb.RankInfo) -> list[rpb.RankInfo]:
-        return [rank0] + [rpb.RankInfo.FromString(decode_bytes(self.links[r].hello["rank_info"]))
-                          for r in range(1, self.size)]
+        return [rank0] + [
+            rpb.RankInfo.FromString(decode_bytes(self.links[r].hello["rank_info"]))
+            for r in range(1, self.size)
+        ]
 
     async def call(self, rank: int, op: str, **args: Any) -> dict[str, Any]:
         return await self.links[rank].call(op, **args)
@@ -110,8 +114,7 @@ class RankGroup:
 
     def _lost(self, rank: int) -> None:
         if not self.closing:  # the group cannot run a forward without it
-            print(f"tensor-parallel rank {rank} is gone; the worker exits", file=sys.stderr,
-                  flush=True)
+            print(f"tensor-parallel rank {rank} is gone; the worker exits", file=sys.stderr, flush=True)
             os._exit(1)
 
 
@@ -121,8 +124,11 @@ def _exit_if_one_dies(processes: list, joined: threading.Event) -> None:
     while not joined.wait(0.5):
         for p in processes:
             if p.exitcode is not None:
-                print(f"tensor-parallel rank process exited with {p.exitcode} while starting; "
-                      "the worker exits", file=sys.stderr, flush=True)
+                print(
+                    f"tensor-parallel rank process exited with {p.exitcode} while starting; the worker exits",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
 
 
@@ -158,9 +164,15 @@ class GroupTransferAgent:
         pair's."""
         await self.agent.disconnect(peer_id)
         ranks = self.peer_ranks.pop(peer_id, [])
-        await asyncio.gather(*(self._on(r, "disconnect", peer=info.instance_id)
-                               for info in ranks for r in range(self.tp_size)
-                               if (r, info.tp_rank) != (0, 0)), return_exceptions=True)
+        await asyncio.gather(
+            *(
+                self._on(r, "disconnect", peer=info.instance_id)
+                for info in ranks
+                for r in range(self.tp_size)
+                if (r, info.tp_rank) != (0, 0)
+            ),
+            return_exceptions=True,
+        )
 
     async def ping(self, peer_id: str, nonce: str, timeout_s: float) -> None:
         await self.agent.ping(peer_id, nonce, timeout_s)
@@ -168,8 +180,7 @@ class GroupTransferAgent:
     async def pong(self, peer_id: str, nonce: str, timeout_s: float) -> None:
         await self.agent.pong(peer_id, nonce, timeout_s)
 
-    async def send_message(self, peer_id: str, nonce: str, chunk: int, data: bytes,
-                           timeout_s: float) -> None:
+    async def send_message(self, peer_id: str, nonce: str, chunk: int, data: bytes, timeout_s: float) -> None:
         await self.agent.send_message(peer_id, nonce, chunk, data, timeout_s)
 
     async def receive_message(self, nonce: str, chunk: int, timeout_s: float) -> bytes:
@@ -177,9 +188,16 @@ class GroupTransferAgent:
 
     # ------------------------------------------------------------------ transfers
 
-    async def send_request(self, request_id: str, num_tokens: int, peer_id: str, aux: AuxState,
-                           timeout_s: float, dest: dict[str, list[int]] | None = None,
-                           held: dict[str, int] | None = None) -> TransferUsage:
+    async def send_request(
+        self,
+        request_id: str,
+        num_tokens: int,
+        peer_id: str,
+        aux: AuxState,
+        timeout_s: float,
+        dest: dict[str, list[int]] | None = None,
+        held: dict[str, int] | None = None,
+    ) -> TransferUsage:
         """Every prefill rank sends every decode rank the heads they share (none of the
         ``held`` leading pages); then rank 0 waits for decode rank 0's acknowledgement."""
         peer = self._peer(peer_id)
@@ -191,16 +209,25 @@ class GroupTransferAgent:
             for dst, info in enumerate(peer):
                 mine = _between(routes, src, dst)
                 if mine:
-                    jobs.append(self._on(src, "send", request_id=request_id,
-                                         pages=pages_to_json(pages), peer=info.instance_id,
-                                         routes=routes_to_json(mine), timeout_s=timeout_s,
-                                         dest=dest))
+                    jobs.append(
+                        self._on(
+                            src,
+                            "send",
+                            request_id=request_id,
+                            pages=pages_to_json(pages),
+                            peer=info.instance_id,
+                            routes=routes_to_json(mine),
+                            timeout_s=timeout_s,
+                            dest=dest,
+                        )
+                    )
         usage = await self._all(jobs)
         await self.agent.wait_ack(request_id, num_tokens, timeout_s)
         return _counted(usage, pages, held)
 
-    async def receive_request(self, request_id: str, num_tokens: int,
-                              timeout_s: float) -> tuple[AuxState, TransferUsage]:
+    async def receive_request(
+        self, request_id: str, num_tokens: int, timeout_s: float
+    ) -> tuple[AuxState, TransferUsage]:
         """The aux state names the sender, hence its TP size; every decode rank then
         gathers its heads from the prefill ranks that hold them."""
         aux = await self.agent.receive_aux(request_id, num_tokens, timeout_s)
@@ -208,15 +235,25 @@ class GroupTransferAgent:
         held = self.manager.held_pages(request_id)
         pages = self.manager.transfer_pages(request_id, num_tokens, held)
         routes = self._routes(len(peer), self.tp_size, pages)
-        stay = {g: [p for p in self.manager.block_table(request_id, g) if p >= 0]
-                for g in self.manager.groups if g not in pages}  # the separate layout's draft
+        stay = {
+            g: [p for p in self.manager.block_table(request_id, g) if p >= 0]
+            for g in self.manager.groups
+            if g not in pages
+        }  # the separate layout's draft
         jobs = []
         for dst in range(self.tp_size):
-            sources = [routes_to_json(m) for src in range(len(peer))
-                       if (m := _between(routes, src, dst))]
-            jobs.append(self._on(dst, "recv", request_id=request_id, pages=pages_to_json(pages),
-                                 sources=sources, timeout_s=timeout_s,
-                                 zero=stay if dst > 0 else None))
+            sources = [routes_to_json(m) for src in range(len(peer)) if (m := _between(routes, src, dst))]
+            jobs.append(
+                self._on(
+                    dst,
+                    "recv",
+                    request_id=request_id,
+                    pages=pages_to_json(pages),
+                    sources=sources,
+                    timeout_s=timeout_s,
+                    zero=stay if dst > 0 else None,
+                )
+            )
         usage = await self._all(jobs)
         await self.agent.acknowledge(request_id, aux.sender_id, num_tokens, timeout_s)
         return aux, _counted(usage, pages, held)
@@ -228,13 +265,19 @@ class GroupTransferAgent:
         rank-0 pair (tested already): the sending side pings, the receiving side echoes."""
         src_tp, dst_tp = (self.tp_size, len(peer)) if sender else (len(peer), self.tp_size)
         routes = self._routes(src_tp, dst_tp, self.total_heads)
-        pairs = sorted({(r.src_rank, r.dst_rank) for rs in routes.values() for r in rs}
-                       - {(0, 0)})
+        pairs = sorted({(r.src_rank, r.dst_rank) for rs in routes.values() for r in rs} - {(0, 0)})
         jobs = []
         for src, dst in pairs:
             mine, theirs = (src, peer[dst]) if sender else (dst, peer[src])
-            jobs.append(self._on(mine, "ping" if sender else "pong", peer=theirs.instance_id,
-                                 address=address_of(theirs), nonce=f"{nonce}/{src}->{dst}"))
+            jobs.append(
+                self._on(
+                    mine,
+                    "ping" if sender else "pong",
+                    peer=theirs.instance_id,
+                    address=address_of(theirs),
+                    nonce=f"{nonce}/{src}->{dst}",
+                )
+            )
         await self._all(jobs)
 
     # ------------------------------------------------------------------ internals
@@ -274,8 +317,9 @@ class GroupTransferAgent:
         return total
 
 
-def _counted(usage: TransferUsage, pages: dict[str, TransferPages],
-             held: dict[str, int] | None) -> TransferUsage:
+def _counted(
+    usage: TransferUsage, pages: dict[str, TransferPages], held: dict[str, int] | None
+) -> TransferUsage:
     """``usage`` with each group's pages (once, not once per rank) and held pages."""
     usage.pages = {g: len(p.page_ids) for g, p in pages.items() if g in usage.bytes}
     return with_held(usage, held)

@@ -29,13 +29,25 @@ def pages_from_json(pages: dict[str, list]) -> dict[str, TransferPages]:
 
 
 def routes_to_json(routes: dict[str, HeadRoute]) -> dict[str, list]:
-    return {g: [r.src_heads.start, r.src_heads.stop, r.dst_heads.start, r.dst_heads.stop,
-                r.whole, r.src_rank, r.dst_rank] for g, r in routes.items()}
+    return {
+        g: [
+            r.src_heads.start,
+            r.src_heads.stop,
+            r.dst_heads.start,
+            r.dst_heads.stop,
+            r.whole,
+            r.src_rank,
+            r.dst_rank,
+        ]
+        for g, r in routes.items()
+    }
 
 
 def routes_from_json(routes: dict[str, list]) -> dict[str, HeadRoute]:
-    return {g: HeadRoute(src, dst, slice(s0, s1), slice(d0, d1), whole)
-            for g, (s0, s1, d0, d1, whole, src, dst) in routes.items()}
+    return {
+        g: HeadRoute(src, dst, slice(s0, s1), slice(d0, d1), whole)
+        for g, (s0, s1, d0, d1, whole, src, dst) in routes.items()
+    }
 
 
 def usage_to_json(usage: TransferUsage) -> dict[str, Any]:
@@ -49,8 +61,14 @@ class RankOps:
         self.agent = agent
 
     def handlers(self) -> dict[str, Any]:
-        return {"connect": self.connect, "disconnect": self.disconnect, "ping": self.ping,
-                "pong": self.pong, "send": self.send, "recv": self.recv}
+        return {
+            "connect": self.connect,
+            "disconnect": self.disconnect,
+            "ping": self.ping,
+            "pong": self.pong,
+            "send": self.send,
+            "recv": self.recv,
+        }
 
     async def connect(self, peer: str, address: str) -> dict[str, Any]:
         await self.agent.disconnect(peer)  # a re-registering peer has a new address
@@ -72,18 +90,31 @@ class RankOps:
         await self.agent.pong(peer, nonce, PAIR_TEST_TIMEOUT_S)
         return {}
 
-    async def send(self, request_id: str, pages: dict[str, list], peer: str,
-                   routes: dict[str, list], timeout_s: float,
-                   dest: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    async def send(
+        self,
+        request_id: str,
+        pages: dict[str, list],
+        peer: str,
+        routes: dict[str, list],
+        timeout_s: float,
+        dest: dict[str, list[int]] | None = None,
+    ) -> dict[str, Any]:
         """This rank's heads of ``pages`` to one peer rank, along ``routes``."""
         parsed = routes_from_json(routes)
         src_rank = next(iter(parsed.values())).src_rank
-        usage = await self.agent.send_pages(request_id, pages_from_json(pages), peer, timeout_s,
-                                            dest, parsed, src_rank)
+        usage = await self.agent.send_pages(
+            request_id, pages_from_json(pages), peer, timeout_s, dest, parsed, src_rank
+        )
         return usage_to_json(usage)
 
-    async def recv(self, request_id: str, pages: dict[str, list], sources: list[dict[str, list]],
-                   timeout_s: float, zero: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    async def recv(
+        self,
+        request_id: str,
+        pages: dict[str, list],
+        sources: list[dict[str, list]],
+        timeout_s: float,
+        zero: dict[str, list[int]] | None = None,
+    ) -> dict[str, Any]:
         """This rank's heads of ``pages`` from each source rank (one routes map each).
         ``zero``: pages of groups that do not travel (the separate layout's draft), zeroed
         so this rank's drafter starts as blind as rank 0's."""
@@ -95,16 +126,16 @@ class RankOps:
         for routes in sources:
             parsed = routes_from_json(routes)
             src_rank = next(iter(parsed.values())).src_rank
-            usage = await self.agent.receive_pages(request_id, landing, timeout_s, parsed,
-                                                   src_rank)
+            usage = await self.agent.receive_pages(request_id, landing, timeout_s, parsed, src_rank)
             merge_usage(total, usage)
         return usage_to_json(total)
 
 
 def merge_usage(total: TransferUsage, part: TransferUsage | dict[str, Any]) -> TransferUsage:
     """Bytes add up over ranks and sources; seconds are the slowest one's."""
-    parts = (part.bytes, part.seconds) if isinstance(part, TransferUsage) \
-        else (part["bytes"], part["seconds"])
+    parts = (
+        (part.bytes, part.seconds) if isinstance(part, TransferUsage) else (part["bytes"], part["seconds"])
+    )
     for group, n in parts[0].items():
         total.bytes[group] = total.bytes.get(group, 0) + n
     for group, s in parts[1].items():

@@ -23,8 +23,9 @@ def run_rank(config, rank: int, dist_address: str, control_port: int) -> None:
     from services.engine.engine import Engine
     from services.engine.parallel import init_tensor_parallel
 
-    tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address,
-                              backend_for(config.engine.device), config.engine.device)
+    tp = init_tensor_parallel(
+        config.engine.tp_size, rank, dist_address, backend_for(config.engine.device), config.engine.device
+    )
     engine = Engine(config.engine)
     threading.Thread(target=_follow, args=(engine, tp), daemon=True).start()
     asyncio.run(_serve(config, rank, engine, control_port))
@@ -36,8 +37,7 @@ def _follow(engine, tp) -> None:
     try:
         follow(engine.runner, tp)
     except Exception as e:  # rank 0 gone mid-collective, or a broken forward: no way on
-        print(f"tensor-parallel rank {tp.rank}: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
+        print(f"tensor-parallel rank {tp.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -51,7 +51,11 @@ async def _serve(config, rank: int, engine, control_port: int) -> None:
     moves_pages = config.role != "both"
     if moves_pages:
         await agent.start()
-    info = engine_rank_info(engine, config.role, rank_instance_id(config.instance_id, rank),
-                            agent.endpoint().worker_address if moves_pages else b"")
+    info = engine_rank_info(
+        engine,
+        config.role,
+        rank_instance_id(config.instance_id, rank),
+        agent.endpoint().worker_address if moves_pages else b"",
+    )
     hello = {"rank": rank, "rank_info": encode_bytes(info.SerializeToString())}
     await serve_rank(control_port, hello, RankOps(agent).handlers())

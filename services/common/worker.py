@@ -74,8 +74,7 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine)
         self.metrics = Metrics(config.role)
         hidden = self.engine.target.config.hidden_size
-        self.agent = GroupTransferAgent(KVTransferAgent(self.engine.manager, hidden_size=hidden),
-                                        self.group)
+        self.agent = GroupTransferAgent(KVTransferAgent(self.engine.manager, hidden_size=hidden), self.group)
         self.grpc_address = ""
         self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
@@ -98,8 +97,9 @@ class WorkerBase:
     def rank_info(self) -> rpb.RankInfo:
         """Rank 0's RankInfo (the worker's, as the router knows it)."""
         ucx = self.agent.endpoint() if self.config.role != "both" else None
-        info = engine_rank_info(self.engine, self.config.role, self.config.instance_id,
-                                ucx.worker_address if ucx else b"")
+        info = engine_rank_info(
+            self.engine, self.config.role, self.config.instance_id, ucx.worker_address if ucx else b""
+        )
         info.grpc_address = self.grpc_address
         return info
 
@@ -119,22 +119,32 @@ class WorkerBase:
         groups = []
         for name, usage in m.usage().items():
             s = m.stats[name]
-            groups.append(wpb.GroupStats(group=name, num_pages_used=usage.used,
-                                         num_pages_total=usage.total,
-                                         num_pages_cached=usage.cached,
-                                         prefix_cache=wpb.PrefixCacheStats(
-                                             num_queries=s.queries, num_hits=s.hits,
-                                             num_query_tokens=s.query_tokens,
-                                             num_hit_tokens=s.hit_tokens)))
+            groups.append(
+                wpb.GroupStats(
+                    group=name,
+                    num_pages_used=usage.used,
+                    num_pages_total=usage.total,
+                    num_pages_cached=usage.cached,
+                    prefix_cache=wpb.PrefixCacheStats(
+                        num_queries=s.queries,
+                        num_hits=s.hits,
+                        num_query_tokens=s.query_tokens,
+                        num_hit_tokens=s.hit_tokens,
+                    ),
+                )
+            )
             self.metrics.pages_used.labels(name).set(usage.used)
             self.metrics.pages_total.labels(name).set(usage.total)
         sched = self.engine.scheduler
-        return wpb.StatsResponse(instance_id=self.config.instance_id,
-                                 role=ROLES[self.config.role], groups=groups,
-                                 num_running=len(sched.running), num_waiting=len(sched.waiting))
+        return wpb.StatsResponse(
+            instance_id=self.config.instance_id,
+            role=ROLES[self.config.role],
+            groups=groups,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+        )
 
-    async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None
-                               ) -> None:
+    async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
         """Register with the router, then heartbeat; register again whenever it forgets us.
         ``ready(flag)`` reports whether this worker is registered and, unless aggregated, in
         at least one pair that passed its test transfer (``paired``)."""
@@ -146,11 +156,15 @@ class WorkerBase:
             while True:
                 try:
                     if not registered:
-                        await stub.Register(reg.RegisterRequest(rank_info=self.rank_info(),
-                                                                token=self.config.token), timeout=5)
+                        await stub.Register(
+                            reg.RegisterRequest(rank_info=self.rank_info(), token=self.config.token),
+                            timeout=5,
+                        )
                         registered = True
-                    beat = await stub.Heartbeat(reg.HeartbeatRequest(
-                        instance_id=self.config.instance_id, token=self.config.token), timeout=5)
+                    beat = await stub.Heartbeat(
+                        reg.HeartbeatRequest(instance_id=self.config.instance_id, token=self.config.token),
+                        timeout=5,
+                    )
                     registered = beat.registered
                 except grpc.aio.AioRpcError:
                     registered = False
@@ -170,59 +184,79 @@ class WorkerBase:
             m.spec_draft_tokens.labels(origin).inc(s.num_draft_tokens - drafts)
             m.spec_accepted.labels(origin).inc(s.num_accepted - accepted)
             for i, n in enumerate(s.accepted_per_position):
-                m.spec_accepted_per_position.labels(str(i), origin).inc(n - (per_pos[i] if i < len(per_pos)
-                                                                     else 0))
+                m.spec_accepted_per_position.labels(str(i), origin).inc(
+                    n - (per_pos[i] if i < len(per_pos) else 0)
+                )
             if s.num_steps > steps:  # mean tokens per verify step since the last export
                 m.spec_al.labels(origin).observe(
-                    (s.num_accepted - accepted + s.num_steps - steps) / (s.num_steps - steps))
-            self._spec_seen[origin] = (s.num_steps, s.num_draft_tokens, s.num_accepted,
-                                       list(s.accepted_per_position))
+                    (s.num_accepted - accepted + s.num_steps - steps) / (s.num_steps - steps)
+                )
+            self._spec_seen[origin] = (
+                s.num_steps,
+                s.num_draft_tokens,
+                s.num_accepted,
+                list(s.accepted_per_position),
+            )
 
 
 def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:
     """Under tensor parallelism a step that raises may leave the other ranks inside a
     forward's collectives: the group cannot go on, so the worker exits (the router then
     sees it gone and retries its requests elsewhere) rather than hang."""
+
     def guarded() -> list:
         try:
             return step()
         except Exception as e:
-            print(f"tensor-parallel step failed, the worker exits: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"tensor-parallel step failed, the worker exits: {type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
+
     return guarded
 
 
-def engine_rank_info(engine: Engine, role: str, instance_id: str,
-                     ucx_address: bytes) -> rpb.RankInfo:
+def engine_rank_info(engine: Engine, role: str, instance_id: str, ucx_address: bytes) -> rpb.RankInfo:
     """The RankInfo of the rank running ``engine``: its own pools' heads, tp size/rank."""
     e = engine
     totals = {TARGET_GROUP: e.target.config.num_key_value_heads}
     if e.drafter is not None:
         totals[DRAFT_GROUP] = e.drafter.config.num_key_value_heads
     return build_rank_info(
-        e.manager.config, role=role, instance_id=instance_id,
+        e.manager.config,
+        role=role,
+        instance_id=instance_id,
         model_id=os.path.basename(os.path.normpath(e.config.model)),
         drafter_id=os.path.basename(os.path.normpath(e.config.drafter)) if e.drafter else "",
-        drafter_kind="eagle3" if e.drafter else "", tp_size=e.tp.size, tp_rank=e.tp.rank,
-        ucx_address=ucx_address, total_kv_heads=totals,
-        num_pages=tuple(a.num_pages for a in e.manager.allocators.values()))
+        drafter_kind="eagle3" if e.drafter else "",
+        tp_size=e.tp.size,
+        tp_rank=e.tp.rank,
+        ucx_address=ucx_address,
+        total_kv_heads=totals,
+        num_pages=tuple(a.num_pages for a in e.manager.allocators.values()),
+    )
 
 
 def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
     """Proto defaults: max_tokens 0 = the server default, temperature 0 = greedy, top_p 0 = 1,
     repetition_penalty 0 = 1; logprobs unset = none. Raises ValueError naming the field."""
-    return SamplingParams(temperature=float(params.temperature),
-                          top_p=float(params.top_p) if params.top_p > 0 else 1.0,
-                          max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
-                          seed=params.seed if params.HasField("seed") else None,
-                          stop=tuple(params.stop), ignore_eos=params.ignore_eos,
-                          top_k=params.top_k, min_p=float(params.min_p),
-                          repetition_penalty=float(params.repetition_penalty or 1.0),
-                          presence_penalty=float(params.presence_penalty),
-                          frequency_penalty=float(params.frequency_penalty),
-                          min_tokens=params.min_tokens,
-                          logprobs=params.logprobs if params.HasField("logprobs") else None)
+    return SamplingParams(
+        temperature=float(params.temperature),
+        top_p=float(params.top_p) if params.top_p > 0 else 1.0,
+        max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=tuple(params.stop),
+        ignore_eos=params.ignore_eos,
+        top_k=params.top_k,
+        min_p=float(params.min_p),
+        repetition_penalty=float(params.repetition_penalty or 1.0),
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        min_tokens=params.min_tokens,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
 
 
 def spec_tokens_from_proto(options: cpb.SpeculativeOptions) -> int | None:
@@ -232,13 +266,22 @@ def spec_tokens_from_proto(options: cpb.SpeculativeOptions) -> int | None:
 
 def logprobs_to_proto(entries: list[TokenLogprob | None] | None) -> list[cpb.TokenLogprobs]:
     """Engine logprobs -> Chunk.logprobs (None entries, computed elsewhere, are skipped)."""
-    return [cpb.TokenLogprobs(token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids,
-                              top_logprobs=e.top_logprobs) for e in entries or () if e is not None]
+    return [
+        cpb.TokenLogprobs(
+            token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids, top_logprobs=e.top_logprobs
+        )
+        for e in entries or ()
+        if e is not None
+    ]
 
 
-FINISH_REASONS = {"stop": cpb.FINISH_REASON_STOP, "length": cpb.FINISH_REASON_LENGTH,
-                  "abort": cpb.FINISH_REASON_ABORT, None: cpb.FINISH_REASON_UNSPECIFIED,
-                  "prefilled": cpb.FINISH_REASON_UNSPECIFIED}
+FINISH_REASONS = {
+    "stop": cpb.FINISH_REASON_STOP,
+    "length": cpb.FINISH_REASON_LENGTH,
+    "abort": cpb.FINISH_REASON_ABORT,
+    None: cpb.FINISH_REASON_UNSPECIFIED,
+    "prefilled": cpb.FINISH_REASON_UNSPECIFIED,
+}
 
 
 def layout_of(name: str) -> KVLayout:

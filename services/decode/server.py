@@ -56,18 +56,23 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if n < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_len: must be >= 1")
         if n >= w.engine.max_model_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_len: {n} leaves no "
-                                f"room in the context of {w.engine.max_model_len}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_len: {n} leaves no room in the context of {w.engine.max_model_len}",
+            )
         if rid in self.reserved or rid in w.engine.manager.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
         prompt = list(request.prompt_token_ids)
         if prompt and len(prompt) != n:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
-                                f"{len(prompt)} tokens, prompt_len is {n}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {len(prompt)} tokens, prompt_len is {n}"
+            )
         vocab = w.engine.target.config.vocab_size
         if any(t >= vocab for t in prompt):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
-                                f"{max(prompt)} is outside the vocabulary of {vocab}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids: {max(prompt)} is outside the vocabulary of {vocab}",
+            )
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         # shielded: once pages are taken they are registered (and so releasable), even if
         # the caller gives up mid-call; a Release arriving meanwhile waits for it
@@ -75,17 +80,16 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         task.add_done_callback(lambda _: self.reserving.pop(rid, None))
         reservation = await asyncio.shield(task)
         if reservation is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no free pages for {n} tokens")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no free pages for {n} tokens")
         return wpb.ReserveResponse(reservation=reservation)
 
-    async def _reserve(self, rid: str, n: int, prompt: list[int],
-                       lease_s: float) -> wpb.Reservation | None:
+    async def _reserve(self, rid: str, n: int, prompt: list[int], lease_s: float) -> wpb.Reservation | None:
         w = self.worker
         if not await w.loop.call(self._reserve_pages, rid, n, prompt):
             return None
-        receive = asyncio.ensure_future(w.agent.receive_request(rid, n, min(
-            lease_s, w.config.transfer_timeout_s)))
+        receive = asyncio.ensure_future(
+            w.agent.receive_request(rid, n, min(lease_s, w.config.transfer_timeout_s))
+        )
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
@@ -120,14 +124,17 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         info = w.agent.endpoint()
         held = m.held_pages(rid)
         return wpb.Reservation(
-            request_id=rid, decode_instance_id=w.config.instance_id,
+            request_id=rid,
+            decode_instance_id=w.config.instance_id,
             num_tokens=n + m.config.headroom_tokens,
-            groups=[wpb.GroupPages(group=g, page_ids=m.block_table(rid, g),
-                                   num_held=held.get(g, 0)) for g in m.groups],
+            groups=[
+                wpb.GroupPages(group=g, page_ids=m.block_table(rid, g), num_held=held.get(g, 0))
+                for g in m.groups
+            ],
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
-            ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host,
-                                port=info.port),
-            transfer_tag=request_tag(rid))
+            ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host, port=info.port),
+            transfer_tag=request_tag(rid),
+        )
 
     def _expire(self, rid: str) -> None:
         res = self.reserved.get(rid)
@@ -166,11 +173,14 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if res is None or res.decoding:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not reserved")
         if len(request.prompt_token_ids) != res.prompt_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: "
-                                f"{len(request.prompt_token_ids)} tokens, {res.prompt_len} reserved")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids: {len(request.prompt_token_ids)} tokens, {res.prompt_len} reserved",
+            )
         if res.prompt and list(request.prompt_token_ids) != res.prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "prompt_token_ids: differ from the tokens reserved")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: differ from the tokens reserved"
+            )
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -187,22 +197,31 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                 async for out in w.loop.outputs(rid, submit):
                     last = out
                     if len(out.token_ids) > sent:
-                        yield wpb.DecodeResponse(chunk=cpb.Chunk(
-                            token_ids=out.token_ids[sent:],
-                            logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:])))
+                        yield wpb.DecodeResponse(
+                            chunk=cpb.Chunk(
+                                token_ids=out.token_ids[sent:],
+                                logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:]),
+                            )
+                        )
                         sent = len(out.token_ids)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
             u = last.usage
-            usage = cpb.Usage(prompt_tokens=len(prompt), completion_tokens=len(last.token_ids) - 1,
-                              acceptance_length=u.acceptance_length, num_drafts=u.num_steps,
-                              num_draft_tokens=u.num_draft_tokens,
-                              num_accepted_tokens=u.num_accepted)
+            usage = cpb.Usage(
+                prompt_tokens=len(prompt),
+                completion_tokens=len(last.token_ids) - 1,
+                acceptance_length=u.acceptance_length,
+                num_drafts=u.num_steps,
+                num_draft_tokens=u.num_draft_tokens,
+                num_accepted_tokens=u.num_accepted,
+            )
             w.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
-            yield wpb.DecodeResponse(complete=cpb.Complete(
-                finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP),
-                usage=usage))
+            yield wpb.DecodeResponse(
+                complete=cpb.Complete(
+                    finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP), usage=usage
+                )
+            )
         finally:
             self.reserved.pop(rid, None)
             if rid in w.engine.manager.requests and rid not in w.engine.requests:
@@ -215,10 +234,10 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             if isinstance(e, TransferTimeout):
                 self.worker.metrics.timeouts.labels("transfer").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pages did not land: {e!r}")
-        if aux.first_token != request.first_token_id or aux.prompt_len != len(
-                request.prompt_token_ids):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "first_token_id: differs from the transferred aux state")
+        if aux.first_token != request.first_token_id or aux.prompt_len != len(request.prompt_token_ids):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "first_token_id: differs from the transferred aux state"
+            )
         return aux, moved
 
     async def Stats(self, request, context) -> wpb.StatsResponse:

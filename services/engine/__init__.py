@@ -7,5 +7,4 @@ from services.engine.request import AuxState, RequestOutput
 from services.engine.sampling import SamplingParams
 from services.engine.stats import SpecStats, Usage
 
-__all__ = ["AuxState", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "SpecStats",
-           "Usage"]
+__all__ = ["AuxState", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "SpecStats", "Usage"]

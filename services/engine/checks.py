@@ -14,27 +14,53 @@ from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
 
-def cache_config(c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
-                 k: int) -> CacheConfig:
+def cache_config(
+    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
+) -> CacheConfig:
     """The target group (windowed by the model's ``sliding_window``), plus the drafter's
     (OPTIONAL, windowed) group when it runs."""
     t = target.config
-    groups = [LayerGroupSpec(TARGET_GROUP, Owner.TARGET, t.num_hidden_layers,
-                             t.num_key_value_heads, t.head_dim, dtype=c.dtype,
-                             window=t.sliding_window)]
+    groups = [
+        LayerGroupSpec(
+            TARGET_GROUP,
+            Owner.TARGET,
+            t.num_hidden_layers,
+            t.num_key_value_heads,
+            t.head_dim,
+            dtype=c.dtype,
+            window=t.sliding_window,
+        )
+    ]
     if drafter is not None:
         d = drafter.config
-        groups.append(LayerGroupSpec(DRAFT_GROUP, Owner.DRAFT, d.num_hidden_layers,
-                                     d.num_key_value_heads, d.head_dim, dtype=c.dtype,
-                                     window=d.sliding_window, lifecycle=Lifecycle.OPTIONAL))
+        groups.append(
+            LayerGroupSpec(
+                DRAFT_GROUP,
+                Owner.DRAFT,
+                d.num_hidden_layers,
+                d.num_key_value_heads,
+                d.head_dim,
+                dtype=c.dtype,
+                window=d.sliding_window,
+                lifecycle=Lifecycle.OPTIONAL,
+            )
+        )
     host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
-    return CacheConfig(groups=tuple(groups), tokens_per_page=c.tokens_per_page,
-                       num_pages=tuple(c.num_pages[:len(groups)]), memory_bytes=c.kv_cache_bytes,
-                       max_num_seqs=c.max_num_seqs, max_prefill_chunk=c.max_prefill_chunk,
-                       num_spec_tokens=k, draft_block_width=1, layout=c.layout,
-                       enable_prefix_cache=c.enable_prefix_cache, host_num_pages=host_pages,
-                       host_write_policy=c.host_kv_write_policy,
-                       host_recall_min_pages=c.host_kv_recall_min_pages)
+    return CacheConfig(
+        groups=tuple(groups),
+        tokens_per_page=c.tokens_per_page,
+        num_pages=tuple(c.num_pages[: len(groups)]),
+        memory_bytes=c.kv_cache_bytes,
+        max_num_seqs=c.max_num_seqs,
+        max_prefill_chunk=c.max_prefill_chunk,
+        num_spec_tokens=k,
+        draft_block_width=1,
+        layout=c.layout,
+        enable_prefix_cache=c.enable_prefix_cache,
+        host_num_pages=host_pages,
+        host_write_policy=c.host_kv_write_policy,
+        host_recall_min_pages=c.host_kv_recall_min_pages,
+    )
 
 
 def eos_ids(model_dir: str, config: LlamaConfig, tokenizer: Tokenizer) -> frozenset[int]:
@@ -73,8 +99,9 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab: int) -> 
             raise ValueError("prompt: must not be empty")
         ids = tokenizer.encode(prompt)
         if max(ids, default=0) >= vocab:
-            raise ValueError(f"prompt: the tokenizer gave id {max(ids)}, outside the model's "
-                             f"vocabulary [0, {vocab})")
+            raise ValueError(
+                f"prompt: the tokenizer gave id {max(ids)}, outside the model's vocabulary [0, {vocab})"
+            )
         return ids
     ids = list(prompt)
     if not ids:
@@ -84,22 +111,20 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab: int) -> 
     return ids
 
 
-def check_fits(prompt_len: int, max_tokens: int, max_model_len: int,
-               manager: KVCacheManager) -> None:
+def check_fits(prompt_len: int, max_tokens: int, max_model_len: int, manager: KVCacheManager) -> None:
     """The request fits the context, and an otherwise empty cache."""
     if prompt_len >= max_model_len:
-        raise ValueError(f"prompt: {prompt_len} tokens leave no room in the context of "
-                         f"{max_model_len}")
+        raise ValueError(f"prompt: {prompt_len} tokens leave no room in the context of {max_model_len}")
     if prompt_len + max_tokens > max_model_len:
-        raise ValueError(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} exceed "
-                         f"the context of {max_model_len}")
+        raise ValueError(
+            f"max_tokens: {prompt_len} prompt tokens + {max_tokens} exceed the context of {max_model_len}"
+        )
     full = prompt_len + max_tokens + manager.config.headroom_tokens
     for name, spec in manager.groups.items():
         tokens = min(full, _window_tokens(name, manager)) if spec.window > 0 else full
         need, total = cdiv(tokens, manager.page), manager.allocators[name].num_pages
         if need > total:
-            raise ValueError(f"prompt: needs {need} KV pages of group {name}, "
-                             f"the cache holds {total}")
+            raise ValueError(f"prompt: needs {need} KV pages of group {name}, the cache holds {total}")
 
 
 def _window_tokens(group: str, manager: KVCacheManager) -> int:

@@ -36,22 +36,29 @@ def run_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     from services.engine.engine import Engine
 
     if not args.offline:
-        print("generate: only --offline runs here; online requests go to the router",
-              file=sys.stderr)
+        print("generate: only --offline runs here; online requests go to the router", file=sys.stderr)
         return 2
     if args.no_spec:
         config = dataclasses.replace(config, drafter=None, num_spec_tokens=0)
     try:
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                  max_tokens=args.max_tokens, seed=args.seed)
+        sampling = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        )
         out = Engine(config).generate([args.prompt], sampling)[0]
     except ValueError as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason,
-                          "usage": dataclasses.asdict(out.usage)}))
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "usage": dataclasses.asdict(out.usage),
+                }
+            )
+        )
     else:
         print(out.text)
     return 0
@@ -72,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = EngineConfig(model=args.model, drafter=args.drafter,
-                              num_spec_tokens=args.num_spec_tokens, device=args.device)
+        config = EngineConfig(
+            model=args.model, drafter=args.drafter, num_spec_tokens=args.num_spec_tokens, device=args.device
+        )
     except ValueError as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2

@@ -54,8 +54,13 @@ class EngineConfig:
         if not self.dtype:
             self.dtype = DEFAULT_DTYPES.get(torch.device(self.device).type, "float32")
         dtype_from_name(self.dtype)
-        for name in ("tokens_per_page", "kv_cache_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_prefill_chunk"):
+        for name in (
+            "tokens_per_page",
+            "kv_cache_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_prefill_chunk",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.host_kv_cache_bytes < 0:
@@ -67,9 +72,11 @@ class EngineConfig:
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.host_kv_cache_bytes:
-            raise ValueError("host_kv_cache_bytes: the host KV tier's page copies are not "
-                             f"mirrored to tensor-parallel ranks; use it with tp_size 1, not "
-                             f"{self.tp_size}")
+            raise ValueError(
+                "host_kv_cache_bytes: the host KV tier's page copies are not "
+                f"mirrored to tensor-parallel ranks; use it with tp_size 1, not "
+                f"{self.tp_size}"
+            )
 
     @property
     def speculative(self) -> bool:
@@ -79,8 +86,7 @@ class EngineConfig:
     def cuda_graphs(self) -> bool:
         """Decode-step forwards replay CUDA graphs: on CUDA, unless ``enforce_eager``
         (or tensor parallelism: every forward must be published to the other ranks)."""
-        return not self.enforce_eager and torch.device(self.device).type == "cuda" \
-            and self.tp_size == 1
+        return not self.enforce_eager and torch.device(self.device).type == "cuda" and self.tp_size == 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -39,8 +39,9 @@ from services.engine.runner import DRAFT_GROUP, TARGET_GROUP, ModelRunner, Span,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 # (input_ids [n], positions [n], hidden [n, hidden_size] or None, ctx) -> outputs [n, ...]
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "UniformContext"],
-                     tuple[torch.Tensor, ...]]
+ForwardFn = Callable[
+    [torch.Tensor, torch.Tensor, "torch.Tensor | None", "UniformContext"], tuple[torch.Tensor, ...]
+]
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -65,12 +66,12 @@ class UniformContext:
     window: int = 0
     key_start: int = 0
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [batch * q_len, num_heads, head_dim], k/v [batch * q_len, num_kv_heads, head_dim]."""
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
-        args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window,
-                self.key_start)
+        args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window, self.key_start)
         if self.q_len == 1:
             return decode_attention(q, *args)
         out = verify_attention(q.view(-1, self.q_len, *q.shape[1:]), *args)
@@ -97,8 +98,9 @@ class UniformBatch:
         return self.input_ids.shape[0]
 
 
-def uniform_batch(spans: Sequence[Span], block_table: torch.Tensor, tokens_per_page: int,
-                  hidden: torch.Tensor | None = None) -> UniformBatch:
+def uniform_batch(
+    spans: Sequence[Span], block_table: torch.Tensor, tokens_per_page: int, hidden: torch.Tensor | None = None
+) -> UniformBatch:
     """Host-side inputs of spans that all have the same length; ``block_table`` [batch,
     width] is their rows. KV is written only at positions >= each span's write_start."""
     q_len = len(spans[0].token_ids)
@@ -119,10 +121,19 @@ class GraphedForward:
     ``[seq_lens (max_batch) | block table (max_batch x max_pages)]``.
     """
 
-    def __init__(self, forward: ForwardFn, kv_pool: torch.Tensor, q_len: int, window: int,
-                 buckets: Sequence[int], max_pages: int, hidden_size: int = 0,
-                 hidden_dtype: torch.dtype = torch.float32, capture: bool = True,
-                 key_start: int = 0) -> None:
+    def __init__(
+        self,
+        forward: ForwardFn,
+        kv_pool: torch.Tensor,
+        q_len: int,
+        window: int,
+        buckets: Sequence[int],
+        max_pages: int,
+        hidden_size: int = 0,
+        hidden_dtype: torch.dtype = torch.float32,
+        capture: bool = True,
+        key_start: int = 0,
+    ) -> None:
         self.forward, self.kv_pool, self.q_len, self.window = forward, kv_pool, q_len, window
         self.key_start = key_start
         self.buckets = tuple(sorted(buckets))
@@ -132,13 +143,15 @@ class GraphedForward:
         device = kv_pool.device
         pinned = capture and device.type == "cuda"
         self.host_i64 = torch.zeros(3 * self.max_tokens, dtype=torch.int64, pin_memory=pinned)
-        self.host_i32 = torch.zeros(self.max_batch * (1 + max_pages), dtype=torch.int32,
-                                    pin_memory=pinned)
-        self.host_i64[2 * self.max_tokens:] = -1
+        self.host_i32 = torch.zeros(self.max_batch * (1 + max_pages), dtype=torch.int32, pin_memory=pinned)
+        self.host_i64[2 * self.max_tokens :] = -1
         self.dev_i64 = self.host_i64.to(device)
         self.dev_i32 = self.host_i32.to(device)
-        self.hidden = (torch.zeros(self.max_tokens, hidden_size, dtype=hidden_dtype, device=device)
-                       if hidden_size else None)
+        self.hidden = (
+            torch.zeros(self.max_tokens, hidden_size, dtype=hidden_dtype, device=device)
+            if hidden_size
+            else None
+        )
         self.outputs: tuple[torch.Tensor, ...] = ()  # [max_tokens, ...] each
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.copied = torch.cuda.Event() if pinned else None  # staging -> device copy done
@@ -150,30 +163,32 @@ class GraphedForward:
         return next((b for b in self.buckets if b >= batch), None)
 
     def fits(self, batch: int, q_len: int, width: int) -> bool:
-        return (q_len == self.q_len and 0 < batch <= self.max_batch
-                and width <= self.max_pages)
+        return q_len == self.q_len and 0 < batch <= self.max_batch and width <= self.max_pages
 
     def run(self, batch: UniformBatch) -> tuple[torch.Tensor, ...]:
         """Outputs [batch.num_tokens, ...] (copies) of the forward over ``batch``."""
         bucket = self.load(batch)
         self.replay(bucket)
-        return tuple(o[:batch.num_tokens].clone() for o in self.outputs)
+        return tuple(o[: batch.num_tokens].clone() for o in self.outputs)
 
     def load(self, batch: UniformBatch) -> int:
         """Fill the static inputs (padding rows included); returns the bucket to replay."""
         bucket = self.bucket_for(batch.batch)
-        if bucket is None or not self.fits(batch.batch, batch.num_tokens // batch.batch,
-                                           batch.block_table.shape[1]):
-            raise ValueError(f"batch: {batch.batch} x {batch.num_tokens // batch.batch} tokens "
-                             f"does not fit the captured shapes")
+        if bucket is None or not self.fits(
+            batch.batch, batch.num_tokens // batch.batch, batch.block_table.shape[1]
+        ):
+            raise ValueError(
+                f"batch: {batch.batch} x {batch.num_tokens // batch.batch} tokens "
+                f"does not fit the captured shapes"
+            )
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
         n, t = batch.num_tokens, self.max_tokens
         h64 = self.host_i64
         h64[:n] = batch.input_ids
-        h64[t:t + n] = batch.positions
-        h64[2 * t:2 * t + n] = batch.slot_mapping
-        h64[2 * t + n:2 * t + bucket * self.q_len] = -1
+        h64[t : t + n] = batch.positions
+        h64[2 * t : 2 * t + n] = batch.slot_mapping
+        h64[2 * t + n : 2 * t + bucket * self.q_len] = -1
         b, width = batch.batch, batch.block_table.shape[1]
         self.host_i32[:b] = batch.seq_lens
         self.host_i32[b:bucket] = 0
@@ -197,11 +212,17 @@ class GraphedForward:
         """The forward over the static inputs of ``bucket``, launched eagerly; outputs go to
         the static outputs (allocated by the first call, at the largest bucket)."""
         n, t = bucket * self.q_len, self.max_tokens
-        ctx = UniformContext(self.kv_pool, self._table(self.dev_i32, bucket),
-                             self.dev_i32[:bucket], self.dev_i64[2 * t:2 * t + n],
-                             self.q_len, self.window, self.key_start)
+        ctx = UniformContext(
+            self.kv_pool,
+            self._table(self.dev_i32, bucket),
+            self.dev_i32[:bucket],
+            self.dev_i64[2 * t : 2 * t + n],
+            self.q_len,
+            self.window,
+            self.key_start,
+        )
         hidden = self.hidden[:n] if self.hidden is not None else None
-        results = self.forward(self.dev_i64[:n], self.dev_i64[t:t + n], hidden, ctx)
+        results = self.forward(self.dev_i64[:n], self.dev_i64[t : t + n], hidden, ctx)
         if not self.outputs:
             self.outputs = tuple(r.new_empty((self.max_tokens, *r.shape[1:])) for r in results)
         for out, r in zip(self.outputs, results, strict=True):
@@ -216,7 +237,7 @@ class GraphedForward:
         rows are padding while capturing, so no page is read or written."""
         for bucket in reversed(self.buckets):
             self.host_i32.zero_()
-            self.host_i64[2 * self.max_tokens:] = -1
+            self.host_i64[2 * self.max_tokens :] = -1
             self._upload(self.max_batch)
             self.run_forward(bucket)
             torch.cuda.synchronize()
@@ -236,7 +257,7 @@ class GraphedForward:
     def _table(self, buffer: torch.Tensor, bucket: int) -> torch.Tensor:
         """[bucket, max_pages] view of the block-table part of an int32 buffer."""
         start = self.max_batch
-        return buffer[start:start + bucket * self.max_pages].view(bucket, self.max_pages)
+        return buffer[start : start + bucket * self.max_pages].view(bucket, self.max_pages)
 
 
 def pad_front(spans: Sequence[Span], q_len: int) -> tuple[list[Span], torch.Tensor] | None:
@@ -252,8 +273,9 @@ def pad_front(spans: Sequence[Span], q_len: int) -> tuple[list[Span], torch.Tens
     padded, rows = [], []
     for i, s in enumerate(spans):
         pad = q_len - len(s.token_ids)
-        padded.append(Span(s.request_id, s.start - pad, [0] * pad + list(s.token_ids),
-                           max(s.write_start, s.start)))
+        padded.append(
+            Span(s.request_id, s.start - pad, [0] * pad + list(s.token_ids), max(s.write_start, s.start))
+        )
         rows.extend(range(i * q_len + pad, (i + 1) * q_len))
     return padded, torch.tensor(rows, dtype=torch.int64)
 
@@ -263,22 +285,37 @@ class DecodeGraphs:
     (K + 1; 1 without a drafter), the drafter over ``verify_len`` (catch-up) and over one
     token per request (chain steps)."""
 
-    def __init__(self, runner: ModelRunner, verify_len: int, max_batch: int,
-                 max_model_len: int, capture: bool = True) -> None:
+    def __init__(
+        self, runner: ModelRunner, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
+    ) -> None:
         self.runner = runner
         manager = runner.manager
         buckets = batch_buckets(max_batch)
         max_pages = cdiv(max_model_len + manager.config.headroom_tokens, manager.page) + 1
         dtype = runner.target.head_weight.dtype
-        self.target = GraphedForward(self._target_forward, manager.pools[TARGET_GROUP],
-                                     verify_len, runner.target_window, buckets, max_pages,
-                                     capture=capture)
+        self.target = GraphedForward(
+            self._target_forward,
+            manager.pools[TARGET_GROUP],
+            verify_len,
+            runner.target_window,
+            buckets,
+            max_pages,
+            capture=capture,
+        )
         self.drafter = self.catch_up = None
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
-                self._drafter_forward, manager.pools[DRAFT_GROUP], q_len, runner.draft_window,
-                buckets, max_pages, runner.drafter.config.hidden_size, dtype, capture,
-                DRAFT_KEY_START)
+                self._drafter_forward,
+                manager.pools[DRAFT_GROUP],
+                q_len,
+                runner.draft_window,
+                buckets,
+                max_pages,
+                runner.drafter.config.hidden_size,
+                dtype,
+                capture,
+                DRAFT_KEY_START,
+            )
             self.drafter = drafter_graph(1)
             if verify_len > 1:
                 self.catch_up = drafter_graph(verify_len)
@@ -319,10 +356,14 @@ class DecodeGraphs:
         batch = self._batch(self.catch_up, padded_spans, DRAFT_GROUP, padded_hidden)
         return self.catch_up.run(batch)[0][rows] if batch is not None else None
 
-    def _batch(self, graphed: GraphedForward, spans: list[Span], group: str,
-               hidden: torch.Tensor | None = None) -> UniformBatch | None:
-        if not spans or any(len(s.token_ids) != graphed.q_len for s in spans) \
-                or not graphed.fits(len(spans), graphed.q_len, 0):
+    def _batch(
+        self, graphed: GraphedForward, spans: list[Span], group: str, hidden: torch.Tensor | None = None
+    ) -> UniformBatch | None:
+        if (
+            not spans
+            or any(len(s.token_ids) != graphed.q_len for s in spans)
+            or not graphed.fits(len(spans), graphed.q_len, 0)
+        ):
             return None
         manager = self.runner.manager
         table = manager.block_tables([s.request_id for s in spans], group)
@@ -330,9 +371,13 @@ class DecodeGraphs:
             return None
         return uniform_batch(spans, table, manager.page, hidden)
 
-    def _target_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        hidden: torch.Tensor | None, ctx: UniformContext
-                        ) -> tuple[torch.Tensor, ...]:
+    def _target_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: UniformContext,
+    ) -> tuple[torch.Tensor, ...]:
         r = self.runner
         aux_ids = r.drafter.config.aux_layer_ids if r.drafter is not None else ()
         out = r.target(input_ids, positions, ctx, aux_ids)
@@ -340,7 +385,11 @@ class DecodeGraphs:
             return (out.hidden,)
         return out.hidden, r.drafter.project(out.aux)
 
-    def _drafter_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                         hidden: torch.Tensor | None, ctx: UniformContext
-                         ) -> tuple[torch.Tensor, ...]:
+    def _drafter_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: UniformContext,
+    ) -> tuple[torch.Tensor, ...]:
         return (self.runner.drafter(input_ids, hidden, positions, ctx, self.runner.target),)

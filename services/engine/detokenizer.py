@@ -33,12 +33,12 @@ class Detokenizer:
         if not token_ids:
             return ""
         self.ids.extend(token_ids)
-        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        added = window[len(self._prefix_text):]
+        window = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        added = window[len(self._prefix_text) :]
         if not added or added.endswith(REPLACEMENT) or self._in_byte_run:
             self._held = added
             return ""
-        self._prefix_text = self.tokenizer.decode(self.ids[self.read_offset:])
+        self._prefix_text = self.tokenizer.decode(self.ids[self.read_offset :])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._held = ""
         self.text += added

@@ -44,22 +44,33 @@ class Engine:
         self.target = load_target(config.model, self.device, config.torch_dtype, self.tp)
         self.drafter = None
         if config.speculative:
-            self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype,
-                                        self.tp)
+            self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype, self.tp)
             self.drafter.config = self.drafter.config.check_target(self.target.config)
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
-        self.manager = make_manager(cache_config(config, self.target, self.drafter, self.k),
-                                    self.target, self.drafter, self.device, self.tp)
+        self.manager = make_manager(
+            cache_config(config, self.target, self.drafter, self.k),
+            self.target,
+            self.drafter,
+            self.device,
+            self.tp,
+        )
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.device)
         attach_lockstep(self.runner, self.tp)
         if config.cuda_graphs:
             self.runner.capture_cuda_graphs(self.k + 1, config.max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk, self.k, self.drafter is not None)
+        self.scheduler = Scheduler(
+            self.manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_prefill_chunk,
+            self.k,
+            self.drafter is not None,
+        )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
-        self.out = StepOutputs(self.tokenizer, eos_ids(config.model, self.target.config,
-                                                       self.tokenizer), self.k > 0)
+        self.out = StepOutputs(
+            self.tokenizer, eos_ids(config.model, self.target.config, self.tokenizer), self.k > 0
+        )
         self.requests: dict[str, Request] = {}
         self.stats: dict[str, SpecStats] = {}
         self._seeds = random.Random(config.seed)
@@ -67,9 +78,14 @@ class Engine:
 
     # ------------------------------------------------------------ public API
 
-    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False,
-                    num_spec_tokens: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        num_spec_tokens: int | None = None,
+    ) -> str:
         """Queue a request; returns its id. Raises ValueError naming the bad field.
         ``num_spec_tokens``: drafts verified per step for this request, 0..K (None = K)."""
         sampling = check_sampling(sampling)
@@ -77,15 +93,21 @@ class Engine:
         prompt_ids = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size)
         request_id = self._new_id(request_id)
         check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
-        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), prefill_only,
-                      num_spec_tokens=k)
+        req = Request(
+            request_id, prompt_ids, sampling, self._generator(sampling), prefill_only, num_spec_tokens=k
+        )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
-    def add_prefilled(self, request_id: str, prompt_ids: list[int], aux: AuxState,
-                      sampling: SamplingParams | None = None,
-                      num_spec_tokens: int | None = None) -> None:
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        aux: AuxState,
+        sampling: SamplingParams | None = None,
+        num_spec_tokens: int | None = None,
+    ) -> None:
         """Start decoding a request whose pages were reserved with
         ``manager.allocate(request_id, n, num_computed=n)`` and filled by a transfer. The
         first token's logprobs (when asked for) came with the prefill: its entry is None."""
@@ -100,8 +122,9 @@ class Engine:
             raise ValueError(f"aux: prompt_len {n} does not match {len(prompt_ids)} prompt tokens")
         check_fits(n, sampling.max_tokens, self.max_model_len, self.manager)
         origin = "transferred" if self.config.layout == KVLayout.UNIFIED else "cold"
-        req = Request(request_id, prompt_ids, sampling, self._generator(sampling), origin=origin,
-                      num_spec_tokens=k)
+        req = Request(
+            request_id, prompt_ids, sampling, self._generator(sampling), origin=origin, num_spec_tokens=k
+        )
         req.status = Status.DECODE
         req.num_computed = req.target_write_start = req.draft_valid = n
         req.pending_start, req.pending_tokens = n, [aux.first_token_id]
@@ -118,7 +141,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.PARKED:
             raise ValueError(f"request_id: {request_id!r} is not a parked prefill")
-        self.manager.free(request_id, req.tokens[:req.cacheable_len])
+        self.manager.free(request_id, req.tokens[: req.cacheable_len])
         del self.requests[request_id]
 
     def abort(self, request_id: str) -> bool:
@@ -144,9 +167,9 @@ class Engine:
             self._prefill(plan.prefill)
         return self.out.flush()
 
-    def generate(self, prompts: list[str | list[int]],
-                 sampling: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; final outputs in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
@@ -173,16 +196,16 @@ class Engine:
 
     def _decode(self, decode: list[Request]) -> None:
         k = max(r.num_spec_tokens for r in decode)
-        drafts = draft(self.runner, decode, k, self.out.eos_ids) if self.drafter is not None \
-            else None
+        drafts = draft(self.runner, decode, k, self.out.eos_ids) if self.drafter is not None else None
         spans = verify_spans(decode, drafts)
         run = self.runner.run_target(spans)
         offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
         self._finish_decodes(decode, drafts, run, offsets)
 
     def _prefill(self, prefill: list[tuple[Request, PrefillSpan]]) -> None:
-        spans = [Span(r.request_id, s.start, r.tokens[s.start:s.end], r.target_write_start)
-                 for r, s in prefill]
+        spans = [
+            Span(r.request_id, s.start, r.tokens[s.start : s.end], r.target_write_start) for r, s in prefill
+        ]
         run = self.runner.run_target(spans)
         offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
         if self.drafter is not None:
@@ -193,11 +216,15 @@ class Engine:
         """Drafter slots of the chunks' positions: slot j reads t_j and f_{j-1}."""
         spans, hidden = [], []
         for i, (req, span) in enumerate(prefill):
-            first = req.last_feature if req.last_feature is not None and span.start > 0 \
+            first = (
+                req.last_feature
+                if req.last_feature is not None and span.start > 0
                 else torch.zeros_like(run.features[0])
-            hidden += [first[None], run.features[offsets[i]:offsets[i + 1] - 1]]
-            spans.append(Span(req.request_id, span.start, req.tokens[span.start:span.end],
-                              req.draft_write_start))
+            )
+            hidden += [first[None], run.features[offsets[i] : offsets[i + 1] - 1]]
+            spans.append(
+                Span(req.request_id, span.start, req.tokens[span.start : span.end], req.draft_write_start)
+            )
         self.runner.run_drafter(spans, torch.cat(hidden))
 
     def _finish_prefills(self, prefill, run: TargetRun, offsets: list[int]) -> None:
@@ -213,8 +240,7 @@ class Engine:
             return
         reqs = [req for _, req in done]
         logits = self.runner.target_logits(run.hidden[[offsets[i + 1] - 1 for i, _ in done]])
-        params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], self.out.eos_ids,
-                            self.device)
+        params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], self.out.eos_ids, self.device)
         tokens = sample(probs_for_rows(logits, params), [r.generator for r in reqs]).tolist()
         logprobs = self._logprobs(logits, [[t] for t in tokens], reqs)
         for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
@@ -229,8 +255,9 @@ class Engine:
             req.output_ids.append(token)
             req.output_logprobs.extend(logprobs)
             req.status = Status.PARKED
-            req.aux = AuxState(token, req.last_feature.float().cpu() if req.last_feature
-                               is not None else torch.zeros(0), n)
+            req.aux = AuxState(
+                token, req.last_feature.float().cpu() if req.last_feature is not None else torch.zeros(0), n
+            )
             self.scheduler.remove(req)
             self.out.park(req)
             return
@@ -239,8 +266,9 @@ class Engine:
         if req.finish_reason is not None:
             self._finish(req)
 
-    def _finish_decodes(self, decode: list[Request], drafts: Drafts | None, run: TargetRun,
-                        offsets: list[int]) -> None:
+    def _finish_decodes(
+        self, decode: list[Request], drafts: Drafts | None, run: TargetRun, offsets: list[int]
+    ) -> None:
         """Verify: row j of request i's block is scored with d_1..d_j counted by its
         penalties and min_tokens (row_sampling.py); request i keeps at most k_i drafts."""
         if not decode:
@@ -248,18 +276,20 @@ class Engine:
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
         logits = self.runner.target_logits(run.hidden[rows.to(self.device)])  # [sum(k_i + 1), V]
         ks = [r.num_spec_tokens for r in decode]
-        draft_ids = drafts.token_ids if drafts is not None \
+        draft_ids = (
+            drafts.token_ids
+            if drafts is not None
             else torch.zeros(len(decode), 0, dtype=torch.long, device=self.device)
+        )
         ids = draft_ids.tolist()
         extras = [[ids[i][:j] for j in range(ks[i] + 1)] for i in range(len(decode))]
         params = row_params(decode, extras, logits.shape[-1], self.out.eos_ids, self.device)
         probs = self._by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
         draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
         num_drafts = torch.tensor(ks, device=self.device) if min(ks) < draft_ids.shape[1] else None
-        verdict = rejection_sample(probs, draft_probs, draft_ids, [r.generator for r in decode],
-                                   num_drafts)
+        verdict = rejection_sample(probs, draft_probs, draft_ids, [r.generator for r in decode], num_drafts)
         accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
-        emitted = [ids[i][:accepted[i]] + [nexts[i]] for i in range(len(decode))]
+        emitted = [ids[i][: accepted[i]] + [nexts[i]] for i in range(len(decode))]
         logprobs = self._logprobs(logits, emitted, decode, offsets)
         for i, req in enumerate(decode):
             self._advance_decode(req, emitted[i], logprobs[i], run, offsets[i])
@@ -275,8 +305,13 @@ class Engine:
         out[batch, pos] = probs
         return out
 
-    def _logprobs(self, logits: torch.Tensor, emitted: list[list[int]], reqs: list[Request],
-                  offsets: list[int] | None = None) -> list[list[TokenLogprob]]:
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        emitted: list[list[int]],
+        reqs: list[Request],
+        offsets: list[int] | None = None,
+    ) -> list[list[TokenLogprob]]:
         """Per request, the logprobs of its emitted tokens (empty unless sampling.logprobs):
         request i's token j was chosen at logits row offsets[i] + j (offsets None: row i)."""
         out: list[list[TokenLogprob]] = [[] for _ in reqs]
@@ -300,10 +335,11 @@ class Engine:
         before = len(req.output_ids)
         self.out.append(req, tokens)
         if req.sampling.logprobs is not None:
-            req.output_logprobs.extend(logprobs[:len(req.output_ids) - before])
+            req.output_logprobs.extend(logprobs[: len(req.output_ids) - before])
 
-    def _advance_decode(self, req: Request, emitted: list[int], logprobs: list[TokenLogprob],
-                        run: TargetRun, row: int) -> None:
+    def _advance_decode(
+        self, req: Request, emitted: list[int], logprobs: list[TokenLogprob], run: TargetRun, row: int
+    ) -> None:
         n, a = req.num_computed, len(emitted) - 1
         req.spec.record(req.num_spec_tokens, a)
         self.stats.setdefault(req.origin, SpecStats()).record(req.num_spec_tokens, a)
@@ -311,7 +347,7 @@ class Engine:
         req.num_computed = n + a + 1
         req.pending_start, req.pending_tokens = n + 1, emitted
         if run.features is not None:
-            req.pending_features = run.features[row:row + a + 1]
+            req.pending_features = run.features[row : row + a + 1]
         req.draft_valid = n + 1 if self.drafter is not None else req.num_computed
         self._release_window(req)
         if req.finish_reason is not None:
@@ -326,7 +362,7 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         if req.request_id in self.manager.requests:
-            self.manager.free(req.request_id, req.tokens[:req.cacheable_len])
+            self.manager.free(req.request_id, req.tokens[: req.cacheable_len])
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         self.out.finish(req)
@@ -345,10 +381,15 @@ class Engine:
         """A request's drafts per step: None = the engine's K; else 0..K."""
         if num_spec_tokens is None:
             return self.k
-        if isinstance(num_spec_tokens, bool) or not isinstance(num_spec_tokens, int) \
-                or not 0 <= num_spec_tokens <= self.k:
-            raise ValueError(f"num_spec_tokens: must be an integer in [0, {self.k}] (the "
-                             f"server's K), got {num_spec_tokens!r}")
+        if (
+            isinstance(num_spec_tokens, bool)
+            or not isinstance(num_spec_tokens, int)
+            or not 0 <= num_spec_tokens <= self.k
+        ):
+            raise ValueError(
+                f"num_spec_tokens: must be an integer in [0, {self.k}] (the "
+                f"server's K), got {num_spec_tokens!r}"
+            )
         return num_spec_tokens
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:

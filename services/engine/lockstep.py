@@ -68,20 +68,42 @@ class Lockstep:
     def __init__(self, tp: TensorParallel, manager: LockstepManager) -> None:
         self.tp, self.manager = tp, manager
 
-    def publish(self, model: str, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: PagedContext, group: str, aux_layer_ids: tuple[int, ...] = (),
-                hidden: torch.Tensor | None = None) -> None:
+    def publish(
+        self,
+        model: str,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: PagedContext,
+        group: str,
+        aux_layer_ids: tuple[int, ...] = (),
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         cpu = lambda t: t.detach().cpu()  # noqa: E731
-        plan = ForwardPlan(model, group, cpu(input_ids), cpu(positions), cpu(ctx.block_table),
-                           cpu(ctx.query_start_loc), cpu(ctx.seq_lens), cpu(ctx.slot_mapping),
-                           ctx.window, tuple(aux_layer_ids),
-                           cpu(hidden) if hidden is not None else None,
-                           self.manager.take_page_copies(), ctx.key_start)
+        plan = ForwardPlan(
+            model,
+            group,
+            cpu(input_ids),
+            cpu(positions),
+            cpu(ctx.block_table),
+            cpu(ctx.query_start_loc),
+            cpu(ctx.seq_lens),
+            cpu(ctx.slot_mapping),
+            ctx.window,
+            tuple(aux_layer_ids),
+            cpu(hidden) if hidden is not None else None,
+            self.manager.take_page_copies(),
+            ctx.key_start,
+        )
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
 
 
-def make_manager(config: CacheConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
-                 device: torch.device, tp: TensorParallel) -> KVCacheManager:
+def make_manager(
+    config: CacheConfig,
+    target: LlamaForCausalLM,
+    drafter: Eagle3Drafter | None,
+    device: torch.device,
+    tp: TensorParallel,
+) -> KVCacheManager:
     """This rank's cache manager: pools of its own KV heads; rank 0 of a group records
     its page copies for the others."""
     if tp.size == 1:
@@ -113,8 +135,15 @@ def replay(plan: ForwardPlan, runner) -> None:
     for group, src, dst in plan.page_copies:
         pools[group][dst].copy_(pools[group][src])
     to = lambda t: t.to(device)  # noqa: E731
-    ctx = PagedContext(pools[plan.group], to(plan.block_table), to(plan.query_start_loc),
-                       to(plan.seq_lens), to(plan.slot_mapping), plan.window, plan.key_start)
+    ctx = PagedContext(
+        pools[plan.group],
+        to(plan.block_table),
+        to(plan.query_start_loc),
+        to(plan.seq_lens),
+        to(plan.slot_mapping),
+        plan.window,
+        plan.key_start,
+    )
     ids, positions = to(plan.input_ids), to(plan.positions)
     if plan.model == "target":
         runner.target(ids, positions, ctx, plan.aux_layer_ids)

@@ -54,8 +54,9 @@ SINGLE = TensorParallel()
 _current: TensorParallel = SINGLE
 
 
-def init_tensor_parallel(size: int, rank: int, address: str, backend: str,
-                         device: str = "cpu") -> TensorParallel:
+def init_tensor_parallel(
+    size: int, rank: int, address: str, backend: str, device: str = "cpu"
+) -> TensorParallel:
     """Join the group of ``size`` ranks rendezvousing at ``address`` (host:port, rank 0
     listens). Blocks until every rank has joined. On CUDA the rank's GPU (see
     :func:`rank_device`) becomes its current device, which NCCL uses."""
@@ -63,10 +64,10 @@ def init_tensor_parallel(size: int, rank: int, address: str, backend: str,
     own = rank_device(device, TensorParallel(size, rank))
     if own.type == "cuda":
         torch.cuda.set_device(own)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", world_size=size,
-                            rank=rank, timeout=IDLE_TIMEOUT)
-    objects = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend != "gloo" \
-        else dist.group.WORLD
+    dist.init_process_group(
+        backend, init_method=f"tcp://{address}", world_size=size, rank=rank, timeout=IDLE_TIMEOUT
+    )
+    objects = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     _current = TensorParallel(size, rank, dist.group.WORLD, objects)
     return _current
 
@@ -76,8 +77,10 @@ def tensor_parallel(size: int) -> TensorParallel:
     if size == 1:
         return SINGLE
     if _current.size != size:
-        raise ValueError(f"tp_size: {size} configured, but this process joined a group of "
-                         f"{_current.size} (call init_tensor_parallel first)")
+        raise ValueError(
+            f"tp_size: {size} configured, but this process joined a group of "
+            f"{_current.size} (call init_tensor_parallel first)"
+        )
     return _current
 
 
@@ -116,15 +119,14 @@ class ColumnParallelLinear(nn.Linear):
         self.rows = rows
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return full[self.rows.start:self.rows.stop]
+        return full[self.rows.start : self.rows.stop]
 
 
 class RowParallelLinear(nn.Linear):
     """Input columns ``cols`` of a full linear: input sharded, the partial products
     summed over the ranks; the (replicated) bias is added once, after the sum."""
 
-    def __init__(self, cols: range, out_features: int, tp: TensorParallel,
-                 bias: bool = False) -> None:
+    def __init__(self, cols: range, out_features: int, tp: TensorParallel, bias: bool = False) -> None:
         super().__init__(len(cols), out_features, bias=bias)
         self.cols, self.tp = cols, tp
 
@@ -136,11 +138,10 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return full[:, self.cols.start:self.cols.stop] if name == "weight" else full
+        return full[:, self.cols.start : self.cols.stop] if name == "weight" else full
 
 
-def shard_state_dict(model: nn.Module, state: dict[str, torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
+def shard_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors cut to what this rank's model holds (others unchanged)."""
     out = dict(state)
     for prefix, module in model.named_modules():
@@ -153,11 +154,11 @@ def shard_state_dict(model: nn.Module, state: dict[str, torch.Tensor]
     return out
 
 
-def shard_cache_config(config: CacheConfig, total_kv_heads: dict[str, int],
-                       tp: TensorParallel) -> CacheConfig:
+def shard_cache_config(
+    config: CacheConfig, total_kv_heads: dict[str, int], tp: TensorParallel
+) -> CacheConfig:
     """Each group's pools hold only this rank's KV heads."""
     if tp.size == 1:
         return config
-    groups = tuple(replace(g, num_kv_heads=len(kv_heads(total_kv_heads[g.name], tp)))
-                   for g in config.groups)
+    groups = tuple(replace(g, num_kv_heads=len(kv_heads(total_kv_heads[g.name], tp))) for g in config.groups)
     return replace(config, groups=groups)

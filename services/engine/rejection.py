@@ -27,9 +27,13 @@ class Verdict:
     next_tokens: torch.Tensor  # [batch] int64: the recovered or bonus token
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                     draft_ids: torch.Tensor, generators: list[torch.Generator | None],
-                     num_drafts: torch.Tensor | None = None) -> Verdict:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    generators: list[torch.Generator | None],
+    num_drafts: torch.Tensor | None = None,
+) -> Verdict:
     """target_probs [batch, K + 1, vocab]; draft_probs [batch, K, vocab]; draft_ids
     [batch, K]. Rows whose generator is None must be greedy (one-hot p and q).
     ``num_drafts`` [batch] (default K): row i verifies only its first k_i drafts; its

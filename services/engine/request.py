@@ -73,9 +73,16 @@ class PrefillSpan:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 generator: torch.Generator | None, prefill_only: bool = False,
-                 origin: str = "local", num_spec_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        prefill_only: bool = False,
+        origin: str = "local",
+        num_spec_tokens: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -122,8 +129,15 @@ class Request:
 
     def usage(self, speculative: bool) -> Usage:
         al = self.spec.acceptance_length if speculative else (1.0 if self.spec.num_steps else 0.0)
-        return Usage(len(self.prompt_ids), len(self.output_ids), al, dict(self.cached_tokens),
-                     self.spec.num_steps, self.spec.num_draft_tokens, self.spec.num_accepted)
+        return Usage(
+            len(self.prompt_ids),
+            len(self.output_ids),
+            al,
+            dict(self.cached_tokens),
+            self.spec.num_steps,
+            self.spec.num_draft_tokens,
+            self.spec.num_accepted,
+        )
 
 
 @dataclass(slots=True)

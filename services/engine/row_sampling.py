@@ -19,8 +19,13 @@ from services.engine.sampler import Penalties, RowParams, logprobs_of
 Row = tuple[Request, list[int]]  # (request, extra tokens before the row's position)
 
 
-def row_params(requests: list[Request], extras: list[list[list[int]]], vocab: int,
-               eos_ids: frozenset[int], device: torch.device) -> RowParams:
+def row_params(
+    requests: list[Request],
+    extras: list[list[list[int]]],
+    vocab: int,
+    eos_ids: frozenset[int],
+    device: torch.device,
+) -> RowParams:
     """RowParams for request i's rows, one per entry of extras[i] (its extra tokens), in
     request order. Per-request values are expanded to rows on the tensor side; the tensors
     of a transform no request uses are left None."""
@@ -39,8 +44,9 @@ def row_params(requests: list[Request], extras: list[list[list[int]]], vocab: in
         rows = [(r, x) for r, e in zip(requests, extras, strict=True) for x in e]
         penalties = _penalties(rows, vocab, device)
         banned = _banned(rows, vocab, eos_ids, device)
-    return RowParams(per_row([s.temperature for s in sp]), per_row([s.top_p for s in sp]),
-                     top_k, min_p, penalties, banned)
+    return RowParams(
+        per_row([s.temperature for s in sp]), per_row([s.top_p for s in sp]), top_k, min_p, penalties, banned
+    )
 
 
 def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties | None:
@@ -55,8 +61,7 @@ def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties |
         if id(req) not in base:
             s, c = torch.zeros(vocab, dtype=torch.bool), torch.zeros(vocab)
             s[torch.tensor(req.prompt_ids + req.output_ids, dtype=torch.long)] = True
-            c.index_add_(0, torch.tensor(req.output_ids, dtype=torch.long),
-                         torch.ones(len(req.output_ids)))
+            c.index_add_(0, torch.tensor(req.output_ids, dtype=torch.long), torch.ones(len(req.output_ids)))
             base[id(req)] = (s, c)
         s, c = base[id(req)]
         seen[m], counts[m] = s, c
@@ -66,15 +71,19 @@ def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties |
             counts[m].index_add_(0, ids, torch.ones(len(extra)))
     sp = [rows[i][0].sampling for i in idx]
     as_tensor = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
-    return Penalties(torch.tensor(idx, device=device),
-                     as_tensor([s.repetition_penalty for s in sp]),
-                     as_tensor([s.presence_penalty for s in sp]),
-                     as_tensor([s.frequency_penalty for s in sp]),
-                     seen.to(device), counts.to(device))
+    return Penalties(
+        torch.tensor(idx, device=device),
+        as_tensor([s.repetition_penalty for s in sp]),
+        as_tensor([s.presence_penalty for s in sp]),
+        as_tensor([s.frequency_penalty for s in sp]),
+        seen.to(device),
+        counts.to(device),
+    )
 
 
-def _banned(rows: list[Row], vocab: int, eos_ids: frozenset[int],
-            device: torch.device) -> torch.Tensor | None:
+def _banned(
+    rows: list[Row], vocab: int, eos_ids: frozenset[int], device: torch.device
+) -> torch.Tensor | None:
     """[rows, vocab] bool: the stop tokens (EOS unless ignored, stop_token_ids) of rows whose
     request has generated fewer than min_tokens tokens before that row."""
     banned = None
@@ -82,8 +91,7 @@ def _banned(rows: list[Row], vocab: int, eos_ids: frozenset[int],
         sp = req.sampling
         if len(req.output_ids) + len(extra) >= sp.min_tokens:
             continue
-        ids = [t for t in (*(() if sp.ignore_eos else eos_ids), *sp.stop_token_ids)
-               if 0 <= t < vocab]
+        ids = [t for t in (*(() if sp.ignore_eos else eos_ids), *sp.stop_token_ids) if 0 <= t < vocab]
         if ids:
             if banned is None:
                 banned = torch.zeros(len(rows), vocab, dtype=torch.bool)
@@ -91,13 +99,14 @@ def _banned(rows: list[Row], vocab: int, eos_ids: frozenset[int],
     return banned.to(device) if banned is not None else None
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int],
-                   top_n: list[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[TokenLogprob]:
     """logits [rows, vocab] raw; chosen and top_n per row -> one TokenLogprob per row."""
     if not chosen:
         return []
     ids = torch.tensor(chosen, dtype=torch.long, device=logits.device)
     lp, top_lp, top_ids = logprobs_of(logits, ids, max(top_n))
     lp, top_lp, top_ids = lp.tolist(), top_lp.tolist(), top_ids.tolist()
-    return [TokenLogprob(t, lp[i], top_ids[i][:n], top_lp[i][:n])
-            for i, (t, n) in enumerate(zip(chosen, top_n, strict=True))]
+    return [
+        TokenLogprob(t, lp[i], top_ids[i][:n], top_lp[i][:n])
+        for i, (t, n) in enumerate(zip(chosen, top_n, strict=True))
+    ]

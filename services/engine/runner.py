@@ -37,8 +37,13 @@ class TargetRun:
 
 
 class ModelRunner:
-    def __init__(self, target: LlamaForCausalLM, drafter: Eagle3Drafter | None,
-                 manager: KVCacheManager, device: torch.device) -> None:
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        drafter: Eagle3Drafter | None,
+        manager: KVCacheManager,
+        device: torch.device,
+    ) -> None:
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
         self.target_window = target.config.sliding_window
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
@@ -46,11 +51,13 @@ class ModelRunner:
         self.lockstep = None  # rank 0 of a tensor-parallel group: publishes each forward
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self, verify_len: int, max_batch: int, max_model_len: int,
-                            capture: bool = True) -> None:
+    def capture_cuda_graphs(
+        self, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
+    ) -> None:
         """Route uniform decode-step forwards through CUDA graphs (services/engine/
         cuda_graphs.py); ``capture=False`` runs the same static-buffer path eagerly."""
         from services.engine.cuda_graphs import DecodeGraphs  # it imports this module
+
         self.graphs = DecodeGraphs(self, verify_len, max_batch, max_model_len, capture)
         self.graphs.capture()
 
@@ -86,8 +93,7 @@ class ModelRunner:
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.drafter.compute_logits(g, self.target)
 
-    def context(self, group: str, spans: list[Span], window: int,
-                key_start: int = 0) -> PagedContext:
+    def context(self, group: str, spans: list[Span], window: int, key_start: int = 0) -> PagedContext:
         lengths = [len(s.token_ids) for s in spans]
         starts = [s.start for s in spans]
         block_table = self.manager.block_tables([s.request_id for s in spans], group, self.device)
@@ -98,10 +104,16 @@ class ModelRunner:
         slots = torch.where(positions >= write_start.repeat_interleave(lens), slots, -1)
         qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(lengths).cumsum(0)
-        seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)],
-                                dtype=torch.int32)
-        return PagedContext(self.manager.pools[group], block_table, qsl.to(self.device),
-                            seq_lens.to(self.device), slots, window, key_start)
+        seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)], dtype=torch.int32)
+        return PagedContext(
+            self.manager.pools[group],
+            block_table,
+            qsl.to(self.device),
+            seq_lens.to(self.device),
+            slots,
+            window,
+            key_start,
+        )
 
     def _inputs(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long)

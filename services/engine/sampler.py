@@ -115,8 +115,7 @@ def probs_for_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     return probs
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] float32; temperature, top_p [rows] -> probs [rows, vocab]
     (temperature and top-p only). Rows with temperature 0 are one-hot at the argmax."""
     return probs_for_rows(logits, RowParams(temperature, top_p))
@@ -133,8 +132,9 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     return (probs / noise).argmax(dim=-1)
 
 
-def uniforms(rows: int, count: int, generators: list[torch.Generator | None],
-             device: torch.device) -> torch.Tensor:
+def uniforms(
+    rows: int, count: int, generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
     """[rows, count] U[0, 1) draws; rows without a generator get zeros."""
     out = torch.zeros(rows, count, device=device)
     for i, g in enumerate(generators):
@@ -143,8 +143,9 @@ def uniforms(rows: int, count: int, generators: list[torch.Generator | None],
     return out
 
 
-def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs_of(
+    logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] raw, chosen [rows] -> (chosen_logprobs [rows], top_logprobs
     [rows, top_n], top_ids [rows, top_n]): log-softmax of the raw logits, before penalties
     and temperature (vLLM's default ``logprobs_mode``)."""

@@ -69,12 +69,13 @@ class SamplingParams:
         _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens: must be an integer in [0, max_tokens = "
-                             f"{self.max_tokens}], got {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens: must be an integer in [0, max_tokens = "
+                f"{self.max_tokens}], got {self.min_tokens!r}"
+            )
         n = self.logprobs
         if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {n!r}")
+            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -82,8 +83,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0
-                or self.frequency_penalty != 0)
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def _is_int(value) -> bool:

@@ -19,8 +19,15 @@ from services.engine.request import PrefillSpan, Request, Status, StepPlan
 
 
 class Scheduler:
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int, num_spec_tokens: int, feeds_drafter: bool) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_chunk: int,
+        num_spec_tokens: int,
+        feeds_drafter: bool,
+    ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,8 +58,11 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
-            if req.status is Status.DECODE and req in self.running \
-                    and self._ensure_pages(req, req.num_computed, plan):
+            if (
+                req.status is Status.DECODE
+                and req in self.running
+                and self._ensure_pages(req, req.num_computed, plan)
+            ):
                 plan.decode.append(req)
                 budget -= self.verify_len
         for req in list(self.running):
@@ -87,8 +97,10 @@ class Scheduler:
         self.manager.allocate(req.request_id, alloc, match)
         req.reset_kv_state()
         if not req.cached_tokens:  # the first admission's: a re-admission's match covers output
-            req.cached_tokens = {g: hit if s == hit else 0  # reused per group, as GroupStats
-                                 for g, s in match.compute_start.items()}
+            req.cached_tokens = {
+                g: hit if s == hit else 0  # reused per group, as GroupStats
+                for g, s in match.compute_start.items()
+            }
         req.status = Status.PREFILL
         req.prefill_pos, req.prefill_end = start, len(tokens)
         req.num_computed = req.target_write_start = hit
@@ -108,7 +120,7 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request, plan: StepPlan) -> None:
-        self.manager.free(req.request_id, req.tokens[:req.cacheable_len])
+        self.manager.free(req.request_id, req.tokens[: req.cacheable_len])
         self.running.remove(req)
         if req in plan.decode:
             plan.decode.remove(req)

@@ -27,8 +27,7 @@ class Drafts:
     probs: torch.Tensor  # [batch, K, vocab] float32: the drafter's q at each draft
 
 
-def draft(runner: ModelRunner, requests: list[Request], k: int,
-          eos_ids: frozenset[int]) -> Drafts:
+def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozenset[int]) -> Drafts:
     """K drafts for every request (K = the largest num_spec_tokens of the batch; a request
     verifies only its own first num_spec_tokens). q at chain step s takes the request's
     transforms with d_1..d_s counted (row_sampling.py). K = 0 runs the catch-up forward
@@ -52,8 +51,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int,
         ids = d.tolist()
         drafted = [prev + [t] for prev, t in zip(drafted, ids, strict=True)]
         if step + 1 < k:
-            spans = [Span(r.request_id, r.num_computed + step + 1, [ids[i]])
-                     for i, r in enumerate(requests)]
+            spans = [Span(r.request_id, r.num_computed + step + 1, [ids[i]]) for i, r in enumerate(requests)]
             g = runner.run_drafter(spans, g)
     if not k:
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=device)
@@ -64,5 +62,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int,
 def verify_spans(requests: list[Request], drafts: Drafts | None) -> list[Span]:
     """[t_n, d_1..d_k] at positions n..n + k for each request, k its num_spec_tokens."""
     ids = drafts.token_ids.tolist() if drafts is not None else [[] for _ in requests]
-    return [Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i][:r.num_spec_tokens]],
-                 r.target_write_start) for i, r in enumerate(requests)]
+    return [
+        Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i][: r.num_spec_tokens]], r.target_write_start)
+        for i, r in enumerate(requests)
+    ]

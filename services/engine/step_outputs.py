@@ -11,8 +11,7 @@ from services.engine.tokenizer import Tokenizer
 class StepOutputs:
     """Holds one Detokenizer per request that has output, dropped once it finishes."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int],
-                 speculative: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int], speculative: bool) -> None:
         self.tokenizer, self.eos_ids, self.speculative = tokenizer, eos_ids, speculative
         self._touched: dict[str, Request] = {}
         self._new: dict[str, list[int]] = {}
@@ -54,8 +53,14 @@ class StepOutputs:
         finished = parked or req.status is Status.FINISHED
         detok = self._detok.pop(req.request_id, None) if finished else self._detokenizer(req)
         text = output_text(req, detok, finished) if detok is not None else ""
-        return RequestOutput(req.request_id, new, list(req.output_ids), text, finished,
-                             "prefilled" if parked else req.finish_reason,
-                             req.usage(self.speculative), req.aux if parked else None,
-                             list(req.output_logprobs) if req.sampling.logprobs is not None
-                             else None)
+        return RequestOutput(
+            req.request_id,
+            new,
+            list(req.output_ids),
+            text,
+            finished,
+            "prefilled" if parked else req.finish_reason,
+            req.usage(self.speculative),
+            req.aux if parked else None,
+            list(req.output_logprobs) if req.sampling.logprobs is not None else None,
+        )

@@ -12,8 +12,9 @@ from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request
 
 
-def append_tokens(req: Request, token_ids: list[int], detok: Detokenizer,
-                  eos_ids: frozenset[int]) -> list[int]:
+def append_tokens(
+    req: Request, token_ids: list[int], detok: Detokenizer, eos_ids: frozenset[int]
+) -> list[int]:
     """Append tokens until one finishes the request; returns those appended. Sets
     ``finish_reason`` ("stop" or "length") and, for a stop string, ``stop_text_len``."""
     sp = req.sampling
@@ -55,4 +56,4 @@ def output_text(req: Request, detok: Detokenizer, finished: bool) -> str:
     """The output's text so far: the detokenizer's (flushed once finished), cut before a
     matched stop string."""
     text = detok.text + detok.flush() if finished else detok.text
-    return text if req.stop_text_len is None else text[:req.stop_text_len]
+    return text if req.stop_text_len is None else text[: req.stop_text_len]

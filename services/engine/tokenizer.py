@@ -93,8 +93,7 @@ def load_tokenizer(model_dir: str, tokenizer_path: str = "") -> Tokenizer:
     backend.encode_special_tokens = False
     missing = [t for t in special.values() if backend.token_to_id(t) is None]
     if missing:
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in missing])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
     return Tokenizer(backend, folder, config, special, _byte_pieces(backend))
 
 
@@ -112,8 +111,10 @@ def _byte_pieces(backend: HFTokenizer) -> frozenset[int]:
 
 def _missing_hint(path: str) -> str:
     if os.path.isfile(os.path.join(path, "tokenizer.model")):
-        return (" (a sentencepiece tokenizer.model alone is not supported: convert it with "
-                "transformers' save_pretrained, or pass --tokenizer with a tokenizer.json)")
+        return (
+            " (a sentencepiece tokenizer.model alone is not supported: convert it with "
+            "transformers' save_pretrained, or pass --tokenizer with a tokenizer.json)"
+        )
     return "; pass --tokenizer with a folder or file that has one"
 
 
@@ -147,6 +148,8 @@ def _special_tokens(config: dict) -> dict[str, str]:
 def _check_cleanup(config: dict, backend: HFTokenizer, folder: str) -> None:
     model = type(backend.model).__name__
     if config.get("clean_up_tokenization_spaces") and model != "BPE":
-        raise ValueError(f"{CONFIG_FILE}: clean_up_tokenization_spaces: true is not supported "
-                         f"for a {model or 'non-BPE'} tokenizer (in {folder!r}); supported: "
-                         "false")
+        raise ValueError(
+            f"{CONFIG_FILE}: clean_up_tokenization_spaces: true is not supported "
+            f"for a {model or 'non-BPE'} tokenizer (in {folder!r}); supported: "
+            "false"
+        )

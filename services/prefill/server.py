@@ -36,18 +36,20 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: empty")
         if not decode_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "reservation.decode_instance_id: empty")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.decode_instance_id: empty")
         if not request.reservation.groups:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.groups: empty")
         for i, g in enumerate(request.reservation.groups):
             if g.num_held > len(g.page_ids):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"reservation.groups[{i}].num_held: {g.num_held} of "
-                                    f"{len(g.page_ids)} pages")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"reservation.groups[{i}].num_held: {g.num_held} of {len(g.page_ids)} pages",
+                )
         if decode_id not in self.peers.peers:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"reservation.decode_instance_id: {decode_id!r} is not a paired peer")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"reservation.decode_instance_id: {decode_id!r} is not a paired peer",
+            )
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -70,9 +72,11 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             if final is not None and final.finish_reason == "prefilled":
                 await w.loop.call(w.engine.release, rid)
         w.metrics.requests.labels("prefill", "ok").inc()
-        response = wpb.PrefillResponse(first_token_id=final.token_ids[0],
-                                       finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
-                                       usage=usage)
+        response = wpb.PrefillResponse(
+            first_token_id=final.token_ids[0],
+            finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
+            usage=usage,
+        )
         if final.logprobs:
             response.first_token_logprobs.CopyFrom(logprobs_to_proto(final.logprobs[:1])[0])
         return response
@@ -82,14 +86,14 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         usage = self._usage(prompt, final.usage.cached_tokens)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
             return usage
-        aux = AuxState(len(prompt), final.aux.first_token_id, final.aux.hidden,
-                       w.config.instance_id)
+        aux = AuxState(len(prompt), final.aux.first_token_id, final.aux.hidden, w.config.instance_id)
         if delay("prefill.before_send"):
             await asyncio.sleep(delay("prefill.before_send"))
         start = time.monotonic()
         try:
-            moved = await w.agent.send_request(rid, len(prompt), decode_id, aux,
-                                               w.config.transfer_timeout_s, dest, held)
+            moved = await w.agent.send_request(
+                rid, len(prompt), decode_id, aux, w.config.transfer_timeout_s, dest, held
+            )
         except TransferError as e:
             for group in w.engine.manager.groups:
                 w.metrics.transfer_failures.labels(group).inc()
@@ -101,9 +105,15 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             w.metrics.transfer_bytes.labels(group).inc(n)
             w.metrics.transfer_pages.labels(group, "sent").inc(moved.pages[group])
             w.metrics.transfer_pages.labels(group, "held").inc(moved.held[group])
-            usage.transfers.append(cpb.GroupTransfer(
-                group=group, num_bytes=n, seconds=moved.seconds[group],
-                num_pages=moved.pages[group], num_held_pages=moved.held[group]))
+            usage.transfers.append(
+                cpb.GroupTransfer(
+                    group=group,
+                    num_bytes=n,
+                    seconds=moved.seconds[group],
+                    num_pages=moved.pages[group],
+                    num_held_pages=moved.held[group],
+                )
+            )
         return usage
 
     @staticmethod

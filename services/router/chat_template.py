@@ -44,14 +44,17 @@ class ChatTemplate:
         try:
             self.template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"chat_template: {origin or 'template'} line {e.lineno}: "
-                             f"{e.message}") from None
+            raise ValueError(f"chat_template: {origin or 'template'} line {e.lineno}: {e.message}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text; raises ChatTemplateError with the template's message."""
-        variables = {**self.tokenizer.special_tokens, "messages": _alias_reasoning(messages),
-                     "tools": None, "documents": None,
-                     "add_generation_prompt": add_generation_prompt}
+        variables = {
+            **self.tokenizer.special_tokens,
+            "messages": _alias_reasoning(messages),
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             return self.template.render(**variables)
         except jinja2.TemplateError as e:
@@ -90,17 +93,20 @@ def _config_template(value) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise ValueError(f"tokenizer_config.json: chat_template: a list of templates needs one "
-                         f"named 'default'; got {sorted(map(str, named))}")
-    raise ValueError(f"tokenizer_config.json: chat_template: expected a string or a list of "
-                     f"{{name, template}}, got {type(value).__name__}")
+        raise ValueError(
+            f"tokenizer_config.json: chat_template: a list of templates needs one "
+            f"named 'default'; got {sorted(map(str, named))}"
+        )
+    raise ValueError(
+        f"tokenizer_config.json: chat_template: expected a string or a list of "
+        f"{{name, template}}, got {type(value).__name__}"
+    )
 
 
 def _alias_reasoning(messages: list[dict]) -> list[dict]:
     out = []
     for message in messages:
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None),
-                         None)
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
@@ -112,8 +118,7 @@ def _raise_exception(message: str):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:
@@ -136,8 +141,9 @@ class _Generation(jinja2.ext.Extension):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

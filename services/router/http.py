@@ -43,9 +43,17 @@ class Request:
         try:
             return json.loads(self.body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HttpError(400, {"error": {"message": f"body: not valid JSON ({e})",
-                                            "type": "invalid_request_error", "param": "body",
-                                            "code": None}}) from None
+            raise HttpError(
+                400,
+                {
+                    "error": {
+                        "message": f"body: not valid JSON ({e})",
+                        "type": "invalid_request_error",
+                        "param": "body",
+                        "code": None,
+                    }
+                },
+            ) from None
 
 
 @dataclass(slots=True)
@@ -101,8 +109,7 @@ class HttpServer:
         if self._server is not None:
             await self._server.wait_closed()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader,
-                                writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
         try:
             while True:
@@ -143,8 +150,7 @@ class HttpServer:
 
 def _error_response(status: int, message: str) -> Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return Response.json({"error": {"message": message, "type": kind, "param": None,
-                                    "code": None}}, status)
+    return Response.json({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
 def _wants_keep_alive(request: Request) -> bool:
@@ -154,8 +160,7 @@ def _wants_keep_alive(request: Request) -> bool:
     return connection != "close"
 
 
-async def _read_request(reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> Request | None:
+async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Request | None:
     """The next request on the connection; None when the client closed it."""
     try:
         line = await asyncio.wait_for(reader.readline(), IDLE_TIMEOUT_S)
@@ -228,11 +233,15 @@ def _head(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-async def _send(writer: asyncio.StreamWriter, response: Response | StreamingResponse,
-                keep_alive: bool) -> bool:
+async def _send(
+    writer: asyncio.StreamWriter, response: Response | StreamingResponse, keep_alive: bool
+) -> bool:
     """Write the response; returns False when the client went away meanwhile."""
-    headers = {"Content-Type": response.content_type, **response.headers,
-               "Connection": "keep-alive" if keep_alive else "close"}
+    headers = {
+        "Content-Type": response.content_type,
+        **response.headers,
+        "Connection": "keep-alive" if keep_alive else "close",
+    }
     if isinstance(response, Response):
         headers["Content-Length"] = str(len(response.body))
         writer.write(_head(response.status, headers) + response.body)

@@ -19,21 +19,25 @@ from services.router.openai_api import OpenAIServer
 from services.router.server import STATS_MISSES, STATS_TIMEOUT_S, ModelLimits, Router
 
 
-def model_limits(model_dir: str, num_spec_tokens: int, max_model_len: int = 0,
-                 served_model_name: str = "") -> ModelLimits:
+def model_limits(
+    model_dir: str, num_spec_tokens: int, max_model_len: int = 0, served_model_name: str = ""
+) -> ModelLimits:
     """Limits the router validates against, from the target's config.json. The model is
     served as ``served_model_name``, by default the folder's name."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
-    return ModelLimits(model_id=name,
-                       vocab_size=config["vocab_size"],
-                       max_model_len=max_model_len or config["max_position_embeddings"],
-                       num_spec_tokens=num_spec_tokens)
+    return ModelLimits(
+        model_id=name,
+        vocab_size=config["vocab_size"],
+        max_model_len=max_model_len or config["max_position_embeddings"],
+        num_spec_tokens=num_spec_tokens,
+    )
 
 
-def router_text(model_dir: str, tokenizer_path: str = "",
-                chat_template: str = "") -> tuple[Tokenizer, ChatTemplate | None]:
+def router_text(
+    model_dir: str, tokenizer_path: str = "", chat_template: str = ""
+) -> tuple[Tokenizer, ChatTemplate | None]:
     """The model's tokenizer and chat template (see load_tokenizer, load_chat_template);
     exits naming what is missing or malformed."""
     try:
@@ -43,13 +47,23 @@ def router_text(model_dir: str, tokenizer_path: str = "",
         raise SystemExit(f"tandem: {e}") from None
 
 
-async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0,
-                     metrics_port: int = 0, tokens_per_page: int = 16, token: str = "",
-                     ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                     bound: dict | None = None, http_port: int | None = None,
-                     tls: TlsConfig | None = None, health_timeout_s: float = STATS_TIMEOUT_S,
-                     health_misses: int = STATS_MISSES, tokenizer: Tokenizer | None = None,
-                     chat: ChatTemplate | None = None) -> None:
+async def run_router(
+    limits: ModelLimits,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int = 0,
+    tokens_per_page: int = 16,
+    token: str = "",
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    bound: dict | None = None,
+    http_port: int | None = None,
+    tls: TlsConfig | None = None,
+    health_timeout_s: float = STATS_TIMEOUT_S,
+    health_misses: int = STATS_MISSES,
+    tokenizer: Tokenizer | None = None,
+    chat: ChatTemplate | None = None,
+) -> None:
     """Serve until ``stop`` is set. Ports: 0 = any free port; ``http_port`` None = no
     OpenAI-compatible HTTP server. A worker that misses ``health_misses`` Stats polls in a
     row (``health_timeout_s`` each) gets no traffic. ``tokenizer`` encodes text prompts and
@@ -70,11 +84,15 @@ async def run_router(limits: ModelLimits, host: str = "127.0.0.1", port: int = 0
         http_port = await http.start(host, http_port)
     await health.set("", SERVING)
     router.health = health
-    print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics"
-          + (f" http=http://{host}:{http_port}" if http else ""), flush=True)
+    print(
+        f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics"
+        + (f" http=http://{host}:{http_port}" if http else ""),
+        flush=True,
+    )
     if bound is not None:
-        bound.update(port=port, metrics_port=metrics_port, router=router,
-                     http_port=http_port if http else None)
+        bound.update(
+            port=port, metrics_port=metrics_port, router=router, http_port=http_port if http else None
+        )
     poll = asyncio.ensure_future(router.poll_stats())
     if ready is not None:
         ready.set()

@@ -61,21 +61,33 @@ class OpenAIServer:
 
     def routes(self) -> dict:
         guard = self._authorized
-        return {"/v1/completions": {"POST": guard(self.completions)},
-                "/v1/chat/completions": {"POST": guard(self.chat_completions)},
-                "/v1/models": {"GET": guard(self.models)},
-                "/health": {"GET": self.health},
-                "/metrics": {"GET": self.metrics}}
+        return {
+            "/v1/completions": {"POST": guard(self.completions)},
+            "/v1/chat/completions": {"POST": guard(self.chat_completions)},
+            "/v1/models": {"GET": guard(self.models)},
+            "/health": {"GET": self.health},
+            "/metrics": {"GET": self.metrics},
+        }
 
     def _authorized(self, handler):
         """With a router token, /v1/* needs ``Authorization: Bearer <token>`` (else 401)."""
+
         async def checked(http: Request):
             token = self.router.token
             if token and http.headers.get("authorization") != f"Bearer {token}":
-                raise HttpError(401, {"error": {"message": "authorization: missing or wrong "
-                                                "bearer token", "type": "authentication_error",
-                                                "param": "authorization", "code": 401}})
+                raise HttpError(
+                    401,
+                    {
+                        "error": {
+                            "message": "authorization: missing or wrong bearer token",
+                            "type": "authentication_error",
+                            "param": "authorization",
+                            "code": 401,
+                        }
+                    },
+                )
             return await handler(http)
+
         return checked
 
     # ------------------------------------------------------------------ endpoints
@@ -88,20 +100,32 @@ class OpenAIServer:
 
     async def models(self, http: Request) -> Response:
         info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())
-        model = {"id": info.model_id, "object": "model", "created": self.created,
-                 "owned_by": "tandem", "root": info.model_id, "max_model_len": info.max_model_len,
-                 "tandem": {"drafter_id": info.drafter_id, "drafter_kind": info.drafter_kind,
-                            "num_spec_tokens": info.num_spec_tokens}}
+        model = {
+            "id": info.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "root": info.model_id,
+            "max_model_len": info.max_model_len,
+            "tandem": {
+                "drafter_id": info.drafter_id,
+                "drafter_kind": info.drafter_kind,
+                "num_spec_tokens": info.num_spec_tokens,
+            },
+        }
         return Response.json({"object": "list", "data": [model]})
 
     async def health(self, http: Request) -> Response:
         """200 while at least one prefill/decode pair is ready, else 503."""
         h = await self.router.Health(cpb.HealthRequest(), _LocalContext())
         serving = h.status == cpb.SERVING_STATUS_SERVING
-        body = {"status": "serving" if serving else "not_serving",
-                "num_prefill_workers": h.num_prefill_workers,
-                "num_decode_workers": h.num_decode_workers,
-                "num_ready_pairs": h.num_ready_pairs, "message": h.message}
+        body = {
+            "status": "serving" if serving else "not_serving",
+            "num_prefill_workers": h.num_prefill_workers,
+            "num_decode_workers": h.num_decode_workers,
+            "num_ready_pairs": h.num_ready_pairs,
+            "message": h.message,
+        }
         return Response.json(body, 200 if serving else 503)
 
     async def metrics(self, http: Request) -> Response:
@@ -155,8 +179,9 @@ class OpenAIServer:
         if request.generate.sampling.HasField("logprobs"):
             as_json = chat_logprobs if request.kind == "chat" else completion_logprobs
             logprobs = as_json(entries, self._decode)
-        return build(request.generate.request_id, _now(), request.model,
-                     "".join(texts), reason, usage, logprobs)
+        return build(
+            request.generate.request_id, _now(), request.model, "".join(texts), reason, usage, logprobs
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         """A token's string in logprobs."""
@@ -220,8 +245,9 @@ def _rejection(request: OpenAIRequest, e: _Rejected) -> HttpError:
         param = router_param(request, field)
         return HttpError(400, error_json(f"{param}: {problem}", "invalid_request_error", param))
     status = {grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503}.get(e.code, 500)
-    return HttpError(status, error_json(e.details, "invalid_request_error" if status < 500
-                                        else "server_error"))
+    return HttpError(
+        status, error_json(e.details, "invalid_request_error" if status < 500 else "server_error")
+    )
 
 
 def _stream_error(request: OpenAIRequest, error: cpb.Error) -> HttpError:

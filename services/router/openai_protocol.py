@@ -40,12 +40,18 @@ MAX_LOGPROBS = 20
 _UNSUPPORTED_COMMON = {
     "logit_bias": lambda v: not v,
 }
-_UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": lambda v: v in (None, 1),
-                           "echo": lambda v: v in (None, False),
-                           "suffix": lambda v: v in (None, "")}
-_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": lambda v: not v,
-                     "tool_choice": lambda v: v in (None, "none"),
-                     "response_format": lambda v: v in (None, {"type": "text"})}
+_UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED_COMMON,
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "response_format": lambda v: v in (None, {"type": "text"}),
+}
 
 
 @dataclass(slots=True)
@@ -62,9 +68,17 @@ class OpenAIRequest:
 
 def invalid(param: str, message: str, status: int = 400, code: str | None = None) -> HttpError:
     """An OpenAI-style error naming ``param``; the message starts with it."""
-    return HttpError(status, {"error": {"message": f"{param}: {message}",
-                                        "type": "invalid_request_error", "param": param,
-                                        "code": code}})
+    return HttpError(
+        status,
+        {
+            "error": {
+                "message": f"{param}: {message}",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": code,
+            }
+        },
+    )
 
 
 def parse_completion(body, model_id: str) -> OpenAIRequest:
@@ -72,13 +86,13 @@ def parse_completion(body, model_id: str) -> OpenAIRequest:
     _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
     request = _common(body, model_id, "completion")
     _set_prompt(request.generate, body)
-    request.generate.sampling.max_tokens = _integer(body, "max_tokens",
-                                                    COMPLETION_DEFAULT_MAX_TOKENS, low=1)
+    request.generate.sampling.max_tokens = _integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, low=1)
     logprobs = _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
     if logprobs is not None:
         request.generate.sampling.logprobs = logprobs
-    request.params.update({"prompt": "prompt", "sampling.max_tokens": "max_tokens",
-                           "sampling.logprobs": "logprobs"})
+    request.params.update(
+        {"prompt": "prompt", "sampling.max_tokens": "max_tokens", "sampling.logprobs": "logprobs"}
+    )
     return request
 
 
@@ -88,9 +102,12 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
     request = _common(body, model_id, "chat")
     messages = chat_messages(body.get("messages"))
     if chat is None:
-        raise invalid("messages", "no chat template is configured for this model (its "
-                      "tokenizer_config.json has no chat_template); start the server with "
-                      "--chat-template FILE, or use /v1/completions")
+        raise invalid(
+            "messages",
+            "no chat template is configured for this model (its "
+            "tokenizer_config.json has no chat_template); start the server with "
+            "--chat-template FILE, or use /v1/completions",
+        )
     text = render_chat(messages, chat)
     request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -100,8 +117,9 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
         request.generate.sampling.logprobs = top or 0
     elif top:
         raise invalid("top_logprobs", "needs logprobs: true")
-    request.params.update({"prompt": "messages", "sampling.max_tokens": limit,
-                           "sampling.logprobs": "top_logprobs"})
+    request.params.update(
+        {"prompt": "messages", "sampling.max_tokens": limit, "sampling.logprobs": "top_logprobs"}
+    )
     return request
 
 
@@ -116,8 +134,7 @@ def chat_messages(messages) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise invalid(f"messages[{i}].role", f"must be a non-empty string; got {role!r}")
-        out.append({**message, "content": _content(message.get("content"),
-                                                   f"messages[{i}].content")})
+        out.append({**message, "content": _content(message.get("content"), f"messages[{i}].content")})
     return out
 
 
@@ -140,21 +157,34 @@ def router_param(request: OpenAIRequest, router_field: str) -> str:
 
 # ---------------------------------------------------------------------- shared fields
 
+
 def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "required: the served model's id (see /v1/models)")
     if model != model_id:
-        raise invalid("model", f"the model {model!r} does not exist; this server serves "
-                      f"{model_id!r}", status=404, code="model_not_found")
+        raise invalid(
+            "model",
+            f"the model {model!r} does not exist; this server serves {model_id!r}",
+            status=404,
+            code="model_not_found",
+        )
     if _integer(body, "n", 1, low=1) != 1:
         raise invalid("n", "only n = 1 is supported; send one request per completion")
     stream = _boolean(body, "stream", False)
-    request = OpenAIRequest(kind, model, cpb.GenerateRequest(), stream,
-                            _include_usage(body, stream),
-                            params={"sampling.temperature": "temperature", "sampling.top_p": "top_p",
-                                    "sampling.stop": "stop",
-                                    "speculative.num_spec_tokens": "num_spec_tokens"})
+    request = OpenAIRequest(
+        kind,
+        model,
+        cpb.GenerateRequest(),
+        stream,
+        _include_usage(body, stream),
+        params={
+            "sampling.temperature": "temperature",
+            "sampling.top_p": "top_p",
+            "sampling.stop": "stop",
+            "speculative.num_spec_tokens": "num_spec_tokens",
+        },
+    )
     _set_sampling(request.generate, body)
     return request
 
@@ -194,10 +224,8 @@ def _set_prompt(generate: cpb.GenerateRequest, body: dict) -> None:
         generate.text = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         generate.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
-                                                                for p in prompt):
-        raise invalid("prompt", f"a batch of {len(prompt)} prompts; this server takes one "
-                      "prompt per request")
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt", f"a batch of {len(prompt)} prompts; this server takes one prompt per request")
     else:
         raise invalid("prompt", "must be a non-empty string or a non-empty list of token ids")
 
@@ -209,10 +237,8 @@ def _content(content, where: str) -> str:
         raise invalid(where, "must be a string or a list of text parts")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" \
-                or not isinstance(part.get("text"), str):
-            raise invalid(f"{where}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts "
-                          "are supported")
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{j}]", 'only {"type": "text", "text": ...} parts are supported')
         texts.append(part["text"])
     return "".join(texts)
 
@@ -245,6 +271,7 @@ def _refuse_unsupported(body: dict, unsupported: dict) -> None:
 
 
 # ---------------------------------------------------------------------- typed getters
+
 
 def _object(body) -> dict:
     if not isinstance(body, dict):

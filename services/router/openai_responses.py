@@ -19,8 +19,12 @@ from collections.abc import Callable, Sequence
 
 from proto.tandem.v1 import client_pb2 as cpb
 
-FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
-                  cpb.FINISH_REASON_ABORT: "abort", cpb.FINISH_REASON_ERROR: "error"}
+FINISH_REASONS = {
+    cpb.FINISH_REASON_STOP: "stop",
+    cpb.FINISH_REASON_LENGTH: "length",
+    cpb.FINISH_REASON_ABORT: "abort",
+    cpb.FINISH_REASON_ERROR: "error",
+}
 DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0
 Decode = Callable[[list[int]], str]
@@ -42,8 +46,7 @@ def usage_json(usage: cpb.Usage) -> dict:
             "num_drafts": usage.num_drafts,
             "num_draft_tokens": usage.num_draft_tokens,
             "num_accepted_tokens": usage.num_accepted_tokens,
-            "cached_tokens_per_group": {g.group: g.num_tokens
-                                        for g in usage.cached_tokens_per_group},
+            "cached_tokens_per_group": {g.group: g.num_tokens for g in usage.cached_tokens_per_group},
             "transfer_bytes": {t.group: t.num_bytes for t in usage.transfers},
             "transfer_seconds": {t.group: t.seconds for t in usage.transfers},
         },
@@ -58,8 +61,7 @@ def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def completion_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode,
-                        offset: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode, offset: int = 0) -> dict:
     """Completions' logprobs of ``entries``; ``offset``: text_offset of the first token."""
     tokens = [decode([e.token_id]) for e in entries]
     top = []
@@ -72,47 +74,77 @@ def completion_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode,
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_lp(e.logprob) for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: Sequence[cpb.TokenLogprobs], decode: Decode) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         token = decode([token_id])
         return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**item(e.token_id, e.logprob),
-                         "top_logprobs": [item(t, lp) for t, lp in
-                                          zip(e.top_token_ids, e.top_logprobs, strict=True)]}
-                        for e in entries]}
+
+    return {
+        "content": [
+            {
+                **item(e.token_id, e.logprob),
+                "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)],
+            }
+            for e in entries
+        ]
+    }
 
 
-def completion_json(rid: str, created: int, model: str, text: str, reason: int,
-                    usage: cpb.Usage, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs,
-              "finish_reason": finish_reason(reason)}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_json(usage)}
+def completion_json(
+    rid: str, created: int, model: str, text: str, reason: int, usage: cpb.Usage, logprobs: dict | None = None
+) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(usage),
+    }
 
 
-def chat_json(rid: str, created: int, model: str, text: str, reason: int,
-              usage: cpb.Usage, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_json(usage)}
+def chat_json(
+    rid: str, created: int, model: str, text: str, reason: int, usage: cpb.Usage, logprobs: dict | None = None
+) -> dict:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+    }
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(usage),
+    }
 
 
 class StreamChunks:
     """The SSE events of one streamed completion or chat, all with one id and time."""
 
-    def __init__(self, kind: str, rid: str, created: int, model: str,
-                 decode: Decode | None = None) -> None:
+    def __init__(self, kind: str, rid: str, created: int, model: str, decode: Decode | None = None) -> None:
         """``decode``: token strings for logprobs (needed only when chunks carry them)."""
         self.chat = kind == "chat"
         self.decode = decode
         self.offset = 0  # completions' text_offset of the next token
-        self.head = {"id": rid, "object": "chat.completion.chunk" if self.chat
-                     else "text_completion", "created": created, "model": model}
+        self.head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
 
     def role(self) -> bytes:
         """A chat stream opens with the assistant's role and no text."""
@@ -126,8 +158,7 @@ class StreamChunks:
         elif logprobs:
             lp = completion_logprobs(logprobs, self.decode, self.offset)
             self.offset += sum(len(t) for t in lp["tokens"])
-        return self._choice({"delta": {"content": text}} if self.chat else {"text": text},
-                            logprobs=lp)
+        return self._choice({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=lp)
 
     def finish(self, reason: int) -> bytes:
         return self._choice({"delta": {}} if self.chat else {"text": ""}, finish_reason(reason))
@@ -136,12 +167,10 @@ class StreamChunks:
         """The last chunk under ``stream_options.include_usage``: no choices, only usage."""
         return sse({**self.head, "choices": [], "usage": usage_json(usage)})
 
-    def _choice(self, body: dict, reason: str | None = None, logprobs: dict | None = None
-                ) -> bytes:
+    def _choice(self, body: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
         choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
         return sse({**self.head, "choices": [choice]})
 
 
-def error_json(message: str, kind: str, param: str | None = None,
-               code: str | None = None) -> dict:
+def error_json(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

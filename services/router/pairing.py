@@ -21,22 +21,28 @@ PAIR_TIMEOUT_S = 30.0
 
 
 def describe_mismatches(response: reg.RegisterResponse) -> str:
-    return "; ".join(f"{m.field}: local {m.local_value} vs peer {m.peer_value}"
-                     + (f" ({m.reason})" if m.reason else "") for m in response.mismatches)
+    return "; ".join(
+        f"{m.field}: local {m.local_value} vs peer {m.peer_value}" + (f" ({m.reason})" if m.reason else "")
+        for m in response.mismatches
+    )
 
 
-async def pair_workers(channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo,
-                       decode: rpb.RankInfo, token: str = "") -> tuple[PairState, str]:
+async def pair_workers(
+    channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo, decode: rpb.RankInfo, token: str = ""
+) -> tuple[PairState, str]:
     """Run both registrations, decode side first. Returns the pair's state and why."""
     steps = ((decode, prefill), (prefill, decode))  # (who checks, whose info)
     for checker, peer in steps:
         stub = reg_grpc.RegistrationStub(channels[checker.instance_id])
         try:
-            response = await stub.Register(reg.RegisterRequest(rank_info=peer, token=token),
-                                           timeout=PAIR_TIMEOUT_S)
+            response = await stub.Register(
+                reg.RegisterRequest(rank_info=peer, token=token), timeout=PAIR_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as e:
             return PairState.FAILED, f"{checker.instance_id}: {e.code().name}: {e.details()}"
         if not response.accepted:
-            return PairState.REFUSED, f"{checker.instance_id} refused {peer.instance_id}: " \
-                                      f"{describe_mismatches(response)}"
+            return (
+                PairState.REFUSED,
+                f"{checker.instance_id} refused {peer.instance_id}: {describe_mismatches(response)}",
+            )
     return PairState.READY, ""

@@ -16,7 +16,7 @@ def page_hashes(token_ids: list[int], tokens_per_page: int) -> list[int]:
     """Chained hash of each whole page: page i's hash covers tokens [0, (i+1) * P)."""
     out, h = [], 0
     for start in range(0, len(token_ids) - tokens_per_page + 1, tokens_per_page):
-        h = hash((h, tuple(token_ids[start:start + tokens_per_page])))
+        h = hash((h, tuple(token_ids[start : start + tokens_per_page])))
         out.append(h)
     return out
 

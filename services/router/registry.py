@@ -83,16 +83,20 @@ class Registry:
             self.pairs[(prefill_id, decode_id)] = Pair(state, reason)
 
     def ready_pairs(self) -> list[tuple[str, str]]:
-        return [k for k, p in self.pairs.items() if p.state == PairState.READY
-                and self.workers[k[0]].healthy and self.workers[k[1]].healthy]
+        return [
+            k
+            for k, p in self.pairs.items()
+            if p.state == PairState.READY and self.workers[k[0]].healthy and self.workers[k[1]].healthy
+        ]
 
     def is_serving(self) -> bool:
         return bool(self.ready_pairs()) or bool(self._aggregated())
 
     # ------------------------------------------------------------------ choice
 
-    def choose_pair(self, token_ids: list[int], exclude: set[str] = frozenset()
-                    ) -> tuple[Worker, Worker] | None:
+    def choose_pair(
+        self, token_ids: list[int], exclude: set[str] = frozenset()
+    ) -> tuple[Worker, Worker] | None:
         """Decode by least cost among those with room for the prompt (all, when none has):
         cost = pages the transfer must move (the prompt's, less the prefix the decode worker
         is believed to hold) + pages its requests hold; ties to most free pages, then least
@@ -107,22 +111,20 @@ class Registry:
         roomy = [w for w in decodes if w.free_pages >= need[w.id]] or decodes
         decode = min(roomy, key=lambda w: (need[w.id] + w.busy_pages, -w.free_pages, w.inflight))
         prefills = [self.workers[p] for p, d in pairs if d == decode.id]
-        prefill = max(prefills, key=lambda w: (self.index.held_tokens(w.id, hashes),
-                                               -w.inflight))
+        prefill = max(prefills, key=lambda w: (self.index.held_tokens(w.id, hashes), -w.inflight))
         return prefill, decode
 
-    def choose_aggregated(self, token_ids: list[int], exclude: set[str] = frozenset()
-                          ) -> Worker | None:
+    def choose_aggregated(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Worker | None:
         workers = [w for w in self._aggregated() if w.id not in exclude]
         if not workers:
             return None
-        return max(workers, key=lambda w: (self.index.cached_tokens(w.id, token_ids),
-                                           -w.inflight))
+        return max(workers, key=lambda w: (self.index.cached_tokens(w.id, token_ids), -w.inflight))
 
     def _pages_to_move(self, worker_id: str, token_ids: list[int], hashes: list[int]) -> int:
         page = self.tokens_per_page
-        held = min(self.index.held_tokens(worker_id, hashes),
-                   (len(token_ids) - 1) // page * page)  # the last token's page moves
+        held = min(
+            self.index.held_tokens(worker_id, hashes), (len(token_ids) - 1) // page * page
+        )  # the last token's page moves
         return -(-(len(token_ids) - held) // page)
 
     def _aggregated(self) -> list[Worker]:

@@ -76,9 +76,15 @@ class _Usage:
 
 
 class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
-    def __init__(self, limits: ModelLimits, metrics: Metrics, tokens_per_page: int = 16,
-                 token: str = "", tls: TlsConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        metrics: Metrics,
+        tokens_per_page: int = 16,
+        token: str = "",
+        tls: TlsConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         """``tokenizer``: the model's, for text prompts and streamed text; None = token-id
         prompts only, and chunks carry no text."""
         self.limits = limits
@@ -120,8 +126,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         workers = self.registry.workers
         if prefill_id not in workers or decode_id not in workers:
             return
-        state, reason = await pair_workers(self.channels, workers[prefill_id].info,
-                                           workers[decode_id].info, self.token)
+        state, reason = await pair_workers(
+            self.channels, workers[prefill_id].info, workers[decode_id].info, self.token
+        )
         self.registry.set_pair(prefill_id, decode_id, state, reason)
         result = "accepted" if state == PairState.READY else "refused"
         self.metrics.registrations.labels(result).inc()
@@ -134,8 +141,13 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         return reg.DeregisterResponse(removed=removed)
 
     async def ListPeers(self, request, context) -> reg.ListPeersResponse:
-        return reg.ListPeersResponse(peers=[w.info for w in self.registry.workers.values()
-                                            if request.role in (rpb.ROLE_UNSPECIFIED, w.role)])
+        return reg.ListPeersResponse(
+            peers=[
+                w.info
+                for w in self.registry.workers.values()
+                if request.role in (rpb.ROLE_UNSPECIFIED, w.role)
+            ]
+        )
 
     async def Heartbeat(self, request, context) -> reg.HeartbeatResponse:
         known = request.instance_id in self.registry.workers
@@ -150,23 +162,33 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         serving = self.registry.is_serving()
         prefill = len(self.registry.ids(rpb.ROLE_PREFILL)) + len(self.registry.ids(rpb.ROLE_BOTH))
         decode = len(self.registry.ids(rpb.ROLE_DECODE)) + len(self.registry.ids(rpb.ROLE_BOTH))
-        refused = [f"{p}->{d}: {pair.reason}" for (p, d), pair in self.registry.pairs.items()
-                   if pair.state in (PairState.REFUSED, PairState.FAILED)]
+        refused = [
+            f"{p}->{d}: {pair.reason}"
+            for (p, d), pair in self.registry.pairs.items()
+            if pair.state in (PairState.REFUSED, PairState.FAILED)
+        ]
         return cpb.HealthResponse(
             status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
-            num_prefill_workers=prefill, num_decode_workers=decode,
+            num_prefill_workers=prefill,
+            num_decode_workers=decode,
             num_ready_pairs=len(self.registry.ready_pairs()),
-            message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused))
+            message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused),
+        )
 
     async def ModelInfo(self, request, context) -> cpb.ModelInfoResponse:
         lim = self.limits
         workers = [w.info for w in self.registry.workers.values()]
         first = workers[0] if workers else rpb.RankInfo()
-        return cpb.ModelInfoResponse(model_id=lim.model_id or first.model_id,
-                                     drafter_id=first.drafter_id, drafter_kind=first.drafter_kind,
-                                     num_spec_tokens=lim.num_spec_tokens,
-                                     max_model_len=lim.max_model_len, vocab_size=lim.vocab_size,
-                                     default_max_tokens=lim.default_max_tokens, workers=workers)
+        return cpb.ModelInfoResponse(
+            model_id=lim.model_id or first.model_id,
+            drafter_id=first.drafter_id,
+            drafter_kind=first.drafter_kind,
+            num_spec_tokens=lim.num_spec_tokens,
+            max_model_len=lim.max_model_len,
+            vocab_size=lim.vocab_size,
+            default_max_tokens=lim.default_max_tokens,
+            workers=workers,
+        )
 
     async def Abort(self, request, context) -> cpb.AbortResponse:
         handle = self.inflight.get(request.request_id)
@@ -195,8 +217,11 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         start = time.monotonic()
         self.metrics.running.labels("router").inc()
         status = "error"
-        detok = StreamText(self.tokenizer, list(request.sampling.stop),
-                           request.sampling.min_tokens) if self.tokenizer is not None else None
+        detok = (
+            StreamText(self.tokenizer, list(request.sampling.stop), request.sampling.min_tokens)
+            if self.tokenizer is not None
+            else None
+        )
         try:
             async for response in self._generate(rid, token_ids, request, handle, detok):
                 kind = response.WhichOneof("payload")  # chunk text comes trimmed (StreamText)
@@ -217,8 +242,14 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             self.metrics.requests.labels("router", status.lower()).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - start)
 
-    async def _generate(self, rid: str, token_ids: list[int], request: cpb.GenerateRequest,
-                        handle: _Inflight, detok: StreamText | None):
+    async def _generate(
+        self,
+        rid: str,
+        token_ids: list[int],
+        request: cpb.GenerateRequest,
+        handle: _Inflight,
+        detok: StreamText | None,
+    ):
         """The request's messages; chunk text comes from ``detok`` (one per request, across
         the prefill's first token and the decode worker's chunks)."""
         excluded: set[str] = set()
@@ -251,8 +282,7 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 yield _error(rid, e.message)
                 yield _complete(rid, cpb.FINISH_REASON_ERROR, cpb.Usage())
                 return
-            async for response in self._stream(rid, token_ids, request, handle, first, decode,
-                                               detok):
+            async for response in self._stream(rid, token_ids, request, handle, first, decode, detok):
                 yield response
             return
         worker = self.registry.choose_aggregated(token_ids, excluded)
@@ -266,8 +296,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
 
     async def _forward(self, rid, token_ids, request, handle, worker, detok):
         """Aggregated serving: the worker runs the whole request behind its own client API."""
-        forwarded = cpb.GenerateRequest(request_id=rid, token_ids=cpb.TokenIds(ids=token_ids),
-                                        sampling=request.sampling, speculative=request.speculative)
+        forwarded = cpb.GenerateRequest(
+            request_id=rid,
+            token_ids=cpb.TokenIds(ids=token_ids),
+            sampling=request.sampling,
+            speculative=request.speculative,
+        )
         call = cpb_grpc.TandemStub(self.channels[worker.id]).Generate(forwarded)
         handle.call = call
         worker.inflight += 1
@@ -299,8 +333,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         prefill_stub = wpb_grpc.PrefillWorkerStub(self.channels[prefill.id])
         handle.reserved_on = decode.id  # before the call: a cancel may land after it reserved
         try:
-            reserved = await decode_stub.Reserve(wpb.ReserveRequest(
-                request_id=rid, prompt_len=len(token_ids), prompt_token_ids=token_ids))
+            reserved = await decode_stub.Reserve(
+                wpb.ReserveRequest(request_id=rid, prompt_len=len(token_ids), prompt_token_ids=token_ids)
+            )
         except grpc.aio.AioRpcError as e:
             handle.reserved_on = ""
             raise _classify(e, decode.id) from None
@@ -310,9 +345,15 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
         decode.inflight += 1
         handle.workers, handle.lost = (prefill.id, decode.id), ""
         try:
-            call = prefill_stub.Prefill(wpb.PrefillRequest(
-                request_id=rid, prompt_token_ids=token_ids, sampling=request.sampling,
-                speculative=request.speculative, reservation=reserved.reservation))
+            call = prefill_stub.Prefill(
+                wpb.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=token_ids,
+                    sampling=request.sampling,
+                    speculative=request.speculative,
+                    reservation=reserved.reservation,
+                )
+            )
             handle.call = call
             response = await call
             self.registry.index.record(prefill.id, token_ids)
@@ -334,8 +375,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
 
     async def _stream(self, rid, token_ids, request, handle, first, decode, detok):
         usage = _Usage(prefill=first.usage)
-        yield _chunk(rid, [first.first_token_id], _text(detok, [first.first_token_id]),
-                     [first.first_token_logprobs] if first.HasField("first_token_logprobs") else [])
+        yield _chunk(
+            rid,
+            [first.first_token_id],
+            _text(detok, [first.first_token_id]),
+            [first.first_token_logprobs] if first.HasField("first_token_logprobs") else [],
+        )
         self.metrics.ttft.labels("router").observe(time.monotonic() - handle.start)
         decode_stub = wpb_grpc.DecodeWorkerStub(self.channels[decode.id])
         if first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
@@ -344,9 +389,15 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             yield _complete(rid, first.finish_reason, usage.merged())
             return
         decode.inflight += 1
-        call = decode_stub.Decode(wpb.DecodeRequest(
-            request_id=rid, prompt_token_ids=token_ids, first_token_id=first.first_token_id,
-            sampling=request.sampling, speculative=request.speculative))
+        call = decode_stub.Decode(
+            wpb.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                first_token_id=first.first_token_id,
+                sampling=request.sampling,
+                speculative=request.speculative,
+            )
+        )
         # reserved_on stays set until the stream completes: a Decode call cancelled before the
         # worker saw it would otherwise orphan the reservation until its lease ran out
         handle.call, handle.workers = call, (decode.id,)
@@ -374,8 +425,9 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
             if handle.aborted:
                 yield _complete(rid, cpb.FINISH_REASON_ABORT, usage.merged())
                 return
-            if handle.lost or (isinstance(e, grpc.aio.AioRpcError)
-                               and e.code() == grpc.StatusCode.UNAVAILABLE):
+            if handle.lost or (
+                isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+            ):
                 raise _Unavailable(f"decode worker {decode.id} is unavailable") from None
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -408,8 +460,11 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 channel = self.channels.get(worker.id)
                 if channel is None:
                     continue
-                stub = (wpb_grpc.DecodeWorkerStub if worker.role == rpb.ROLE_DECODE
-                        else wpb_grpc.PrefillWorkerStub)(channel)
+                stub = (
+                    wpb_grpc.DecodeWorkerStub
+                    if worker.role == rpb.ROLE_DECODE
+                    else wpb_grpc.PrefillWorkerStub
+                )(channel)
                 try:
                     stats = await stub.Stats(wpb.StatsRequest(), timeout=self.stats_timeout_s)
                     target = stats.groups[0] if stats.groups else None
@@ -422,14 +477,12 @@ class Router(cpb_grpc.TandemServicer, reg_grpc.RegistrationServicer):
                 except (grpc.aio.AioRpcError, AttributeError) as e:
                     # a refused connection is a dead process; a slow answer may be a busy one
                     worker.missed += 1
-                    gone = isinstance(e, grpc.aio.AioRpcError) and \
-                        e.code() == grpc.StatusCode.UNAVAILABLE
+                    gone = isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
                     if worker.healthy and (gone or worker.missed >= self.stats_misses):
                         self._lose(worker.id)
                         worker.healthy = False
             if self.health is not None:
-                await self.health.set(READY_SERVICE, SERVING if self.registry.is_serving()
-                                      else NOT_SERVING)
+                await self.health.set(READY_SERVICE, SERVING if self.registry.is_serving() else NOT_SERVING)
             await asyncio.sleep(STATS_INTERVAL_S)
 
     async def _wait_queued(self, seconds: float) -> None:
@@ -494,13 +547,13 @@ def _text(detok: StreamText | None, token_ids) -> str:
 
 def _chunk(rid: str, token_ids: list[int], text: str, logprobs=()) -> cpb.GenerateResponse:
     """``logprobs``: TokenLogprobs aligned with token_ids, or empty."""
-    return cpb.GenerateResponse(request_id=rid, chunk=cpb.Chunk(token_ids=token_ids, text=text,
-                                                                logprobs=logprobs))
+    return cpb.GenerateResponse(
+        request_id=rid, chunk=cpb.Chunk(token_ids=token_ids, text=text, logprobs=logprobs)
+    )
 
 
 def _complete(rid: str, reason: int, usage: cpb.Usage) -> cpb.GenerateResponse:
-    return cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(finish_reason=reason,
-                                                                      usage=usage))
+    return cpb.GenerateResponse(request_id=rid, complete=cpb.Complete(finish_reason=reason, usage=usage))
 
 
 def _error(rid: str, message: str, field_name: str = "") -> cpb.GenerateResponse:

@@ -25,10 +25,10 @@ class StopTrimmer:
         hits = [i for s in self.stops if (i := buffer.find(s)) >= 0]
         if hits:
             self.stopped, self.pending = True, ""
-            return buffer[:min(hits)]
+            return buffer[: min(hits)]
         held = self._held_length(buffer)
-        self.pending = buffer[len(buffer) - held:]
-        return buffer[:len(buffer) - held]
+        self.pending = buffer[len(buffer) - held :]
+        return buffer[: len(buffer) - held]
 
     def flush(self) -> str:
         """At the end of the request: whatever was withheld and turned out not to stop it."""

@@ -16,14 +16,17 @@ def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[i
     """Check a GenerateRequest against the model's limits; returns the prompt's token ids."""
     token_ids = _prompt_ids(request, limits, tokenizer)
     if len(token_ids) >= limits.max_model_len:
-        raise RequestError(f"prompt: {len(token_ids)} tokens leave no room in the model's "
-                           f"{limits.max_model_len}-token context")
-    _check_sampling(request.sampling, limits.max_model_len - len(token_ids),
-                    limits.default_max_tokens)
+        raise RequestError(
+            f"prompt: {len(token_ids)} tokens leave no room in the model's "
+            f"{limits.max_model_len}-token context"
+        )
+    _check_sampling(request.sampling, limits.max_model_len - len(token_ids), limits.default_max_tokens)
     spec = request.speculative
     if spec.HasField("num_spec_tokens") and spec.num_spec_tokens > limits.num_spec_tokens:
-        raise RequestError(f"speculative.num_spec_tokens: {spec.num_spec_tokens} exceeds the "
-                           f"server's K = {limits.num_spec_tokens}")
+        raise RequestError(
+            f"speculative.num_spec_tokens: {spec.num_spec_tokens} exceeds the "
+            f"server's K = {limits.num_spec_tokens}"
+        )
     if len(request.request_id) > 128:
         raise RequestError("request_id: at most 128 characters")
     return token_ids
@@ -42,28 +45,30 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
         if not ids:
             raise RequestError("prompt.text: encodes to no tokens")
         if max(ids) >= limits.vocab_size:
-            raise RequestError(f"prompt.text: the tokenizer gave id {max(ids)}, outside the "
-                               f"model's vocabulary [0, {limits.vocab_size})")
+            raise RequestError(
+                f"prompt.text: the tokenizer gave id {max(ids)}, outside the "
+                f"model's vocabulary [0, {limits.vocab_size})"
+            )
         return ids
     ids = list(request.token_ids.ids)
     if not ids:
         raise RequestError("prompt.token_ids: empty")
     bad = next((t for t in ids if t >= limits.vocab_size), None)
     if bad is not None:
-        raise RequestError(f"prompt.token_ids: id {bad} is outside the vocabulary "
-                           f"[0, {limits.vocab_size})")
+        raise RequestError(f"prompt.token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     return ids
 
 
 def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens: int) -> None:
     if sampling.max_tokens > room:
-        raise RequestError(f"sampling.max_tokens: {sampling.max_tokens} exceeds the {room} "
-                           "tokens left in the context after the prompt")
+        raise RequestError(
+            f"sampling.max_tokens: {sampling.max_tokens} exceeds the {room} "
+            "tokens left in the context after the prompt"
+        )
     if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
         raise RequestError(f"sampling.temperature: must be >= 0, got {sampling.temperature}")
     if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
-        raise RequestError(f"sampling.top_p: must be in (0, 1] (0 reads as 1), "
-                           f"got {sampling.top_p}")
+        raise RequestError(f"sampling.top_p: must be in (0, 1] (0 reads as 1), got {sampling.top_p}")
     for i, stop in enumerate(sampling.stop):
         if not stop:
             raise RequestError(f"sampling.stop[{i}]: empty stop string")
@@ -78,7 +83,6 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens:
             raise RequestError(f"sampling.{name}: must be in [-2, 2], got {value}")
     max_tokens = sampling.max_tokens or default_max_tokens
     if sampling.min_tokens > max_tokens:
-        raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens "
-                           f"({max_tokens})")
+        raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens ({max_tokens})")
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")

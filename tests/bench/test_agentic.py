@@ -16,9 +16,18 @@ from tests.e2e import conftest as e2e
 
 byte_pair = e2e.byte_pair  # the session fixture: a random pair over the byte vocabulary
 
-TINY = WorkloadConfig(conversations=2, min_turns=2, max_turns=2, answer_tokens=8, preambles=1,
-                      preamble_tokens=64, first_tokens=(16, 32), turn_tokens=(16, 32),
-                      branch_probability=0.0, max_context=512)
+TINY = WorkloadConfig(
+    conversations=2,
+    min_turns=2,
+    max_turns=2,
+    answer_tokens=8,
+    preambles=1,
+    preamble_tokens=64,
+    first_tokens=(16, 32),
+    turn_tokens=(16, 32),
+    branch_probability=0.0,
+    max_context=512,
+)
 
 
 def fake_answer(name: str, turn: int, length: int) -> tuple[int, ...]:
@@ -29,8 +38,7 @@ def play(workload: Workload) -> dict[str, ThreadState]:
     """Every thread's prompts with made-up answers, branches after their fork turn."""
     states: dict[str, ThreadState] = {}
     for thread in workload.threads:  # conversations come before their branches
-        base = (states[thread.parent].fork_base(thread.fork_turn) if thread.is_branch
-                else thread.head)
+        base = states[thread.parent].fork_base(thread.fork_turn) if thread.is_branch else thread.head
         state = states[thread.name] = ThreadState(thread, base)
         for turn in range(thread.turns):
             state.next_prompt()
@@ -49,7 +57,7 @@ def test_each_turn_extends_the_previous_prompt_and_answer_within_the_context():
     for state in play(workload).values():
         for t in range(1, state.thread.turns):
             previous = state.prompts[t - 1] + state.answers[t - 1]
-            assert state.prompts[t][:len(previous)] == previous
+            assert state.prompts[t][: len(previous)] == previous
             assert len(state.prompts[t]) > len(previous)
         assert len(state.prompts[-1]) + config.answer_tokens <= config.max_context
     for conversation in workload.conversations():
@@ -67,19 +75,40 @@ def test_conversations_share_preambles_and_branches_share_their_fork_prefix():
         parent = states[branch.parent]
         fork = parent.prompts[branch.fork_turn] + parent.answers[branch.fork_turn]
         assert branch.fork_turn < parent.thread.turns - 1  # the parent goes on after the fork
-        assert states[branch.name].prompts[0][:len(fork)] == fork
+        assert states[branch.name].prompts[0][: len(fork)] == fork
         siblings = workload.branches_of(branch.parent, branch.fork_turn)
         assert len(siblings) >= 2
 
 
 def test_the_summary_counts_prefilled_as_prompt_minus_cached_per_group():
-    records = [TurnRecord("c0", 0, "first", prompt_tokens=100, cached_per_group={"target": 0},
-                          completion_tokens=8, acceptance_length=2.0, num_drafts=4, ttft_s=0.5,
-                          itl_s=[0.1, 0.3]),
-               TurnRecord("c0", 1, "continuation", prompt_tokens=200, floor_cached=150,
-                          cached_per_group={"target": 96, "draft": 64}, completion_tokens=8,
-                          acceptance_length=4.0, num_drafts=2, ttft_s=0.1, itl_s=[0.2]),
-               TurnRecord("c1", 0, "first", prompt_tokens=50, error="UNAVAILABLE: gone")]
+    records = [
+        TurnRecord(
+            "c0",
+            0,
+            "first",
+            prompt_tokens=100,
+            cached_per_group={"target": 0},
+            completion_tokens=8,
+            acceptance_length=2.0,
+            num_drafts=4,
+            ttft_s=0.5,
+            itl_s=[0.1, 0.3],
+        ),
+        TurnRecord(
+            "c0",
+            1,
+            "continuation",
+            prompt_tokens=200,
+            floor_cached=150,
+            cached_per_group={"target": 96, "draft": 64},
+            completion_tokens=8,
+            acceptance_length=4.0,
+            num_drafts=2,
+            ttft_s=0.1,
+            itl_s=[0.2],
+        ),
+        TurnRecord("c1", 0, "first", prompt_tokens=50, error="UNAVAILABLE: gone"),
+    ]
     s = summarize("x", "transferred", ReplayResult(records, wall_s=2.0), rebuild_tokens=10)
     assert (s.requests, s.errors, s.prompt_tokens) == (3, 1, 300)
     assert (s.prefilled("target"), s.prefilled("draft")) == (204, 236)

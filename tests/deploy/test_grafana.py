@@ -11,8 +11,15 @@ from prometheus_client.metrics import MetricWrapperBase
 from deploy.grafana import dashboard
 from services.common.metrics import Metrics
 
-ROWS = ["Traffic", "Latency", "Speculative decoding", "KV cache pages", "Prefix cache",
-        "KV transfer", "Queues"]
+ROWS = [
+    "Traffic",
+    "Latency",
+    "Speculative decoding",
+    "KV cache pages",
+    "Prefix cache",
+    "KV transfer",
+    "Queues",
+]
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 FUNCTIONS = {"sum", "rate", "increase", "histogram_quantile", "scalar"}
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds these to every scraped series
@@ -27,8 +34,11 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 def exported() -> dict[str, set[str]]:
     """Every series name a service exports -> its label names (``le`` on buckets)."""
     metrics = Metrics("router", "tiny-target")  # the registry adds model_name to every sample
-    labels = {m._name: set(m._labelnames) | {"model_name"} for m in vars(metrics).values()
-              if isinstance(m, MetricWrapperBase)}
+    labels = {
+        m._name: set(m._labelnames) | {"model_name"}
+        for m in vars(metrics).values()
+        if isinstance(m, MetricWrapperBase)
+    }
     names = {}
     for family in metrics.registry.collect():
         for suffix in SUFFIXES[family.type]:
@@ -76,8 +86,10 @@ def test_every_panel_has_a_query_and_fits_the_grid():
 
 
 def test_parse_reads_names_selectors_and_by_clauses():
-    expr = ('histogram_quantile(0.9, sum by (le, role) (rate(tandem_x_bucket{job=~"$job", '
-            'role!="router"}[$__rate_interval]))) / scalar(sum(rate(tandem_y_total[5m])))')
+    expr = (
+        'histogram_quantile(0.9, sum by (le, role) (rate(tandem_x_bucket{job=~"$job", '
+        'role!="router"}[$__rate_interval]))) / scalar(sum(rate(tandem_y_total[5m])))'
+    )
     assert parse(expr) == ({"tandem_x_bucket", "tandem_y_total"}, {"job", "role"}, {"le", "role"})
 
 

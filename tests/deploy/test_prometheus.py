@@ -55,23 +55,45 @@ def wait_for(prometheus: Prometheus, expr: str, timeout_s: float = 40.0) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="Debian's prometheus is not installed (deploy/prometheus/install.sh "
-                           "or `make observe` installs it)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="Debian's prometheus is not installed (deploy/prometheus/install.sh "
+    "or `make observe` installs it)",
+)
 def test_prometheus_scrapes_a_live_metric_from_tandem_up(tmp_path):
     target, drafter = write_pair(tmp_path / "pair")
     cluster, summary = start_tandem_up(
-        ["--port", "0", "--http-port", "-1", "--model", str(target), "--drafter", str(drafter), "-k", "3",
-         "--tokens-per-page", "4", "--kv-cache-mb", "8", "--max-num-seqs", "8"], echo=False)
+        [
+            "--port",
+            "0",
+            "--http-port",
+            "-1",
+            "--model",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "-k",
+            "3",
+            "--tokens-per-page",
+            "4",
+            "--kv-cache-mb",
+            "8",
+            "--max-num-seqs",
+            "8",
+        ],
+        echo=False,
+    )
     prometheus = Prometheus(str(tmp_path), free_port())
     try:
         prometheus.start(parse_endpoints(summary))
         (router,) = [m.group(1) for m in map(_CLIENTS.match, summary) if m]
-        request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=[1, 2, 3, 4, 5]),
-                                      sampling=cpb.SamplingParams(max_tokens=6))
+        request = cpb.GenerateRequest(
+            token_ids=cpb.TokenIds(ids=[1, 2, 3, 4, 5]), sampling=cpb.SamplingParams(max_tokens=6)
+        )
         with grpc.insecure_channel(router) as channel:
-            kinds = [m.WhichOneof("payload") for m in
-                     cpb_grpc.TandemStub(channel).Generate(request, timeout=60)]
+            kinds = [
+                m.WhichOneof("payload") for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
+            ]
         assert kinds[-1] == "complete"
 
         up = wait_for(prometheus, 'count(up{job="tandem"} == 1) == 3')

@@ -76,11 +76,11 @@ def test_a_router_without_a_tokenizer_exits_naming_it(tmp_path):
 
 
 def test_the_ray_config_takes_the_serving_options():
-    config = parse_config({"model": {"tokenizer": "tok", "chat_template": "chat.jinja",
-                                     "served_model_name": "m"}})
+    config = parse_config(
+        {"model": {"tokenizer": "tok", "chat_template": "chat.jinja", "served_model_name": "m"}}
+    )
     args = engine_args(config.model)
     assert args.tokenizer.endswith("/tok") and args.chat_template.endswith("/chat.jinja")
     assert served_model_name(args) == "m"
     default = engine_args(parse_config({}).model)
-    assert (default.tokenizer, default.chat_template, served_model_name(default)) == \
-        ("", "", "tiny-target")
+    assert (default.tokenizer, default.chat_template, served_model_name(default)) == ("", "", "tiny-target")

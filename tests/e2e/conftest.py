@@ -25,27 +25,42 @@ def tiny_pair(tmp_path_factory):
 
 def cluster_args(pair, layout: str = "unified", k: int = K) -> tuple[list[str], list[str]]:
     target, drafter = map(str, pair)
-    worker = ["--model", target, "--drafter", drafter, "-k", str(k), "--layout", layout,
-              "--tokens-per-page", str(PAGE), "--kv-cache-mb", "8", "--max-num-seqs", "16"]
+    worker = [
+        "--model",
+        target,
+        "--drafter",
+        drafter,
+        "-k",
+        str(k),
+        "--layout",
+        layout,
+        "--tokens-per-page",
+        str(PAGE),
+        "--kv-cache-mb",
+        "8",
+        "--max-num-seqs",
+        "16",
+    ]
     router = ["--model", target, "-k", str(k), "--tokens-per-page", str(PAGE)]
     return worker, router
 
 
-def start_cluster(pair, roles, layout: str = "unified", router_extra: tuple[str, ...] = (),
-                  **kwargs) -> LocalCluster:
+def start_cluster(
+    pair, roles, layout: str = "unified", router_extra: tuple[str, ...] = (), **kwargs
+) -> LocalCluster:
     """A started cluster (its logs printed if it fails to start); ``router_extra``: more
     router arguments."""
     worker, router = cluster_args(pair, layout)
-    cluster = LocalCluster(worker, router + list(router_extra), roles, start_timeout_s=90,
-                           **kwargs)
+    cluster = LocalCluster(worker, router + list(router_extra), roles, start_timeout_s=90, **kwargs)
     cluster.start()
     return cluster
 
 
 def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
     """Run one request; returns (token ids, the complete message)."""
-    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(
-        max_tokens=max_tokens, **sampling))
+    request = cpb.GenerateRequest(
+        token_ids=cpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(max_tokens=max_tokens, **sampling)
+    )
     tokens, complete = [], None
     with grpc.insecure_channel(address) as channel:
         for message in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
@@ -62,8 +77,12 @@ def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
 def metric_sample(text: str, name: str, **labels: str) -> float:
     """The value of the one sample of ``name`` whose labels include ``labels`` (others, such
     as model_name, may be there too) in a /metrics page."""
-    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.name == name and labels.items() <= s.labels.items()]
+    values = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
     assert len(values) == 1, (name, labels, values)
     return values[0]
 
@@ -73,8 +92,9 @@ def worker_pages(cluster: LocalCluster) -> dict[str, dict[str, tuple[int, int]]]
     out = {}
     for p in cluster.living()[1:]:
         with grpc.insecure_channel(p.grpc) as channel:
-            stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode")
-                    else wpb_grpc.PrefillWorkerStub)(channel)
+            stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode") else wpb_grpc.PrefillWorkerStub)(
+                channel
+            )
             stats = stub.Stats(wpb.StatsRequest(), timeout=5)
         out[p.name] = {g.group: (g.num_pages_used, g.num_pages_cached) for g in stats.groups}
     return out

@@ -23,8 +23,7 @@ def test_the_router_forwards_to_an_aggregated_worker(tiny_pair):
         assert len(tokens) == 6
         worker = cluster.processes[1].grpc  # directly, with no request ids: the worker names them
         with ThreadPoolExecutor(2) as pool:
-            runs = list(pool.map(lambda n: generate(worker, list(range(1, n)), 6, ignore_eos=True),
-                                 (20, 30)))
+            runs = list(pool.map(lambda n: generate(worker, list(range(1, n)), 6, ignore_eos=True), (20, 30)))
         assert [len(tokens) for tokens, _ in runs] == [6, 6]
     finally:
         cluster.stop()

@@ -43,8 +43,10 @@ def cluster(bpe_pair):
 
 def _stream(address: str, max_tokens: int, stop: tuple[str, ...] = ()):
     """(token ids, chunk texts, finish reason) of a greedy text request."""
-    request = cpb.GenerateRequest(text=PROMPT, sampling=cpb.SamplingParams(
-        max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop))
+    request = cpb.GenerateRequest(
+        text=PROMPT,
+        sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop),
+    )
     ids, texts, reason = [], [], None
     with grpc.insecure_channel(address) as channel:
         for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
@@ -67,12 +69,15 @@ def test_streamed_text_is_the_decoded_ids_and_no_chunk_splits_a_character(cluste
 def test_a_stop_string_spanning_two_tokens_stops_the_request(cluster, bpe_pair):
     tok = load_tokenizer(str(bpe_pair[0]))
     ids, _, _ = _stream(cluster.router_address, 40)
-    spans = [i for i in range(2, len(ids))
-             if len(tok.decode(ids[i - 1:i])) >= 2 and len(tok.decode(ids[i:i + 1])) >= 2]
+    spans = [
+        i
+        for i in range(2, len(ids))
+        if len(tok.decode(ids[i - 1 : i])) >= 2 and len(tok.decode(ids[i : i + 1])) >= 2
+    ]
     assert spans, [tok.decode([t]) for t in ids]
     i = spans[0]
     before = tok.decode(ids[:i])
-    stop = before[-2:] + tok.decode(ids[:i + 1])[len(before):][:2]
+    stop = before[-2:] + tok.decode(ids[: i + 1])[len(before) :][:2]
     full = tok.decode(ids)
     cut = full.index(stop)
     stopped, texts, reason = _stream(cluster.router_address, 40, stop=(stop,))

@@ -30,8 +30,7 @@ PROMPT = list(range(1, 21))
 @pytest.fixture(scope="module")
 def mixed(tiny_pair):
     """One prefill, one matching decode, and one decode with another K (refused)."""
-    cluster = start_cluster(tiny_pair, ["prefill", "decode", ("decode", ["-k", "2"])],
-                            expected_pairs=1)
+    cluster = start_cluster(tiny_pair, ["prefill", "decode", ("decode", ["-k", "2"])], expected_pairs=1)
     yield cluster
     cluster.stop()
 
@@ -74,16 +73,20 @@ def test_readiness_means_registered_and_paired(mixed):
 
 def _ready(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="tandem.ready"), timeout=5).status
+        status = (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service="tandem.ready"), timeout=5)
+            .status
+        )
     return status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_every_process_serves_grpc_health_and_metrics(mixed):
     for p in mixed.processes:
         with grpc.insecure_channel(p.grpc) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                               timeout=5).status
+            status = (
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            )
         assert status == health_pb2.HealthCheckResponse.SERVING, p.name
         text = urllib.request.urlopen(p.metrics, timeout=5).read().decode()
         assert "tandem_requests_total" in text or "tandem_peer_registrations_total" in text
@@ -96,18 +99,23 @@ def test_every_process_serves_grpc_health_and_metrics(mixed):
 IDS = cpb.TokenIds(ids=[1, 2])
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
-    (dict(), "prompt"),
-    (dict(text=""), "prompt"),
-    (dict(token_ids=cpb.TokenIds(ids=[])), "prompt.token_ids"),
-    (dict(token_ids=cpb.TokenIds(ids=[1, 99])), "prompt.token_ids"),
-    (dict(token_ids=IDS, sampling=cpb.SamplingParams(temperature=-1)), "sampling.temperature"),
-    (dict(token_ids=IDS, sampling=cpb.SamplingParams(top_p=2)), "sampling.top_p"),
-    (dict(token_ids=IDS, sampling=cpb.SamplingParams(max_tokens=100000)), "sampling.max_tokens"),
-    (dict(token_ids=IDS, sampling=cpb.SamplingParams(stop=[""])), "sampling.stop[0]"),
-    (dict(token_ids=IDS, speculative=cpb.SpeculativeOptions(num_spec_tokens=9)),
-     "speculative.num_spec_tokens"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(), "prompt"),
+        (dict(text=""), "prompt"),
+        (dict(token_ids=cpb.TokenIds(ids=[])), "prompt.token_ids"),
+        (dict(token_ids=cpb.TokenIds(ids=[1, 99])), "prompt.token_ids"),
+        (dict(token_ids=IDS, sampling=cpb.SamplingParams(temperature=-1)), "sampling.temperature"),
+        (dict(token_ids=IDS, sampling=cpb.SamplingParams(top_p=2)), "sampling.top_p"),
+        (dict(token_ids=IDS, sampling=cpb.SamplingParams(max_tokens=100000)), "sampling.max_tokens"),
+        (dict(token_ids=IDS, sampling=cpb.SamplingParams(stop=[""])), "sampling.stop[0]"),
+        (
+            dict(token_ids=IDS, speculative=cpb.SpeculativeOptions(num_spec_tokens=9)),
+            "speculative.num_spec_tokens",
+        ),
+    ],
+)
 def test_bad_requests_get_invalid_argument_naming_the_field(mixed, request_kwargs, field):
     with grpc.insecure_channel(mixed.router_address) as channel:
         stub = cpb_grpc.TandemStub(channel)
@@ -124,23 +132,28 @@ def test_a_reserved_prompt_is_checked_and_decode_must_send_the_same(mixed):
     prefill = next(p for p in mixed.processes if p.name.startswith("prefill"))
     with grpc.insecure_channel(decode.grpc) as channel:
         stub = wpb_grpc.DecodeWorkerStub(channel)
-        for ids, field in (([1, 2, 3], "prompt_token_ids: 3 tokens, prompt_len is 5"),
-                           ([1, 2, 3, 4, 99], "prompt_token_ids: 99 is outside")):
+        for ids, field in (
+            ([1, 2, 3], "prompt_token_ids: 3 tokens, prompt_len is 5"),
+            ([1, 2, 3, 4, 99], "prompt_token_ids: 99 is outside"),
+        ):
             with pytest.raises(grpc.RpcError) as raised:
-                stub.Reserve(wpb.ReserveRequest(request_id="p", prompt_len=5,
-                                                prompt_token_ids=ids), timeout=10)
+                stub.Reserve(
+                    wpb.ReserveRequest(request_id="p", prompt_len=5, prompt_token_ids=ids), timeout=10
+                )
             assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert raised.value.details().startswith(field)
-        stub.Reserve(wpb.ReserveRequest(request_id="p", prompt_len=3, prompt_token_ids=[1, 2, 3]),
-                     timeout=10)
+        stub.Reserve(wpb.ReserveRequest(request_id="p", prompt_len=3, prompt_token_ids=[1, 2, 3]), timeout=10)
         with pytest.raises(grpc.RpcError) as raised:
-            list(stub.Decode(wpb.DecodeRequest(request_id="p", prompt_token_ids=[1, 2, 4]),
-                             timeout=10))
+            list(stub.Decode(wpb.DecodeRequest(request_id="p", prompt_token_ids=[1, 2, 4]), timeout=10))
         assert raised.value.details() == "prompt_token_ids: differ from the tokens reserved"
         assert stub.Release(wpb.ReleaseRequest(request_id="p"), timeout=10).released
-    bad = wpb.PrefillRequest(request_id="q", prompt_token_ids=[1, 2], reservation=wpb.Reservation(
-        decode_instance_id=decode.name, groups=[wpb.GroupPages(group="target", page_ids=[0],
-                                                               num_held=2)]))
+    bad = wpb.PrefillRequest(
+        request_id="q",
+        prompt_token_ids=[1, 2],
+        reservation=wpb.Reservation(
+            decode_instance_id=decode.name, groups=[wpb.GroupPages(group="target", page_ids=[0], num_held=2)]
+        ),
+    )
     with grpc.insecure_channel(prefill.grpc) as channel:
         with pytest.raises(grpc.RpcError) as raised:
             wpb_grpc.PrefillWorkerStub(channel).Prefill(bad, timeout=10)
@@ -152,8 +165,12 @@ def test_a_reserved_prompt_is_checked_and_decode_must_send_the_same(mixed):
 def test_slow_health_answers_keep_traffic_within_the_routers_health_timeout(tiny_pair):
     """Every Stats answer takes 2.5 s: past the default 2 s deadline (two misses would drop the
     workers within about 5 s), within --health-timeout-s 4."""
-    cluster = start_cluster(tiny_pair, ["prefill", "decode"], env={"TANDEM_FAULTS": "worker.stats=2.5"},
-                            router_extra=("--health-timeout-s", "4", "--health-misses", "2"))
+    cluster = start_cluster(
+        tiny_pair,
+        ["prefill", "decode"],
+        env={"TANDEM_FAULTS": "worker.stats=2.5"},
+        router_extra=("--health-timeout-s", "4", "--health-misses", "2"),
+    )
     try:
         time.sleep(8)  # several polls of each worker
         with cluster.channel() as channel:
@@ -167,8 +184,12 @@ def test_slow_health_answers_keep_traffic_within_the_routers_health_timeout(tiny
 def test_unified_layout_without_a_drafter_fails_at_startup(tiny_pair):
     worker, _ = cluster_args(tiny_pair)
     worker[worker.index("--drafter") + 1] = "none"
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "worker", "--role", "decode",
-                             *worker], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "worker", "--role", "decode", *worker],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "--layout unified" in result.stderr and "no drafter" in result.stderr
 
@@ -196,7 +217,9 @@ def _decode_requests_seen(cluster) -> dict[str, float]:
     for p in cluster.processes:
         if p.name.startswith("decode"):
             text = urllib.request.urlopen(p.metrics, timeout=5).read().decode()
-            out[p.name] = sum(float(line.split()[-1]) for line in text.splitlines()
-                              if line.startswith('tandem_requests_total{')
-                              and 'role="decode"' in line)
+            out[p.name] = sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("tandem_requests_total{") and 'role="decode"' in line
+            )
     return out

@@ -38,8 +38,9 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def aggregated(tiny_pair):
     """Reference: one in-process engine, one request at a time."""
-    engine = Engine(EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]),
-                                 num_spec_tokens=K, **ENGINE))
+    engine = Engine(
+        EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]), num_spec_tokens=K, **ENGINE)
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return [engine.generate([p], greedy)[0] for p in prompts()]
 
@@ -100,8 +101,9 @@ def test_a_repeated_prompt_reports_its_cached_tokens_per_group(unified):
 def test_a_continuation_turn_moves_only_the_pages_the_decode_worker_lacks(unified, tiny_pair):
     """Turn 2 extends turn 1's prompt and answer, which the decode worker cached when turn 1
     ended: the reservation names those pages held, and the prefill sends only the rest."""
-    engine = Engine(EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]),
-                                 num_spec_tokens=K, **ENGINE))
+    engine = Engine(
+        EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]), num_spec_tokens=K, **ENGINE)
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     first = [t + 1 for t in prompts()[3]]  # 33 tokens no other test sends
     answer, _ = generate(unified.router_address, first, MAX_TOKENS)

@@ -36,8 +36,11 @@ def wait_no_request_holds_pages(cluster, timeout_s: float = SETTLE_S) -> None:
 
 def stream(address: str, prompt: list[int], max_tokens: int, rid: str = ""):
     channel = grpc.insecure_channel(address)
-    request = cpb.GenerateRequest(request_id=rid, token_ids=cpb.TokenIds(ids=prompt),
-                                  sampling=cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    request = cpb.GenerateRequest(
+        request_id=rid,
+        token_ids=cpb.TokenIds(ids=prompt),
+        sampling=cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     return channel, cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
 
 
@@ -106,8 +109,7 @@ def test_an_expired_lease_frees_the_reservation(slow):
 
 
 def test_client_cancel_mid_transfer_frees_pages_everywhere(tiny_pair):
-    cluster = start_cluster(tiny_pair, ["prefill", "decode"],
-                            env={"TANDEM_FAULTS": "prefill.before_send=2"})
+    cluster = start_cluster(tiny_pair, ["prefill", "decode"], env={"TANDEM_FAULTS": "prefill.before_send=2"})
     try:
         channel, call = stream(cluster.router_address, PROMPT, 20)
         consumer = threading.Thread(target=lambda: list(_ignore_cancel(call)))
@@ -130,12 +132,14 @@ def _ignore_cancel(call):
 
 
 def test_sigkill_of_a_decode_worker_mid_transfer_is_retried_elsewhere(tiny_pair):
-    cluster = start_cluster(tiny_pair, ["prefill", "decode", "decode"],
-                            env={"TANDEM_FAULTS": "prefill.before_send=3"})
+    cluster = start_cluster(
+        tiny_pair, ["prefill", "decode", "decode"], env={"TANDEM_FAULTS": "prefill.before_send=3"}
+    )
     try:
         result = {}
-        worker = threading.Thread(target=lambda: result.update(
-            out=generate(cluster.router_address, PROMPT, 6)))
+        worker = threading.Thread(
+            target=lambda: result.update(out=generate(cluster.router_address, PROMPT, 6))
+        )
         worker.start()
         holder = _wait_for_reservation(cluster)
         cluster.kill(holder)

@@ -28,22 +28,27 @@ PROMPT = "naïve café, the quick brown fox jumps over the lazy dog 😀 and mor
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
     "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 QWEN_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 FAMILIES = {  # family -> (config overrides, chat template)
     "llama": ({}, LLAMA3_TEMPLATE),
     "qwen2": ({}, QWEN_TEMPLATE),
     "qwen3": ({"head_dim": 24}, QWEN_TEMPLATE),
     "mistral": ({"sliding_window": 8}, None),  # a window shorter than the prompt
 }
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "héllo wörld, what is a fox?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "héllo wörld, what is a fox?"},
+]
 
 
-def published_drafter(folder: Path, config: transformers.PretrainedConfig, draft_vocab: int,
-                      seed: int) -> None:
+def published_drafter(
+    folder: Path, config: transformers.PretrainedConfig, draft_vocab: int, seed: int
+) -> None:
     """A random EAGLE-3 drafter as SpecForge saves one: no eagle_config, ``midlayer.*``, a
     reduced draft vocabulary with d2t/t2d, no embed_tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -55,23 +60,45 @@ def published_drafter(folder: Path, config: transformers.PretrainedConfig, draft
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[covered] = True
     attn = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
-    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": norm(),
-               "lm_head.weight": rand(draft_vocab, h), "d2t": covered - torch.arange(draft_vocab),
-               "t2d": t2d, "midlayer.self_attn.o_proj.weight": rand(h, heads * hd),
-               "midlayer.mlp.gate_proj.weight": rand(inter, h),
-               "midlayer.mlp.up_proj.weight": rand(inter, h),
-               "midlayer.mlp.down_proj.weight": rand(h, inter),
-               **{f"midlayer.{n}.weight": norm() for n in
-                  ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-               **{f"midlayer.self_attn.{n}.weight": rand(rows, 2 * h) for n, rows in attn.items()}}
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(draft_vocab, h),
+        "d2t": covered - torch.arange(draft_vocab),
+        "t2d": t2d,
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        **{
+            f"midlayer.{n}.weight": norm()
+            for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+        },
+        **{f"midlayer.self_attn.{n}.weight": rand(rows, 2 * h) for n, rows in attn.items()},
+    }
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab, "hidden_size": h, "intermediate_size": inter,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
-        "head_dim": hd, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "model_type": "llama",
+                "vocab_size": vocab,
+                "draft_vocab_size": draft_vocab,
+                "hidden_size": h,
+                "intermediate_size": inter,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "num_hidden_layers": 1,
+                "head_dim": hd,
+                "hidden_act": "silu",
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -82,15 +109,35 @@ def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(family)
     tok = trained_bpe(400)
     eos = tok.token_to_id("</s>")
-    model = hf_checkpoint(root / "target", family, seed=7, vocab_size=tok.get_vocab_size(),
-                          num_hidden_layers=5, bos_token_id=tok.token_to_id("<s>"),
-                          eos_token_id=eos, **overrides)
+    model = hf_checkpoint(
+        root / "target",
+        family,
+        seed=7,
+        vocab_size=tok.get_vocab_size(),
+        num_hidden_layers=5,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=eos,
+        **overrides,
+    )
     write_folder(root / "target", tok, template)
     published_drafter(root / "drafter", model.config, draft_vocab=96, seed=8)
     hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
-    worker = ["--model", str(root / "target"), "--drafter", str(root / "drafter"), "-k", "3",
-              "--layout", "unified", "--tokens-per-page", "4", "--kv-cache-mb", "8",
-              "--max-num-seqs", "8"]
+    worker = [
+        "--model",
+        str(root / "target"),
+        "--drafter",
+        str(root / "drafter"),
+        "-k",
+        "3",
+        "--layout",
+        "unified",
+        "--tokens-per-page",
+        "4",
+        "--kv-cache-mb",
+        "8",
+        "--max-num-seqs",
+        "8",
+    ]
     router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
     cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
     cluster.start()
@@ -101,9 +148,10 @@ def served(request, tmp_path_factory):
 def reference(model, hf_tok, ids: list[int]) -> tuple[list[int], str]:
     """transformers' greedy continuation of ``ids``: (new ids, their decoded text)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             pad_token_id=hf_tok.pad_token_id)
-    new = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
+        )
+    new = out[0, len(ids) :].tolist()
     return new, hf_tok.decode(new, skip_special_tokens=True)
 
 
@@ -137,14 +185,14 @@ def test_openai_chat_uses_the_models_template(served):
     if template is None:  # no template: chat is refused by name, completions still work
         with pytest.raises(BadRequestError, match="chat template"):
             client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
-        done = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                         temperature=0)
+        done = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
         assert done.choices[0].text == reference(model, hf_tok, hf_tok(PROMPT)["input_ids"])[1]
         return
     ids = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     _, text = reference(model, hf_tok, list(ids))
-    stream = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text, family
     assert_no_request_holds_pages(cluster)

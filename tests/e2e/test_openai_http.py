@@ -15,14 +15,15 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from tests.e2e.conftest import start_cluster
 
-openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install "
-                             "-e '.[test]'")
+openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.slow
 
 PROMPT = "def fibonacci(n):"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-MESSAGES = [{"role": "system", "content": "You write Python."},
-            {"role": "user", "content": "A loop, please."}]
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "A loop, please."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,9 @@ def cluster(byte_pair):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with openai.OpenAI(base_url=cluster.http_address + "/v1", api_key="unused",
-                       max_retries=0, timeout=60) as client:
+    with openai.OpenAI(
+        base_url=cluster.http_address + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
         yield client
 
 
@@ -46,11 +48,16 @@ def model(client):
 
 def _grpc_text(address: str, prompt: str, max_tokens: int, stop: tuple[str, ...] = ()) -> str:
     """The same greedy request through the gRPC client API."""
-    request = cpb.GenerateRequest(text=prompt, sampling=cpb.SamplingParams(
-        max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop))
+    request = cpb.GenerateRequest(
+        text=prompt,
+        sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop),
+    )
     with grpc.insecure_channel(address) as channel:
-        return "".join(m.chunk.text for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
-                       if m.WhichOneof("payload") == "chunk")
+        return "".join(
+            m.chunk.text
+            for m in cpb_grpc.TandemStub(channel).Generate(request, timeout=60)
+            if m.WhichOneof("payload") == "chunk"
+        )
 
 
 def test_models_lists_the_served_target(client, cluster):
@@ -65,8 +72,11 @@ def test_a_completion_equals_the_grpc_answer_and_reports_usage(client, cluster, 
     assert choice.text == _grpc_text(cluster.router_address, PROMPT, 10)
     assert choice.finish_reason == "length" and completion.object == "text_completion"
     prompt_tokens = len(byte_ids(PROMPT))
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens,
-            completion.usage.total_tokens) == (prompt_tokens, 10, prompt_tokens + 10)
+    assert (
+        completion.usage.prompt_tokens,
+        completion.usage.completion_tokens,
+        completion.usage.total_tokens,
+    ) == (prompt_tokens, 10, prompt_tokens + 10)
     tandem = completion.usage.model_extra["tandem"]
     assert tandem["transfer_bytes"]["target"] > 0 and tandem["transfer_bytes"]["draft"] > 0
     assert tandem["acceptance_length"] >= 1
@@ -74,8 +84,14 @@ def test_a_completion_equals_the_grpc_answer_and_reports_usage(client, cluster, 
 
 def test_a_streamed_completion_joins_to_the_same_text(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stream=True,
-                                       stream_options={"include_usage": True}, **GREEDY)
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -102,71 +118,101 @@ def test_chat_renders_the_models_template_and_answers_as_the_assistant(client, m
 
 def test_a_streamed_chat_joins_to_the_same_reply(client, model):
     whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, **GREEDY)
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
-                                                 stream=True, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, stream=True, **GREEDY)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
-        whole.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_text_stops_before_the_first_stop_string(client, model, cluster):
     free = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
     text = free.choices[0].text
-    stop = next(ch for ch in text[len(text) // 2:] if ch.isascii())  # not U+FFFD: a partial
-    expected = text[:text.index(stop)]  # character decodes to it before it is complete
-    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stop=[stop],
-                                        **GREEDY)
-    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stop=stop,
-                                         stream=True, **GREEDY)
+    stop = next(ch for ch in text[len(text) // 2 :] if ch.isascii())  # not U+FFFD: a partial
+    expected = text[: text.index(stop)]  # character decodes to it before it is complete
+    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, stop=[stop], **GREEDY)
+    streamed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, stop=stop, stream=True, **GREEDY
+    )
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (expected, "stop")
     assert "".join(c.choices[0].text for c in streamed) == expected
     assert _grpc_text(cluster.router_address, PROMPT, 12, (stop,)) == expected  # gRPC too
 
 
 def test_a_seeded_sample_repeats(client, model):
-    texts = {client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0,
-                                       seed=11, extra_body={"ignore_eos": True}).choices[0].text
-             for _ in range(2)}
+    texts = {
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=1.0,
+            seed=11,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    }
     assert len(texts) == 1
 
 
 def test_logprobs_with_and_without_speculation_agree_and_top_k_one_is_greedy(client, model):
     """Float32 noise between a verify block and single-token decode on the bundled pair is
     about 2e-5 (the engine tests pin 1e-5 on a calmer model), hence 1e-4 here."""
-    runs = [client.completions.create(model=model, prompt=PROMPT, max_tokens=12, logprobs=2,
-                                      temperature=0, extra_body={"ignore_eos": True, **extra})
-            for extra in ({}, {"num_spec_tokens": 0})]
+    runs = [
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            logprobs=2,
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        for extra in ({}, {"num_spec_tokens": 0})
+    ]
     spec, plain = (r.choices[0] for r in runs)
     assert spec.text == plain.text and "".join(spec.logprobs.tokens) == spec.text
     assert len(spec.logprobs.token_logprobs) == 12
     assert runs[1].usage.model_extra["tandem"]["acceptance_length"] == 1.0
     for a, b in zip(spec.logprobs.token_logprobs, plain.logprobs.token_logprobs, strict=True):
         assert abs(a - b) < 1e-4
-    for token, lp, top in zip(spec.logprobs.tokens, spec.logprobs.token_logprobs,
-                              spec.logprobs.top_logprobs, strict=True):
+    for token, lp, top in zip(
+        spec.logprobs.tokens, spec.logprobs.token_logprobs, spec.logprobs.top_logprobs, strict=True
+    ):
         assert top[token] == lp and all(v <= 0 for v in top.values())
-    top1 = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1,
-                                     extra_body={"ignore_eos": True, "top_k": 1})
+    top1 = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=1, extra_body={"ignore_eos": True, "top_k": 1}
+    )
     assert top1.choices[0].text == plain.text
     stop = plain.text[1]  # inside the first 4 tokens' text (byte-level: a token per char)
-    late = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
-                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 4})
+    late = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "min_tokens": 4},
+    )
     cut = plain.text.find(stop, 4)
     assert late.choices[0].text == (plain.text[:cut] if cut >= 0 else plain.text)
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(n=2), "n"),
-    (dict(temperature=3), "temperature"),
-    (dict(max_tokens=100000), "max_tokens"),
-    (dict(extra_body={"num_spec_tokens": 9}), "num_spec_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(n=2), "n"),
+        (dict(temperature=3), "temperature"),
+        (dict(max_tokens=100000), "max_tokens"),
+        (dict(extra_body={"num_spec_tokens": 9}), "num_spec_tokens"),
+    ],
+)
 def test_bad_input_is_a_400_naming_the_field(client, model, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=PROMPT, **kwargs)

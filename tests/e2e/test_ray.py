@@ -37,22 +37,24 @@ def test_the_example_config_parses_with_its_documented_defaults():
     from deploy.ray_launcher.config import load_config
 
     config = load_config(str(ROOT / "deploy" / "ray" / "cluster.example.yaml"))
-    assert (config.ray.address, config.ray.namespace, config.ray.start_local) == \
-        ("auto", "tandem", False)
+    assert (config.ray.address, config.ray.namespace, config.ray.start_local) == ("auto", "tandem", False)
     assert (config.router.port, config.router.http_port) == (50051, 8000)
     assert (config.prefill.replicas, config.decode.num_gpus, config.expected_pairs) == (1, 1, 1)
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"router": {"prot": 1}}, "router.prot: unknown key"),
-    ({"routr": {}}, "routr: unknown key"),
-    ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1"),
-    ({"prefill": {"num_gpus": -1}}, "prefill.num_gpus: must be a number >= 0"),
-    ({"prefill": {"resources": {"tpu": "x"}}}, "prefill.resources.tpu: must be a number"),
-    ({"model": {"layout": "mixed"}}, "model.layout: must be auto, unified or separate"),
-    ({"ray": {"address": ""}}, "ray.address: empty"),
-    ({"model": []}, "model: must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"router": {"prot": 1}}, "router.prot: unknown key"),
+        ({"routr": {}}, "routr: unknown key"),
+        ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1"),
+        ({"prefill": {"num_gpus": -1}}, "prefill.num_gpus: must be a number >= 0"),
+        ({"prefill": {"resources": {"tpu": "x"}}}, "prefill.resources.tpu: must be a number"),
+        ({"model": {"layout": "mixed"}}, "model.layout: must be auto, unified or separate"),
+        ({"ray": {"address": ""}}, "ray.address: empty"),
+        ({"model": []}, "model: must be a mapping"),
+    ],
+)
 def test_a_bad_config_names_the_key(data, message):
     with pytest.raises(ConfigError) as e:
         parse_config(data)
@@ -64,8 +66,7 @@ def test_a_bad_config_names_the_key(data, message):
 
 def _can_unshare() -> bool:
     try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10
-                              ).returncode == 0
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -73,18 +74,26 @@ def _can_unshare() -> bool:
 @pytest.mark.slow
 def test_ray_up_serves_a_request_and_down_stops_every_actor(tiny_pair, tmp_path):
     if not _can_unshare():
-        pytest.skip("unshare -n is not permitted here (needs root or user namespaces); the Ray "
-                    "test must not use the machine's network")
+        pytest.skip(
+            "unshare -n is not permitted here (needs root or user namespaces); the Ray "
+            "test must not use the machine's network"
+        )
     target, drafter = map(str, tiny_pair)
-    command = (f"ip link set lo up && exec {sys.executable} -m tests.e2e.test_ray "
-               f"{target} {drafter} {tmp_path}")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(["unshare", "-n", "bash", "-c", command], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    command = (
+        f"ip link set lo up && exec {sys.executable} -m tests.e2e.test_ray {target} {drafter} {tmp_path}"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        ["unshare", "-n", "bash", "-c", command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith(REPORT)]
     assert done.returncode == 0 and lines, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads(lines[-1][len(REPORT):])
+    report = json.loads(lines[-1][len(REPORT) :])
     assert report["up_rc"] == 0, report["up_output"]
     assert report["node_ip"] == "127.0.0.1"
     assert report["endpoint"].startswith("127.0.0.1:")
@@ -104,41 +113,49 @@ def scenario(target: str, drafter: str, workdir: Path) -> dict:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = workdir / "cluster.yaml"
-    config.write_text(yaml.safe_dump(_config(ray.get_runtime_context().gcs_address, target,
-                                             drafter)))
+    config.write_text(yaml.safe_dump(_config(ray.get_runtime_context().gcs_address, target, drafter)))
     report = {"node_ip": ray.util.get_node_ip_address()}
     up = _tandem("up", config)
-    report.update(up_rc=up.returncode, up_output=up.stdout + up.stderr,
-                  actors_up=_actors(ray))
+    report.update(up_rc=up.returncode, up_output=up.stdout + up.stderr, actors_up=_actors(ray))
     if up.returncode == 0:
         report["endpoint"] = re.search(r"router endpoint: (\S+)", up.stdout).group(1)
         tokens, complete = _generate(report["endpoint"])
         report.update(tokens=tokens, finish_reason=cpb.FinishReason.Name(complete.finish_reason))
         http = re.search(r"\(OpenAI-compatible: (\S+)/v1\)", up.stdout).group(1)
-        report["http_completion_tokens"] = _retried(report["endpoint"],
-                                                    lambda: _http_completion(http))
+        report["http_completion_tokens"] = _retried(report["endpoint"], lambda: _http_completion(http))
     down = _tandem("down", config)
-    report.update(down_rc=down.returncode, down_output=down.stdout + down.stderr,
-                  actors_down=_actors(ray))
+    report.update(down_rc=down.returncode, down_output=down.stdout + down.stderr, actors_down=_actors(ray))
     return report
 
 
 def _config(address: str, target: str, drafter: str) -> dict:
     worker = {"replicas": 1, "num_cpus": 1, "num_gpus": 0}
-    return {"ray": {"address": address, "namespace": NAMESPACE,
-                    "env": {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}},
-            "model": {"model": target, "drafter": drafter, "num_spec_tokens": 3,
-                      "tokens_per_page": 4, "kv_cache_mb": 8, "max_num_seqs": 16},
-            "router": {"port": 0, "http_port": 0, "num_cpus": 0},
-            "prefill": worker, "decode": worker, "ready_timeout_s": 90}
+    return {
+        "ray": {
+            "address": address,
+            "namespace": NAMESPACE,
+            "env": {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"},
+        },
+        "model": {
+            "model": target,
+            "drafter": drafter,
+            "num_spec_tokens": 3,
+            "tokens_per_page": 4,
+            "kv_cache_mb": 8,
+            "max_num_seqs": 16,
+        },
+        "router": {"port": 0, "http_port": 0, "num_cpus": 0},
+        "prefill": worker,
+        "decode": worker,
+        "ready_timeout_s": 90,
+    }
 
 
 def _generate(endpoint: str):
     """One greedy request over gRPC."""
     from tests.e2e.conftest import generate
 
-    return _retried(endpoint, lambda: generate(endpoint, PROMPT, MAX_TOKENS, temperature=0,
-                                               ignore_eos=True))
+    return _retried(endpoint, lambda: generate(endpoint, PROMPT, MAX_TOKENS, temperature=0, ignore_eos=True))
 
 
 def _retried(endpoint: str, request, attempts: int = 3):
@@ -157,26 +174,34 @@ def _retried(endpoint: str, request, attempts: int = 3):
         with grpc.insecure_channel(endpoint) as channel:
             stub = cpb_grpc.TandemStub(channel)
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and stub.Health(
-                    cpb.HealthRequest(), timeout=10).status != cpb.SERVING_STATUS_SERVING:
+            while (
+                time.monotonic() < deadline
+                and stub.Health(cpb.HealthRequest(), timeout=10).status != cpb.SERVING_STATUS_SERVING
+            ):
                 time.sleep(0.2)
 
 
 def _tandem(command: str, config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "ray", command, "--config",
-                           str(config)], cwd=ROOT, capture_output=True, text=True, timeout=150)
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "ray", command, "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
 
 
 def _actors(ray) -> list[str]:
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE)
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE
+    )
 
 
 def _http_completion(base_url: str) -> int:
-    body = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    request = urllib.request.Request(base_url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(base_url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())["usage"]["completion_tokens"]
 

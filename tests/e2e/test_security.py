@@ -25,20 +25,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_certs(folder: Path, *names: str) -> Path:
-    subprocess.run(["bash", str(ROOT / "deploy/tls/make_certs.sh"), str(folder), *names],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["bash", str(ROOT / "deploy/tls/make_certs.sh"), str(folder), *names], check=True, capture_output=True
+    )
     return folder
 
 
 def tls_args(folder: Path, name: str) -> list[str]:
-    return ["--tls-cert", str(folder / f"{name}.crt"), "--tls-key", str(folder / f"{name}.key"),
-            "--tls-ca", str(folder / "ca.crt"), "--token", TOKEN]
+    return [
+        "--tls-cert",
+        str(folder / f"{name}.crt"),
+        "--tls-key",
+        str(folder / f"{name}.key"),
+        "--tls-ca",
+        str(folder / "ca.crt"),
+        "--token",
+        TOKEN,
+    ]
 
 
 def credentials(folder: Path, name: str) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials((folder / "ca.crt").read_bytes(),
-                                        (folder / f"{name}.key").read_bytes(),
-                                        (folder / f"{name}.crt").read_bytes())
+    return grpc.ssl_channel_credentials(
+        (folder / "ca.crt").read_bytes(),
+        (folder / f"{name}.key").read_bytes(),
+        (folder / f"{name}.crt").read_bytes(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +62,26 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure(tiny_pair, certs):
     good, rogue = certs
-    roles = [("prefill", tls_args(good, "prefill")), ("decode", tls_args(good, "decode")),
-             ("decode", tls_args(rogue, "decode"))]  # signed by another CA: never registers
-    cluster = start_cluster(tiny_pair, roles, router_extra=tls_args(good, "router"),
-                            expected_pairs=1, credentials=credentials(good, "client"))
+    roles = [
+        ("prefill", tls_args(good, "prefill")),
+        ("decode", tls_args(good, "decode")),
+        ("decode", tls_args(rogue, "decode")),
+    ]  # signed by another CA: never registers
+    cluster = start_cluster(
+        tiny_pair,
+        roles,
+        router_extra=tls_args(good, "router"),
+        expected_pairs=1,
+        credentials=credentials(good, "client"),
+    )
     yield cluster
     cluster.stop()
 
 
 def generate(channel: grpc.Channel, metadata=()) -> list[int]:
-    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=list(range(1, 12))),
-                                  sampling=cpb.SamplingParams(max_tokens=4))
+    request = cpb.GenerateRequest(
+        token_ids=cpb.TokenIds(ids=list(range(1, 12))), sampling=cpb.SamplingParams(max_tokens=4)
+    )
     tokens = []
     for message in cpb_grpc.TandemStub(channel).Generate(request, metadata=metadata, timeout=30):
         tokens += list(message.chunk.token_ids)

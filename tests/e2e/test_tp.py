@@ -34,8 +34,7 @@ MODEL, DRAFTER = ROOT / "models/tiny-target", ROOT / "models/tiny-drafter"
 K = 4
 MAX_TOKENS = 24
 SOURCE = (ROOT / "kvcore/radix.py").read_text()
-PROMPTS = [byte_ids(t) for t in ("class Stack:\n    def __init__(self):",
-                                               SOURCE[:300])]
+PROMPTS = [byte_ids(t) for t in ("class Stack:\n    def __init__(self):", SOURCE[:300])]
 ROLES = {"prefill-0": 1, "prefill-1": 2, "decode-2": 1, "decode-3": 2}  # name -> TP size
 PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3")]
 # TP 1->2, 2->1 and 2->2 (1->1 is every other e2e test's)
@@ -45,16 +44,33 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def reference():
     """TP 1 aggregated: one in-process engine, one request at a time."""
-    engine = Engine(EngineConfig(model=str(MODEL), drafter=str(DRAFTER), num_spec_tokens=K,
-                                 kv_cache_bytes=32 << 20, max_num_seqs=16))
+    engine = Engine(
+        EngineConfig(
+            model=str(MODEL),
+            drafter=str(DRAFTER),
+            num_spec_tokens=K,
+            kv_cache_bytes=32 << 20,
+            max_num_seqs=16,
+        )
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return [engine.generate([p], greedy)[0] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
 def cluster(reference):  # the reference first: idle cluster processes still take CPU
-    worker = ["--model", str(MODEL), "--drafter", str(DRAFTER), "-k", str(K),
-              "--kv-cache-mb", "32", "--max-num-seqs", "16"]
+    worker = [
+        "--model",
+        str(MODEL),
+        "--drafter",
+        str(DRAFTER),
+        "-k",
+        str(K),
+        "--kv-cache-mb",
+        "32",
+        "--max-num-seqs",
+        "16",
+    ]
     router = ["--model", str(MODEL), "-k", str(K)]
     roles = [(name.split("-")[0], ["--tp", str(tp)]) for name, tp in ROLES.items()]
     cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
@@ -63,8 +79,9 @@ def cluster(reference):  # the reference first: idle cluster processes still tak
     cluster.stop()
 
 
-def run_on_pair(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int],
-                reserve_prompt: bool = False):
+def run_on_pair(
+    cluster: LocalCluster, prefill: str, decode: str, prompt: list[int], reserve_prompt: bool = False
+):
     """Reserve on ``decode`` (sending the prompt's tokens, so its prefix cache counts, when
     ``reserve_prompt``), prefill on ``prefill``, decode: what the router does, on a chosen
     pair. Returns (tokens, prefill usage, decode usage)."""
@@ -73,16 +90,28 @@ def run_on_pair(cluster: LocalCluster, prefill: str, decode: str, prompt: list[i
     address = {p.name: p.grpc for p in cluster.processes}
     with grpc.insecure_channel(address[decode]) as d, grpc.insecure_channel(address[prefill]) as p:
         decoder = wpb_grpc.DecodeWorkerStub(d)
-        reservation = decoder.Reserve(wpb.ReserveRequest(
-            request_id=rid, prompt_len=len(prompt),
-            prompt_token_ids=prompt if reserve_prompt else []), timeout=30).reservation
-        first = wpb_grpc.PrefillWorkerStub(p).Prefill(wpb.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation),
-            timeout=60)
+        reservation = decoder.Reserve(
+            wpb.ReserveRequest(
+                request_id=rid, prompt_len=len(prompt), prompt_token_ids=prompt if reserve_prompt else []
+            ),
+            timeout=30,
+        ).reservation
+        first = wpb_grpc.PrefillWorkerStub(p).Prefill(
+            wpb.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation
+            ),
+            timeout=60,
+        )
         tokens, usage = [first.first_token_id], None
-        for message in decoder.Decode(wpb.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, first_token_id=first.first_token_id,
-                sampling=sampling), timeout=60):
+        for message in decoder.Decode(
+            wpb.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                first_token_id=first.first_token_id,
+                sampling=sampling,
+            ),
+            timeout=60,
+        ):
             if message.HasField("chunk"):
                 tokens += list(message.chunk.token_ids)
             elif message.HasField("complete"):
@@ -98,8 +127,9 @@ def test_every_rank_registered_and_every_pair_is_ready(cluster):
     assert health.num_ready_pairs == 4, health.message
     assert {w.instance_id: w.tp_size for w in workers} == ROLES
     assert all(w.tp_rank == 0 for w in workers)
-    heads = {w.instance_id: {g.name: (g.num_kv_heads, g.total_num_kv_heads) for g in w.groups}
-             for w in workers}
+    heads = {
+        w.instance_id: {g.name: (g.num_kv_heads, g.total_num_kv_heads) for g in w.groups} for w in workers
+    }
     assert heads["decode-3"] == {"target": (1, 2), "draft": (1, 2)}
     assert heads["decode-2"] == {"target": (2, 2), "draft": (2, 2)}
 
@@ -126,22 +156,27 @@ def test_through_the_router_every_pair_agrees_with_tp1(cluster, reference):
     for prompt, ref in zip(PROMPTS, reference, strict=True):
         tokens, complete = generate(cluster.router_address, prompt, MAX_TOKENS, temperature=0)
         assert tokens == ref.token_ids
-        assert complete.usage.acceptance_length == pytest.approx(ref.usage.acceptance_length,
-                                                                 rel=0.01)
+        assert complete.usage.acceptance_length == pytest.approx(ref.usage.acceptance_length, rel=0.01)
     assert_no_request_holds_pages(cluster)
 
 
 @pytest.mark.parametrize("prefill,decode", PAIRS)
-def test_a_continuation_skips_the_pages_each_decode_rank_holds(cluster, reference, prefill,
-                                                               decode):
+def test_a_continuation_skips_the_pages_each_decode_rank_holds(cluster, reference, prefill, decode):
     """Turn 2 extends turn 1 (prompt and answer), which the decode group cached: only the
     pages after the held prefix travel, re-sliced as before, and the tokens still agree."""
     first = PROMPTS[0] + [ord(decode[-1])]  # a turn 1 of this decode worker's own
     answer, _, _ = run_on_pair(cluster, prefill, decode, first, reserve_prompt=True)
     second = first + answer + byte_ids("\n    def push(self, x):")
     tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, second, reserve_prompt=True)
-    engine = Engine(EngineConfig(model=str(MODEL), drafter=str(DRAFTER), num_spec_tokens=K,
-                                 kv_cache_bytes=32 << 20, max_num_seqs=16))
+    engine = Engine(
+        EngineConfig(
+            model=str(MODEL),
+            drafter=str(DRAFTER),
+            num_spec_tokens=K,
+            kv_cache_bytes=32 << 20,
+            max_num_seqs=16,
+        )
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     assert answer == engine.generate([first], greedy)[0].token_ids
     assert tokens == engine.generate([second], greedy)[0].token_ids

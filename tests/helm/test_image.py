@@ -41,8 +41,15 @@ def test_every_copied_folder_exists_and_is_in_the_build_context():
     with open(os.path.join(DOCKER, "Dockerfile.dockerignore")) as f:
         allowed = {line[1:] for line in f.read().splitlines() if line.startswith("!")}
     copies = [args.split() for op, args in instructions("Dockerfile") if op == "COPY"]
-    assert [src for src, _ in copies] == ["pyproject.toml", "kvcore", "services", "proto", "deploy",
-                                          "bench", "models"]
+    assert [src for src, _ in copies] == [
+        "pyproject.toml",
+        "kvcore",
+        "services",
+        "proto",
+        "deploy",
+        "bench",
+        "models",
+    ]
     for src, _ in copies:
         assert os.path.exists(os.path.join(ROOT, src)), src
         assert src in allowed, src

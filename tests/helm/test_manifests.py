@@ -16,12 +16,18 @@ from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
 # The chart's kubeVersion floor (gRPC probes are GA in 1.27) and the newest schemas we have.
 KUBERNETES_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 # Prometheus Operator CRDs: no schema for them ships with kubernetes-validate.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"),
-                ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
 MONITORS = {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
 IMAGE_MODEL = {"model": {"source": "image", "image": {"repository": "registry.example/llama"}}}
-VALUE_SETS = {"defaults": {}, "1P1D": ONE_P_ONE_D, "2P4D": TWO_P_FOUR_D, "TP 2": TP_2,
-              "separate layout": SEPARATE, "model image": IMAGE_MODEL, "monitors": MONITORS}
+VALUE_SETS = {
+    "defaults": {},
+    "1P1D": ONE_P_ONE_D,
+    "2P4D": TWO_P_FOUR_D,
+    "TP 2": TP_2,
+    "separate layout": SEPARATE,
+    "model image": IMAGE_MODEL,
+    "monitors": MONITORS,
+}
 
 
 _validated: set[str] = set()  # manifests already validated under another value set
@@ -43,8 +49,9 @@ def test_every_manifest_validates_strictly(values):
                 kubernetes_validate.validate(manifest, version, strict=True)
             except kubernetes_validate.ValidationError as e:
                 path = ".".join(map(str, e.path))
-                pytest.fail(f"{manifest['kind']}/{manifest['metadata']['name']} on {version}: "
-                            f"{path}: {e.message}")
+                pytest.fail(
+                    f"{manifest['kind']}/{manifest['metadata']['name']} on {version}: {path}: {e.message}"
+                )
         _validated.add(key)
     # ConfigMap x2, Deployment x3, Service x4, the test Pod
     assert checked == 10
@@ -58,33 +65,49 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
     assert [(m["path"], m["error"]) for m in report["messages"] if m["severity"] > 1] == []
 
 
-@pytest.mark.parametrize("values, where, problem", [
-    ({"engine": {"layout": "fused"}}, "/engine/layout", "value must be one of"),
-    ({"router": {"replicas": 2}}, "/router/replicas", "maximum: got 2, want 1"),
-    ({"engine": {"tp": 0}}, "/engine/tp", "minimum: got 0, want 1"),
-    ({"decode": {"replica": 4}}, "/decode", "additional properties 'replica' not allowed"),
-    ({"model": {"source": "s3"}}, "/model/source", "value must be one of"),
-    ({"decode": {"hostKvCache": {"writePolicy": "back"}}}, "/decode/hostKvCache/writePolicy",
-     "value must be one of"),
-])
+@pytest.mark.parametrize(
+    "values, where, problem",
+    [
+        ({"engine": {"layout": "fused"}}, "/engine/layout", "value must be one of"),
+        ({"router": {"replicas": 2}}, "/router/replicas", "maximum: got 2, want 1"),
+        ({"engine": {"tp": 0}}, "/engine/tp", "minimum: got 0, want 1"),
+        ({"decode": {"replica": 4}}, "/decode", "additional properties 'replica' not allowed"),
+        ({"model": {"source": "s3"}}, "/model/source", "value must be one of"),
+        (
+            {"decode": {"hostKvCache": {"writePolicy": "back"}}},
+            "/decode/hostKvCache/writePolicy",
+            "value must be one of",
+        ),
+    ],
+)
 def test_schema_refuses_values_naming_the_key(values, where, problem):
     with pytest.raises(helm_python.HelmValuesError) as e:
         render(values)
     assert f"at '{where}': {problem}" in str(e.value)
 
 
-@pytest.mark.parametrize("values, reason", [
-    ({"model": {"drafter": ""}}, "engine.layout: unified keeps the drafter's KV pages in the "
-     "target's cache manager and transfer, but no drafter runs (model.drafter \"\", "
-     "engine.numSpecTokens 4)"),
-    ({"engine": {"numSpecTokens": 0}}, "no drafter runs (model.drafter \"tiny-drafter\", "
-     "engine.numSpecTokens 0)"),
-    ({"model": {"source": "pvc"}}, "model.pvc.claimName: required when model.source is pvc"),
-    ({"model": {"source": "image"}}, "model.image.repository: required when model.source is image"),
-    ({"engine": {"tp": 2}, "decode": {"hostKvCache": {"mb": 64}}},
-     "decode.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel "
-     "ranks; use it with tp 1, not 2"),
-])
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        (
+            {"model": {"drafter": ""}},
+            "engine.layout: unified keeps the drafter's KV pages in the "
+            'target\'s cache manager and transfer, but no drafter runs (model.drafter "", '
+            "engine.numSpecTokens 4)",
+        ),
+        (
+            {"engine": {"numSpecTokens": 0}},
+            'no drafter runs (model.drafter "tiny-drafter", engine.numSpecTokens 0)',
+        ),
+        ({"model": {"source": "pvc"}}, "model.pvc.claimName: required when model.source is pvc"),
+        ({"model": {"source": "image"}}, "model.image.repository: required when model.source is image"),
+        (
+            {"engine": {"tp": 2}, "decode": {"hostKvCache": {"mb": 64}}},
+            "decode.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel "
+            "ranks; use it with tp 1, not 2",
+        ),
+    ],
+)
 def test_templates_refuse_what_the_services_would_refuse(values, reason):
     with pytest.raises(helm_python.HelmRenderError) as e:
         render(values)
@@ -113,7 +136,10 @@ def test_helm_test_pod_sends_a_request_to_the_router_service():
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (c,) = pod["spec"]["containers"]
     assert {e["name"]: e["value"] for e in c["env"]} == {
-        "ROUTER": f"{FULLNAME}-router:50051", "PROMPT": "def fibonacci(n):", "MAX_TOKENS": "8"}
+        "ROUTER": f"{FULLNAME}-router:50051",
+        "PROMPT": "def fibonacci(n):",
+        "MAX_TOKENS": "8",
+    }
     assert c["command"][:2] == ["python", "-c"]
     compile(c["command"][2], "helm-test", "exec")
 

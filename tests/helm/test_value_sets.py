@@ -17,9 +17,14 @@ from tests.helm.chart import (
 )
 
 ONE_P_ONE_D = {
-    "prefill": {"replicas": 1}, "decode": {"replicas": 1},
-    "model": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "llama"},
-              "target": "Llama-3.1-8B-Instruct", "drafter": "EAGLE3-LLaMA3.1-Instruct-8B"},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "model": {
+        "source": "pvc",
+        "pvc": {"claimName": "weights", "subPath": "llama"},
+        "target": "Llama-3.1-8B-Instruct",
+        "drafter": "EAGLE3-LLaMA3.1-Instruct-8B",
+    },
 }
 TWO_P_FOUR_D = {
     "prefill": {"replicas": 2, "nodeSelector": {"pool": "h200-prefill"}},
@@ -37,8 +42,7 @@ def gpus(manifests: list[dict], component: str) -> int | None:
 
 def test_defaults_run_one_router_one_prefill_one_decode_on_one_gpu_each():
     m = render()
-    assert names(m, "Deployment") == [f"{FULLNAME}-decode", f"{FULLNAME}-prefill",
-                                      f"{FULLNAME}-router"]
+    assert names(m, "Deployment") == [f"{FULLNAME}-decode", f"{FULLNAME}-prefill", f"{FULLNAME}-router"]
     assert [deployment(m, c)["spec"]["replicas"] for c in ("router", *WORKERS)] == [1, 1, 1]
     assert [gpus(m, c) for c in ("router", *WORKERS)] == [None, 1, 1]
     assert container(m, "router")["image"] == "tandem:0.1.0"
@@ -67,17 +71,17 @@ def test_defaults_pass_the_cluster_config_to_every_role():
 
 
 def test_downward_api_gives_each_worker_its_pod_ip_and_name():
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
-           for e in container(render(), "decode")["env"]}
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(render(), "decode")["env"]}
     assert env == {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"}
 
 
-@pytest.mark.parametrize("component, port", [("router", 50051), ("prefill", 50061),
-                                             ("decode", 50061)])
+@pytest.mark.parametrize("component, port", [("router", 50051), ("prefill", 50061), ("decode", 50061)])
 def test_probes_ask_the_grpc_health_service_on_the_grpc_port(component, port):
     c = container(render(), component)
-    assert {p["name"]: p["containerPort"] for p in c["ports"] if p["name"] != "http"} == \
-        {"grpc": port, "metrics": 9100}
+    assert {p["name"]: p["containerPort"] for p in c["ports"] if p["name"] != "http"} == {
+        "grpc": port,
+        "metrics": 9100,
+    }
     assert c["startupProbe"]["grpc"] == {"port": port}
     assert c["livenessProbe"]["grpc"] == {"port": port}
     assert c["readinessProbe"]["grpc"] == {"port": port, "service": "tandem.ready"}
@@ -114,8 +118,7 @@ def test_two_prefill_four_decode():
     for role in WORKERS:
         pod = deployment(m, role)["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == {"pool": f"h200-{role}"}
-        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                       "effect": "NoSchedule"}]
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
 def test_tp_2_requests_two_gpus_per_worker_and_passes_tp():
@@ -153,8 +156,14 @@ def test_gpu_resource_name_is_a_value():
 
 
 def test_model_image_is_copied_by_an_init_container():
-    m = render({"model": {"source": "image", "image": {"repository": "registry.example/llama-8b",
-                                                        "tag": "v1", "path": "/weights"}}})
+    m = render(
+        {
+            "model": {
+                "source": "image",
+                "image": {"repository": "registry.example/llama-8b", "tag": "v1", "path": "/weights"},
+            }
+        }
+    )
     (init,) = deployment(m, "decode")["spec"]["template"]["spec"]["initContainers"]
     assert init["image"] == "registry.example/llama-8b:v1"
     assert init["command"] == ["sh", "-c", "cp -a /weights/. /model-volume/"]
@@ -165,23 +174,27 @@ def test_model_image_is_copied_by_an_init_container():
         "cp /weights/tiny-target/config.json /model-volume/tiny-target/ && "
         "for f in tokenizer.json tokenizer_config.json chat_template.jinja; do "
         "if [ -f /weights/tiny-target/$f ]; then cp /weights/tiny-target/$f /model-volume/tiny-target/; fi; "
-        "done")
+        "done"
+    )
     volumes = deployment(m, "decode")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model", "emptyDir": {"sizeLimit": "64Gi"}} in volumes
 
 
 def test_prefix_cache_off_adds_the_flag_to_workers_only():
     m = render({"engine": {"prefixCache": False}})
-    assert [("--no-prefix-cache" in effective_args(m, c)) for c in ("router", *WORKERS)] == \
-        [False, True, True]
+    assert [("--no-prefix-cache" in effective_args(m, c)) for c in ("router", *WORKERS)] == [
+        False,
+        True,
+        True,
+    ]
 
 
 def test_a_host_kv_tier_reaches_its_worker_role_only():
-    m = render({"decode": {"hostKvCache": {"mb": 4096, "writePolicy": "through",
-                                           "recallMinPages": 2}}})
-    assert [flag(effective_args(m, "decode"), f) for f in
-            ("--host-kv-cache-mb", "--host-kv-write-policy", "--host-kv-recall-min-pages")] == \
-        ["4096", "through", "2"]
+    m = render({"decode": {"hostKvCache": {"mb": 4096, "writePolicy": "through", "recallMinPages": 2}}})
+    assert [
+        flag(effective_args(m, "decode"), f)
+        for f in ("--host-kv-cache-mb", "--host-kv-write-policy", "--host-kv-recall-min-pages")
+    ] == ["4096", "through", "2"]
     assert "--host-kv-cache-mb" not in effective_args(m, "prefill")
     assert "--host-kv-cache-mb" not in effective_args(render({}), "decode")  # 0 = none
 
@@ -189,8 +202,10 @@ def test_a_host_kv_tier_reaches_its_worker_role_only():
 def test_every_pod_rolls_when_the_cluster_config_changes():
     def checksums(values):
         m = render(values)
-        return {deployment(m, c)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
-                for c in ("router", *WORKERS)}
+        return {
+            deployment(m, c)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            for c in ("router", *WORKERS)
+        }
 
     before, after = checksums({}), checksums({"engine": {"numSpecTokens": 2}})
     assert len(before) == 1 and len(after) == 1 and before != after
@@ -201,12 +216,16 @@ def test_router_services_for_clients_and_for_registration():
     client = one(m, "Service", f"{FULLNAME}-router")
     assert client["spec"]["type"] == "ClusterIP"
     assert [(p["name"], p["port"]) for p in client["spec"]["ports"]] == [
-        ("grpc", 50051), ("http", 8000), ("metrics", 9100)]
+        ("grpc", 50051),
+        ("http", 8000),
+        ("metrics", 9100),
+    ]
     internal = one(m, "Service", f"{FULLNAME}-router-internal")
     assert internal["spec"]["clusterIP"] == "None"
     assert internal["spec"]["publishNotReadyAddresses"] is True
-    assert names(m, "Service") == sorted(f"{FULLNAME}-{s}" for s in
-                                         ("router", "router-internal", "prefill", "decode"))
+    assert names(m, "Service") == sorted(
+        f"{FULLNAME}-{s}" for s in ("router", "router-internal", "prefill", "decode")
+    )
 
 
 def test_router_serves_openai_http_unless_turned_off():
@@ -221,20 +240,34 @@ def test_router_serves_openai_http_unless_turned_off():
 
 def test_monitors_are_off_by_default_and_scrape_metrics_ports_when_on():
     assert names(render(), "PodMonitor") == names(render(), "ServiceMonitor") == []
-    m = render({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
-                            "serviceMonitor": {"enabled": True, "interval": "30s"}}})
+    m = render(
+        {
+            "metrics": {
+                "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                "serviceMonitor": {"enabled": True, "interval": "30s"},
+            }
+        }
+    )
     pod_monitor = one(m, "PodMonitor", FULLNAME)
     assert pod_monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert pod_monitor["metadata"]["labels"]["release"] == "kps"
-    assert pod_monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics",
-                                                           "interval": "15s"}]
+    assert pod_monitor["spec"]["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    ]
     service_monitor = one(m, "ServiceMonitor", FULLNAME)
     assert service_monitor["spec"]["endpoints"][0]["interval"] == "30s"
 
 
 def test_tokenizer_chat_template_and_served_name_reach_the_roles_that_use_them():
-    m = render({"model": {"tokenizer": "tokenizers/llama3", "chatTemplate": "templates/chat.jinja",
-                          "servedModelName": "llama-3.1-8b"}})
+    m = render(
+        {
+            "model": {
+                "tokenizer": "tokenizers/llama3",
+                "chatTemplate": "templates/chat.jinja",
+                "servedModelName": "llama-3.1-8b",
+            }
+        }
+    )
     router = effective_args(m, "router")
     assert flag(router, "--tokenizer") == "/opt/tandem/models/tokenizers/llama3"
     assert flag(router, "--chat-template") == "/opt/tandem/models/templates/chat.jinja"
@@ -245,16 +278,29 @@ def test_tokenizer_chat_template_and_served_name_reach_the_roles_that_use_them()
         assert flag(args, "--served-model-name") == "llama-3.1-8b"
         assert flag(args, "--chat-template") is None
     defaults = effective_args(render(), "router")
-    assert [flag(defaults, f) for f in ("--tokenizer", "--chat-template", "--served-model-name")] \
-        == [None, None, None]
+    assert [flag(defaults, f) for f in ("--tokenizer", "--chat-template", "--served-model-name")] == [
+        None,
+        None,
+        None,
+    ]
 
 
 def test_a_model_image_copies_the_tokenizer_and_template_overrides_for_the_router():
-    m = render({"model": {"source": "image", "tokenizer": "tok/llama3", "chatTemplate": "chat.jinja",
-                          "image": {"repository": "registry.example/llama-8b", "path": "/weights"}}})
+    m = render(
+        {
+            "model": {
+                "source": "image",
+                "tokenizer": "tok/llama3",
+                "chatTemplate": "chat.jinja",
+                "image": {"repository": "registry.example/llama-8b", "path": "/weights"},
+            }
+        }
+    )
     (router_init,) = deployment(m, "router")["spec"]["template"]["spec"]["initContainers"]
     script = router_init["command"][-1]
-    assert script.endswith(" && mkdir -p /model-volume/tok && cp -a /weights/tok/llama3 "
-                           "/model-volume/tok/llama3 && mkdir -p /model-volume/. && "
-                           "cp -a /weights/chat.jinja /model-volume/chat.jinja")
+    assert script.endswith(
+        " && mkdir -p /model-volume/tok && cp -a /weights/tok/llama3 "
+        "/model-volume/tok/llama3 && mkdir -p /model-volume/. && "
+        "cp -a /weights/chat.jinja /model-volume/chat.jinja"
+    )
     assert flag(effective_args(m, "router"), "--tokenizer") == "/models/tok/llama3"

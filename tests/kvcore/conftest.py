@@ -9,24 +9,59 @@ from kvcore import CacheConfig, KVCacheManager, KVLayout, LayerGroupSpec, Lifecy
 N = -1  # NULL_PAGE, short for expected rows
 
 
-def make_config(*, page: int = 4, window: int = 8, k: int = 2, target_pages: int = 32,
-                draft_pages: int = 32, layout: KVLayout = KVLayout.UNIFIED,
-                draft_layers: int = 1, draft_dtype: str = "float32",
-                prefix_cache: bool = True, host_pages: int = 0, host_write: str = "evict",
-                host_recall_min: int = 1, target_window: int = 0,
-                draft: bool = True) -> CacheConfig:
+def make_config(
+    *,
+    page: int = 4,
+    window: int = 8,
+    k: int = 2,
+    target_pages: int = 32,
+    draft_pages: int = 32,
+    layout: KVLayout = KVLayout.UNIFIED,
+    draft_layers: int = 1,
+    draft_dtype: str = "float32",
+    prefix_cache: bool = True,
+    host_pages: int = 0,
+    host_write: str = "evict",
+    host_recall_min: int = 1,
+    target_window: int = 0,
+    draft: bool = True,
+) -> CacheConfig:
     """``target_window`` > 0 windows the target group too; ``draft=False`` leaves only it."""
-    groups = [LayerGroupSpec("target", Owner.TARGET, num_layers=2, num_kv_heads=2, head_dim=4,
-                             dtype="float32", window=target_window)]
+    groups = [
+        LayerGroupSpec(
+            "target",
+            Owner.TARGET,
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=4,
+            dtype="float32",
+            window=target_window,
+        )
+    ]
     if draft:
-        groups.append(LayerGroupSpec("draft", Owner.DRAFT, num_layers=draft_layers,
-                                     num_kv_heads=1, head_dim=4, dtype=draft_dtype,
-                                     window=window, lifecycle=Lifecycle.OPTIONAL))
-    return CacheConfig(groups=tuple(groups), tokens_per_page=page,
-                       num_pages=(target_pages, draft_pages)[:len(groups)], num_spec_tokens=k,
-                       layout=layout, enable_prefix_cache=prefix_cache,
-                       host_num_pages=host_pages, host_write_policy=host_write,
-                       host_recall_min_pages=host_recall_min)
+        groups.append(
+            LayerGroupSpec(
+                "draft",
+                Owner.DRAFT,
+                num_layers=draft_layers,
+                num_kv_heads=1,
+                head_dim=4,
+                dtype=draft_dtype,
+                window=window,
+                lifecycle=Lifecycle.OPTIONAL,
+            )
+        )
+    return CacheConfig(
+        groups=tuple(groups),
+        tokens_per_page=page,
+        num_pages=(target_pages, draft_pages)[: len(groups)],
+        num_spec_tokens=k,
+        layout=layout,
+        enable_prefix_cache=prefix_cache,
+        host_num_pages=host_pages,
+        host_write_policy=host_write,
+        host_recall_min_pages=host_recall_min,
+    )
 
 
 def make_manager(**kwargs) -> KVCacheManager:
@@ -37,8 +72,7 @@ def rows(manager: KVCacheManager, request_id: str) -> tuple[list[int], list[int]
     return manager.block_table(request_id, "target"), manager.block_table(request_id, "draft")
 
 
-def run_request(manager: KVCacheManager, request_id: str, tokens: list[int],
-                cache: bool = True) -> None:
+def run_request(manager: KVCacheManager, request_id: str, tokens: list[int], cache: bool = True) -> None:
     """Prefill ``tokens`` in one step with whatever prefix matches, then free (and cache)."""
     match = manager.match_prefix(tokens)
     assert manager.can_allocate(len(tokens), match)

@@ -20,8 +20,10 @@ def fill(manager, request_id: str, seed: int) -> None:
 
 
 def pages_bits(manager, request_id: str, group: str, upto: int) -> list[bytes]:
-    return [manager.pools[group][p].view(torch.uint8).numpy().tobytes()
-            if p != N else b"" for p in manager.block_table(request_id, group)[:upto]]
+    return [
+        manager.pools[group][p].view(torch.uint8).numpy().tobytes() if p != N else b""
+        for p in manager.block_table(request_id, group)[:upto]
+    ]
 
 
 def run(manager, rid: str, tokens: list[int], seed: int) -> None:

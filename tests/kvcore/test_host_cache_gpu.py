@@ -12,14 +12,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def bits(manager: KVCacheManager, request_id: str, group: str) -> list[bytes]:
-    return [manager.pools[group][p].view(torch.uint8).cpu().numpy().tobytes() if p != N else b""
-            for p in manager.block_table(request_id, group)[:6]]
+    return [
+        manager.pools[group][p].view(torch.uint8).cpu().numpy().tobytes() if p != N else b""
+        for p in manager.block_table(request_id, group)[:6]
+    ]
 
 
 @pytest.mark.parametrize("policy", ["evict", "through"])
 def test_evicted_pages_come_back_bit_identical_on_cuda(policy):
-    m = KVCacheManager(make_config(window=16, target_pages=8, draft_pages=8, host_pages=16,
-                                   host_write=policy, draft_dtype="bfloat16"), device="cuda")
+    m = KVCacheManager(
+        make_config(
+            window=16, target_pages=8, draft_pages=8, host_pages=16, host_write=policy, draft_dtype="bfloat16"
+        ),
+        device="cuda",
+    )
     assert all(pool.is_pinned() for pool in m.host.host_pools.values())
     a = list(range(100, 124))
     m.allocate("a", 24, m.match_prefix(a))

@@ -204,13 +204,11 @@ def test_a_receiver_holding_a_prefix_is_sent_only_the_rest(manager):
     assert manager.held_pages("b") == {"target": 6, "draft": 6}
     assert rows(manager, "b") == ([0, 1, 2, 3, 4, 5, 7, 8], [N, N, N, N, N, 5, 7, 8])
     got = manager.transfer_pages("b", 27, manager.held_pages("b"))
-    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {
-        "target": (6, [7]), "draft": (6, [7])}
+    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {"target": (6, [7]), "draft": (6, [7])}
     sender = make_manager()
     sender.allocate("b", 27)
     sent = sender.transfer_pages("b", 27, manager.held_pages("b"))
-    assert {g: (p.first_page, p.page_ids) for g, p in sent.items()} == {
-        "target": (6, [6]), "draft": (6, [6])}
+    assert {g: (p.first_page, p.page_ids) for g, p in sent.items()} == {"target": (6, [6]), "draft": (6, [6])}
     assert sender.transfer_pages("b", 27)["draft"].first_page == 5  # nothing held: the window
     for m in (manager, sender):
         m.free("b")

@@ -22,18 +22,34 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live: dict[str, dict] = {}  # request id -> {tokens, first_private: {group: idx}}
         self.next_id = 0
 
-    @rule(window=st.sampled_from([0, 3, 8, 13]), page=st.sampled_from([1, 4, 5]),
-          k=st.integers(0, 4), layout=st.sampled_from(list(KVLayout)),
-          draft_layers=st.integers(1, 2), pages=st.integers(6, 40),
-          host_pages=st.sampled_from([0, 0, 6, 30]))
+    @rule(
+        window=st.sampled_from([0, 3, 8, 13]),
+        page=st.sampled_from([1, 4, 5]),
+        k=st.integers(0, 4),
+        layout=st.sampled_from(list(KVLayout)),
+        draft_layers=st.integers(1, 2),
+        pages=st.integers(6, 40),
+        host_pages=st.sampled_from([0, 0, 6, 30]),
+    )
     @precondition(lambda self: self.manager is None)
     def build(self, window, page, k, layout, draft_layers, pages, host_pages):
-        self.manager = make_manager(page=page, window=window, k=k, layout=layout,
-                                    draft_layers=draft_layers, target_pages=pages,
-                                    draft_pages=pages, host_pages=host_pages)
+        self.manager = make_manager(
+            page=page,
+            window=window,
+            k=k,
+            layout=layout,
+            draft_layers=draft_layers,
+            target_pages=pages,
+            draft_pages=pages,
+            host_pages=host_pages,
+        )
 
-    @rule(doc=st.integers(0, 2), cut=st.integers(0, 40), tail=st.lists(st.integers(0, 9), max_size=12),
-          reserve=st.booleans())
+    @rule(
+        doc=st.integers(0, 2),
+        cut=st.integers(0, 40),
+        tail=st.lists(st.integers(0, 9), max_size=12),
+        reserve=st.booleans(),
+    )
     @precondition(lambda self: self.manager is not None)
     def start(self, doc, cut, tail, reserve):
         tokens = DOCS[doc][:cut] + tail
@@ -114,7 +130,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         for rid, req in self.live.items():
             for g, row in m.requests[rid].rows.items():
-                for p in row[req["private"][g]:]:
+                for p in row[req["private"][g] :]:
                     assert p == NULL_PAGE or m.allocators[g].ref_counts[p] == 1, (rid, g, row)
 
     @invariant()
@@ -158,5 +174,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=500, stateful_step_count=30, deadline=None,
-                                       suppress_health_check=[HealthCheck.too_slow])
+TestManagerMachine.settings = settings(
+    max_examples=500, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

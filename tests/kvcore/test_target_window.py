@@ -50,8 +50,10 @@ def test_the_tree_holds_null_target_pages_and_a_continuation_reuses_the_window()
     m = make_manager(target_window=8)
     a = list(range(24))
     run_request(m, "a", a)
-    assert tree(m) == [(0, {"target": [], "draft": []}),
-                       (24, {"target": [N, N, N, N, 4, 5], "draft": [N, N, N, N, 4, 5]})]
+    assert tree(m) == [
+        (0, {"target": [], "draft": []}),
+        (24, {"target": [N, N, N, N, 4, 5], "draft": [N, N, N, N, 4, 5]}),
+    ]
     b = a + [100, 101]
     match = m.match_prefix(b)
     # the target re-runs from 23 for the drafter's slot 24: it reads 16..23, pages 4 and 5
@@ -101,8 +103,12 @@ def test_the_match_shortens_to_the_last_page_boundary_whose_window_is_held():
     y = x[:16]
     assert m.match_prefix(y).num_tokens == 0
     run_request(m, "y", y)  # its pages 13, 14 (positions 8..15) fill the tree's gap
-    assert tree(m) == [(0, {"target": []}), (12, {"target": [N, N, 13]}),
-                       (16, {"target": [14]}), (40, {"target": [N, N, N, N, 8, 9]})]
+    assert tree(m) == [
+        (0, {"target": []}),
+        (12, {"target": [N, N, 13]}),
+        (16, {"target": [14]}),
+        (40, {"target": [N, N, N, N, 8, 9]}),
+    ]
     z = x[:30] + [999]
     match = m.match_prefix(z)
     # 30, 28, 24 and 20 need page 4 or 5 (released); at 16 the window 9..15 is pages 2, 3
@@ -170,12 +176,16 @@ def test_transfer_pages_of_a_windowed_target_are_only_its_window():
     sender.advance("r", 22)
     sent = sender.transfer_pages("r", 22)  # the window at 22 reads 15..21: pages 3..5
     assert {g: (p.first_page, p.page_ids) for g, p in sent.items()} == {
-        "target": (3, [3, 4, 5]), "draft": (3, [3, 4, 5])}
+        "target": (3, [3, 4, 5]),
+        "draft": (3, [3, 4, 5]),
+    }
     receiver.allocate("r", 22, num_computed=22)
     assert rows(receiver, "r") == ([N, N, N, 0, 1, 2, 3], [N, N, N, 0, 1, 2, 3])
     got = receiver.transfer_pages("r", 22)
     assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {
-        "target": (3, [0, 1, 2]), "draft": (3, [0, 1, 2])}
+        "target": (3, [0, 1, 2]),
+        "draft": (3, [0, 1, 2]),
+    }
     for m in (sender, receiver):
         m.free("r")
         assert_empty(m)
@@ -190,8 +200,7 @@ def test_a_receiver_holding_the_window_is_sent_only_the_rest():
     assert m.held_pages("b") == {"target": 6, "draft": 6}
     assert rows(m, "b") == ([N, N, N, N, N, 5, 7, 8], [N, N, N, N, N, 5, 7, 8])
     got = m.transfer_pages("b", 27, m.held_pages("b"))
-    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {
-        "target": (6, [7]), "draft": (6, [7])}
+    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {"target": (6, [7]), "draft": (6, [7])}
     m.free("b")
     assert_empty(m)
 

@@ -7,6 +7,14 @@ from services.engine.models.llama import LlamaForCausalLM, TargetOutput
 from services.engine.models.loader import load_drafter, load_target, save_model
 
 __all__ = [
-    "DenseContext", "Eagle3Drafter", "EagleConfig", "LlamaConfig", "LlamaForCausalLM",
-    "PagedContext", "TargetOutput", "load_drafter", "load_target", "save_model",
+    "DenseContext",
+    "Eagle3Drafter",
+    "EagleConfig",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "PagedContext",
+    "TargetOutput",
+    "load_drafter",
+    "load_target",
+    "save_model",
 ]

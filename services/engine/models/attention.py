@@ -32,8 +32,9 @@ from services.engine.parallel import (
 
 
 class KVContext(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor: ...
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -49,11 +50,21 @@ class PagedContext:
     window: int = 0
     key_start: int = 0  # positions below it are written but never attended
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
-        return paged_attention(q, self.kv_pool, layer, self.block_table, self.query_start_loc,
-                               self.seq_lens, scale, self.window, self.key_start)
+        return paged_attention(
+            q,
+            self.kv_pool,
+            layer,
+            self.block_table,
+            self.query_start_loc,
+            self.seq_lens,
+            scale,
+            self.window,
+            self.key_start,
+        )
 
 
 @dataclass(slots=True)
@@ -65,20 +76,20 @@ class DenseContext:
     window: int = 0
     key_start: int = 0  # positions below it are never attended (a row seeing none gives 0)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         q4, k4, v4 = (self._heads_first(t) for t in (q, k, v))  # [batch, heads, seq, hd]
         if self.key_start > 0:
             mask = self.mask(q.device)
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
             out = out.masked_fill(~mask.any(-1)[:, None], 0.0)  # rows with no key: NaN -> 0
         elif self.window > 0:
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.mask(q.device),
-                                                 scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=self.mask(q.device), scale=scale, enable_gqa=True
+            )
         else:
-            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(q.shape)
 
     def mask(self, device: torch.device) -> torch.Tensor:
@@ -101,14 +112,23 @@ class Attention(nn.Module):
     parallelism this rank runs its share of the query heads and the KV heads they read
     (``num_heads``/``num_kv_heads`` are then per rank); o sums the shares."""
 
-    def __init__(self, input_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm_eps: float | None = None, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         q_heads = split(num_heads, tp, "num_attention_heads")
         own_kv = kv_heads(num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(own_kv), head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), qkv_bias)
         self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
         self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
@@ -118,8 +138,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ctx: KVContext, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int
+    ) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)

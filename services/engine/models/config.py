@@ -62,16 +62,26 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         _fill_heads(self)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check_heads(self)
         if self.model_type not in ARCHITECTURE_OF:
             refuse("model_type", self.model_type, ", ".join(ARCHITECTURE_OF))
         _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
         if self.sliding_window and self.model_type != "mistral":
-            refuse("sliding_window", self.sliding_window, f"0 for {self.model_type} "
-                   "(a windowed target is model_type 'mistral')")
+            refuse(
+                "sliding_window",
+                self.sliding_window,
+                f"0 for {self.model_type} (a windowed target is model_type 'mistral')",
+            )
         if self.attention_bias and self.model_type not in ("llama", "qwen3"):
             refuse("attention_bias", True, f"false for {self.model_type}")
         object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
@@ -95,10 +105,17 @@ class LlamaConfig:
         check_attention_bias(d, family)
         window = target_window(d, family)
         theta, scaling = read_rope(d, SLIDING if window else FULL)
-        return cls(**{**_known_fields(cls, d), "model_type": family, "sliding_window": window,
-                      "rope_theta": theta, "rope_scaling": scaling,
-                      "head_dim": d.get("head_dim") or 0,
-                      "attention_bias": bool(d.get("attention_bias")) and family != "qwen2"})
+        return cls(
+            **{
+                **_known_fields(cls, d),
+                "model_type": family,
+                "sliding_window": window,
+                "rope_theta": theta,
+                "rope_scaling": scaling,
+                "head_dim": d.get("head_dim") or 0,
+                "attention_bias": bool(d.get("attention_bias")) and family != "qwen2",
+            }
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
@@ -141,15 +158,29 @@ class EagleConfig:
         if self.target_hidden_size == 0:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "head_dim", "draft_vocab_size", "target_hidden_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "draft_vocab_size",
+            "target_hidden_size",
+        ):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _require(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
-                 f"{self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+        _require(
+            self.draft_vocab_size <= self.vocab_size,
+            "draft_vocab_size",
+            f"{self.draft_vocab_size} exceeds vocab_size {self.vocab_size}",
+        )
         _check_heads(self)
         _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
-        _require(len(self.aux_layer_ids) in (0, NUM_AUX_LAYERS), "aux_layer_ids",
-                 f"needs 3 target layers (low, mid, high), got {self.aux_layer_ids}")
+        _require(
+            len(self.aux_layer_ids) in (0, NUM_AUX_LAYERS),
+            "aux_layer_ids",
+            f"needs 3 target layers (low, mid, high), got {self.aux_layer_ids}",
+        )
         object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
 
     @classmethod
@@ -163,36 +194,56 @@ class EagleConfig:
         if d.get("num_aux_hidden_states", NUM_AUX_LAYERS) != NUM_AUX_LAYERS:
             refuse("num_aux_hidden_states", d["num_aux_hidden_states"], str(NUM_AUX_LAYERS))
         theta, scaling = read_rope(d)
-        return cls(**{**_known_fields(cls, d), "aux_layer_ids": aux_layers(d),
-                      "rope_theta": theta, "rope_scaling": scaling,
-                      "sliding_window": d.get("sliding_window") or 0,
-                      "head_dim": d.get("head_dim") or 0,
-                      "draft_vocab_size": d.get("draft_vocab_size") or 0,
-                      "target_hidden_size": d.get("target_hidden_size") or 0,
-                      "norm_before_residual": bool(d.get("norm_before_residual"))})
+        return cls(
+            **{
+                **_known_fields(cls, d),
+                "aux_layer_ids": aux_layers(d),
+                "rope_theta": theta,
+                "rope_scaling": scaling,
+                "sliding_window": d.get("sliding_window") or 0,
+                "head_dim": d.get("head_dim") or 0,
+                "draft_vocab_size": d.get("draft_vocab_size") or 0,
+                "target_hidden_size": d.get("target_hidden_size") or 0,
+                "norm_before_residual": bool(d.get("norm_before_residual")),
+            }
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         ids = list(d.pop("aux_layer_ids"))
         if ids:
-            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids,
-                                 "eagle_aux_hidden_state_layer_convention": "output"}
+            d["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "eagle_aux_hidden_state_layer_convention": "output",
+            }
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **d}
 
     def check_target(self, target: LlamaConfig) -> EagleConfig:
         """This config checked against the target it drafts for, with the default aux
         layers (:func:`.hf_config.default_aux_layers`) filled in if it names none. The
         drafter reads the target's hidden states and embedding, and shares its vocabulary."""
-        _require(self.target_hidden_size == target.hidden_size, "target_hidden_size",
-                 f"drafter reads {self.target_hidden_size}, target has {target.hidden_size}")
-        _require(self.hidden_size == target.hidden_size, "hidden_size",
-                 f"drafter {self.hidden_size} != target {target.hidden_size}")
-        _require(self.vocab_size == target.vocab_size, "vocab_size",
-                 f"drafter {self.vocab_size} != target {target.vocab_size}")
+        _require(
+            self.target_hidden_size == target.hidden_size,
+            "target_hidden_size",
+            f"drafter reads {self.target_hidden_size}, target has {target.hidden_size}",
+        )
+        _require(
+            self.hidden_size == target.hidden_size,
+            "hidden_size",
+            f"drafter {self.hidden_size} != target {target.hidden_size}",
+        )
+        _require(
+            self.vocab_size == target.vocab_size,
+            "vocab_size",
+            f"drafter {self.vocab_size} != target {target.vocab_size}",
+        )
         ids = self.aux_layer_ids or default_aux_layers(target.num_hidden_layers)
         for i in ids:
-            _require(0 <= i < target.num_hidden_layers, "aux_layer_ids",
-                     f"layer {i} not in the target's {target.num_hidden_layers} layers")
+            _require(
+                0 <= i < target.num_hidden_layers,
+                "aux_layer_ids",
+                f"layer {i} not in the target's {target.num_hidden_layers} layers",
+            )
         return replace(self, aux_layer_ids=ids)
 
 
@@ -216,8 +267,11 @@ def _fill_heads(c: LlamaConfig | EagleConfig) -> None:
 
 
 def _check_heads(c: LlamaConfig | EagleConfig) -> None:
-    _require(c.num_attention_heads % c.num_key_value_heads == 0, "num_key_value_heads",
-             f"{c.num_key_value_heads} does not divide {c.num_attention_heads} heads")
+    _require(
+        c.num_attention_heads % c.num_key_value_heads == 0,
+        "num_key_value_heads",
+        f"{c.num_key_value_heads} does not divide {c.num_attention_heads} heads",
+    )
     _require(c.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {c.head_dim}")
 
 

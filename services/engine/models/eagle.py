@@ -30,6 +30,7 @@ from services.engine.parallel import SINGLE, TensorParallel
 
 DRAFT_KEY_START = 1  # first drafter position attended as a key (see the module docstring)
 
+
 class Eagle3Layer(nn.Module):
     """Reads [input_layernorm(embedding), hidden_norm(hidden)] (2 * hidden_size wide);
     the residual stream starts from ``hidden``, or from hidden_norm(hidden) with
@@ -39,14 +40,20 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(2 * c.hidden_size, c.hidden_size, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, tp=tp)
+        self.self_attn = Attention(
+            2 * c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp=tp
+        )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
         self.norm_before_residual = c.norm_before_residual
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: KVContext,
+    ) -> torch.Tensor:
         """embeds, hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
@@ -58,8 +65,13 @@ class Eagle3Drafter(nn.Module):
     """``tp``: the drafter's layers are sharded like the target's (its draft KV group
     too); ``fc``, the norms, the embedding and the LM head stay whole on every rank."""
 
-    def __init__(self, config: EagleConfig, own_head: bool = False,
-                 own_embed: bool = False, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        config: EagleConfig,
+        own_head: bool = False,
+        own_embed: bool = False,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(NUM_AUX_LAYERS * c.target_hidden_size, c.hidden_size, bias=False)
@@ -79,13 +91,18 @@ class Eagle3Drafter(nn.Module):
         hidden_size]."""
         return self.fc(aux)
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                ctx: KVContext, target: LlamaForCausalLM) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: KVContext,
+        target: LlamaForCausalLM,
+    ) -> torch.Tensor:
         """input_ids, positions [num_tokens]; hidden [num_tokens, hidden_size] (the h_j of
         the module docstring). Returns g [num_tokens, hidden_size], before the final norm."""
         rope = self.rotary(positions)
-        embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None \
-            else target.embed(input_ids)
+        embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None else target.embed(input_ids)
         x = self.midlayer(embeds, hidden.to(embeds.dtype), rope, ctx)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, ctx, i + 1)

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                        "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+TARGET_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
 DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 ROPE_KEYS = {  # rope type -> the scaling keys it reads (all required)
     "default": (),
     "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
 NEUTRAL = {  # key -> (is the value neutral?, what is supported)
@@ -70,8 +73,7 @@ def target_family(d: dict[str, Any]) -> str:
 def check_drafter_family(d: dict[str, Any]) -> None:
     archs, model_type = d.get("architectures") or [], d.get("model_type")
     if archs and (len(archs) != 1 or archs[0] not in DRAFTER_ARCHITECTURES):
-        refuse("architectures", archs if len(archs) != 1 else archs[0],
-               ", ".join(DRAFTER_ARCHITECTURES))
+        refuse("architectures", archs if len(archs) != 1 else archs[0], ", ".join(DRAFTER_ARCHITECTURES))
     if model_type not in (None, "llama"):
         refuse("model_type", model_type, "llama")
 
@@ -87,8 +89,9 @@ def target_window(d: dict[str, Any], family: str) -> int:
             refuse("use_sliding_window", True, "false (every layer attends fully)")
         window = 0  # transformers drops sliding_window when use_sliding_window is false
     elif family == "llama" and window:
-        refuse("sliding_window", window, "null for LlamaForCausalLM "
-               "(a windowed target is MistralForCausalLM)")
+        refuse(
+            "sliding_window", window, "null for LlamaForCausalLM (a windowed target is MistralForCausalLM)"
+        )
     layer_type = SLIDING if window else FULL
     types = d.get("layer_types")
     if types is not None and any(t != layer_type for t in types):
@@ -110,8 +113,7 @@ def read_rope(d: dict[str, Any], layer_type: str = FULL) -> tuple[float, dict[st
     default type, else canonical: ``{"rope_type": ..., <its keys>}``."""
     params = d.get("rope_parameters")
     if params is None:
-        return float(d.get("rope_theta") or 10000.0), normalize_rope(d.get("rope_scaling"),
-                                                                      "rope_scaling")
+        return float(d.get("rope_theta") or 10000.0), normalize_rope(d.get("rope_scaling"), "rope_scaling")
     if params and all(isinstance(v, dict) for v in params.values()):
         if layer_type not in params:
             refuse("rope_parameters", sorted(params), f"an entry for {layer_type!r}")
@@ -149,8 +151,11 @@ def aux_layers(d: dict[str, Any]) -> tuple[int, ...]:
     configs say which with ``eagle_aux_hidden_state_layer_convention``: "output" or
     "input"; it overrides the rule (an output list may start at 0)."""
     eagle = d.get("eagle_config") or {}
-    known = ("eagle_aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_convention",
-             "use_aux_hidden_state")
+    known = (
+        "eagle_aux_hidden_state_layer_ids",
+        "eagle_aux_hidden_state_layer_convention",
+        "use_aux_hidden_state",
+    )
     for key in set(eagle) - set(known):
         refuse(f"eagle_config.{key}", eagle[key], ", ".join(known))
     if eagle.get("use_aux_hidden_state", True) is not True:
@@ -160,8 +165,7 @@ def aux_layers(d: dict[str, Any]) -> tuple[int, ...]:
         return ()
     convention = eagle.get("eagle_aux_hidden_state_layer_convention")
     if convention not in (None, "output", "input"):
-        refuse("eagle_config.eagle_aux_hidden_state_layer_convention", convention,
-               "output, input")
+        refuse("eagle_config.eagle_aux_hidden_state_layer_convention", convention, "output, input")
     if convention is None:
         convention = "output" if ids[0] == 1 else "input"
     return tuple(int(i) - (convention == "input") for i in ids)

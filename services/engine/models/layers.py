@@ -38,8 +38,7 @@ class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); under tensor parallelism this rank holds a slice of
     the intermediate size and down sums the slices."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int,
-                 tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rows = split(intermediate_size, tp, "intermediate_size")
         self.gate_proj = ColumnParallelLinear(hidden_size, rows)

@@ -34,14 +34,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, c.qkv_bias, c.o_bias,
-                                   c.rms_norm_eps if c.qk_norm else None, tp)
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.qkv_bias,
+            c.o_bias,
+            c.rms_norm_eps if c.qk_norm else None,
+            tp,
+        )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext,
-                layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -54,8 +63,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: KVContext,
-                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: KVContext,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> TargetOutput:
         rope = self.rotary(positions)
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         kept = {}
@@ -76,8 +90,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -87,8 +104,13 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: KVContext,
-                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: KVContext,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> TargetOutput:
         """input_ids, positions [num_tokens]; aux collects the listed layers' outputs."""
         return self.model(input_ids, positions, ctx, aux_layer_ids)
 

@@ -56,9 +56,12 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
 
 
-def load_target(folder: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
-                ) -> LlamaForCausalLM:
+def load_target(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tp: TensorParallel = SINGLE,
+) -> LlamaForCausalLM:
     """A tied config's stored ``lm_head.weight`` is skipped (as vLLM does): the head is
     the embedding."""
     config = LlamaConfig.from_dict(read_config_json(folder))
@@ -70,9 +73,12 @@ def load_target(folder: str | Path, device: str | torch.device = "cpu",
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
-                 ) -> Eagle3Drafter:
+def load_drafter(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tp: TensorParallel = SINGLE,
+) -> Eagle3Drafter:
     """Its aux layers may still be the defaults: resolve them with
     ``config.check_target(target.config)``."""
     config = EagleConfig.from_dict(read_config_json(folder))
@@ -81,18 +87,22 @@ def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
         for prefix, what in UNSUPPORTED_TENSORS.items():
             if name.startswith(prefix):
                 raise ValueError(f"{name}: {what} is not supported")
-    model = Eagle3Drafter(config, own_head="lm_head.weight" in state,
-                          own_embed="embed_tokens.weight" in state, tp=tp)
+    model = Eagle3Drafter(
+        config, own_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state, tp=tp
+    )
     _load_into(model, shard_state_dict(model, state), folder)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_model(model: LlamaForCausalLM | Eagle3Drafter, folder: str | Path,
-               dtype: torch.dtype = torch.bfloat16) -> None:
+def save_model(
+    model: LlamaForCausalLM | Eagle3Drafter, folder: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> None:
     """Write config.json and model.safetensors (floating tensors cast to ``dtype``)."""
     write_config_json(folder, model.config)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-             for k, v in model.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+    }
     save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -101,10 +111,14 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], folder: str | P
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"model_path: {folder} does not match the architecture: "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise ValueError(
+            f"model_path: {folder} does not match the architecture: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"model_path: tensor {name} has shape {tuple(t.shape)}, "
-                             f"expected {tuple(expected[name].shape)}")
+            raise ValueError(
+                f"model_path: tensor {name} has shape {tuple(t.shape)}, "
+                f"expected {tuple(expected[name].shape)}"
+            )
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})

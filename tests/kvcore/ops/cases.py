@@ -31,8 +31,17 @@ class Case:
     key_start: int = 0
 
     def args(self) -> tuple:
-        return (self.query, self.kv_pool, self.layer, self.block_table, self.query_start_loc,
-                self.seq_lens, self.scale, self.window, self.key_start)
+        return (
+            self.query,
+            self.kv_pool,
+            self.layer,
+            self.block_table,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+            self.window,
+            self.key_start,
+        )
 
 
 def first_visible(seq_len: int, q_len: int, window: int) -> int:
@@ -40,12 +49,24 @@ def first_visible(seq_len: int, q_len: int, window: int) -> int:
     return max(0, seq_len - q_len - window + 1) if window else 0
 
 
-def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 16,
-              num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 32,
-              pool_dtype: torch.dtype = torch.bfloat16,
-              query_dtype: torch.dtype = torch.bfloat16, window: int = 0,
-              num_layers: int = 2, layer: int = 1, seed: int = 0, spare_pages: int = 3,
-              device: str = "cpu", key_start: int = 0) -> Case:
+def make_case(
+    seq_lens: list[int],
+    q_lens: list[int],
+    *,
+    tokens_per_page: int = 16,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    pool_dtype: torch.dtype = torch.bfloat16,
+    query_dtype: torch.dtype = torch.bfloat16,
+    window: int = 0,
+    num_layers: int = 2,
+    layer: int = 1,
+    seed: int = 0,
+    spare_pages: int = 3,
+    device: str = "cpu",
+    key_start: int = 0,
+) -> Case:
     """Positions below ``key_start`` hold NaN too: they must never be read."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [cdiv(s, tokens_per_page) for s in seq_lens]
@@ -53,9 +74,8 @@ def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 
     shape = (num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim)
     pool = to_pool_dtype(torch.randn(shape, generator=gen), pool_dtype)
     ids = torch.randperm(num_pages, generator=gen).tolist()
-    table = torch.full((len(seq_lens), max(pages_per_seq, default=0) + 1), NULL_PAGE,
-                       dtype=torch.int32)
-    poisoned = ids[sum(pages_per_seq):]
+    table = torch.full((len(seq_lens), max(pages_per_seq, default=0) + 1), NULL_PAGE, dtype=torch.int32)
+    poisoned = ids[sum(pages_per_seq) :]
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
         lo = first_visible(seq_len, q_len, window)
         for k in range(pages_per_seq[b]):
@@ -70,9 +90,17 @@ def make_case(seq_lens: list[int], q_lens: list[int], *, tokens_per_page: int = 
     num_tokens = sum(q_lens)
     query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(query_dtype)
     starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return Case(query.to(device), pool.to(device), layer, table.to(device), starts.to(device),
-                torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                head_dim ** -0.5, window, key_start)
+    return Case(
+        query.to(device),
+        pool.to(device),
+        layer,
+        table.to(device),
+        starts.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        head_dim**-0.5,
+        window,
+        key_start,
+    )
 
 
 def dense_attention(case: Case) -> torch.Tensor:

@@ -7,8 +7,7 @@ from kvcore.ops import copy_pages, pack_pages, unpack_pages, write_kv
 from kvcore.ops import reference as ref
 from kvcore.ops.reference import to_pool_dtype
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, FP8]

@@ -11,8 +11,9 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 
 def test_decode_varlen_gqa():
     case = make_case([1, 17, 40, 100], [1, 1, 1, 1], num_q_heads=8, num_kv_heads=2)
-    out = reference.decode_attention(case.query, case.kv_pool, case.layer, case.block_table,
-                                     case.seq_lens, case.scale)
+    out = reference.decode_attention(
+        case.query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+    )
     assert_matches_dense(out, case)
 
 
@@ -20,8 +21,9 @@ def test_decode_varlen_gqa():
 def test_verify_is_causal_inside_the_block(q_len):
     case = make_case([q_len, 33, 64], [q_len] * 3, seed=q_len)
     query = case.query.view(3, q_len, *case.query.shape[1:])
-    out = reference.verify_attention(query, case.kv_pool, case.layer, case.block_table,
-                                     case.seq_lens, case.scale)
+    out = reference.verify_attention(
+        query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+    )
     assert out.shape == query.shape
     assert_matches_dense(out.reshape(case.query.shape), case)
 
@@ -42,11 +44,11 @@ def test_page_sizes(tokens_per_page):
     assert_matches_dense(reference.paged_attention(*case.args()), case)
 
 
-@pytest.mark.parametrize("window,tokens_per_page", [(1, 16), (5, 16), (20, 16), (40, 8),
-                                                    (7, 1), (100, 16)])
+@pytest.mark.parametrize("window,tokens_per_page", [(1, 16), (5, 16), (20, 16), (40, 8), (7, 1), (100, 16)])
 def test_sliding_window_never_reads_released_pages(window, tokens_per_page):
-    case = make_case([1, 30, 100, 150], [1, 4, 8, 30], window=window,
-                     tokens_per_page=tokens_per_page, seed=window)
+    case = make_case(
+        [1, 30, 100, 150], [1, 4, 8, 30], window=window, tokens_per_page=tokens_per_page, seed=window
+    )
     if window < 100:
         assert (case.block_table == -1).sum() > case.block_table.shape[0]  # some released
     assert_matches_dense(reference.paged_attention(*case.args()), case)
@@ -60,9 +62,16 @@ def test_keys_below_key_start_are_never_read(window):
     assert bool(out[0].eq(0).all())  # the lone query at position 0 sees no key
     assert_matches_dense(out, case)
     decode = make_case([1, 2, 17, 40], [1, 1, 1, 1], window=window, key_start=1, seed=12)
-    out = reference.decode_attention(decode.query, decode.kv_pool, decode.layer,
-                                     decode.block_table, decode.seq_lens, decode.scale,
-                                     window, key_start=1)
+    out = reference.decode_attention(
+        decode.query,
+        decode.kv_pool,
+        decode.layer,
+        decode.block_table,
+        decode.seq_lens,
+        decode.scale,
+        window,
+        key_start=1,
+    )
     assert_matches_dense(out, decode)
 
 
@@ -73,22 +82,29 @@ def test_head_groupings(heads):
     assert_matches_dense(reference.paged_attention(*case.args()), case)
 
 
-@pytest.mark.parametrize("pool_dtype,query_dtype", [
-    (torch.float32, torch.float32), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-    pytest.param(FP8, torch.bfloat16, marks=pytest.mark.skipif(FP8 is None, reason="no fp8")),
-    pytest.param(FP8, torch.float32, marks=pytest.mark.skipif(FP8 is None, reason="no fp8")),
-])
+@pytest.mark.parametrize(
+    "pool_dtype,query_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        pytest.param(FP8, torch.bfloat16, marks=pytest.mark.skipif(FP8 is None, reason="no fp8")),
+        pytest.param(FP8, torch.float32, marks=pytest.mark.skipif(FP8 is None, reason="no fp8")),
+    ],
+)
 def test_dtypes(pool_dtype, query_dtype):
-    case = make_case([17, 64, 90], [1, 5, 20], pool_dtype=pool_dtype, query_dtype=query_dtype,
-                     window=30, seed=7)
+    case = make_case(
+        [17, 64, 90], [1, 5, 20], pool_dtype=pool_dtype, query_dtype=query_dtype, window=30, seed=7
+    )
     assert_matches_dense(reference.paged_attention(*case.args()), case)
 
 
 def test_padding_row_with_empty_context_outputs_zeros():
     case = make_case([0, 12], [1, 1], seed=8)
-    out = reference.decode_attention(case.query, case.kv_pool, case.layer, case.block_table,
-                                     case.seq_lens, case.scale)
+    out = reference.decode_attention(
+        case.query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+    )
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_matches_dense(out, case)
 
@@ -101,22 +117,34 @@ def test_entries_past_the_extent_are_ignored():
     assert_matches_dense(reference.paged_attention(*case.args()), case)
 
 
-@pytest.mark.parametrize("field,mutate", [
-    ("query", lambda a: a.update(query=a["query"][:, :3])),
-    ("query", lambda a: a.update(query=a["query"][..., :16])),
-    ("layer", lambda a: a.update(layer=2)),
-    ("block_table", lambda a: a.update(block_table=a["block_table"][:1])),
-    ("block_table", lambda a: a.update(block_table=a["block_table"].float())),
-    ("query_start_loc", lambda a: a.update(query_start_loc=a["query_start_loc"][:2])),
-    ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"][:, None])),
-    ("window", lambda a: a.update(window=-1)),
-    ("key_start", lambda a: a.update(key_start=-1)),
-    ("kv_pool", lambda a: a.update(kv_pool=a["kv_pool"][0])),
-])
+@pytest.mark.parametrize(
+    "field,mutate",
+    [
+        ("query", lambda a: a.update(query=a["query"][:, :3])),
+        ("query", lambda a: a.update(query=a["query"][..., :16])),
+        ("layer", lambda a: a.update(layer=2)),
+        ("block_table", lambda a: a.update(block_table=a["block_table"][:1])),
+        ("block_table", lambda a: a.update(block_table=a["block_table"].float())),
+        ("query_start_loc", lambda a: a.update(query_start_loc=a["query_start_loc"][:2])),
+        ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"][:, None])),
+        ("window", lambda a: a.update(window=-1)),
+        ("key_start", lambda a: a.update(key_start=-1)),
+        ("kv_pool", lambda a: a.update(kv_pool=a["kv_pool"][0])),
+    ],
+)
 def test_bad_input_names_the_field(field, mutate):
     case = make_case([5, 9], [1, 2])
-    names = ["query", "kv_pool", "layer", "block_table", "query_start_loc", "seq_lens",
-             "scale", "window", "key_start"]
+    names = [
+        "query",
+        "kv_pool",
+        "layer",
+        "block_table",
+        "query_start_loc",
+        "seq_lens",
+        "scale",
+        "window",
+        "key_start",
+    ]
     args = dict(zip(names, case.args(), strict=True))
     mutate(args)
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -22,8 +22,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def random_pool(dtype, num_pages=6, num_layers=3, num_kv_heads=4, tokens_per_page=4,
-                head_dim=8, seed=0):
+def random_pool(dtype, num_pages=6, num_layers=3, num_kv_heads=4, tokens_per_page=4, head_dim=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim)
     return to_pool_dtype(torch.randn(shape, generator=gen) * 3, dtype)
@@ -93,8 +92,7 @@ def test_pack_unpack_head_range(dtype):
 def test_unpack_rejects_wrong_shape_and_dtype():
     pool = random_pool(torch.bfloat16)
     with pytest.raises(ValueError, match="^packed:"):
-        unpack_pages(pool, torch.tensor([0]), torch.zeros(2, *pool.shape[1:],
-                                                          dtype=torch.bfloat16))
+        unpack_pages(pool, torch.tensor([0]), torch.zeros(2, *pool.shape[1:], dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="^packed:"):
         unpack_pages(pool, torch.tensor([0]), torch.zeros(1, *pool.shape[1:]))
     with pytest.raises(ValueError, match="^page_ids:"):

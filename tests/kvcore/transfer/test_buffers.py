@@ -5,8 +5,9 @@ import torch
 from kvcore.transfer.buffers import as_ucx_array
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
-                                   torch.float8_e4m3fn, torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
+)
 def test_tensor_of_any_dtype_is_a_byte_view(dtype):
     tensor = torch.zeros(3, 5, dtype=dtype)
     array = as_ucx_array(tensor, writable=True)

@@ -48,8 +48,11 @@ async def _session(role: str, layout: KVLayout, target_window: int, conn) -> Non
     from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent
     from kvcore.transfer.ucx import TransferTimeout, UcxEndpointInfo
 
-    manager = (seeded_manager(layout, 7, target_window) if role == "prefill"
-               else make_manager(layout=layout, target_window=target_window, **CONFIG))
+    manager = (
+        seeded_manager(layout, 7, target_window)
+        if role == "prefill"
+        else make_manager(layout=layout, target_window=target_window, **CONFIG)
+    )
     agent = KVTransferAgent(manager, hidden_size=HIDDEN)
     await agent.start()
     rows = None
@@ -70,9 +73,10 @@ async def _session(role: str, layout: KVLayout, target_window: int, conn) -> Non
     else:
         aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
         await agent.pong("prefill", "pair-1", TIMEOUT_S)
-        landed = {g: (p.first_page, p.page_ids,
-                      manager.pools[g][p.page_ids].view(torch.uint8).numpy().tobytes())
-                  for g, p in manager.transfer_pages("r", NUM_TOKENS).items()}
+        landed = {
+            g: (p.first_page, p.page_ids, manager.pools[g][p.page_ids].view(torch.uint8).numpy().tobytes())
+            for g, p in manager.transfer_pages("r", NUM_TOKENS).items()
+        }
         manager.free("r")
         try:  # nobody sends request "s": the receive times out, and nothing leaks
             manager.allocate("s", 8, num_computed=8)
@@ -81,17 +85,25 @@ async def _session(role: str, layout: KVLayout, target_window: int, conn) -> Non
         except TransferTimeout:
             silent = "TransferTimeout"
         manager.free("s")
-        conn.send({"aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist(), aux.sender_id),
-                   "bytes": usage.bytes, "landed": landed, "silent": silent,
-                   "used": {g: u.used for g, u in manager.usage().items()}})
+        conn.send(
+            {
+                "aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist(), aux.sender_id),
+                "bytes": usage.bytes,
+                "landed": landed,
+                "silent": silent,
+                "used": {g: u.used for g, u in manager.usage().items()},
+            }
+        )
     await agent.close()
 
 
 def run_pair(layout: KVLayout, target_window: int = 0) -> tuple[dict, dict]:
     ctx = mp.get_context("spawn")
     pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
-    procs = {r: ctx.Process(target=_child, args=(r, layout, target_window, pipes[r][1]), daemon=True)
-             for r in pipes}
+    procs = {
+        r: ctx.Process(target=_child, args=(r, layout, target_window, pipes[r][1]), daemon=True)
+        for r in pipes
+    }
     for p in procs.values():
         p.start()
     try:
@@ -113,8 +125,9 @@ def _recv(conn):
     return conn.recv()
 
 
-@pytest.mark.parametrize(("layout", "target_window"), [
-    (KVLayout.UNIFIED, 0), (KVLayout.SEPARATE, 0), (KVLayout.UNIFIED, 8)])
+@pytest.mark.parametrize(
+    ("layout", "target_window"), [(KVLayout.UNIFIED, 0), (KVLayout.SEPARATE, 0), (KVLayout.UNIFIED, 8)]
+)
 def test_pages_of_every_group_land_bit_exactly(layout, target_window):
     sent, got = run_pair(layout, target_window)
     sender = seeded_manager(layout, 7, target_window)
@@ -133,8 +146,7 @@ def test_pages_of_every_group_land_bit_exactly(layout, target_window):
     if not target_window:
         assert got["landed"]["target"][0] == 0
     page_bytes = {g: sender.groups[g].page_bytes(4) for g in groups}
-    assert got["bytes"] == sent["bytes"] == {g: page_bytes[g] * len(expected[g].page_ids)
-                                             for g in groups}
+    assert got["bytes"] == sent["bytes"] == {g: page_bytes[g] * len(expected[g].page_ids) for g in groups}
     assert got["aux"] == (NUM_TOKENS, 42, [float(i) for i in range(HIDDEN)], "prefill")
     assert got["silent"] == "TransferTimeout"
     assert got["used"] == {"target": 0, "draft": 0}

@@ -33,12 +33,15 @@ def test_message_tag_layout_round_trips():
     assert split_tag(make_tag("r", MAX_GROUPS - 1, MAX_CHUNKS - 1))[1:] == (255, 65535)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"group_index": MAX_GROUPS, "chunk": 0}, "group_index"),
-    ({"group_index": -1, "chunk": 0}, "group_index"),
-    ({"group_index": 0, "chunk": MAX_CHUNKS}, "chunk"),
-    ({"group_index": 0, "chunk": -1}, "chunk"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"group_index": MAX_GROUPS, "chunk": 0}, "group_index"),
+        ({"group_index": -1, "chunk": 0}, "group_index"),
+        ({"group_index": 0, "chunk": MAX_CHUNKS}, "chunk"),
+        ({"group_index": 0, "chunk": -1}, "chunk"),
+    ],
+)
 def test_out_of_range_fields_name_themselves(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_tag("req-1", **kwargs)

@@ -28,16 +28,22 @@ RANKS = ["P0", "P1", "D0", "D1"]
 
 
 def manager(tp: int) -> KVCacheManager:
-    groups = tuple(LayerGroupSpec(g, owner, num_layers=2 if g == "target" else 1,
-                                  num_kv_heads=len(heads_of_rank(h, tp, 0)), head_dim=4,
-                                  dtype="float32" if g == "target" else "bfloat16",
-                                  window=0 if g == "target" else 8,
-                                  lifecycle=Lifecycle.REQUIRED if g == "target"
-                                  else Lifecycle.OPTIONAL)
-                   for (g, h), owner in zip(HEADS.items(), (Owner.TARGET, Owner.DRAFT),
-                                            strict=True))
-    return KVCacheManager(CacheConfig(groups=groups, tokens_per_page=4, num_pages=(16, 16),
-                                      num_spec_tokens=2))
+    groups = tuple(
+        LayerGroupSpec(
+            g,
+            owner,
+            num_layers=2 if g == "target" else 1,
+            num_kv_heads=len(heads_of_rank(h, tp, 0)),
+            head_dim=4,
+            dtype="float32" if g == "target" else "bfloat16",
+            window=0 if g == "target" else 8,
+            lifecycle=Lifecycle.REQUIRED if g == "target" else Lifecycle.OPTIONAL,
+        )
+        for (g, h), owner in zip(HEADS.items(), (Owner.TARGET, Owner.DRAFT), strict=True)
+    )
+    return KVCacheManager(
+        CacheConfig(groups=groups, tokens_per_page=4, num_pages=(16, 16), num_spec_tokens=2)
+    )
 
 
 def whole_pools(seed: int) -> dict[str, torch.Tensor]:
@@ -75,14 +81,13 @@ async def _session(name: str, conn) -> None:
         if side == "P":
             for g, pool in whole_pools(7).items():
                 pool_heads = heads_of_rank(HEADS[g], tp, rank)
-                m.pools[g].copy_(pool[:, :, :, pool_heads.start:pool_heads.stop])
+                m.pools[g].copy_(pool[:, :, :, pool_heads.start : pool_heads.stop])
             m.allocate(rid(src_tp, dst_tp), NUM_TOKENS)
             m.advance(rid(src_tp, dst_tp), NUM_TOKENS)
         else:  # other page ids than the sender's: a page or two already taken
             m.allocate("other", 4 * (src_tp + dst_tp))
             m.allocate(rid(src_tp, dst_tp), NUM_TOKENS, num_computed=NUM_TOKENS)
-            rows[rid(src_tp, dst_tp)] = {g: m.block_table(rid(src_tp, dst_tp), g)
-                                         for g in m.groups}
+            rows[rid(src_tp, dst_tp)] = {g: m.block_table(rid(src_tp, dst_tp), g) for g in m.groups}
         agents[(src_tp, dst_tp)] = KVTransferAgent(m, HIDDEN, transport)
     conn.send((transport.local_info().worker_address, rows))
     addresses, dest_rows = await asyncio.to_thread(conn.recv)
@@ -116,8 +121,10 @@ async def _session(name: str, conn) -> None:
                 await agent.receive_pages(r, pages, TIMEOUT_S, mine, src)
         if rank == 0:
             await agent.acknowledge(r, "P0", NUM_TOKENS, TIMEOUT_S)
-        return {g: (p.page_ids, agent.manager.pools[g][p.page_ids].view(torch.uint8).numpy()
-                    .tobytes()) for g, p in pages.items()}
+        return {
+            g: (p.page_ids, agent.manager.pools[g][p.page_ids].view(torch.uint8).numpy().tobytes())
+            for g, p in pages.items()
+        }
 
     work = send if side == "P" else receive
     results = await asyncio.gather(*(work(s, d, a) for (s, d), a in agents.items()))
@@ -153,10 +160,14 @@ def test_each_decode_rank_holds_exactly_its_heads_of_the_prefill_pages():
             assert set(got) == set(HEADS)
             for g, (ids, bits) in got.items():
                 held = heads_of_rank(HEADS[g], dst_tp, dst)
-                expected = whole[g][sent[g].page_ids][:, :, :, held.start:held.stop]
+                expected = whole[g][sent[g].page_ids][:, :, :, held.start : held.stop]
                 assert len(ids) == len(sent[g].page_ids)
-                assert bits == expected.contiguous().view(torch.uint8).numpy().tobytes(), \
-                    (src_tp, dst_tp, dst, g)
+                assert bits == expected.contiguous().view(torch.uint8).numpy().tobytes(), (
+                    src_tp,
+                    dst_tp,
+                    dst,
+                    g,
+                )
 
 
 def _recv(conn):

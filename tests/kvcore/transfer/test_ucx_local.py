@@ -49,6 +49,7 @@ def test_round_trip_is_bit_exact():
 
 def test_timed_out_receive_leaves_nothing_posted():
     """After a timeout, a late message is neither lost nor written into the old buffer."""
+
     async def body():
         transport = await started()
         tag = make_tag("local-late", 0, 0)
@@ -100,7 +101,8 @@ def test_close_wakes_a_waiting_receive_and_refuses_later_calls():
     async def body():
         transport = await started()
         waiting = asyncio.ensure_future(
-            transport.recv(torch.empty(8, dtype=torch.uint8), make_tag("local-close", 0, 0), 10))
+            transport.recv(torch.empty(8, dtype=torch.uint8), make_tag("local-close", 0, 0), 10)
+        )
         await asyncio.sleep(0.05)
         await transport.close()
         await transport.close()  # idempotent
@@ -139,8 +141,7 @@ def test_bad_input_names_the_field():
             (transport.connect("self", info), "peer_id"),  # already connected
             (transport.connect("x", UcxEndpointInfo(b"")), "worker_address"),
             (transport.connect("x", UcxEndpointInfo(b"", "", 0), UcxPath.LISTENER), "host"),
-            (transport.connect("x", UcxEndpointInfo(b"", "127.0.0.1", 0), UcxPath.LISTENER),
-             "port"),
+            (transport.connect("x", UcxEndpointInfo(b"", "127.0.0.1", 0), UcxPath.LISTENER), "port"),
             (transport.send("nobody", b"x", 1), "peer_id"),
             (transport.send("self", b"x", -1), "tag"),
             (transport.send("self", b"x", 1 << 64), "tag"),
@@ -180,16 +181,16 @@ def test_an_idle_worker_sleeps_after_a_message(monkeypatch):
 
     calls = []
     reader = BlockingMode._fd_reader_callback
-    monkeypatch.setattr(BlockingMode, "_fd_reader_callback",
-                        lambda self: (calls.append(1), reader(self))[1])
+    monkeypatch.setattr(BlockingMode, "_fd_reader_callback", lambda self: (calls.append(1), reader(self))[1])
 
     async def body():
         transport = await started()  # this loop's progress task binds the counting reader
         tag = make_tag("local-idle", 0, 0)
         got = torch.empty(1 << 20, dtype=torch.uint8)
         for _ in range(3):
-            await asyncio.gather(transport.send("self", torch.ones_like(got), tag, 5),
-                                 transport.recv(got, tag, 5))
+            await asyncio.gather(
+                transport.send("self", torch.ones_like(got), tag, 5), transport.recv(got, tag, 5)
+            )
         await asyncio.sleep(0.1)  # the arm task finishes
         calls.clear()
         await asyncio.sleep(0.5)

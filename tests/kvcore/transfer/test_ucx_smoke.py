@@ -31,10 +31,12 @@ def payloads(role: int) -> dict[str, torch.Tensor]:
     def random_bytes(n: int) -> torch.Tensor:
         return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
 
-    out = {"bf16_shm": random_bytes(4 << 20).view(torch.bfloat16).view(1024, -1),  # 4 MiB
-           "fp8_shm": random_bytes(1 << 20).view(torch.float8_e4m3fn),  # 1 MiB
-           "small_shm": random_bytes(100),  # eager protocol
-           "bf16_tcp": random_bytes(1 << 20).view(torch.bfloat16)}  # 1 MiB
+    out = {
+        "bf16_shm": random_bytes(4 << 20).view(torch.bfloat16).view(1024, -1),  # 4 MiB
+        "fp8_shm": random_bytes(1 << 20).view(torch.float8_e4m3fn),  # 1 MiB
+        "small_shm": random_bytes(100),  # eager protocol
+        "bf16_tcp": random_bytes(1 << 20).view(torch.bfloat16),
+    }  # 1 MiB
     return out
 
 
@@ -63,22 +65,23 @@ async def _peer_session(role: int, conn) -> None:
 
     mine, theirs = payloads(role), payloads(1 - role)
     received = {name: torch.empty_like(t) for name, t in theirs.items()}
-    sends = [transport.send(peer_id_of(name), t, tag_of(role, i), TIMEOUT_S)
-             for i, (name, t) in enumerate(mine.items())]
-    recvs = [transport.recv(received[name], tag_of(1 - role, i), TIMEOUT_S)
-             for i, name in enumerate(theirs)]
+    sends = [
+        transport.send(peer_id_of(name), t, tag_of(role, i), TIMEOUT_S)
+        for i, (name, t) in enumerate(mine.items())
+    ]
+    recvs = [transport.recv(received[name], tag_of(1 - role, i), TIMEOUT_S) for i, name in enumerate(theirs)]
     await asyncio.gather(*sends, *recvs)
 
     start = time.monotonic()
     try:
-        await transport.recv(torch.empty(16, dtype=torch.uint8), tag_of(1 - role, 99),
-                             SILENT_TIMEOUT_S)
+        await transport.recv(torch.empty(16, dtype=torch.uint8), tag_of(1 - role, 99), SILENT_TIMEOUT_S)
         silent = ("no error", 0.0)
     except TransferTimeout:
         silent = ("TransferTimeout", time.monotonic() - start)
 
-    conn.send(({name: t.view(torch.uint8).flatten().numpy().tobytes()
-                for name, t in received.items()}, silent))
+    conn.send(
+        ({name: t.view(torch.uint8).flatten().numpy().tobytes() for name, t in received.items()}, silent)
+    )
     await asyncio.to_thread(conn.recv)  # both peers are done: safe to close
     await transport.close()
 
@@ -96,8 +99,7 @@ def _recv_or_fail(conn, what: str, peers: list) -> object:
 def test_two_processes_move_buffers_bit_exactly_both_ways():
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(2)]
-    peers = [ctx.Process(target=_peer_main, args=(role, pipes[role][1]), daemon=True)
-             for role in range(2)]
+    peers = [ctx.Process(target=_peer_main, args=(role, pipes[role][1]), daemon=True) for role in range(2)]
     try:
         for p in peers:
             p.start()

@@ -16,8 +16,12 @@ def protoc(proto_paths: list[Path], out_dir: Path) -> subprocess.CompletedProces
     """Runs grpc_tools.protoc on ``proto_paths`` (relative to the repo root) into ``out_dir``."""
     outputs = [f"--{kind}_out={out_dir}" for kind in ("python", "grpc_python", "pyi")]
     relative = [str(p.relative_to(REPO_ROOT)) for p in proto_paths]
-    return subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", *outputs, *relative],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", "-I.", *outputs, *relative],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _is_stale(proto: Path) -> bool:

@@ -17,28 +17,46 @@ from services.common.peer_check import (
 def make_group(name: str, *, heads: int = 8, total_heads: int = 8, **fields) -> pb.LayerGroupInfo:
     target = name == "target"
     group = pb.LayerGroupInfo(
-        name=name, owner=pb.GROUP_OWNER_TARGET if target else pb.GROUP_OWNER_DRAFT,
-        layer_ids=[0, 1, 2, 3] if target else [4], num_kv_heads=heads,
-        total_num_kv_heads=total_heads, head_dim=128,
+        name=name,
+        owner=pb.GROUP_OWNER_TARGET if target else pb.GROUP_OWNER_DRAFT,
+        layer_ids=[0, 1, 2, 3] if target else [4],
+        num_kv_heads=heads,
+        total_num_kv_heads=total_heads,
+        head_dim=128,
         dtype=pb.KV_DTYPE_BF16 if target else pb.KV_DTYPE_FP8_E4M3,
-        dtype_name="bfloat16" if target else "float8_e4m3fn", element_bytes=2 if target else 1,
+        dtype_name="bfloat16" if target else "float8_e4m3fn",
+        element_bytes=2 if target else 1,
         window=0 if target else 64,
         lifecycle=pb.LIFECYCLE_REQUIRED if target else pb.LIFECYCLE_OPTIONAL,
-        page_bytes=0, num_pages=100)
+        page_bytes=0,
+        num_pages=100,
+    )
     for key, value in fields.items():
         setattr(group, key, value)
     return group
 
 
-def make_info(role: int = pb.ROLE_PREFILL, *, tp_size: int = 1, heads: int = 8,
-              total_heads: int = 8) -> pb.RankInfo:
-    groups = [make_group(name, heads=heads, total_heads=total_heads)
-              for name in ("target", "draft")]
+def make_info(
+    role: int = pb.ROLE_PREFILL, *, tp_size: int = 1, heads: int = 8, total_heads: int = 8
+) -> pb.RankInfo:
+    groups = [make_group(name, heads=heads, total_heads=total_heads) for name in ("target", "draft")]
     return pb.RankInfo(
-        schema_version=1, instance_id=f"rank-{role}-{tp_size}", role=role, model_id="llama",
-        drafter_id="llama-eagle", drafter_kind="eagle3", tp_size=tp_size, tp_rank=0,
-        pp_size=1, tokens_per_page=16, kv_layout=pb.KV_LAYOUT_UNIFIED, groups=groups,
-        num_draft_layers=1, num_spec_tokens=3, draft_block_width=1)
+        schema_version=1,
+        instance_id=f"rank-{role}-{tp_size}",
+        role=role,
+        model_id="llama",
+        drafter_id="llama-eagle",
+        drafter_kind="eagle3",
+        tp_size=tp_size,
+        tp_rank=0,
+        pp_size=1,
+        tokens_per_page=16,
+        kv_layout=pb.KV_LAYOUT_UNIFIED,
+        groups=groups,
+        num_draft_layers=1,
+        num_spec_tokens=3,
+        draft_block_width=1,
+    )
 
 
 def prefill_and_decode() -> tuple[pb.RankInfo, pb.RankInfo]:
@@ -47,6 +65,7 @@ def prefill_and_decode() -> tuple[pb.RankInfo, pb.RankInfo]:
 
 def set_field(path: str, value):
     """A mutation of the peer: ``path`` is "field" or "groups[i].field"."""
+
     def mutate(info: pb.RankInfo) -> None:
         target, _, name = path.rpartition(".")
         message = info.groups[int(target[7:-1])] if target else info
@@ -55,6 +74,7 @@ def set_field(path: str, value):
             getattr(message, name).extend(value)
         else:
             setattr(message, name, value)
+
     return mutate
 
 
@@ -65,40 +85,53 @@ FIELD_CASES = [
     (set_field("drafter_id", "other-eagle"), "drafter_id", "'llama-eagle'", "'other-eagle'"),
     (set_field("drafter_kind", "medusa"), "drafter_kind", "'eagle3'", "'medusa'"),
     (set_field("tokens_per_page", 32), "tokens_per_page", "16", "32"),
-    (set_field("kv_layout", pb.KV_LAYOUT_SEPARATE), "kv_layout", "KV_LAYOUT_UNIFIED",
-     "KV_LAYOUT_SEPARATE"),
+    (set_field("kv_layout", pb.KV_LAYOUT_SEPARATE), "kv_layout", "KV_LAYOUT_UNIFIED", "KV_LAYOUT_SEPARATE"),
     (set_field("num_draft_layers", 2), "num_draft_layers", "1", "2"),
     (set_field("num_spec_tokens", 5), "num_spec_tokens", "3", "5"),
     (set_field("draft_block_width", 4), "draft_block_width", "1", "4"),
-    (set_field("groups[1].owner", pb.GROUP_OWNER_TARGET), "groups[draft].owner",
-     "GROUP_OWNER_DRAFT", "GROUP_OWNER_TARGET"),
-    (set_field("groups[1].lifecycle", pb.LIFECYCLE_REQUIRED), "groups[draft].lifecycle",
-     "LIFECYCLE_OPTIONAL", "LIFECYCLE_REQUIRED"),
+    (
+        set_field("groups[1].owner", pb.GROUP_OWNER_TARGET),
+        "groups[draft].owner",
+        "GROUP_OWNER_DRAFT",
+        "GROUP_OWNER_TARGET",
+    ),
+    (
+        set_field("groups[1].lifecycle", pb.LIFECYCLE_REQUIRED),
+        "groups[draft].lifecycle",
+        "LIFECYCLE_OPTIONAL",
+        "LIFECYCLE_REQUIRED",
+    ),
     (set_field("groups[1].layer_ids", [5]), "groups[draft].layer_ids", "[4]", "[5]"),
-    (set_field("groups[0].layer_ids", [0, 1, 2]), "groups[target].layer_ids", "[0, 1, 2, 3]",
-     "[0, 1, 2]"),
-    (set_field("groups[1].dtype", pb.KV_DTYPE_BF16), "groups[draft].dtype",
-     "KV_DTYPE_FP8_E4M3", "KV_DTYPE_BF16"),
-    (set_field("groups[1].dtype_name", "float8_e4m3fnuz"), "groups[draft].dtype_name",
-     "'float8_e4m3fn'", "'float8_e4m3fnuz'"),
+    (set_field("groups[0].layer_ids", [0, 1, 2]), "groups[target].layer_ids", "[0, 1, 2, 3]", "[0, 1, 2]"),
+    (
+        set_field("groups[1].dtype", pb.KV_DTYPE_BF16),
+        "groups[draft].dtype",
+        "KV_DTYPE_FP8_E4M3",
+        "KV_DTYPE_BF16",
+    ),
+    (
+        set_field("groups[1].dtype_name", "float8_e4m3fnuz"),
+        "groups[draft].dtype_name",
+        "'float8_e4m3fn'",
+        "'float8_e4m3fnuz'",
+    ),
     (set_field("groups[1].element_bytes", 2), "groups[draft].element_bytes", "1", "2"),
     (set_field("groups[0].head_dim", 64), "groups[target].head_dim", "128", "64"),
     (set_field("groups[1].head_dim", 256), "groups[draft].head_dim", "128", "256"),
     (set_field("groups[1].window", 0), "groups[draft].window", "64", "0"),
     (set_field("groups[0].window", 4096), "groups[target].window", "0", "4096"),
-    (set_field("groups[0].total_num_kv_heads", 16), "groups[target].total_num_kv_heads",
-     "8", "16"),
+    (set_field("groups[0].total_num_kv_heads", 16), "groups[target].total_num_kv_heads", "8", "16"),
     (set_field("role", pb.ROLE_PREFILL), "role", "ROLE_PREFILL", "ROLE_PREFILL"),
 ]
 
 
-@pytest.mark.parametrize("mutate, field, local_value, peer_value", FIELD_CASES,
-                         ids=[case[1] for case in FIELD_CASES])
+@pytest.mark.parametrize(
+    "mutate, field, local_value, peer_value", FIELD_CASES, ids=[case[1] for case in FIELD_CASES]
+)
 def test_each_field_mismatch_is_named(mutate, field, local_value, peer_value):
     local, peer = prefill_and_decode()
     mutate(peer)
-    assert [(m.field, m.local, m.peer) for m in check_peer(local, peer)] == [
-        (field, local_value, peer_value)]
+    assert [(m.field, m.local, m.peer) for m in check_peer(local, peer)] == [(field, local_value, peer_value)]
 
 
 def test_identical_geometry_is_accepted():
@@ -123,36 +156,46 @@ def test_group_on_one_side_only():
 def test_renamed_group_is_two_absences():
     local, peer = prefill_and_decode()
     peer.groups[1].name = "eagle"
-    assert check_peer(local, peer) == [Mismatch("groups[draft]", "present", "absent"),
-                                       Mismatch("groups[eagle]", "absent", "present")]
+    assert check_peer(local, peer) == [
+        Mismatch("groups[draft]", "present", "absent"),
+        Mismatch("groups[eagle]", "absent", "present"),
+    ]
 
 
 def test_duplicate_group_names_are_refused():
     local, peer = prefill_and_decode()
     peer.groups[1].name = "target"
-    assert check_peer(local, peer) == [Mismatch("groups", "['target', 'draft']",
-                                                "['target', 'target']",
-                                                "group names must be unique")]
+    assert check_peer(local, peer) == [
+        Mismatch("groups", "['target', 'draft']", "['target', 'target']", "group names must be unique")
+    ]
 
 
-@pytest.mark.parametrize("local_role, peer_role", [
-    (pb.ROLE_PREFILL, pb.ROLE_DECODE), (pb.ROLE_DECODE, pb.ROLE_PREFILL),
-    (pb.ROLE_BOTH, pb.ROLE_DECODE), (pb.ROLE_PREFILL, pb.ROLE_BOTH),
-    (pb.ROLE_BOTH, pb.ROLE_BOTH),
-])
+@pytest.mark.parametrize(
+    "local_role, peer_role",
+    [
+        (pb.ROLE_PREFILL, pb.ROLE_DECODE),
+        (pb.ROLE_DECODE, pb.ROLE_PREFILL),
+        (pb.ROLE_BOTH, pb.ROLE_DECODE),
+        (pb.ROLE_PREFILL, pb.ROLE_BOTH),
+        (pb.ROLE_BOTH, pb.ROLE_BOTH),
+    ],
+)
 def test_complementary_roles_are_accepted(local_role, peer_role):
     assert check_peer(make_info(local_role), make_info(peer_role)) == []
 
 
-@pytest.mark.parametrize("local_role, peer_role, local_name, peer_name", [
-    (pb.ROLE_DECODE, pb.ROLE_DECODE, "ROLE_DECODE", "ROLE_DECODE"),
-    (pb.ROLE_PREFILL, pb.ROLE_PREFILL, "ROLE_PREFILL", "ROLE_PREFILL"),
-    (pb.ROLE_UNSPECIFIED, pb.ROLE_BOTH, "ROLE_UNSPECIFIED", "ROLE_BOTH"),
-])
+@pytest.mark.parametrize(
+    "local_role, peer_role, local_name, peer_name",
+    [
+        (pb.ROLE_DECODE, pb.ROLE_DECODE, "ROLE_DECODE", "ROLE_DECODE"),
+        (pb.ROLE_PREFILL, pb.ROLE_PREFILL, "ROLE_PREFILL", "ROLE_PREFILL"),
+        (pb.ROLE_UNSPECIFIED, pb.ROLE_BOTH, "ROLE_UNSPECIFIED", "ROLE_BOTH"),
+    ],
+)
 def test_role_mismatch_is_refused(local_role, peer_role, local_name, peer_name):
-    assert check_peer(make_info(local_role), make_info(peer_role)) == [Mismatch(
-        "role", local_name, peer_name,
-        "roles must be complementary: prefill with decode, or both")]
+    assert check_peer(make_info(local_role), make_info(peer_role)) == [
+        Mismatch("role", local_name, peer_name, "roles must be complementary: prefill with decode, or both")
+    ]
 
 
 def test_unknown_enum_value_is_shown_as_its_number():
@@ -177,9 +220,14 @@ def test_tp_3_and_2_with_8_heads_are_refused_naming_the_heads():
     local = make_info(pb.ROLE_PREFILL, tp_size=3, heads=3)
     peer = make_info(pb.ROLE_DECODE, tp_size=2, heads=4)
     assert check_peer(local, peer) == [
-        Mismatch(f"groups[{name}].num_kv_heads", "3 of 8 heads per rank at tp 3",
-                 "4 of 8 heads per rank at tp 2", "local: 8 KV heads do not split over tp 3")
-        for name in ("target", "draft")]
+        Mismatch(
+            f"groups[{name}].num_kv_heads",
+            "3 of 8 heads per rank at tp 3",
+            "4 of 8 heads per rank at tp 2",
+            "local: 8 KV heads do not split over tp 3",
+        )
+        for name in ("target", "draft")
+    ]
 
 
 def test_gqa_replication_is_accepted():
@@ -195,42 +243,70 @@ def test_gqa_replication_needs_heads_dividing_tp():
     local = make_info(pb.ROLE_PREFILL, tp_size=1, heads=3, total_heads=3)
     peer = make_info(pb.ROLE_DECODE, tp_size=4, heads=1, total_heads=3)
     assert check_peer(local, peer)[0] == Mismatch(
-        "groups[target].num_kv_heads", "3 of 3 heads per rank at tp 1",
-        "1 of 3 heads per rank at tp 4", "peer: 3 KV heads do not split over tp 4")
+        "groups[target].num_kv_heads",
+        "3 of 3 heads per rank at tp 1",
+        "1 of 3 heads per rank at tp 4",
+        "peer: 3 KV heads do not split over tp 4",
+    )
 
 
 def test_wrong_heads_per_rank_is_refused():
     local = make_info(pb.ROLE_PREFILL, tp_size=1, heads=8)
     peer = make_info(pb.ROLE_DECODE, tp_size=2, heads=8)  # should hold 4 per rank
     assert check_peer(local, peer)[0] == Mismatch(
-        "groups[target].num_kv_heads", "8 of 8 heads per rank at tp 1",
-        "8 of 8 heads per rank at tp 2", "peer: tp 2 holds 4 of 8 KV heads per rank, not 8")
+        "groups[target].num_kv_heads",
+        "8 of 8 heads per rank at tp 1",
+        "8 of 8 heads per rank at tp 2",
+        "peer: tp 2 holds 4 of 8 KV heads per rank, not 8",
+    )
 
 
-@pytest.mark.parametrize("total, tp, expected", [
-    (8, 1, 8), (8, 2, 4), (8, 8, 1), (8, 3, None), (8, 16, 1), (2, 4, 1), (3, 4, None),
-    (6, 4, None), (1, 8, 1), (0, 2, None), (8, 0, None),
-])
+@pytest.mark.parametrize(
+    "total, tp, expected",
+    [
+        (8, 1, 8),
+        (8, 2, 4),
+        (8, 8, 1),
+        (8, 3, None),
+        (8, 16, 1),
+        (2, 4, 1),
+        (3, 4, None),
+        (6, 4, None),
+        (1, 8, 1),
+        (0, 2, None),
+        (8, 0, None),
+    ],
+)
 def test_heads_per_rank(total, tp, expected):
     assert heads_per_rank(total, tp) == expected
 
 
 def test_format_mismatches_names_field_and_both_values():
-    mismatches = [Mismatch("tokens_per_page", "16", "32"),
-                  Mismatch("groups[target].num_kv_heads", "3 of 8 heads per rank at tp 3",
-                           "4 of 8 heads per rank at tp 2",
-                           "local: 8 KV heads do not split over tp 3")]
+    mismatches = [
+        Mismatch("tokens_per_page", "16", "32"),
+        Mismatch(
+            "groups[target].num_kv_heads",
+            "3 of 8 heads per rank at tp 3",
+            "4 of 8 heads per rank at tp 2",
+            "local: 8 KV heads do not split over tp 3",
+        ),
+    ]
     assert format_mismatches(mismatches) == (
         "tokens_per_page: local 16, peer 32; groups[target].num_kv_heads: local 3 of 8 heads "
         "per rank at tp 3, peer 4 of 8 heads per rank at tp 2 (local: 8 KV heads do not split "
-        "over tp 3)")
+        "over tp 3)"
+    )
     assert format_mismatches([]) == ""
 
 
 def test_mismatches_to_proto():
     [message] = mismatches_to_proto([Mismatch("groups[draft].window", "64", "0")])
     assert (message.field, message.local_value, message.peer_value, message.reason) == (
-        "groups[draft].window", "64", "0", "")
+        "groups[draft].window",
+        "64",
+        "0",
+        "",
+    )
 
 
 _MUTATIONS = st.lists(st.sampled_from(range(len(FIELD_CASES))), unique=True, max_size=6)

@@ -22,35 +22,74 @@ PB2_MODULES = (rank_info_pb2, registration_pb2, client_pb2, worker_pb2)
 
 def full_rank_info() -> rank_info_pb2.RankInfo:
     target = rank_info_pb2.LayerGroupInfo(
-        name="target", owner=rank_info_pb2.GROUP_OWNER_TARGET, layer_ids=[0, 1, 2],
-        num_kv_heads=4, total_num_kv_heads=8, head_dim=128, dtype=rank_info_pb2.KV_DTYPE_BF16,
-        dtype_name="bfloat16", element_bytes=2, window=0,
-        lifecycle=rank_info_pb2.LIFECYCLE_REQUIRED, page_bytes=3 * 2 * 4 * 16 * 128 * 2,
-        num_pages=1000)
+        name="target",
+        owner=rank_info_pb2.GROUP_OWNER_TARGET,
+        layer_ids=[0, 1, 2],
+        num_kv_heads=4,
+        total_num_kv_heads=8,
+        head_dim=128,
+        dtype=rank_info_pb2.KV_DTYPE_BF16,
+        dtype_name="bfloat16",
+        element_bytes=2,
+        window=0,
+        lifecycle=rank_info_pb2.LIFECYCLE_REQUIRED,
+        page_bytes=3 * 2 * 4 * 16 * 128 * 2,
+        num_pages=1000,
+    )
     draft = rank_info_pb2.LayerGroupInfo(
-        name="draft", owner=rank_info_pb2.GROUP_OWNER_DRAFT, layer_ids=[3], num_kv_heads=4,
-        total_num_kv_heads=8, head_dim=128, dtype=rank_info_pb2.KV_DTYPE_FP8_E4M3,
-        dtype_name="float8_e4m3fn", element_bytes=1, window=256,
-        lifecycle=rank_info_pb2.LIFECYCLE_OPTIONAL, page_bytes=2 * 4 * 16 * 128, num_pages=64)
+        name="draft",
+        owner=rank_info_pb2.GROUP_OWNER_DRAFT,
+        layer_ids=[3],
+        num_kv_heads=4,
+        total_num_kv_heads=8,
+        head_dim=128,
+        dtype=rank_info_pb2.KV_DTYPE_FP8_E4M3,
+        dtype_name="float8_e4m3fn",
+        element_bytes=1,
+        window=256,
+        lifecycle=rank_info_pb2.LIFECYCLE_OPTIONAL,
+        page_bytes=2 * 4 * 16 * 128,
+        num_pages=64,
+    )
     return rank_info_pb2.RankInfo(
-        schema_version=1, instance_id="decode-0", role=rank_info_pb2.ROLE_DECODE,
-        model_id="tiny-llama", drafter_id="tiny-eagle", drafter_kind="eagle3", tp_size=2,
-        tp_rank=1, pp_size=1, pp_rank=0, tokens_per_page=16,
-        kv_layout=rank_info_pb2.KV_LAYOUT_SEPARATE, groups=[target, draft], num_draft_layers=1,
-        num_spec_tokens=3, draft_block_width=4,
-        ucx=rank_info_pb2.UcxEndpoint(worker_address=b"\x00\x01ucx\xff", host="127.0.0.1",
-                                      port=13337))
+        schema_version=1,
+        instance_id="decode-0",
+        role=rank_info_pb2.ROLE_DECODE,
+        model_id="tiny-llama",
+        drafter_id="tiny-eagle",
+        drafter_kind="eagle3",
+        tp_size=2,
+        tp_rank=1,
+        pp_size=1,
+        pp_rank=0,
+        tokens_per_page=16,
+        kv_layout=rank_info_pb2.KV_LAYOUT_SEPARATE,
+        groups=[target, draft],
+        num_draft_layers=1,
+        num_spec_tokens=3,
+        draft_block_width=4,
+        ucx=rank_info_pb2.UcxEndpoint(worker_address=b"\x00\x01ucx\xff", host="127.0.0.1", port=13337),
+    )
 
 
 def full_usage() -> client_pb2.Usage:
     return client_pb2.Usage(
-        prompt_tokens=100, cached_tokens=64,
-        cached_tokens_per_group=[client_pb2.GroupTokens(group="target", num_tokens=64),
-                                 client_pb2.GroupTokens(group="draft", num_tokens=48)],
-        completion_tokens=20, acceptance_length=2.5, num_drafts=8, num_draft_tokens=24,
+        prompt_tokens=100,
+        cached_tokens=64,
+        cached_tokens_per_group=[
+            client_pb2.GroupTokens(group="target", num_tokens=64),
+            client_pb2.GroupTokens(group="draft", num_tokens=48),
+        ],
+        completion_tokens=20,
+        acceptance_length=2.5,
+        num_drafts=8,
+        num_draft_tokens=24,
         num_accepted_tokens=12,
-        transfers=[client_pb2.GroupTransfer(group="target", num_bytes=1 << 33, seconds=0.25),
-                   client_pb2.GroupTransfer(group="draft", num_bytes=4096, seconds=0.5)])
+        transfers=[
+            client_pb2.GroupTransfer(group="target", num_bytes=1 << 33, seconds=0.25),
+            client_pb2.GroupTransfer(group="draft", num_bytes=4096, seconds=0.5),
+        ],
+    )
 
 
 def round_trip(message: Message) -> Message:
@@ -62,8 +101,12 @@ def round_trip(message: Message) -> Message:
 
 def test_protos_generate_cleanly(tmp_path):
     protos = sorted(PROTO_DIR.glob("*.proto"))
-    assert [p.name for p in protos] == ["client.proto", "rank_info.proto",
-                                        "registration.proto", "worker.proto"]
+    assert [p.name for p in protos] == [
+        "client.proto",
+        "rank_info.proto",
+        "registration.proto",
+        "worker.proto",
+    ]
     result = protoc(protos, tmp_path)
     assert (result.returncode, result.stderr) == (0, "")
     generated = tmp_path / "proto" / "tandem" / "v1"
@@ -92,15 +135,20 @@ def test_rank_info_round_trip():
 
 
 def test_registration_round_trip():
-    request = round_trip(registration_pb2.RegisterRequest(rank_info=full_rank_info(),
-                                                          token="s3cret"))
+    request = round_trip(registration_pb2.RegisterRequest(rank_info=full_rank_info(), token="s3cret"))
     assert request.rank_info.drafter_kind == "eagle3"
-    response = round_trip(registration_pb2.RegisterResponse(
-        accepted=False, peer=full_rank_info(),
-        mismatches=[registration_pb2.Mismatch(field="groups[draft].window", local_value="256",
-                                              peer_value="0", reason="")]))
-    assert (response.mismatches[0].field, response.mismatches[0].peer_value) == (
-        "groups[draft].window", "0")
+    response = round_trip(
+        registration_pb2.RegisterResponse(
+            accepted=False,
+            peer=full_rank_info(),
+            mismatches=[
+                registration_pb2.Mismatch(
+                    field="groups[draft].window", local_value="256", peer_value="0", reason=""
+                )
+            ],
+        )
+    )
+    assert (response.mismatches[0].field, response.mismatches[0].peer_value) == ("groups[draft].window", "0")
     round_trip(registration_pb2.DeregisterRequest(instance_id="decode-0", token="t"))
     round_trip(registration_pb2.ListPeersRequest(role=rank_info_pb2.ROLE_PREFILL))
     round_trip(registration_pb2.ListPeersResponse(peers=[full_rank_info()]))
@@ -117,11 +165,17 @@ def test_generate_request_prompt_is_a_oneof():
 
 
 def test_generate_request_round_trip_and_presence():
-    sampling = client_pb2.SamplingParams(max_tokens=64, temperature=0.5, top_p=0.75, seed=0,
-                                         stop=["\n\n", "```"], ignore_eos=True)
-    request = round_trip(client_pb2.GenerateRequest(
-        request_id="r2", text="import os", sampling=sampling,
-        speculative=client_pb2.SpeculativeOptions(num_spec_tokens=0)))
+    sampling = client_pb2.SamplingParams(
+        max_tokens=64, temperature=0.5, top_p=0.75, seed=0, stop=["\n\n", "```"], ignore_eos=True
+    )
+    request = round_trip(
+        client_pb2.GenerateRequest(
+            request_id="r2",
+            text="import os",
+            sampling=sampling,
+            speculative=client_pb2.SpeculativeOptions(num_spec_tokens=0),
+        )
+    )
     assert request.sampling.HasField("seed") and request.sampling.seed == 0
     assert request.speculative.HasField("num_spec_tokens")
     assert list(request.sampling.stop) == ["\n\n", "```"]
@@ -130,16 +184,28 @@ def test_generate_request_round_trip_and_presence():
 
 
 def test_sampling_surface_and_logprobs_round_trip():
-    sampling = round_trip(client_pb2.SamplingParams(
-        top_k=40, min_p=0.05, repetition_penalty=1.25, presence_penalty=-0.5,
-        frequency_penalty=1.5, min_tokens=3, logprobs=0))
-    assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
-            sampling.frequency_penalty, sampling.min_tokens) == pytest.approx(
-        (40, 0.05, 1.25, -0.5, 1.5, 3))
+    sampling = round_trip(
+        client_pb2.SamplingParams(
+            top_k=40,
+            min_p=0.05,
+            repetition_penalty=1.25,
+            presence_penalty=-0.5,
+            frequency_penalty=1.5,
+            min_tokens=3,
+            logprobs=0,
+        )
+    )
+    assert (
+        sampling.top_k,
+        sampling.min_p,
+        sampling.repetition_penalty,
+        sampling.presence_penalty,
+        sampling.frequency_penalty,
+        sampling.min_tokens,
+    ) == pytest.approx((40, 0.05, 1.25, -0.5, 1.5, 3))
     assert sampling.HasField("logprobs") and sampling.logprobs == 0
     assert not client_pb2.SamplingParams().HasField("logprobs")
-    lp = client_pb2.TokenLogprobs(token_id=7, logprob=-0.5, top_token_ids=[7, 9],
-                                  top_logprobs=[-0.5, -1.25])
+    lp = client_pb2.TokenLogprobs(token_id=7, logprob=-0.5, top_token_ids=[7, 9], top_logprobs=[-0.5, -1.25])
     chunk = round_trip(client_pb2.Chunk(token_ids=[7], text="a", logprobs=[lp]))
     assert list(chunk.logprobs) == [lp]
     prefill = round_trip(worker_pb2.PrefillResponse(first_token_id=7, first_token_logprobs=lp))
@@ -149,10 +215,11 @@ def test_sampling_surface_and_logprobs_round_trip():
 
 @pytest.mark.parametrize("payload", ["chunk", "complete", "error"])
 def test_generate_response_payloads(payload):
-    values = {"chunk": client_pb2.Chunk(token_ids=[7, 8], text="ab"),
-              "complete": client_pb2.Complete(finish_reason=client_pb2.FINISH_REASON_LENGTH,
-                                              usage=full_usage()),
-              "error": client_pb2.Error(message="prompt too long", field="prompt")}
+    values = {
+        "chunk": client_pb2.Chunk(token_ids=[7, 8], text="ab"),
+        "complete": client_pb2.Complete(finish_reason=client_pb2.FINISH_REASON_LENGTH, usage=full_usage()),
+        "error": client_pb2.Error(message="prompt too long", field="prompt"),
+    }
     response = round_trip(client_pb2.GenerateResponse(request_id="r", **{payload: values[payload]}))
     assert response.WhichOneof("payload") == payload
     assert getattr(response, payload) == values[payload]
@@ -162,54 +229,89 @@ def test_usage_round_trip():
     usage = round_trip(full_usage())
     assert usage.acceptance_length == 2.5
     assert [(t.group, t.num_bytes, t.seconds) for t in usage.transfers] == [
-        ("target", 1 << 33, 0.25), ("draft", 4096, 0.5)]
+        ("target", 1 << 33, 0.25),
+        ("draft", 4096, 0.5),
+    ]
 
 
 def test_worker_messages_round_trip():
     reservation = worker_pb2.Reservation(
-        request_id="r", decode_instance_id="decode-0", num_tokens=104,
-        groups=[worker_pb2.GroupPages(group="target", page_ids=list(range(7))),
-                worker_pb2.GroupPages(group="draft", page_ids=[-1, -1, 5, 9, 2, 3, 4])],
-        lease_deadline_unix_ms=1_900_000_000_000, ucx=full_rank_info().ucx, transfer_tag=2**63)
+        request_id="r",
+        decode_instance_id="decode-0",
+        num_tokens=104,
+        groups=[
+            worker_pb2.GroupPages(group="target", page_ids=list(range(7))),
+            worker_pb2.GroupPages(group="draft", page_ids=[-1, -1, 5, 9, 2, 3, 4]),
+        ],
+        lease_deadline_unix_ms=1_900_000_000_000,
+        ucx=full_rank_info().ucx,
+        transfer_tag=2**63,
+    )
     parsed = round_trip(worker_pb2.ReserveResponse(reservation=reservation))
     assert list(parsed.reservation.groups[1].page_ids) == [-1, -1, 5, 9, 2, 3, 4]
-    round_trip(worker_pb2.ReserveRequest(request_id="r", prompt_len=100, headroom_tokens=4,
-                                         lease_ms=2000))
-    round_trip(worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3],
-                                         sampling=client_pb2.SamplingParams(max_tokens=9),
-                                         reservation=reservation))
-    prefill = round_trip(worker_pb2.PrefillResponse(
-        first_token_id=42, finish_reason=client_pb2.FINISH_REASON_STOP, usage=full_usage()))
+    round_trip(worker_pb2.ReserveRequest(request_id="r", prompt_len=100, headroom_tokens=4, lease_ms=2000))
+    round_trip(
+        worker_pb2.PrefillRequest(
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            sampling=client_pb2.SamplingParams(max_tokens=9),
+            reservation=reservation,
+        )
+    )
+    prefill = round_trip(
+        worker_pb2.PrefillResponse(
+            first_token_id=42, finish_reason=client_pb2.FINISH_REASON_STOP, usage=full_usage()
+        )
+    )
     assert prefill.usage.transfers[0].num_bytes == 1 << 33
-    round_trip(worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2],
-                                        first_token_id=42, wait_ms=100))
-    round_trip(worker_pb2.DecodeResponse(complete=client_pb2.Complete(
-        finish_reason=client_pb2.FINISH_REASON_ABORT, usage=full_usage())))
-    stats = round_trip(worker_pb2.StatsResponse(
-        instance_id="decode-0", role=rank_info_pb2.ROLE_DECODE, num_running=3, num_waiting=1,
-        groups=[worker_pb2.GroupStats(group="draft", num_pages_used=10, num_pages_total=64,
-                                      prefix_cache=worker_pb2.PrefixCacheStats(
-                                          num_queries=5, num_hits=2, num_query_tokens=500,
-                                          num_hit_tokens=128))]))
+    round_trip(
+        worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2], first_token_id=42, wait_ms=100)
+    )
+    round_trip(
+        worker_pb2.DecodeResponse(
+            complete=client_pb2.Complete(finish_reason=client_pb2.FINISH_REASON_ABORT, usage=full_usage())
+        )
+    )
+    stats = round_trip(
+        worker_pb2.StatsResponse(
+            instance_id="decode-0",
+            role=rank_info_pb2.ROLE_DECODE,
+            num_running=3,
+            num_waiting=1,
+            groups=[
+                worker_pb2.GroupStats(
+                    group="draft",
+                    num_pages_used=10,
+                    num_pages_total=64,
+                    prefix_cache=worker_pb2.PrefixCacheStats(
+                        num_queries=5, num_hits=2, num_query_tokens=500, num_hit_tokens=128
+                    ),
+                )
+            ],
+        )
+    )
     assert stats.groups[0].prefix_cache.num_hit_tokens == 128
 
 
-@pytest.mark.parametrize("module, service, method, streaming", [
-    (client_pb2, "Tandem", "Generate", True),
-    (client_pb2, "Tandem", "Abort", False),
-    (client_pb2, "Tandem", "Health", False),
-    (client_pb2, "Tandem", "ModelInfo", False),
-    (registration_pb2, "Registration", "Register", False),
-    (registration_pb2, "Registration", "Deregister", False),
-    (registration_pb2, "Registration", "ListPeers", False),
-    (registration_pb2, "Registration", "Heartbeat", False),
-    (worker_pb2, "DecodeWorker", "Reserve", False),
-    (worker_pb2, "DecodeWorker", "Release", False),
-    (worker_pb2, "DecodeWorker", "Decode", True),
-    (worker_pb2, "DecodeWorker", "Stats", False),
-    (worker_pb2, "PrefillWorker", "Prefill", False),
-    (worker_pb2, "PrefillWorker", "Stats", False),
-])
+@pytest.mark.parametrize(
+    "module, service, method, streaming",
+    [
+        (client_pb2, "Tandem", "Generate", True),
+        (client_pb2, "Tandem", "Abort", False),
+        (client_pb2, "Tandem", "Health", False),
+        (client_pb2, "Tandem", "ModelInfo", False),
+        (registration_pb2, "Registration", "Register", False),
+        (registration_pb2, "Registration", "Deregister", False),
+        (registration_pb2, "Registration", "ListPeers", False),
+        (registration_pb2, "Registration", "Heartbeat", False),
+        (worker_pb2, "DecodeWorker", "Reserve", False),
+        (worker_pb2, "DecodeWorker", "Release", False),
+        (worker_pb2, "DecodeWorker", "Decode", True),
+        (worker_pb2, "DecodeWorker", "Stats", False),
+        (worker_pb2, "PrefillWorker", "Prefill", False),
+        (worker_pb2, "PrefillWorker", "Stats", False),
+    ],
+)
 def test_service_methods(module, service, method, streaming):
     descriptor = module.DESCRIPTOR.services_by_name[service].methods_by_name[method]
     assert (descriptor.server_streaming, descriptor.client_streaming) == (streaming, False)
@@ -221,11 +323,13 @@ def test_service_methods(module, service, method, streaming):
 class _EchoTandem(client_pb2_grpc.TandemServicer):
     def Generate(self, request, context):
         for token_id in request.token_ids.ids:
-            yield client_pb2.GenerateResponse(request_id=request.request_id,
-                                              chunk=client_pb2.Chunk(token_ids=[token_id]))
+            yield client_pb2.GenerateResponse(
+                request_id=request.request_id, chunk=client_pb2.Chunk(token_ids=[token_id])
+            )
         complete = client_pb2.Complete(
             finish_reason=client_pb2.FINISH_REASON_STOP,
-            usage=client_pb2.Usage(completion_tokens=len(request.token_ids.ids)))
+            usage=client_pb2.Usage(completion_tokens=len(request.token_ids.ids)),
+        )
         yield client_pb2.GenerateResponse(request_id=request.request_id, complete=complete)
 
 
@@ -238,24 +342,22 @@ def test_generated_stubs_serve_over_loopback():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     client_pb2_grpc.add_TandemServicer_to_server(_EchoTandem(), server)
     registration_pb2_grpc.add_RegistrationServicer_to_server(_RefusingRegistry(), server)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker_pb2_grpc.DecodeWorkerServicer(),
-                                                       server)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker_pb2_grpc.DecodeWorkerServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            request = client_pb2.GenerateRequest(request_id="r",
-                                                 token_ids=client_pb2.TokenIds(ids=[5, 6]))
+            request = client_pb2.GenerateRequest(request_id="r", token_ids=client_pb2.TokenIds(ids=[5, 6]))
             stream = list(client_pb2_grpc.TandemStub(channel).Generate(request, timeout=10))
             assert [r.WhichOneof("payload") for r in stream] == ["chunk", "chunk", "complete"]
             assert [list(r.chunk.token_ids) for r in stream[:2]] == [[5], [6]]
             assert stream[2].complete.usage.completion_tokens == 2
             registered = registration_pb2_grpc.RegistrationStub(channel).Register(
-                registration_pb2.RegisterRequest(rank_info=full_rank_info()), timeout=10)
+                registration_pb2.RegisterRequest(rank_info=full_rank_info()), timeout=10
+            )
             assert registered.peer == full_rank_info() and not registered.accepted
             with pytest.raises(grpc.RpcError) as raised:
-                worker_pb2_grpc.DecodeWorkerStub(channel).Stats(worker_pb2.StatsRequest(),
-                                                                timeout=10)
+                worker_pb2_grpc.DecodeWorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
             assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         server.stop(grace=None)

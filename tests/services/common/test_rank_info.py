@@ -7,43 +7,97 @@ from proto.tandem.v1 import rank_info_pb2 as pb
 from services.common.peer_check import check_peer
 from services.common.rank_info import SCHEMA_VERSION, build_rank_info
 
-TARGET = LayerGroupSpec("target", Owner.TARGET, num_layers=4, num_kv_heads=4, head_dim=64,
-                        dtype="bfloat16")
-DRAFT = LayerGroupSpec("draft", Owner.DRAFT, num_layers=1, num_kv_heads=4, head_dim=64,
-                       dtype="fp8", window=128, lifecycle=Lifecycle.OPTIONAL, layer_ids=(4,))
+TARGET = LayerGroupSpec("target", Owner.TARGET, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+DRAFT = LayerGroupSpec(
+    "draft",
+    Owner.DRAFT,
+    num_layers=1,
+    num_kv_heads=4,
+    head_dim=64,
+    dtype="fp8",
+    window=128,
+    lifecycle=Lifecycle.OPTIONAL,
+    layer_ids=(4,),
+)
 
 
 def make_config(**overrides) -> CacheConfig:
-    fields = dict(groups=(TARGET, DRAFT), tokens_per_page=16, num_pages=(500, 40),
-                  num_spec_tokens=3, draft_block_width=2)
+    fields = dict(
+        groups=(TARGET, DRAFT),
+        tokens_per_page=16,
+        num_pages=(500, 40),
+        num_spec_tokens=3,
+        draft_block_width=2,
+    )
     return CacheConfig(**(fields | overrides))
 
 
 def build(config: CacheConfig | None = None, **overrides) -> pb.RankInfo:
-    kwargs = dict(role="decode", instance_id="decode-0", model_id="tiny-llama",
-                  drafter_id="tiny-eagle", drafter_kind="eagle3", tp_size=2, tp_rank=1,
-                  ucx_address=b"\x01\x02", ucx_host="127.0.0.1", ucx_port=7000)
+    kwargs = dict(
+        role="decode",
+        instance_id="decode-0",
+        model_id="tiny-llama",
+        drafter_id="tiny-eagle",
+        drafter_kind="eagle3",
+        tp_size=2,
+        tp_rank=1,
+        ucx_address=b"\x01\x02",
+        ucx_host="127.0.0.1",
+        ucx_port=7000,
+    )
     return build_rank_info(config or make_config(), **(kwargs | overrides))
 
 
 def test_target_and_windowed_fp8_draft():
     expected_target = pb.LayerGroupInfo(
-        name="target", owner=pb.GROUP_OWNER_TARGET, layer_ids=[0, 1, 2, 3], num_kv_heads=4,
-        total_num_kv_heads=8, head_dim=64, dtype=pb.KV_DTYPE_BF16, dtype_name="bfloat16",
-        element_bytes=2, window=0, lifecycle=pb.LIFECYCLE_REQUIRED,
-        page_bytes=4 * 2 * 4 * 16 * 64 * 2, num_pages=500)
+        name="target",
+        owner=pb.GROUP_OWNER_TARGET,
+        layer_ids=[0, 1, 2, 3],
+        num_kv_heads=4,
+        total_num_kv_heads=8,
+        head_dim=64,
+        dtype=pb.KV_DTYPE_BF16,
+        dtype_name="bfloat16",
+        element_bytes=2,
+        window=0,
+        lifecycle=pb.LIFECYCLE_REQUIRED,
+        page_bytes=4 * 2 * 4 * 16 * 64 * 2,
+        num_pages=500,
+    )
     expected_draft = pb.LayerGroupInfo(
-        name="draft", owner=pb.GROUP_OWNER_DRAFT, layer_ids=[4], num_kv_heads=4,
-        total_num_kv_heads=8, head_dim=64, dtype=pb.KV_DTYPE_FP8_E4M3,
-        dtype_name="float8_e4m3fn", element_bytes=1, window=128,
-        lifecycle=pb.LIFECYCLE_OPTIONAL, page_bytes=1 * 2 * 4 * 16 * 64 * 1, num_pages=40)
+        name="draft",
+        owner=pb.GROUP_OWNER_DRAFT,
+        layer_ids=[4],
+        num_kv_heads=4,
+        total_num_kv_heads=8,
+        head_dim=64,
+        dtype=pb.KV_DTYPE_FP8_E4M3,
+        dtype_name="float8_e4m3fn",
+        element_bytes=1,
+        window=128,
+        lifecycle=pb.LIFECYCLE_OPTIONAL,
+        page_bytes=1 * 2 * 4 * 16 * 64 * 1,
+        num_pages=40,
+    )
     assert build() == pb.RankInfo(
-        schema_version=SCHEMA_VERSION, instance_id="decode-0", role=pb.ROLE_DECODE,
-        model_id="tiny-llama", drafter_id="tiny-eagle", drafter_kind="eagle3", tp_size=2,
-        tp_rank=1, pp_size=1, pp_rank=0, tokens_per_page=16, kv_layout=pb.KV_LAYOUT_UNIFIED,
-        groups=[expected_target, expected_draft], num_draft_layers=1, num_spec_tokens=3,
+        schema_version=SCHEMA_VERSION,
+        instance_id="decode-0",
+        role=pb.ROLE_DECODE,
+        model_id="tiny-llama",
+        drafter_id="tiny-eagle",
+        drafter_kind="eagle3",
+        tp_size=2,
+        tp_rank=1,
+        pp_size=1,
+        pp_rank=0,
+        tokens_per_page=16,
+        kv_layout=pb.KV_LAYOUT_UNIFIED,
+        groups=[expected_target, expected_draft],
+        num_draft_layers=1,
+        num_spec_tokens=3,
         draft_block_width=2,
-        ucx=pb.UcxEndpoint(worker_address=b"\x01\x02", host="127.0.0.1", port=7000))
+        ucx=pb.UcxEndpoint(worker_address=b"\x01\x02", host="127.0.0.1", port=7000),
+    )
     assert SCHEMA_VERSION == 1
 
 
@@ -79,26 +133,41 @@ def test_replicated_heads_need_the_total():
 
 def test_built_prefill_and_decode_infos_are_peers():
     decode = build()
-    prefill_config = make_config(groups=(
-        LayerGroupSpec("target", Owner.TARGET, 4, 8, 64),
-        LayerGroupSpec("draft", Owner.DRAFT, 1, 8, 64, dtype="fp8", window=128,
-                       lifecycle=Lifecycle.OPTIONAL, layer_ids=(4,))), num_pages=(900, 80))
-    prefill = build(prefill_config, role="prefill", instance_id="prefill-0", tp_size=1,
-                    tp_rank=0)
+    prefill_config = make_config(
+        groups=(
+            LayerGroupSpec("target", Owner.TARGET, 4, 8, 64),
+            LayerGroupSpec(
+                "draft",
+                Owner.DRAFT,
+                1,
+                8,
+                64,
+                dtype="fp8",
+                window=128,
+                lifecycle=Lifecycle.OPTIONAL,
+                layer_ids=(4,),
+            ),
+        ),
+        num_pages=(900, 80),
+    )
+    prefill = build(prefill_config, role="prefill", instance_id="prefill-0", tp_size=1, tp_rank=0)
     assert check_peer(prefill, decode) == []
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(role="router"), "role"),
-    (dict(instance_id=""), "instance_id"),
-    (dict(model_id=""), "model_id"),
-    (dict(tp_size=0, tp_rank=0), "tp_size"),
-    (dict(tp_size=2, tp_rank=2), "tp_rank"),
-    (dict(pp_size=0), "pp_size"),
-    (dict(pp_size=2, pp_rank=-1), "pp_rank"),
-    (dict(total_kv_heads={"target": 6}), "total_kv_heads"),
-    (dict(num_pages=(1, 2)), "num_pages"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(role="router"), "role"),
+        (dict(instance_id=""), "instance_id"),
+        (dict(model_id=""), "model_id"),
+        (dict(tp_size=0, tp_rank=0), "tp_size"),
+        (dict(tp_size=2, tp_rank=2), "tp_rank"),
+        (dict(pp_size=0), "pp_size"),
+        (dict(pp_size=2, pp_rank=-1), "pp_rank"),
+        (dict(total_kv_heads={"target": 6}), "total_kv_heads"),
+        (dict(num_pages=(1, 2)), "num_pages"),
+    ],
+)
 def test_bad_input_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         build(**overrides)

@@ -18,27 +18,49 @@ HEADS = {"target": 4, "draft": 2}
 
 
 def config(tp: int, target_pages: int = 64) -> CacheConfig:
-    target = LayerGroupSpec("target", Owner.TARGET, num_layers=2,
-                            num_kv_heads=max(HEADS["target"] // tp, 1), head_dim=16)
-    draft = LayerGroupSpec("draft", Owner.DRAFT, num_layers=1,
-                           num_kv_heads=max(HEADS["draft"] // tp, 1), head_dim=16, window=8,
-                           lifecycle=Lifecycle.OPTIONAL)
-    return CacheConfig(groups=(target, draft), tokens_per_page=4, num_pages=(target_pages, 32),
-                       num_spec_tokens=2)
+    target = LayerGroupSpec(
+        "target", Owner.TARGET, num_layers=2, num_kv_heads=max(HEADS["target"] // tp, 1), head_dim=16
+    )
+    draft = LayerGroupSpec(
+        "draft",
+        Owner.DRAFT,
+        num_layers=1,
+        num_kv_heads=max(HEADS["draft"] // tp, 1),
+        head_dim=16,
+        window=8,
+        lifecycle=Lifecycle.OPTIONAL,
+    )
+    return CacheConfig(
+        groups=(target, draft), tokens_per_page=4, num_pages=(target_pages, 32), num_spec_tokens=2
+    )
 
 
-def group(role: str, worker: str, tp: int, configs: dict[int, CacheConfig] | None = None
-          ) -> list[pb.RankInfo]:
-    return [build_rank_info((configs or {}).get(r, config(tp)), role=role,
-                            instance_id=rank_instance_id(worker, r), model_id="m",
-                            drafter_id="d", drafter_kind="eagle3", tp_size=tp, tp_rank=r,
-                            total_kv_heads=HEADS, ucx_address=bytes([r + 1]))
-            for r in range(tp)]
+def group(
+    role: str, worker: str, tp: int, configs: dict[int, CacheConfig] | None = None
+) -> list[pb.RankInfo]:
+    return [
+        build_rank_info(
+            (configs or {}).get(r, config(tp)),
+            role=role,
+            instance_id=rank_instance_id(worker, r),
+            model_id="m",
+            drafter_id="d",
+            drafter_kind="eagle3",
+            tp_size=tp,
+            tp_rank=r,
+            total_kv_heads=HEADS,
+            ucx_address=bytes([r + 1]),
+        )
+        for r in range(tp)
+    ]
 
 
 def test_rank_ids_and_a_consistent_group():
     assert [rank_instance_id("decode-3", r) for r in range(3)] == [
-        "decode-3", "decode-3/rank1", "decode-3/rank2"]
+        "decode-3",
+        "decode-3/rank1",
+        "decode-3/rank2",
+    ]
     ranks = group("decode", "decode-3", 2)
     assert check_group(ranks) == []
     assert group_from_bytes(group_to_bytes(ranks)) == ranks
@@ -75,4 +97,3 @@ def test_a_mismatch_of_every_rank_pair_is_named_once():
     fields = [m.field for m in check_peer_group(group("prefill", "p", 2), decode)]
     assert fields.count("num_spec_tokens") == 1
     assert not [f for f in fields if f.endswith("num_spec_tokens") and f != "num_spec_tokens"]
-

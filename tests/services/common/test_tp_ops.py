@@ -40,8 +40,7 @@ def test_pages_that_do_not_travel_are_zeroed_on_the_other_ranks():
     manager = make_manager()
     manager.pools["draft"].fill_(1.0)
     ops = RankOps(KVTransferAgent(manager, hidden_size=8))
-    reply = asyncio.run(ops.recv("r", pages={}, sources=[], timeout_s=1.0,
-                                 zero={"draft": [2, 5]}))
+    reply = asyncio.run(ops.recv("r", pages={}, sources=[], timeout_s=1.0, zero={"draft": [2, 5]}))
     assert reply == {"bytes": {}, "seconds": {}}
     draft = manager.pools["draft"]
     assert torch.all(draft[[2, 5]] == 0) and torch.all(draft[[0, 1, 3, 4]] == 1)

@@ -23,15 +23,33 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 def target_config(vocab: int = VOCAB) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       tie_word_embeddings=False, eos_token_id=vocab - 1, rope_theta=500.0)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+        rope_theta=500.0,
+    )
 
 
 def drafter_config(window: int = WINDOW, vocab: int = VOCAB, draft_vocab: int = 0) -> EagleConfig:
-    return EagleConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=512, rope_theta=500.0,
-                       sliding_window=window, aux_layer_ids=(0, 1, 2), draft_vocab_size=draft_vocab)
+    return EagleConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=500.0,
+        sliding_window=window,
+        aux_layer_ids=(0, 1, 2),
+        draft_vocab_size=draft_vocab,
+    )
 
 
 def randomize(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
@@ -57,8 +75,13 @@ def write_pair(folder: Path, seed: int = 0, window: int = WINDOW) -> tuple[Path,
 
 def make_engine(pair: tuple[Path, Path], k: int = 2, **kwargs) -> Engine:
     """An engine over the random pair; k = 0 runs the target alone."""
-    options = dict(tokens_per_page=4, num_pages=(256, 256), max_num_batched_tokens=64,
-                   max_prefill_chunk=16, max_num_seqs=16)
+    options = dict(
+        tokens_per_page=4,
+        num_pages=(256, 256),
+        max_num_batched_tokens=64,
+        max_prefill_chunk=16,
+        max_num_seqs=16,
+    )
     options.update(kwargs)
     drafter = str(pair[1]) if k > 0 else None
     return Engine(EngineConfig(model=str(pair[0]), drafter=drafter, num_spec_tokens=k, **options))

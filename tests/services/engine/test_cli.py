@@ -8,8 +8,10 @@ import pytest
 
 from services.engine.cli import BUNDLED, main
 
-pytestmark = pytest.mark.skipif(not (BUNDLED / "tiny-drafter" / "model.safetensors").is_file(),
-                                reason="the bundled tiny pair is not present")
+pytestmark = pytest.mark.skipif(
+    not (BUNDLED / "tiny-drafter" / "model.safetensors").is_file(),
+    reason="the bundled tiny pair is not present",
+)
 
 
 def generate(capsys, *extra: str) -> tuple[int, str, str]:

@@ -13,28 +13,39 @@ from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import make_engine, random_prompts
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TINY = Path(__file__).resolve().parents[3] / "models"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Queue:\n    def __init__(self",
-           "    for i in range(len(", "# Copyright", "if __name__ == '__main__':\n"]
+PROMPTS = [
+    "def fib(n):",
+    "import os\nimport sys\n",
+    "class Queue:\n    def __init__(self",
+    "    for i in range(len(",
+    "# Copyright",
+    "if __name__ == '__main__':\n",
+]
 
 
 def tiny_engine(k: int, dtype: str, enforce_eager: bool) -> Engine:
-    return Engine(EngineConfig(model=str(TINY / "tiny-target"),
-                               drafter=str(TINY / "tiny-drafter") if k else None,
-                               num_spec_tokens=k, device="cuda", dtype=dtype, max_num_seqs=8,
-                               enforce_eager=enforce_eager))
+    return Engine(
+        EngineConfig(
+            model=str(TINY / "tiny-target"),
+            drafter=str(TINY / "tiny-drafter") if k else None,
+            num_spec_tokens=k,
+            device="cuda",
+            dtype=dtype,
+            max_num_seqs=8,
+            enforce_eager=enforce_eager,
+        )
+    )
 
 
 def tokens(engine: Engine, prompts) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("dtype,count", [("bfloat16", 4), ("bfloat16", 1), ("float32", 3),
-                                         ("bfloat16", 6)])
+@pytest.mark.parametrize("dtype,count", [("bfloat16", 4), ("bfloat16", 1), ("float32", 3), ("bfloat16", 6)])
 @pytest.mark.parametrize("k", [0, 4])
 def test_tiny_pair_graphs_equal_eager(k, dtype, count):
     prompts = PROMPTS[:count]
@@ -56,6 +67,7 @@ def test_random_pair_graphs_equal_eager(pair, k, count):
     eager = make_engine(pair, k=k, enforce_eager=True, **options)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    assert ([o.token_ids for o in graphed.generate(prompts, greedy)]
-            == [o.token_ids for o in eager.generate(prompts, greedy)])
+    assert [o.token_ids for o in graphed.generate(prompts, greedy)] == [
+        o.token_ids for o in eager.generate(prompts, greedy)
+    ]
     assert sum(graphed.runner.graphs.target.replays.values()) > 0

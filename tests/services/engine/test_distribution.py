@@ -57,10 +57,11 @@ def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09
 
 def test_spec_sampling_matches_the_target_marginals(pair):
     second, third = exact_marginals(load_target(pair[0]))
-    engine = make_engine(pair, k=2, max_num_seqs=128, num_pages=(1024, 1024),
-                         max_num_batched_tokens=1024)
-    params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=3, seed=s,
-                             ignore_eos=True) for s in range(NUM_SAMPLES)]
+    engine = make_engine(pair, k=2, max_num_seqs=128, num_pages=(1024, 1024), max_num_batched_tokens=1024)
+    params = [
+        SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=3, seed=s, ignore_eos=True)
+        for s in range(NUM_SAMPLES)
+    ]
     outputs = engine.generate([PROMPT] * NUM_SAMPLES, params)
     tokens = torch.tensor([o.token_ids for o in outputs])  # [samples, 3]
     assert engine.stats["local"].num_accepted > 0  # both accepted and recovered tokens occur

@@ -29,8 +29,16 @@ def run_streaming(engine, prompts, params):
 def test_32_concurrent_mixed_requests_complete_and_free_their_pages(pair):
     engine = make_engine(pair, k=3, max_num_seqs=32)
     prompts = random_prompts(32, seed=11, max_len=60)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_p=1.0 if i % 3 else 0.9,
-                             max_tokens=1 + i % 29, seed=i, ignore_eos=True) for i in range(32)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            top_p=1.0 if i % 3 else 0.9,
+            max_tokens=1 + i % 29,
+            seed=i,
+            ignore_eos=True,
+        )
+        for i in range(32)
+    ]
     results = run_streaming(engine, prompts, params)
     for (out, streamed), p, sp in zip(results, prompts, params, strict=True):
         assert out.finish_reason == "length"
@@ -63,14 +71,17 @@ def test_preempted_sampled_requests_still_complete(pair):
     assert_pools_empty(engine)
 
 
-@pytest.mark.parametrize("prompt,params,field", [
-    ("", None, "prompt"),
-    ([], None, "prompt"),
-    ([1, 99], None, "prompt"),  # token id outside the vocabulary
-    ([1] * 512, None, "prompt"),  # as long as the context
-    ([1] * 500, SamplingParams(max_tokens=13), "max_tokens"),
-    ([1, 2], "greedy", "sampling"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ("", None, "prompt"),
+        ([], None, "prompt"),
+        ([1, 99], None, "prompt"),  # token id outside the vocabulary
+        ([1] * 512, None, "prompt"),  # as long as the context
+        ([1] * 500, SamplingParams(max_tokens=13), "max_tokens"),
+        ([1, 2], "greedy", "sampling"),
+    ],
+)
 def test_bad_input_names_the_field_and_the_engine_goes_on(pair, prompt, params, field):
     engine = make_engine(pair, k=2)
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -91,10 +102,9 @@ def test_stop_token_and_stop_string_cut_the_output(pair):
     prompt = random_prompts(1, seed=14, min_len=10, max_len=10)[0]
     full = make_engine(pair, k=0).generate([prompt], LONG)[0].token_ids
     engine = make_engine(pair, k=4)
-    by_token = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                              stop_token_ids=(full[5],))
+    by_token = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=(full[5],))
     out = engine.generate([prompt], by_token)[0]
-    assert out.finish_reason == "stop" and out.token_ids == full[:full.index(full[5]) + 1]
+    assert out.finish_reason == "stop" and out.token_ids == full[: full.index(full[5]) + 1]
     stop = "".join(chr(t) for t in full[6:8])
     by_text = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,))
     out = engine.generate([prompt], by_text)[0]
@@ -102,7 +112,7 @@ def test_stop_token_and_stop_string_cut_the_output(pair):
     cut = text.index(stop)
     assert out.finish_reason == "stop"
     assert out.text == text[:cut]
-    assert out.token_ids == full[:cut + len(stop)]
+    assert out.token_ids == full[: cut + len(stop)]
     assert_pools_empty(engine)
 
 
@@ -111,21 +121,21 @@ def test_eos_stops_unless_ignored(pair):
     prompts = random_prompts(40, seed=15)
     full = make_engine(pair, k=0).generate(prompts, LONG)
     i = next(i for i, o in enumerate(full) if eos in o.token_ids)
-    out = make_engine(pair, k=3).generate([prompts[i]], SamplingParams(temperature=0.0,
-                                                                       max_tokens=24))[0]
+    out = make_engine(pair, k=3).generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=24))[0]
     cut = full[i].token_ids.index(eos) + 1
     assert out.finish_reason == "stop" and out.token_ids == full[i].token_ids[:cut]
 
 
 def test_seeded_sampling_is_reproducible(pair):
     prompts = random_prompts(6, seed=16)
-    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=100 + i,
-                             ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=100 + i, ignore_eos=True)
+        for i in range(6)
+    ]
     a = [o.token_ids for o in make_engine(pair, k=3).generate(prompts, params)]
     b = [o.token_ids for o in make_engine(pair, k=3).generate(prompts, params)]
     assert a == b
-    other = [SamplingParams(temperature=1.0, max_tokens=16, seed=200 + i, ignore_eos=True)
-             for i in range(6)]
+    other = [SamplingParams(temperature=1.0, max_tokens=16, seed=200 + i, ignore_eos=True) for i in range(6)]
     assert [o.token_ids for o in make_engine(pair, k=3).generate(prompts, other)] != a
 
 
@@ -154,8 +164,9 @@ def transfer(prefill_engine, decode_engine, request_id: str, num_tokens: int) ->
     dst = decode_engine.manager.transfer_pages(request_id, num_tokens)
     for group, pages in src.items():
         assert dst[group].first_page == pages.first_page
-        decode_engine.manager.pools[group][dst[group].page_ids] = \
-            prefill_engine.manager.pools[group][pages.page_ids]
+        decode_engine.manager.pools[group][dst[group].page_ids] = prefill_engine.manager.pools[group][
+            pages.page_ids
+        ]
 
 
 @pytest.mark.parametrize("prompt_len", [5, 30])  # inside and past the draft window
@@ -186,6 +197,7 @@ def test_prefill_only_then_decode_elsewhere_matches_aggregated(pair, prompt_len)
 def test_add_prefilled_needs_a_reservation(pair):
     engine = make_engine(pair, k=2)
     from services.engine.request import AuxState
+
     with pytest.raises(ValueError, match="^request_id:"):
         engine.add_prefilled("x", [1, 2], AuxState(3, torch.zeros(64), 2), GREEDY)
 

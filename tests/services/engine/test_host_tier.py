@@ -6,8 +6,7 @@ from tests.services.engine.helpers import GREEDY, assert_pools_empty, make_engin
 
 
 def test_a_recalled_prefix_gives_the_cold_greedy_output(pair):
-    engine = make_engine(pair, k=2, num_pages=(40, 40), host_kv_cache_bytes=1 << 20,
-                         max_num_seqs=4)
+    engine = make_engine(pair, k=2, num_pages=(40, 40), host_kv_cache_bytes=1 << 20, max_num_seqs=4)
     cold = make_engine(pair, k=2, enable_prefix_cache=False)
     a = random_prompts(1, seed=11, min_len=36, max_len=36)[0]
     first = engine.generate([a], GREEDY)[0].token_ids

@@ -45,8 +45,9 @@ def test_prefix_hits_with_complete_and_incomplete_draft_windows(pair, layout):
     g = torch.Generator().manual_seed(7)
     base = torch.randint(0, 31, (40,), generator=g).tolist()
     first = [base + [5]]
-    variants = [base[:m] + torch.randint(0, 31, (6,), generator=g).tolist()
-                for m in (3, 8, 13, 21, 30, 37, 40)] + [base + [5]]
+    variants = [
+        base[:m] + torch.randint(0, 31, (6,), generator=g).tolist() for m in (3, 8, 13, 21, 30, 37, 40)
+    ] + [base + [5]]
     reference = make_engine(pair, k=0, enable_prefix_cache=False)
     engine = make_engine(pair, k=3, layout=layout)
     got = [o.token_ids for o in engine.generate(first, GREEDY)]
@@ -82,17 +83,19 @@ def held_out_snippets(count: int, seed: int) -> list[str]:
         text = texts[i % len(texts)]
         n = int(torch.randint(8, 400, (1,), generator=g))
         start = int(torch.randint(0, len(text) - n, (1,), generator=g))
-        out.append(text[start:start + n])
+        out.append(text[start : start + n])
     return out
 
 
-@pytest.mark.skipif(not (TINY / "tiny-drafter" / "model.safetensors").is_file(),
-                    reason="the bundled tiny pair is not present")
+@pytest.mark.skipif(
+    not (TINY / "tiny-drafter" / "model.safetensors").is_file(), reason="the bundled tiny pair is not present"
+)
 def test_bundled_pair_is_lossless_on_fifty_prompts():
     prompts = held_out_snippets(50, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    common = dict(model=str(TINY / "tiny-target"), max_num_seqs=64, num_pages=(1024, 512),
-                  max_num_batched_tokens=2048)
+    common = dict(
+        model=str(TINY / "tiny-target"), max_num_seqs=64, num_pages=(1024, 512), max_num_batched_tokens=2048
+    )
     plain = Engine(EngineConfig(num_spec_tokens=0, **common)).generate(prompts, params)
     spec = Engine(EngineConfig(drafter=str(TINY / "tiny-drafter"), num_spec_tokens=4, **common))
     outputs = spec.generate(prompts, params)

@@ -23,8 +23,14 @@ from tests.services.engine.helpers import drafter_config, randomize, target_conf
 PAGE = 4
 
 
-def paged_context(model_layers: int, kv_heads: int, head_dim: int, spans: list[tuple[int, int]],
-                  pool: torch.Tensor | None = None, window: int = 0) -> PagedContext:
+def paged_context(
+    model_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    spans: list[tuple[int, int]],
+    pool: torch.Tensor | None = None,
+    window: int = 0,
+) -> PagedContext:
     """One sequence held in pages 0, 1, 2...; spans [(start, length)] of one batch row each."""
     if pool is None:
         pool = torch.zeros(16, model_layers, 2, kv_heads, PAGE, head_dim)
@@ -56,8 +62,13 @@ def test_tied_target_has_no_lm_head_tensor(tmp_path):
 def test_drafter_uses_eagle3_tensor_names(tmp_path):
     save_model(Eagle3Drafter(drafter_config()), tmp_path)
     names = set(load_file(str(tmp_path / "model.safetensors")))
-    assert {"fc.weight", "norm.weight", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+    } <= names
     assert load_drafter(tmp_path).config.aux_layer_ids == (0, 1, 2)
 
 
@@ -86,8 +97,9 @@ def test_paged_target_in_chunks_equals_dense():
     pool = torch.zeros(16, c.num_hidden_layers, 2, c.num_key_value_heads, PAGE, c.head_dim)
     chunks = []
     for start, end in ((0, 9), (9, 10), (10, 23)):
-        ctx = paged_context(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                            [(start, end - start)], pool)
+        ctx = paged_context(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, [(start, end - start)], pool
+        )
         chunks.append(model(ids[start:end], torch.arange(start, end), ctx).hidden)
     torch.testing.assert_close(torch.cat(chunks), dense, atol=1e-4, rtol=1e-4)
 
@@ -117,26 +129,35 @@ def test_reduced_draft_vocabulary_maps_through_d2t():
 
 def test_rope_scaling_variants():
     base = rope_inv_freq(16, 10000.0, None)
-    torch.testing.assert_close(rope_inv_freq(16, 10000.0, {"type": "linear", "factor": 4.0}),
-                               base / 4)
-    llama3 = rope_inv_freq(16, 10000.0, {"rope_type": "llama3", "factor": 8.0,
-                                         "original_max_position_embeddings": 64,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    torch.testing.assert_close(rope_inv_freq(16, 10000.0, {"type": "linear", "factor": 4.0}), base / 4)
+    llama3 = rope_inv_freq(
+        16,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    )
     assert llama3[0] == base[0]  # short wavelengths are kept
     assert llama3[-1] == base[-1] / 8  # long wavelengths are divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
         LlamaConfig.from_dict({**target_config().to_dict(), "rope_scaling": {"type": "yarn"}})
 
 
-@pytest.mark.parametrize("field,value", [("hidden_size", 0), ("num_key_value_heads", 3),
-                                         ("num_hidden_layers", -1)])
+@pytest.mark.parametrize(
+    "field,value", [("hidden_size", 0), ("num_key_value_heads", 3), ("num_hidden_layers", -1)]
+)
 def test_bad_target_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         LlamaConfig.from_dict({**target_config().to_dict(), field: value})
 
 
 def test_drafter_must_fit_the_target():
-    config = EagleConfig.from_dict({**drafter_config().to_dict(),
-                                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 7]}})
+    config = EagleConfig.from_dict(
+        {**drafter_config().to_dict(), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 7]}}
+    )
     with pytest.raises(ValueError, match="aux_layer_ids"):
         config.check_target(target_config())

@@ -20,8 +20,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     probs = torch.tensor([[0.2, 0.5, 0.3], [0.2, 0.5, 0.3], [0.2, 0.5, 0.3]])
     out = top_p_filter(probs, torch.tensor([0.5, 0.6, 1.0]))
-    torch.testing.assert_close(out, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.625, 0.375],
-                                                  [0.2, 0.5, 0.3]]))
+    torch.testing.assert_close(out, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.625, 0.375], [0.2, 0.5, 0.3]]))
 
 
 def test_greedy_rows_are_one_hot_and_sample_to_the_argmax():
@@ -36,11 +35,14 @@ def one_hot(ids: list[int], vocab: int = 5) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
 
 
-@pytest.mark.parametrize("drafts,accepted,next_token", [
-    ([3, 1], 2, 2),  # both drafts match: bonus = target argmax at position 2
-    ([3, 0], 1, 1),  # second draft rejected: the target's token there
-    ([4, 1], 0, 3),  # first draft rejected
-])
+@pytest.mark.parametrize(
+    "drafts,accepted,next_token",
+    [
+        ([3, 1], 2, 2),  # both drafts match: bonus = target argmax at position 2
+        ([3, 0], 1, 1),  # second draft rejected: the target's token there
+        ([4, 1], 0, 3),  # first draft rejected
+    ],
+)
 def test_greedy_verification_is_exact(drafts, accepted, next_token):
     target = one_hot([3, 1, 2])[None]  # [1, K + 1, vocab]
     verdict = rejection_sample(target, one_hot(drafts)[None], torch.tensor([drafts]), [None])
@@ -68,11 +70,19 @@ def test_speculative_sampling_follows_the_target_distribution():
     assert abs(rate - float(torch.minimum(p[0], q[0]).sum())) < 0.02
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 0}, "max_tokens"), ({"stop": ("",)}, "stop"), ({"seed": 1.5}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ("",)}, "stop"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)

@@ -32,12 +32,17 @@ def _greedy(**kwargs) -> SamplingParams:
 
 # ---------------------------------------------------------------- transforms, exactly
 
+
 def test_penalties_follow_vllm_and_openai():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
-    pen = Penalties(torch.tensor([0]), torch.tensor([2.0]), torch.tensor([0.5]),
-                    torch.tensor([0.25]),
-                    seen=torch.tensor([[True, True, False, False, True]]),
-                    counts=torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0]]))
+    pen = Penalties(
+        torch.tensor([0]),
+        torch.tensor([2.0]),
+        torch.tensor([0.5]),
+        torch.tensor([0.25]),
+        seen=torch.tensor([[True, True, False, False, True]]),
+        counts=torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0]]),
+    )
     out = apply_penalties(logits, pen)
     # repetition over seen tokens: 2 / 2, -2 * 2, 0.5 / 2; then output counts:
     # token 1: -4 - 0.25 * 3 - 0.5; token 4: 0.25 - 0.25 - 0.5
@@ -47,33 +52,51 @@ def test_penalties_follow_vllm_and_openai():
 
 def test_top_k_and_min_p_keep_exactly_their_sets():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4))
-    params = RowParams(torch.ones(4), torch.ones(4), top_k=torch.tensor([2, 0, -1, 0]),
-                       min_p=torch.tensor([0.0, 0.6, 0.0, 0.3]))
+    params = RowParams(
+        torch.ones(4),
+        torch.ones(4),
+        top_k=torch.tensor([2, 0, -1, 0]),
+        min_p=torch.tensor([0.0, 0.6, 0.0, 0.3]),
+    )
     probs = probs_for_rows(logits, params)
-    expected = [[0.4 / 0.7, 0.3 / 0.7, 0, 0], [0.4 / 0.7, 0.3 / 0.7, 0, 0],
-                [0.4, 0.3, 0.2, 0.1], [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]]
+    expected = [
+        [0.4 / 0.7, 0.3 / 0.7, 0, 0],
+        [0.4 / 0.7, 0.3 / 0.7, 0, 0],
+        [0.4, 0.3, 0.2, 0.1],
+        [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0],
+    ]
     assert torch.allclose(probs, torch.tensor(expected), atol=1e-6)
 
 
 def test_top_k_one_is_the_argmax_and_greedy_reads_the_penalized_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    assert probs_for_rows(logits, RowParams(torch.ones(1), torch.ones(1),
-                                            top_k=torch.tensor([1]))).tolist() == [[0, 1, 0]]
-    pen = Penalties(torch.tensor([0]), torch.tensor([4.0]), torch.zeros(1), torch.zeros(1),
-                    torch.tensor([[False, True, False]]), torch.zeros(1, 3))
+    assert probs_for_rows(
+        logits, RowParams(torch.ones(1), torch.ones(1), top_k=torch.tensor([1]))
+    ).tolist() == [[0, 1, 0]]
+    pen = Penalties(
+        torch.tensor([0]),
+        torch.tensor([4.0]),
+        torch.zeros(1),
+        torch.zeros(1),
+        torch.tensor([[False, True, False]]),
+        torch.zeros(1, 3),
+    )
     greedy = RowParams(torch.zeros(1), torch.ones(1), penalties=pen)
     assert probs_for_rows(logits, greedy).tolist() == [[0, 0, 1]]  # 3 / 4 < 2
 
 
 def test_rows_count_the_drafts_before_them_for_penalties_and_min_tokens():
-    sp = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0, min_tokens=3,
-                        stop_token_ids=(5,))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=8, presence_penalty=1.0, min_tokens=3, stop_token_ids=(5,)
+    )
     req = Request("r", [1, 2], sp, None)
     req.output_ids = [3]
     params = row_params([req], [[[], [4], [4, 4]]], 8, frozenset([EOS % 8]), "cpu")
-    assert params.penalties.counts.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0],
-                                                [0, 0, 0, 1, 1, 0, 0, 0],
-                                                [0, 0, 0, 1, 2, 0, 0, 0]]
+    assert params.penalties.counts.tolist() == [
+        [0, 0, 0, 1, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 2, 0, 0, 0],
+    ]
     assert params.penalties.seen[0].nonzero().flatten().tolist() == [1, 2, 3]
     # 1 and 2 tokens so far are < 3: EOS (7) and the stop id banned; 3 so far: free
     assert params.banned.nonzero().tolist() == [[0, 5], [0, 7], [1, 5], [1, 7]]
@@ -81,20 +104,28 @@ def test_rows_count_the_drafts_before_them_for_penalties_and_min_tokens():
     assert row_params([ignored], [[[]]], 8, frozenset([7]), "cpu").banned is None
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
 def test_bad_new_fields_name_themselves(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(max_tokens=16, **kwargs)
 
 
 # ---------------------------------------------------------------- a dense reference
+
 
 @pytest.fixture(scope="module")
 def target(pair):
@@ -121,16 +152,19 @@ def reference_greedy(target, prompt: list[int], sp: SamplingParams) -> list[int]
         for t in set(out):
             logits[t] -= sp.frequency_penalty * out.count(t) + sp.presence_penalty
         out.append(int(logits.argmax()))
-        if len(out) > sp.min_tokens and ((out[-1] == EOS and not sp.ignore_eos)
-                                          or out[-1] in sp.stop_token_ids):
+        if len(out) > sp.min_tokens and (
+            (out[-1] == EOS and not sp.ignore_eos) or out[-1] in sp.stop_token_ids
+        ):
             break
     return out
 
 
-PENALIZED = [_greedy(repetition_penalty=1.6), _greedy(presence_penalty=1.5),
-             _greedy(frequency_penalty=0.7), _greedy(repetition_penalty=1.3,
-                                                     presence_penalty=-0.5,
-                                                     frequency_penalty=1.2)]
+PENALIZED = [
+    _greedy(repetition_penalty=1.6),
+    _greedy(presence_penalty=1.5),
+    _greedy(frequency_penalty=0.7),
+    _greedy(repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=1.2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +194,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids(pair, target, k):
     sp = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=first_eos + 3)
     out = make_engine(pair, k=k).generate([prompts[i]], sp)[0]
     assert out.token_ids == reference_greedy(target, prompts[i], sp)
-    assert EOS not in out.token_ids[:sp.min_tokens] and len(out.token_ids) > sp.min_tokens
+    assert EOS not in out.token_ids[: sp.min_tokens] and len(out.token_ids) > sp.min_tokens
     stop_id = full[i].token_ids[1]
     sp = _greedy(max_tokens=12, min_tokens=4, stop_token_ids=(stop_id,))
     out = make_engine(pair, k=k).generate([prompts[i]], sp)[0]
@@ -171,21 +205,36 @@ def test_min_tokens_holds_back_eos_and_stop_ids(pair, target, k):
 def test_top_k_one_at_temperature_one_is_the_greedy_text(pair, prompts):
     greedy = [o.token_ids for o in make_engine(pair, k=0).generate(prompts, _greedy())]
     for k in (0, 3):
-        params = [SamplingParams(temperature=1.0, top_k=1, seed=i, max_tokens=20,
-                                 ignore_eos=True) for i in range(len(prompts))]
+        params = [
+            SamplingParams(temperature=1.0, top_k=1, seed=i, max_tokens=20, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
         assert [o.token_ids for o in make_engine(pair, k=k).generate(prompts, params)] == greedy
 
 
 def test_sampled_requests_with_every_transform_complete_and_reproduce(pair, prompts):
-    params = [SamplingParams(temperature=0.8, top_k=8, min_p=0.05, top_p=0.9, seed=i,
-                             repetition_penalty=1.2, presence_penalty=0.3, min_tokens=5,
-                             frequency_penalty=0.2, max_tokens=16) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            top_k=8,
+            min_p=0.05,
+            top_p=0.9,
+            seed=i,
+            repetition_penalty=1.2,
+            presence_penalty=0.3,
+            min_tokens=5,
+            frequency_penalty=0.2,
+            max_tokens=16,
+        )
+        for i in range(len(prompts))
+    ]
     a = [o.token_ids for o in make_engine(pair, k=3).generate(prompts, params)]
     b = [o.token_ids for o in make_engine(pair, k=3).generate(prompts, params)]
     assert a == b and all(len(t) > 5 for t in a)
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 @pytest.fixture(scope="module")
 def calm_pair(tmp_path_factory):
@@ -215,8 +264,9 @@ def test_logprobs_are_the_raw_log_softmax_and_equal_with_speculation(calm_pair):
         for j, (x, y) in enumerate(zip(a.logprobs, b.logprobs, strict=True)):
             assert x.top_ids == y.top_ids and len(x.top_ids) == 3
             assert math.isclose(x.logprob, y.logprob, abs_tol=1e-5)
-            assert all(math.isclose(u, v, abs_tol=1e-5)
-                       for u, v in zip(x.top_logprobs, y.top_logprobs, strict=True))
+            assert all(
+                math.isclose(u, v, abs_tol=1e-5) for u, v in zip(x.top_logprobs, y.top_logprobs, strict=True)
+            )
             if j < 3:  # the raw distribution, before the penalty
                 ref = torch.log_softmax(raw_logits(target, prompt + a.token_ids[:j]), -1)
                 assert math.isclose(x.logprob, float(ref[x.token_id]), abs_tol=1e-5)
@@ -225,8 +275,9 @@ def test_logprobs_are_the_raw_log_softmax_and_equal_with_speculation(calm_pair):
 
 def test_logprobs_zero_gives_the_chosen_token_only_and_none_when_unset(pair):
     engine = make_engine(pair, k=2)
-    with_lp, without = engine.generate([[1, 2, 3]] * 2, [_greedy(max_tokens=5, logprobs=0),
-                                                         _greedy(max_tokens=5)])
+    with_lp, without = engine.generate(
+        [[1, 2, 3]] * 2, [_greedy(max_tokens=5, logprobs=0), _greedy(max_tokens=5)]
+    )
     assert len(with_lp.logprobs) == 5 and all(lp.top_ids == [] for lp in with_lp.logprobs)
     assert without.logprobs is None
 
@@ -257,11 +308,13 @@ def _drain(engine):
 
 # ---------------------------------------------------------------- per-request num_spec_tokens
 
+
 def test_num_spec_tokens_per_request_in_one_batch(pair, prompts):
     reference = [o.token_ids for o in make_engine(pair, k=0).generate(prompts, _greedy())]
     engine = make_engine(pair, k=4)
-    ids = [engine.add_request(p, _greedy(), num_spec_tokens=[0, 2, None][i % 3])
-           for i, p in enumerate(prompts)]
+    ids = [
+        engine.add_request(p, _greedy(), num_spec_tokens=[0, 2, None][i % 3]) for i, p in enumerate(prompts)
+    ]
     final = {o.request_id: o for o in _drain(engine) if o.finished}
     assert [final[i].token_ids for i in ids] == reference
     for i, rid in enumerate(ids):
@@ -298,10 +351,9 @@ def test_min_tokens_lets_a_stop_string_count_only_after_their_text(pair, prompts
     full = make_engine(pair, k=0).generate(prompts[:1], _greedy(max_tokens=24))[0].token_ids
     stop, m = chr(full[1]), 4  # one byte-level token per character; full[1] is protected
     j = next((j for j in range(m, len(full)) if full[j] == full[1]), None)
-    out = make_engine(pair, k=k).generate(prompts[:1], _greedy(max_tokens=24, min_tokens=m,
-                                                               stop=(stop,)))[0]
+    out = make_engine(pair, k=k).generate(prompts[:1], _greedy(max_tokens=24, min_tokens=m, stop=(stop,)))[0]
     assert j is not None  # without min_tokens the stop string ends it at token 2
-    assert out.finish_reason == "stop" and out.token_ids == full[:j + 1]
+    assert out.finish_reason == "stop" and out.token_ids == full[: j + 1]
     assert out.text == "".join(chr(t) for t in full[:j])
 
 
@@ -309,8 +361,16 @@ def test_speculative_sampling_with_every_transform_follows_the_target(pair, targ
     """Chi-square of the 2nd and 3rd tokens of 1500 seeded requests (K = 2: verify rows,
     accepted, recovered and bonus tokens) against the exact marginals, each next-token
     distribution computed densely with the transforms over that prefix's outputs."""
-    sp = SamplingParams(temperature=1.5, top_k=12, min_p=0.02, repetition_penalty=1.3,
-                        presence_penalty=0.8, frequency_penalty=0.5, min_tokens=2, max_tokens=3)
+    sp = SamplingParams(
+        temperature=1.5,
+        top_k=12,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        presence_penalty=0.8,
+        frequency_penalty=0.5,
+        min_tokens=2,
+        max_tokens=3,
+    )
 
     def probs_after(outputs: list[list[int]]) -> torch.Tensor:
         reqs = []
@@ -322,8 +382,7 @@ def test_speculative_sampling_with_every_transform_follows_the_target(pair, targ
         with torch.no_grad():
             hidden = target(ids.reshape(-1), torch.arange(t).repeat(b), DenseContext(b, t)).hidden
             logits = target.compute_logits(hidden.view(b, t, -1)[:, -1])
-        return probs_for_rows(logits, row_params(reqs, [[[]]] * b, logits.shape[-1],
-                                                 frozenset([EOS]), "cpu"))
+        return probs_for_rows(logits, row_params(reqs, [[[]]] * b, logits.shape[-1], frozenset([EOS]), "cpu"))
 
     vocab = 32
     p1 = probs_after([[]])[0]
@@ -332,8 +391,7 @@ def test_speculative_sampling_with_every_transform_follows_the_target(pair, targ
     joint12 = p1[:, None] * p2
     second, third = joint12.sum(0), (joint12.reshape(-1, 1) * p3).sum(0)
     n = 1500
-    engine = make_engine(pair, k=2, max_num_seqs=128, num_pages=(1024, 1024),
-                         max_num_batched_tokens=1024)
+    engine = make_engine(pair, k=2, max_num_seqs=128, num_pages=(1024, 1024), max_num_batched_tokens=1024)
     params = [dataclasses.replace(sp, seed=s) for s in range(n)]
     tokens = torch.tensor([o.token_ids for o in engine.generate([PROMPT] * n, params)])
     stats = engine.stats["local"]

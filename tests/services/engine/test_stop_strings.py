@@ -25,9 +25,9 @@ def tok(request, tmp_path_factory):
 def _spanning_stop(tok, ids: list[int]) -> tuple[str, int]:
     """A stop string made of the end of ids[i - 1]'s text and the start of ids[i]'s, and i."""
     for i in range(2, len(ids) - 1):
-        before, after = tok.decode(ids[:i]), tok.decode(ids[:i + 1])
-        if len(before) - len(tok.decode(ids[:i - 1])) >= 2 and len(after) - len(before) >= 2:
-            return after[len(before) - 2:len(before) + 2], i
+        before, after = tok.decode(ids[:i]), tok.decode(ids[: i + 1])
+        if len(before) - len(tok.decode(ids[: i - 1])) >= 2 and len(after) - len(before) >= 2:
+            return after[len(before) - 2 : len(before) + 2], i
     raise AssertionError("no two multi-character tokens in a row")
 
 
@@ -45,9 +45,9 @@ def test_a_stop_string_spanning_two_tokens_stops_the_request_at_the_second(tok):
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop, i = _spanning_stop(tok, ids)
     req, detok, emitted = _run(tok, ids, SamplingParams(max_tokens=100, stop=(stop,)))
-    assert req.finish_reason == "stop" and emitted == ids[:i + 1]
+    assert req.finish_reason == "stop" and emitted == ids[: i + 1]
     full = tok.decode(ids)
-    assert output_text(req, detok, finished=True) == full[:full.index(stop)]
+    assert output_text(req, detok, finished=True) == full[: full.index(stop)]
 
 
 def test_the_router_cuts_the_streamed_text_where_the_engine_does(tok):

@@ -25,8 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 def mistral(tmp_path_factory):
     """(target folder, drafter folder, the transformers model)."""
     root = tmp_path_factory.mktemp("mistral")
-    model = hf_checkpoint(root / "target", "mistral", seed=3, sliding_window=WINDOW,
-                          eos_token_id=None, bos_token_id=None)
+    model = hf_checkpoint(
+        root / "target", "mistral", seed=3, sliding_window=WINDOW, eos_token_id=None, bos_token_id=None
+    )
     vocab = {f"t{i}": i for i in range(VOCAB)}  # a tokenizer the folder must have; ids only
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(root / "target" / "tokenizer.json"))
     drafter = Eagle3Drafter(drafter_config(window=8, vocab=VOCAB))
@@ -38,18 +39,32 @@ def mistral(tmp_path_factory):
 def reference(model, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():  # an explicit mask: else generate masks the ids equal to pad_token_id
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def engine(mistral, chunk: int, k: int, pages: int = 256) -> Engine:
     target, drafter, _ = mistral
     pages = (pages, pages) if k else (pages,)
-    return Engine(EngineConfig(model=str(target), drafter=str(drafter) if k else None,
-                               num_spec_tokens=k, tokens_per_page=4, num_pages=pages,
-                               max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16),
-                               max_num_seqs=4))
+    return Engine(
+        EngineConfig(
+            model=str(target),
+            drafter=str(drafter) if k else None,
+            num_spec_tokens=k,
+            tokens_per_page=4,
+            num_pages=pages,
+            max_prefill_chunk=chunk,
+            max_num_batched_tokens=max(chunk, 16),
+            max_num_seqs=4,
+        )
+    )
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -68,8 +83,7 @@ def test_greedy_tokens_equal_transformers(mistral, chunk, k):
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_a_continuation_hits_the_prefix_cache_and_a_branch_before_the_window_does_not(
-        mistral, k):
+def test_a_continuation_hits_the_prefix_cache_and_a_branch_before_the_window_does_not(mistral, k):
     e = engine(mistral, 16, k)
     first = prompt(80, seed=5)
     (out,) = e.generate([first], GREEDY)

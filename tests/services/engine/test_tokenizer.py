@@ -42,12 +42,16 @@ def folders(tmp_path_factory):
     out = {}
     for name, build in (("bpe", trained_bpe), ("metaspace", trained_metaspace)):
         folder = write_folder(tmp_path_factory.mktemp(name), build())
-        out[name] = (folder, load_tokenizer(str(folder)),
-                     transformers.AutoTokenizer.from_pretrained(str(folder)))
+        out[name] = (
+            folder,
+            load_tokenizer(str(folder)),
+            transformers.AutoTokenizer.from_pretrained(str(folder)),
+        )
     return out
 
 
 # ---------------------------------------------------------------------- the bundled vocabulary
+
 
 @FAST
 @given(no_special_text)
@@ -80,6 +84,7 @@ def test_the_bundled_specials_and_eos(tiny):
 
 # ---------------------------------------------------------------------- trained BPEs
 
+
 @FAST
 @given(st.text(max_size=50))
 def test_trained_tokenizers_encode_and_decode_as_transformers_does(folders, text):
@@ -87,8 +92,7 @@ def test_trained_tokenizers_encode_and_decode_as_transformers_does(folders, text
         ids = ref(text)["input_ids"]
         assert tok.encode(text) == ids
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
-        assert tok.encode(text, add_special_tokens=False) == \
-            ref(text, add_special_tokens=False)["input_ids"]
+        assert tok.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
 
 
 @FAST
@@ -101,7 +105,7 @@ def test_streamed_text_is_the_decoded_text_and_no_chunk_splits_a_character(folde
         for n in sizes:
             if i >= len(ids):
                 break
-            chunks.append(detok.push(ids[i:i + n]))
+            chunks.append(detok.push(ids[i : i + n]))
             i += n
         assert not any(c.endswith(REPLACEMENT) for c in chunks)
         assert "".join(chunks) + detok.flush() == tok.decode(ids)
@@ -130,6 +134,7 @@ def test_the_detokenizer_holds_back_an_incomplete_character(folders):
 
 # ---------------------------------------------------------------------- loading
 
+
 def test_a_tokenizer_override_may_be_a_folder_or_a_file(folders, tmp_path):
     folder, tok, _ = folders["bpe"]
     by_folder = load_tokenizer(str(tmp_path), str(folder))
@@ -154,8 +159,9 @@ def test_cleanup_of_tokenization_spaces_is_refused_outside_bpe(tmp_path):
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     write_folder(tmp_path, tok, clean_up_tokenization_spaces=True)
-    with pytest.raises(ValueError, match="clean_up_tokenization_spaces: true is not supported "
-                                         "for a WordLevel tokenizer"):
+    with pytest.raises(
+        ValueError, match="clean_up_tokenization_spaces: true is not supported for a WordLevel tokenizer"
+    ):
         load_tokenizer(str(tmp_path))
 
 

@@ -23,30 +23,49 @@ from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import GREEDY, drafter_config, random_prompts, target_config
 
 ROOT = Path(__file__).resolve().parents[3]
-BUNDLED = dict(model=str(ROOT / "models/tiny-target"), drafter=str(ROOT / "models/tiny-drafter"),
-               num_spec_tokens=4, kv_cache_bytes=64 << 20, max_num_seqs=8)
-CODE = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
-        "for i in range(10):\n    print(", "    return self._data[key]"]
+BUNDLED = dict(
+    model=str(ROOT / "models/tiny-target"),
+    drafter=str(ROOT / "models/tiny-drafter"),
+    num_spec_tokens=4,
+    kv_cache_bytes=64 << 20,
+    max_num_seqs=8,
+)
+CODE = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    "for i in range(10):\n    print(",
+    "    return self._data[key]",
+]
 PROMPTS = random_prompts(6, seed=11, min_len=3, max_len=40)
 # second turn: prefixes of the first prompts ending inside a page (4 tokens), so prefix hits
 # copy a partial page on write; the other rank must copy its own heads of it too
-FOLLOW_UPS = [p[:len(p) // 4 * 4 - 2] + [5, 6, 7] for p in PROMPTS if len(p) >= 10]
+FOLLOW_UPS = [p[: len(p) // 4 * 4 - 2] + [5, 6, 7] for p in PROMPTS if len(p) >= 10]
 TIMEOUT_S = 120
 
 
 def random_pair_config(pair) -> dict:
-    return dict(model=str(pair[0]), drafter=str(pair[1]), num_spec_tokens=3, tokens_per_page=4,
-                num_pages=(256, 256), max_num_batched_tokens=64, max_prefill_chunk=16,
-                max_num_seqs=16)
+    return dict(
+        model=str(pair[0]),
+        drafter=str(pair[1]),
+        num_spec_tokens=3,
+        tokens_per_page=4,
+        num_pages=(256, 256),
+        max_num_batched_tokens=64,
+        max_prefill_chunk=16,
+        max_num_seqs=16,
+    )
 
 
 def run(engine: Engine, turns: list[list], sampling: SamplingParams) -> dict:
     """Each turn's prompts to completion, one turn after the other."""
     outs = [o for prompts in turns for o in engine.generate(prompts, sampling)]
-    return {"tokens": [o.token_ids for o in outs],
-            "al": [o.usage.acceptance_length for o in outs],
-            "held": {g: u.used - u.cached for g, u in engine.manager.usage().items()},
-            "hit_tokens": engine.manager.stats["target"].hit_tokens}
+    return {
+        "tokens": [o.token_ids for o in outs],
+        "al": [o.usage.acceptance_length for o in outs],
+        "held": {g: u.used - u.cached for g, u in engine.manager.usage().items()},
+        "hit_tokens": engine.manager.stats["target"].hit_tokens,
+    }
 
 
 def free_address() -> str:
@@ -72,8 +91,10 @@ def run_tp2(config: dict, turns: list[list], sampling: SamplingParams = GREEDY) 
     ctx = mp.get_context("spawn")
     address = free_address()
     parent, child = ctx.Pipe()
-    procs = [ctx.Process(target=_rank, args=(r, address, config, turns, sampling, child),
-                         daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, address, config, turns, sampling, child), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -108,8 +129,9 @@ def test_tp2_decodes_the_bundled_pair_as_tp1_with_the_same_acceptance():
 
 def test_shards_of_every_rank_rebuild_the_checkpoint():
     state = LlamaForCausalLM(target_config()).state_dict()
-    shards = [shard_state_dict(LlamaForCausalLM(target_config(), TensorParallel(2, r)), state)
-              for r in range(2)]
+    shards = [
+        shard_state_dict(LlamaForCausalLM(target_config(), TensorParallel(2, r)), state) for r in range(2)
+    ]
     q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
     down = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(torch.cat([s[q] for s in shards]), state[q])
@@ -125,9 +147,8 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks():
     k = "midlayer.self_attn.k_proj.weight"
     head_dim = drafter_config().head_dim
     for rank, head in enumerate([0, 0, 1, 1]):
-        shard = shard_state_dict(Eagle3Drafter(drafter_config(), tp=TensorParallel(4, rank)),
-                                 state)
-        assert torch.equal(shard[k], state[k][head * head_dim:(head + 1) * head_dim])
+        shard = shard_state_dict(Eagle3Drafter(drafter_config(), tp=TensorParallel(4, rank)), state)
+        assert torch.equal(shard[k], state[k][head * head_dim : (head + 1) * head_dim])
 
 
 def test_heads_that_do_not_split_are_refused():

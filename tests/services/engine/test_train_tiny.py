@@ -13,23 +13,66 @@ from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[3]
-TOY = ["--device", "cpu", "--max-files", "12", "--hidden", "32", "--layers", "2", "--heads", "2",
-       "--kv-heads", "1", "--intermediate", "64", "--context", "256", "--seq-len", "64",
-       "--batch", "2", "--target-steps", "3", "--window", "16", "--draft-seq-len", "32",
-       "--draft-batch", "2", "--drafter-steps", "3", "--chain-steps", "3", "--eval-windows", "8"]
+TOY = [
+    "--device",
+    "cpu",
+    "--max-files",
+    "12",
+    "--hidden",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--intermediate",
+    "64",
+    "--context",
+    "256",
+    "--seq-len",
+    "64",
+    "--batch",
+    "2",
+    "--target-steps",
+    "3",
+    "--window",
+    "16",
+    "--draft-seq-len",
+    "32",
+    "--draft-batch",
+    "2",
+    "--drafter-steps",
+    "3",
+    "--chain-steps",
+    "3",
+    "--eval-windows",
+    "8",
+]
 
 
 def test_train_tiny_runs_a_few_steps_and_the_pair_loads(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "models.train_tiny", "--out", str(tmp_path), *TOY],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "models.train_tiny", "--out", str(tmp_path), *TOY],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "train_metrics.json").read_text())
     assert metrics["target"]["steps"] == 3 and metrics["drafter"]["steps"] == 3
     assert metrics["target"]["held_out_bits_per_byte"] > 0
     assert len(metrics["drafter"]["held_out_top1_per_step"]) == 3
-    engine = Engine(EngineConfig(model=str(tmp_path / "tiny-target"),
-                                 drafter=str(tmp_path / "tiny-drafter"), num_spec_tokens=2,
-                                 num_pages=(64, 64)))
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path / "tiny-target"),
+            drafter=str(tmp_path / "tiny-drafter"),
+            num_spec_tokens=2,
+            num_pages=(64, 64),
+        )
+    )
     out = engine.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8))[0]
     assert out.finished and out.usage.prompt_tokens == len(b"def f(x):") + 1

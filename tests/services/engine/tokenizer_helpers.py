@@ -7,10 +7,12 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-CORPUS = ["héllo wörld, the quick brown fox jumps over the lazy dog",
-          "日本語のテキスト and emoji 😀🎉 mixed with ascii text",
-          "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-          "naïve café résumé — “quotes” and ‘more’ € £ ¥"] * 20
+CORPUS = [
+    "héllo wörld, the quick brown fox jumps over the lazy dog",
+    "日本語のテキスト and emoji 😀🎉 mixed with ascii text",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "naïve café résumé — “quotes” and ‘more’ € £ ¥",
+] * 20
 SPECIALS = ("<s>", "</s>", "<pad>")
 
 
@@ -20,13 +22,17 @@ def trained_bpe(vocab_size: int = 400) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     return tok
 
 
@@ -43,26 +49,30 @@ def trained_metaspace(vocab_size: int = 300) -> Tokenizer:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     tok.pre_tokenizer = base.pre_tokenizer
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in ("<unk>", *SPECIALS)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", *SPECIALS)])
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     return tok
 
 
-def write_folder(folder: Path, tok: Tokenizer, chat_template: str | list | None = None,
-                 **config) -> Path:
+def write_folder(folder: Path, tok: Tokenizer, chat_template: str | list | None = None, **config) -> Path:
     """tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    data = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-            "eos_token": "</s>", "pad_token": "<pad>", "clean_up_tokenization_spaces": False,
-            **config}
+    data = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "clean_up_tokenization_spaces": False,
+        **config,
+    }
     if chat_template is not None:
         data["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(data))
     return folder
-

@@ -23,7 +23,8 @@ LLAMA3 = (
     "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
+    "{% endif %}"
+)
 
 QWEN = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -65,20 +66,23 @@ ALTERNATING = (
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% else %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{% endif %}"
-    "{% endfor %}")
+    "{% endfor %}"
+)
 
 # Loop controls, tojson of non-ASCII and HTML characters, a dict and a namespace.
 FEATURES = (
     "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}"
     "{% endif %}{% if ns.n == 2 %}{% break %}{% endif %}{% set ns.n = ns.n + 1 %}"
-    "{{ m | tojson }}\n{% endfor %}{{ dict(a=1) | tojson }}{% if add_generation_prompt %}>{% endif %}")
+    "{{ m | tojson }}\n{% endfor %}{{ dict(a=1) | tojson }}{% if add_generation_prompt %}>{% endif %}"
+)
 
-SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
-            "<|im_end|>"]
-CONVERSATION = [{"role": "system", "content": "You write Python.  "},
-                {"role": "user", "content": "héllo <wörld> & “quotes” 😀"},
-                {"role": "assistant", "content": "def fib(n):\n    return n"},
-                {"role": "user", "content": "Again, shorter."}]
+SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+CONVERSATION = [
+    {"role": "system", "content": "You write Python.  "},
+    {"role": "user", "content": "héllo <wörld> & “quotes” 😀"},
+    {"role": "assistant", "content": "def fib(n):\n    return n"},
+    {"role": "user", "content": "Again, shorter."},
+]
 
 
 def _folder(tmp_path, template, **config):
@@ -90,8 +94,9 @@ def _folder(tmp_path, template, **config):
 def _reference(folder, messages, **kwargs):
     ref = transformers.AutoTokenizer.from_pretrained(str(folder))
     text = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    ids = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                  return_dict=True, **kwargs)["input_ids"]
+    ids = ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
+    )["input_ids"]
     return text, ids
 
 
@@ -99,8 +104,7 @@ def _reference(folder, messages, **kwargs):
 def test_rendering_and_token_ids_equal_apply_chat_template(tmp_path, template):
     folder = _folder(tmp_path, template)
     chat = load_chat_template(load_tokenizer(str(folder)))
-    messages = CONVERSATION + [{"role": "skip", "content": "x"}] if template is FEATURES \
-        else CONVERSATION
+    messages = CONVERSATION + [{"role": "skip", "content": "x"}] if template is FEATURES else CONVERSATION
     text, ids = _reference(folder, messages)
     assert chat.render(messages) == text
     assert chat.token_ids(messages) == ids
@@ -125,8 +129,10 @@ def test_a_template_error_carries_the_templates_message(tmp_path):
         parse_chat({"model": "m", "messages": CONVERSATION}, "m", chat)
     error = e.value.body["error"]
     assert (e.value.status, error["param"]) == (400, "messages")
-    assert error["message"] == ("messages: the chat template refused them: Conversation roles "
-                                "must alternate user/assistant/user/assistant/...")
+    assert error["message"] == (
+        "messages: the chat template refused them: Conversation roles "
+        "must alternate user/assistant/user/assistant/..."
+    )
 
 
 def test_a_model_without_a_template_refuses_chat_naming_messages(tmp_path):
@@ -140,8 +146,10 @@ def test_a_model_without_a_template_refuses_chat_naming_messages(tmp_path):
 
 
 def test_where_the_template_comes_from(tmp_path):
-    folder = _folder(tmp_path / "model", [{"name": "tool_use", "template": "T"},
-                                          {"name": "default", "template": "D{{ messages | length }}"}])
+    folder = _folder(
+        tmp_path / "model",
+        [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages | length }}"}],
+    )
     tokenizer = load_tokenizer(str(folder))
     assert load_chat_template(tokenizer).render(CONVERSATION) == "D4"  # the list's "default"
     override = tmp_path / "mine.jinja"
@@ -158,9 +166,15 @@ def test_where_the_template_comes_from(tmp_path):
 
 
 def test_content_parts_are_joined_and_any_string_role_reaches_the_template(tmp_path):
-    messages = chat_messages([{"role": "tool", "content": [{"type": "text", "text": "4"},
-                                                            {"type": "text", "text": "2"}],
-                               "name": "calc"}])
+    messages = chat_messages(
+        [
+            {
+                "role": "tool",
+                "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}],
+                "name": "calc",
+            }
+        ]
+    )
     assert messages == [{"role": "tool", "content": "42", "name": "calc"}]
     chat = load_chat_template(load_tokenizer(str(_folder(tmp_path, QWEN))))
     assert "<tool_response>\n42\n</tool_response>" in chat.render(messages)

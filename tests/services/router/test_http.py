@@ -9,8 +9,9 @@ from services.router.http import HttpError, HttpServer, Response, StreamingRespo
 
 
 async def _echo(request):
-    return Response.json({"method": request.method, "path": request.path, "query": request.query,
-                          "body": request.json()})
+    return Response.json(
+        {"method": request.method, "path": request.path, "query": request.query, "body": request.json()}
+    )
 
 
 async def _refuse(request):
@@ -25,11 +26,16 @@ async def _stream(request):
     async def chunks():
         for word in (b"one", b"two", b"three"):
             yield word
+
     return StreamingResponse(chunks())
 
 
-ROUTES = {"/echo": {"POST": _echo}, "/refuse": {"GET": _refuse}, "/crash": {"GET": _crash},
-          "/stream": {"GET": _stream}}
+ROUTES = {
+    "/echo": {"POST": _echo},
+    "/refuse": {"GET": _refuse},
+    "/crash": {"GET": _crash},
+    "/stream": {"GET": _stream},
+}
 
 
 async def _exchange(raw: bytes, reads: int = 1) -> bytes:
@@ -67,8 +73,7 @@ def _run(raw: bytes, reads: int = 1) -> bytes:
 
 
 def _post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-            ).encode() + body
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
 
 
 def test_a_json_request_is_echoed_with_content_length():
@@ -76,8 +81,7 @@ def test_a_json_request_is_echoed_with_content_length():
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"Content-Type: application/json" in head and b"Connection: keep-alive" in head
-    assert json.loads(body) == {"method": "POST", "path": "/echo", "query": "a=1",
-                                "body": {"k": [1, 2]}}
+    assert json.loads(body) == {"method": "POST", "path": "/echo", "query": "a=1", "body": {"k": [1, 2]}}
 
 
 def test_two_requests_share_one_keep_alive_connection():
@@ -95,8 +99,10 @@ def test_a_streaming_response_is_sent_chunked():
 
 
 def test_a_chunked_request_body_is_reassembled():
-    raw = (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-           b"3\r\n[1,\r\n2\r\n2]\r\n0\r\n\r\n")
+    raw = (
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\n[1,\r\n2\r\n2]\r\n0\r\n\r\n"
+    )
     assert json.loads(_run(raw).partition(b"\r\n\r\n")[2])["body"] == [1, 2]
 
 

@@ -19,11 +19,20 @@ from services.router.server import ModelLimits, Router
 MODEL = "tiny"
 TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))
 CHAT = load_chat_template(TOKENIZER)
-USAGE = cpb.Usage(prompt_tokens=4, cached_tokens=2, completion_tokens=3, acceptance_length=1.5,
-                  num_drafts=2, num_draft_tokens=6, num_accepted_tokens=1,
-                  cached_tokens_per_group=[cpb.GroupTokens(group="target", num_tokens=2)],
-                  transfers=[cpb.GroupTransfer(group="target", num_bytes=4096, seconds=0.25),
-                             cpb.GroupTransfer(group="draft", num_bytes=1024, seconds=0.5)])
+USAGE = cpb.Usage(
+    prompt_tokens=4,
+    cached_tokens=2,
+    completion_tokens=3,
+    acceptance_length=1.5,
+    num_drafts=2,
+    num_draft_tokens=6,
+    num_accepted_tokens=1,
+    cached_tokens_per_group=[cpb.GroupTokens(group="target", num_tokens=2)],
+    transfers=[
+        cpb.GroupTransfer(group="target", num_bytes=4096, seconds=0.25),
+        cpb.GroupTransfer(group="draft", num_bytes=1024, seconds=0.5),
+    ],
+)
 
 
 def _chunk(text: str) -> cpb.GenerateResponse:
@@ -52,12 +61,16 @@ class ScriptedRouter:
         self.released = asyncio.Event()
 
     async def ModelInfo(self, request, context):
-        return cpb.ModelInfoResponse(model_id=MODEL, drafter_id="draft", drafter_kind="eagle3",
-                                     num_spec_tokens=3, max_model_len=64)
+        return cpb.ModelInfoResponse(
+            model_id=MODEL, drafter_id="draft", drafter_kind="eagle3", num_spec_tokens=3, max_model_len=64
+        )
 
     async def Health(self, request, context):
-        return cpb.HealthResponse(status=cpb.SERVING_STATUS_NOT_SERVING, num_decode_workers=1,
-                                  message="no ready prefill/decode pair. ")
+        return cpb.HealthResponse(
+            status=cpb.SERVING_STATUS_NOT_SERVING,
+            num_decode_workers=1,
+            message="no ready prefill/decode pair. ",
+        )
 
     async def Abort(self, request, context):
         self.aborted.append(request.request_id)
@@ -93,6 +106,7 @@ def _call(server: OpenAIServer, path: str, payload: dict | None = None):
         if isinstance(response, StreamingResponse):
             return _parse_events(b"".join([chunk async for chunk in response.chunks]))
         return response
+
     return asyncio.run(run())
 
 
@@ -105,12 +119,21 @@ def _stable(payload: dict) -> dict:
     return {k: v for k, v in payload.items() if k not in ("id", "created")}
 
 
-TANDEM_USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
-                "prompt_tokens_details": {"cached_tokens": 2},
-                "tandem": {"acceptance_length": 1.5, "num_drafts": 2, "num_draft_tokens": 6,
-                           "num_accepted_tokens": 1, "cached_tokens_per_group": {"target": 2},
-                           "transfer_bytes": {"target": 4096, "draft": 1024},
-                           "transfer_seconds": {"target": 0.25, "draft": 0.5}}}
+TANDEM_USAGE = {
+    "prompt_tokens": 4,
+    "completion_tokens": 3,
+    "total_tokens": 7,
+    "prompt_tokens_details": {"cached_tokens": 2},
+    "tandem": {
+        "acceptance_length": 1.5,
+        "num_drafts": 2,
+        "num_draft_tokens": 6,
+        "num_accepted_tokens": 1,
+        "cached_tokens_per_group": {"target": 2},
+        "transfer_bytes": {"target": 4096, "draft": 1024},
+        "transfer_seconds": {"target": 0.25, "draft": 0.5},
+    },
+}
 
 
 def test_a_completion_joins_the_chunks_and_reports_usage_with_tandem_extras():
@@ -118,65 +141,92 @@ def test_a_completion_joins_the_chunks_and_reports_usage_with_tandem_extras():
     response = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x"})
     payload = json.loads(response.body)
     assert response.status == 200 and payload["id"].startswith("cmpl-")
-    assert _stable(payload) == {"object": "text_completion", "model": MODEL, "usage": TANDEM_USAGE,
-                                "choices": [{"index": 0, "text": "abc", "logprobs": None,
-                                             "finish_reason": "length"}]}
+    assert _stable(payload) == {
+        "object": "text_completion",
+        "model": MODEL,
+        "usage": TANDEM_USAGE,
+        "choices": [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}],
+    }
     assert router.requests[0].request_id == payload["id"]
 
 
 def test_a_chat_completion_answers_as_the_assistant():
     router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    response = _call(OpenAIServer(router, CHAT), "/v1/chat/completions",
-                     {"model": MODEL, "messages": [{"role": "user", "content": "yo"}]})
+    response = _call(
+        OpenAIServer(router, CHAT),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "yo"}]},
+    )
     payload = json.loads(response.body)
     assert payload["object"] == "chat.completion" and payload["id"].startswith("chatcmpl-")
-    assert payload["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                                   "logprobs": None, "finish_reason": "stop"}]
+    assert payload["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     assert list(router.requests[0].token_ids.ids) == TOKENIZER.encode("user: yo\nassistant: ")
 
 
 def test_a_streamed_completion_sends_text_deltas_a_finish_chunk_usage_and_done():
     router = ScriptedRouter([_chunk("a"), _chunk(""), _chunk("b"), _complete()])
-    events = _call(OpenAIServer(router), "/v1/completions",
-                   {"model": MODEL, "prompt": "x", "stream": True,
-                    "stream_options": {"include_usage": True}})
+    events = _call(
+        OpenAIServer(router),
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert events[-1] == "[DONE]"
     assert [e["choices"] for e in events[:-1]] == [
         [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}],
         [{"index": 0, "text": "b", "logprobs": None, "finish_reason": None}],
         [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
-        []]
+        [],
+    ]
     assert events[3]["usage"] == TANDEM_USAGE
     assert len({e["id"] for e in events[:-1]}) == 1
 
 
 def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
     router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    events = _call(OpenAIServer(router, CHAT), "/v1/chat/completions",
-                   {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "yo"}]})
-    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == \
-        [({"role": "assistant", "content": ""}, None), ({"content": "hi"}, None), ({}, "stop")]
+    events = _call(
+        OpenAIServer(router, CHAT),
+        "/v1/chat/completions",
+        {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "yo"}]},
+    )
+    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"content": "hi"}, None),
+        ({}, "stop"),
+    ]
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     assert "usage" not in events[-2]
 
 
 def test_an_error_before_the_first_token_is_an_http_error():
-    router = ScriptedRouter([_error("no ready prefill/decode pair"),
-                             _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())])
-    response = _call(OpenAIServer(router), "/v1/completions",
-                     {"model": MODEL, "prompt": "x", "stream": True})
+    router = ScriptedRouter(
+        [_error("no ready prefill/decode pair"), _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())]
+    )
+    response = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
     assert isinstance(response, Response) and response.status == 503
     assert json.loads(response.body)["error"]["code"] == "no_ready_pair"
     assert router.inflight == {}
 
 
 def test_an_error_after_streaming_started_is_an_sse_error_event():
-    router = ScriptedRouter([_chunk("a"), _error("decode worker d: INTERNAL: x"),
-                             _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())])
-    events = _call(OpenAIServer(router), "/v1/completions",
-                   {"model": MODEL, "prompt": "x", "stream": True})
-    assert events[1] == {"error": {"message": "decode worker d: INTERNAL: x",
-                                   "type": "server_error", "param": None, "code": None}}
+    router = ScriptedRouter(
+        [_chunk("a"), _error("decode worker d: INTERNAL: x"), _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())]
+    )
+    events = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    assert events[1] == {
+        "error": {
+            "message": "decode worker d: INTERNAL: x",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     assert events[2:] == ["[DONE]"] and router.inflight == {}
 
 
@@ -185,8 +235,9 @@ def test_a_stream_closed_early_aborts_its_request():
 
     async def scenario():
         handler = OpenAIServer(router).routes()["/v1/completions"]["POST"]
-        response = await handler(Request("POST", "/v1/completions", "", {},
-                                         _body({"model": MODEL, "prompt": "x", "stream": True})))
+        response = await handler(
+            Request("POST", "/v1/completions", "", {}, _body({"model": MODEL, "prompt": "x", "stream": True}))
+        )
         first = await anext(response.chunks)
         await response.chunks.aclose()  # what the server does when the client goes away
         return first
@@ -200,18 +251,25 @@ def test_models_lists_the_served_model_with_its_drafter():
     payload = json.loads(_call(OpenAIServer(ScriptedRouter([])), "/v1/models").body)
     model = payload["data"][0]
     assert payload["object"] == "list" and len(payload["data"]) == 1
-    assert (model["id"], model["object"], model["owned_by"], model["max_model_len"]) == \
-        (MODEL, "model", "tandem", 64)
-    assert model["tandem"] == {"drafter_id": "draft", "drafter_kind": "eagle3",
-                               "num_spec_tokens": 3}
+    assert (model["id"], model["object"], model["owned_by"], model["max_model_len"]) == (
+        MODEL,
+        "model",
+        "tandem",
+        64,
+    )
+    assert model["tandem"] == {"drafter_id": "draft", "drafter_kind": "eagle3", "num_spec_tokens": 3}
 
 
 def test_health_is_503_without_a_ready_pair():
     response = _call(OpenAIServer(ScriptedRouter([])), "/health")
     assert response.status == 503
-    assert json.loads(response.body) == {"status": "not_serving", "num_prefill_workers": 0,
-                                         "num_decode_workers": 1, "num_ready_pairs": 0,
-                                         "message": "no ready prefill/decode pair. "}
+    assert json.loads(response.body) == {
+        "status": "not_serving",
+        "num_prefill_workers": 0,
+        "num_decode_workers": 1,
+        "num_ready_pairs": 0,
+        "message": "no ready prefill/decode pair. ",
+    }
 
 
 def test_metrics_serves_the_router_registry_in_prometheus_text():
@@ -226,22 +284,28 @@ def test_metrics_serves_the_router_registry_in_prometheus_text():
 
 
 def _real_router() -> Router:
-    return Router(ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"),
-                  tokenizer=TOKENIZER)
+    return Router(
+        ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"), tokenizer=TOKENIZER
+    )
 
 
 def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
-    response = _call(OpenAIServer(_real_router()), "/v1/completions",
-                     {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100})
+    response = _call(
+        OpenAIServer(_real_router()),
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100},
+    )
     error = json.loads(response.body)["error"]
     assert response.status == 400 and error["param"] == "max_tokens"
-    assert error["message"] == "max_tokens: 100 exceeds the 29 tokens left in the context after " \
-        "the prompt"
+    assert error["message"] == "max_tokens: 100 exceeds the 29 tokens left in the context after the prompt"
 
 
 def test_chat_prompt_overflow_names_messages():
-    response = _call(OpenAIServer(_real_router(), CHAT), "/v1/chat/completions",
-                     {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]})
+    response = _call(
+        OpenAIServer(_real_router(), CHAT),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]},
+    )
     assert response.status == 400 and json.loads(response.body)["error"]["param"] == "messages"
 
 

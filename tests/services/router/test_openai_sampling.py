@@ -30,13 +30,26 @@ def _refusal(parse, body) -> dict:
 
 
 def test_vllm_extra_fields_and_penalties_reach_the_sampling_params():
-    s = _completion(top_k=5, min_p=0.1, repetition_penalty=1.3, presence_penalty=-0.5,
-                    frequency_penalty=2, min_tokens=4, logprobs=3).sampling
-    assert (s.top_k, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty,
-            s.min_tokens, s.logprobs) == pytest.approx((5, 0.1, 1.3, -0.5, 2.0, 4, 3))
+    s = _completion(
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        presence_penalty=-0.5,
+        frequency_penalty=2,
+        min_tokens=4,
+        logprobs=3,
+    ).sampling
+    assert (
+        s.top_k,
+        s.min_p,
+        s.repetition_penalty,
+        s.presence_penalty,
+        s.frequency_penalty,
+        s.min_tokens,
+        s.logprobs,
+    ) == pytest.approx((5, 0.1, 1.3, -0.5, 2.0, 4, 3))
     neutral = _completion(top_k=-1).sampling
-    assert (neutral.top_k, neutral.min_p, neutral.repetition_penalty, neutral.min_tokens) == \
-        (0, 0.0, 1.0, 0)
+    assert (neutral.top_k, neutral.min_p, neutral.repetition_penalty, neutral.min_tokens) == (0, 0.0, 1.0, 0)
     assert not neutral.HasField("logprobs")
     assert _completion(logprobs=0).sampling.HasField("logprobs")
 
@@ -46,66 +59,94 @@ def test_chat_logprobs_take_a_flag_and_top_logprobs():
     assert not _parse_chat(body, MODEL).generate.sampling.HasField("logprobs")
     chat = _parse_chat({**body, "logprobs": True}, MODEL)
     assert chat.generate.sampling.HasField("logprobs") and chat.generate.sampling.logprobs == 0
-    assert _parse_chat({**body, "logprobs": True, "top_logprobs": 4},
-                       MODEL).generate.sampling.logprobs == 4
+    assert _parse_chat({**body, "logprobs": True, "top_logprobs": 4}, MODEL).generate.sampling.logprobs == 4
     assert router_param(chat, "sampling.logprobs") == "top_logprobs"
     assert _refusal(_parse_chat, {**body, "top_logprobs": 2})["param"] == "top_logprobs"
     assert _refusal(_parse_chat, {**body, "logprobs": 1})["param"] == "logprobs"
 
 
-@pytest.mark.parametrize("patch, param", [
-    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
-    ({"min_p": "x"}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": -1}, "repetition_penalty"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -2.01}, "frequency_penalty"), ({"min_tokens": -1}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"best_of": 2}, "best_of"),
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-])
+@pytest.mark.parametrize(
+    "patch, param",
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "x"}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+    ],
+)
 def test_bad_or_unsupported_completion_fields_name_themselves(patch, param):
     error = _refusal(parse_completion, {"model": MODEL, "prompt": "x", **patch})
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
 
 
-@pytest.mark.parametrize("patch", [{"tools": [{"type": "function"}]},
-                                   {"response_format": {"type": "json_object"}},
-                                   {"logit_bias": {"3": 1}}])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"3": 1}},
+    ],
+)
 def test_unsupported_chat_fields_stay_refused(patch):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **patch}
     assert _refusal(_parse_chat, body)["param"] == next(iter(patch))
 
 
 def _validate(**sampling) -> None:
-    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=[1, 2]),
-                                  sampling=cpb.SamplingParams(**sampling))
+    request = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=[1, 2]), sampling=cpb.SamplingParams(**sampling))
     validate_generate(request, ModelLimits(max_model_len=64, default_max_tokens=8), None)
 
 
-@pytest.mark.parametrize("sampling, field", [
-    ({"min_p": 1.5}, "sampling.min_p"), ({"repetition_penalty": -1}, "sampling.repetition_penalty"),
-    ({"presence_penalty": 3}, "sampling.presence_penalty"),
-    ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
-    ({"min_tokens": 9}, "sampling.min_tokens"),  # past the default max_tokens of 8
-    ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
-    ({"logprobs": 21}, "sampling.logprobs"),
-])
+@pytest.mark.parametrize(
+    "sampling, field",
+    [
+        ({"min_p": 1.5}, "sampling.min_p"),
+        ({"repetition_penalty": -1}, "sampling.repetition_penalty"),
+        ({"presence_penalty": 3}, "sampling.presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
+        ({"min_tokens": 9}, "sampling.min_tokens"),  # past the default max_tokens of 8
+        ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
+        ({"logprobs": 21}, "sampling.logprobs"),
+    ],
+)
 def test_the_router_validates_the_new_fields_by_name(sampling, field):
     with pytest.raises(RequestError, match=f"^{field}: "):
         _validate(**sampling)
 
 
 def test_the_router_accepts_their_neutral_and_edge_values():
-    _validate(top_k=1, min_p=1.0, repetition_penalty=0, presence_penalty=-2,
-              frequency_penalty=2, min_tokens=8, logprobs=20)
+    _validate(
+        top_k=1,
+        min_p=1.0,
+        repetition_penalty=0,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        min_tokens=8,
+        logprobs=20,
+    )
 
 
 def test_streamed_text_searches_stop_strings_only_after_the_min_tokens_text():
     """As the engine: a stop string counts only where it begins after the text of the first
     min_tokens tokens (one byte-level token per character here)."""
     text = StreamText(TOKENIZER, ["b"], min_tokens=3)
-    assert [text.push(list(b"ab")), text.push(list(b"cab")), text.push(list(b"x")),
-            text.flush()] == ["ab", "ca", "", ""]
+    assert [text.push(list(b"ab")), text.push(list(b"cab")), text.push(list(b"x")), text.flush()] == [
+        "ab",
+        "ca",
+        "",
+        "",
+    ]
     plain = StreamText(TOKENIZER, ["b"])
     assert [plain.push(list(b"ab")), plain.flush()] == ["a", ""]
     held = StreamText(TOKENIZER, ["cd"], min_tokens=1)
@@ -113,6 +154,7 @@ def test_streamed_text_searches_stop_strings_only_after_the_min_tokens_text():
 
 
 # ---------------------------------------------------------------- response shapes
+
 
 class _Tokens:
     """decode([id]) -> a letter per id: 1 -> "a", 2 -> "b", ..."""
@@ -122,17 +164,24 @@ class _Tokens:
 
 
 def _lp(token: int, logprob: float, *top: tuple[int, float]) -> cpb.TokenLogprobs:
-    return cpb.TokenLogprobs(token_id=token, logprob=logprob, top_token_ids=[t for t, _ in top],
-                             top_logprobs=[v for _, v in top])
+    return cpb.TokenLogprobs(
+        token_id=token, logprob=logprob, top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top]
+    )
 
 
-SCRIPT = [cpb.GenerateResponse(chunk=cpb.Chunk(token_ids=[1], text="a",
-                                               logprobs=[_lp(1, -0.5, (1, -0.5), (2, -1.5))])),
-          cpb.GenerateResponse(chunk=cpb.Chunk(token_ids=[3, 2], text="cb",
-                                               logprobs=[_lp(3, -2.0, (2, -0.25), (3, -2.0)),
-                                                         _lp(2, float("-inf"), (1, -0.75),
-                                                             (4, -1.0))])),
-          _complete()]
+SCRIPT = [
+    cpb.GenerateResponse(
+        chunk=cpb.Chunk(token_ids=[1], text="a", logprobs=[_lp(1, -0.5, (1, -0.5), (2, -1.5))])
+    ),
+    cpb.GenerateResponse(
+        chunk=cpb.Chunk(
+            token_ids=[3, 2],
+            text="cb",
+            logprobs=[_lp(3, -2.0, (2, -0.25), (3, -2.0)), _lp(2, float("-inf"), (1, -0.75), (4, -1.0))],
+        )
+    ),
+    _complete(),
+]
 
 
 def _router() -> ScriptedRouter:
@@ -142,38 +191,57 @@ def _router() -> ScriptedRouter:
 
 
 def test_completion_logprobs_have_openais_legacy_shape():
-    response = _call(OpenAIServer(_router()), "/v1/completions",
-                     {"model": MODEL, "prompt": "x", "logprobs": 2})
+    response = _call(
+        OpenAIServer(_router()), "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}
+    )
     choice = json.loads(response.body)["choices"][0]
     assert choice["text"] == "acb"
     assert choice["logprobs"] == {
-        "tokens": ["a", "c", "b"], "token_logprobs": [-0.5, -2.0, -9999.0],
-        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"c": -2.0, "b": -0.25},
-                         {"b": -9999.0, "a": -0.75, "d": -1.0}],
-        "text_offset": [0, 1, 2]}
+        "tokens": ["a", "c", "b"],
+        "token_logprobs": [-0.5, -2.0, -9999.0],
+        "top_logprobs": [
+            {"a": -0.5, "b": -1.5},
+            {"c": -2.0, "b": -0.25},
+            {"b": -9999.0, "a": -0.75, "d": -1.0},
+        ],
+        "text_offset": [0, 1, 2],
+    }
 
 
 def test_chat_logprobs_have_the_content_shape():
-    response = _call(OpenAIServer(_router(), CHAT), "/v1/chat/completions",
-                     {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                      "logprobs": True, "top_logprobs": 2})
+    response = _call(
+        OpenAIServer(_router(), CHAT),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+    )
     content = json.loads(response.body)["choices"][0]["logprobs"]["content"]
-    assert content[0] == {"token": "a", "logprob": -0.5, "bytes": [97],
-                          "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]},
-                                           {"token": "b", "logprob": -1.5, "bytes": [98]}]}
+    assert content[0] == {
+        "token": "a",
+        "logprob": -0.5,
+        "bytes": [97],
+        "top_logprobs": [
+            {"token": "a", "logprob": -0.5, "bytes": [97]},
+            {"token": "b", "logprob": -1.5, "bytes": [98]},
+        ],
+    }
     assert [c["token"] for c in content] == ["a", "c", "b"] and content[2]["logprob"] == -9999.0
 
 
 def test_streamed_logprobs_come_with_their_chunks_and_offsets_run_on():
-    events = _call(OpenAIServer(_router()), "/v1/completions",
-                   {"model": MODEL, "prompt": "x", "logprobs": 1, "stream": True})
+    events = _call(
+        OpenAIServer(_router()),
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logprobs": 1, "stream": True},
+    )
     lps = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"]]
     assert [lp["tokens"] for lp in lps[:2]] == [["a"], ["c", "b"]]
     assert [lp["text_offset"] for lp in lps[:2]] == [[0], [1, 2]]
     assert lps[2] is None  # the finish chunk
-    chat = _call(OpenAIServer(_router(), CHAT), "/v1/chat/completions",
-                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                  "logprobs": True, "stream": True})
+    chat = _call(
+        OpenAIServer(_router(), CHAT),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True},
+    )
     deltas = [e["choices"][0] for e in chat[:-1]]
     assert deltas[0]["logprobs"] is None  # the role
     assert [t["token"] for t in deltas[2]["logprobs"]["content"]] == ["c", "b"]

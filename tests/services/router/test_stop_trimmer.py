@@ -39,5 +39,5 @@ def test_the_earliest_of_several_stop_strings_wins():
 @pytest.mark.parametrize("split", range(1, 12))
 def test_any_split_gives_the_text_before_the_first_match(split):
     text, stops = "def f():\n\n\nreturn", ["\n\n", "():"]
-    chunks = [text[i:i + split] for i in range(0, len(text), split)]
+    chunks = [text[i : i + split] for i in range(0, len(text), split)]
     assert "".join(_stream(stops, chunks)) == "def f"

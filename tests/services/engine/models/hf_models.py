@@ -12,12 +12,21 @@ import transformers
 from services.engine.models import DenseContext, LlamaForCausalLM
 
 VOCAB = 256
-GEOMETRY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+GEOMETRY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -32,8 +41,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.15 * torch.randn(p.shape, generator=g))
 
 
-def hf_checkpoint(folder: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
-                  **overrides) -> transformers.PreTrainedModel:
+def hf_checkpoint(
+    folder: Path, family: str, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> transformers.PreTrainedModel:
     """A random ``family`` model saved to ``folder`` by ``save_pretrained``, float32."""
     config_cls, model_cls = CLASSES[family]
     config = config_cls(**{**GEOMETRY, **overrides})

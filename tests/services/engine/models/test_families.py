@@ -19,8 +19,14 @@ from tests.services.engine.models.hf_models import (
 )
 
 TOL = 1e-4
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CASES = {
     "llama": ("llama", {}),
     "llama-llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
@@ -82,30 +88,53 @@ def test_mistral_window_is_the_config_window(tmp_path):
 def test_qwen_window_fields_are_off_unless_use_sliding_window(tmp_path):
     """Qwen2.5 ships sliding_window 131072 with use_sliding_window false: full attention."""
     hf_checkpoint(tmp_path, "qwen2")
-    config = LlamaConfig.from_dict({**read_config(tmp_path), "sliding_window": 131072,
-                                    "use_sliding_window": False, "max_window_layers": 21})
+    config = LlamaConfig.from_dict(
+        {
+            **read_config(tmp_path),
+            "sliding_window": 131072,
+            "use_sliding_window": False,
+            "max_window_layers": 21,
+        }
+    )
     assert config.sliding_window == 0
 
 
 def test_eos_list_and_harmless_keys_are_accepted(tmp_path):
     hf_checkpoint(tmp_path, "llama")
-    d = {**read_config(tmp_path), "eos_token_id": [2, 7], "pad_token_id": 0, "dtype": "bfloat16",
-         "attention_dropout": 0.1, "pretraining_tp": 1, "initializer_range": 0.5}
+    d = {
+        **read_config(tmp_path),
+        "eos_token_id": [2, 7],
+        "pad_token_id": 0,
+        "dtype": "bfloat16",
+        "attention_dropout": 0.1,
+        "pretraining_tp": 1,
+        "initializer_range": 0.5,
+    }
     assert LlamaConfig.from_dict(d).eos_token_id == [2, 7]
 
 
 def test_per_layer_type_rope_parameters_read_the_layers_entry(tmp_path):
     hf_checkpoint(tmp_path, "llama")
     d = read_config(tmp_path)
-    keyed = {**d, "rope_parameters": {"full_attention": {"rope_type": "default",
-                                                         "rope_theta": 777.0}}}
+    keyed = {**d, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 777.0}}}
     assert LlamaConfig.from_dict(keyed).rope_theta == 777.0
 
 
 def test_tandem_configs_round_trip_for_every_family():
-    for family, extra in [("llama", {"attention_bias": True}), ("qwen2", {}), ("qwen3", {}),
-                          ("mistral", {"sliding_window": 8})]:
-        config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, model_type=family,
-                             rope_scaling={"type": "linear", "factor": 2.0}, **extra)
+    for family, extra in [
+        ("llama", {"attention_bias": True}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 8}),
+    ]:
+        config = LlamaConfig(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            model_type=family,
+            rope_scaling={"type": "linear", "factor": 2.0},
+            **extra,
+        )
         assert LlamaConfig.from_dict(config.to_dict()) == config

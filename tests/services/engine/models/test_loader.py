@@ -83,8 +83,11 @@ def test_tp_shards_biases_with_their_rows_and_replicates_qk_norms(tmp_path, fami
         model.load_state_dict(shard)  # strict: every tensor has this rank's shape
         shards.append(shard)
     attn = "model.layers.0.self_attn."
-    names = ["q_proj.bias", "k_proj.bias", "v_proj.bias"] if family == "qwen2" \
+    names = (
+        ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        if family == "qwen2"
         else ["q_norm.weight", "k_norm.weight"]
+    )
     for name in names:
         parts = [s[attn + name] for s in shards]
         whole = torch.cat(parts) if name.endswith("bias") else parts[0]

@@ -34,28 +34,52 @@ DEFAULT_AUX = (1, 3, 4)  # outputs of layers (1, n // 2 - 1, n - 4), n = 8
 
 
 def target_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
-                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                       num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                       rope_theta=THETA, eos_token_id=VOCAB - 1)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        rope_theta=THETA,
+        eos_token_id=VOCAB - 1,
+    )
 
 
 def published_config(**extra) -> dict:
     """A SpecForge-style config.json (transformers-4 spelling, no eagle_config)."""
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "hidden_size": HIDDEN,
-            "intermediate_size": INTER, "num_attention_heads": HEADS,
-            "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1, "head_dim": HEAD_DIM,
-            "hidden_act": "silu", "rms_norm_eps": EPS, "rope_theta": THETA,
-            "rope_scaling": None, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-            "attention_bias": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-            "bos_token_id": 0, "eos_token_id": VOCAB - 1, "pad_token_id": 0, **extra}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "rms_norm_eps": EPS,
+        "rope_theta": THETA,
+        "rope_scaling": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "bos_token_id": 0,
+        "eos_token_id": VOCAB - 1,
+        "pad_token_id": 0,
+        **extra,
+    }
 
 
 def draft_to_target(seed: int = 0) -> torch.Tensor:
     """[DRAFT_VOCAB] sorted target ids the draft vocabulary covers (the EOS among them)."""
     g = torch.Generator().manual_seed(seed)
-    picked = torch.randperm(VOCAB - 1, generator=g)[:DRAFT_VOCAB - 1]
+    picked = torch.randperm(VOCAB - 1, generator=g)[: DRAFT_VOCAB - 1]
     return torch.cat([picked, torch.tensor([VOCAB - 1])]).sort().values
 
 
@@ -73,7 +97,8 @@ def published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     t2d[targets] = True
     return {
         "fc.weight": rand(HIDDEN, 3 * HIDDEN),
-        "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
         "midlayer.post_attention_layernorm.weight": norm(),
         "midlayer.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, 2 * HIDDEN),
         "midlayer.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
@@ -82,8 +107,10 @@ def published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "midlayer.mlp.gate_proj.weight": rand(INTER, HIDDEN),
         "midlayer.mlp.up_proj.weight": rand(INTER, HIDDEN),
         "midlayer.mlp.down_proj.weight": rand(HIDDEN, INTER),
-        "norm.weight": norm(), "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN, scale=1.0),
-        "d2t": targets - torch.arange(DRAFT_VOCAB), "t2d": t2d,
+        "norm.weight": norm(),
+        "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN, scale=1.0),
+        "d2t": targets - torch.arange(DRAFT_VOCAB),
+        "t2d": t2d,
     }
 
 
@@ -126,8 +153,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def reference_logits(t: dict[str, torch.Tensor], embeds: torch.Tensor, hidden: torch.Tensor,
-                     norm_before_residual: bool) -> torch.Tensor:
+def reference_logits(
+    t: dict[str, torch.Tensor], embeds: torch.Tensor, hidden: torch.Tensor, norm_before_residual: bool
+) -> torch.Tensor:
     """The EAGLE-3 mid layer as SpecForge/vLLM write it, one causal sequence of n rows:
     embeds, hidden [n, HIDDEN] -> [n, VOCAB] logits over target ids (-inf off-draft)."""
     n, m = embeds.shape[0], "midlayer."
@@ -139,7 +167,7 @@ def reference_logits(t: dict[str, torch.Tensor], embeds: torch.Tensor, hidden: t
     k = rope((x @ t[m + "self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), positions)
     v = (x @ t[m + "self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
     k, v = (z.repeat_interleave(HEADS // KV_HEADS, dim=1) for z in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM ** 0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
     h = residual + attn @ t[m + "self_attn.o_proj.weight"].T
@@ -164,8 +192,9 @@ def test_published_drafter_loads_with_default_aux_layers(tmp_path):
     assert torch.equal(drafter.t2d.nonzero().flatten(), draft_to_target())
 
 
-@pytest.mark.parametrize("ids,convention", [([1, 3, 4], None), ([2, 4, 5], None),
-                                            ([1, 3, 4], "output"), ([2, 4, 5], "input")])
+@pytest.mark.parametrize(
+    "ids,convention", [([1, 3, 4], None), ([2, 4, 5], None), ([1, 3, 4], "output"), ([2, 4, 5], "input")]
+)
 def test_both_numbering_conventions_name_the_same_layers(ids, convention):
     eagle = {"eagle_aux_hidden_state_layer_ids": ids}
     if convention:
@@ -203,8 +232,9 @@ def test_drafter_matches_the_published_formula(tmp_path, norm_before_residual):
         hidden = drafter.project(aux)
         out = drafter(ids, hidden, torch.arange(n), DenseContext(1, n), target)
         got = drafter.compute_logits(out, target)
-        want = reference_logits(tensors, target.embed(ids), aux @ tensors["fc.weight"].T,
-                                norm_before_residual)
+        want = reference_logits(
+            tensors, target.embed(ids), aux @ tensors["fc.weight"].T, norm_before_residual
+        )
         other = reference_logits(tensors, target.embed(ids), hidden, not norm_before_residual)
     on = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), on)

@@ -9,23 +9,41 @@ import pytest
 
 from services.engine.models import EagleConfig, LlamaConfig
 
-BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
 QWEN2 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-MISTRAL = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-           "sliding_window": 8}
-DRAFTER = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-           "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
-           "draft_vocab_size": 16, "rope_theta": 10000.0}
+MISTRAL = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8}
+DRAFTER = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "draft_vocab_size": 16,
+    "rope_theta": 10000.0,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 TARGET_CASES = [  # (config, field in the message, value in the message)
     ({**BASE, "architectures": ["GemmaForCausalLM"]}, "architectures", "'GemmaForCausalLM'"),
-    ({**BASE, "architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]}, "architectures",
-     "'Qwen2ForCausalLM'"),
+    (
+        {**BASE, "architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]},
+        "architectures",
+        "'Qwen2ForCausalLM'",
+    ),
     ({**BASE, "architectures": None, "model_type": "gemma"}, "model_type", "'gemma'"),
     ({**BASE, "model_type": "qwen2"}, "model_type", "'qwen2'"),
     ({**BASE, "hidden_act": "gelu"}, "hidden_act", "'gelu'"),
@@ -34,26 +52,38 @@ TARGET_CASES = [  # (config, field in the message, value in the message)
     ({**BASE, "quantization_config": {"quant_method": "fp8"}}, "quantization_config", "fp8"),
     ({**BASE, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
     ({**BASE, "final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
-    ({**BASE, "rope_parameters": {**YARN, "rope_theta": 1e4}}, "rope_parameters.rope_type",
-     "'yarn'"),
-    ({**BASE, "rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     "rope_scaling.rope_type", "'dynamic'"),
-    ({**BASE, "rope_parameters": None, "rope_scaling": {"rope_type": "longrope"}},
-     "rope_scaling.rope_type", "'longrope'"),
-    ({**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}},
-     "rope_parameters.attention_factor", "0.5"),
-    ({**BASE, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-     "rope_parameters.low_freq_factor", "required"),
-    ({**BASE, "rope_parameters": {"sliding_attention": {"rope_type": "default"}}},
-     "rope_parameters", "'sliding_attention'"),
+    ({**BASE, "rope_parameters": {**YARN, "rope_theta": 1e4}}, "rope_parameters.rope_type", "'yarn'"),
+    (
+        {**BASE, "rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "rope_scaling.rope_type",
+        "'dynamic'",
+    ),
+    (
+        {**BASE, "rope_parameters": None, "rope_scaling": {"rope_type": "longrope"}},
+        "rope_scaling.rope_type",
+        "'longrope'",
+    ),
+    (
+        {**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}},
+        "rope_parameters.attention_factor",
+        "0.5",
+    ),
+    (
+        {**BASE, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+        "rope_parameters.low_freq_factor",
+        "required",
+    ),
+    (
+        {**BASE, "rope_parameters": {"sliding_attention": {"rope_type": "default"}}},
+        "rope_parameters",
+        "'sliding_attention'",
+    ),
     ({**BASE, "sliding_window": 4096}, "sliding_window", "4096"),
     ({**QWEN2, "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window", "True"),
-    ({**QWEN2, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types",
-     "'sliding_attention'"),
+    ({**QWEN2, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types", "'sliding_attention'"),
     ({**QWEN2, "attention_bias": True}, "attention_bias", "True"),
     ({**MISTRAL, "attention_bias": True}, "attention_bias", "True"),
-    ({**MISTRAL, "layer_types": ["sliding_attention", "full_attention"]}, "layer_types",
-     "'full_attention'"),
+    ({**MISTRAL, "layer_types": ["sliding_attention", "full_attention"]}, "layer_types", "'full_attention'"),
 ]
 DRAFTER_CASES = [
     ({**DRAFTER, "architectures": ["LlamaForCausalLM"]}, "architectures", "'LlamaForCausalLM'"),
@@ -63,13 +93,23 @@ DRAFTER_CASES = [
     ({**DRAFTER, "tie_word_embeddings": True}, "tie_word_embeddings", "True"),
     ({**DRAFTER, "num_aux_hidden_states": 4}, "num_aux_hidden_states", "4"),
     ({**DRAFTER, "rope_scaling": YARN}, "rope_scaling.rope_type", "'yarn'"),
-    ({**DRAFTER, "eagle_config": {"use_mtp_layernorm": True}}, "eagle_config.use_mtp_layernorm",
-     "True"),
-    ({**DRAFTER, "eagle_config": {"use_aux_hidden_state": False}},
-     "eagle_config.use_aux_hidden_state", "False"),
-    ({**DRAFTER, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
-                                  "eagle_aux_hidden_state_layer_convention": "before"}},
-     "eagle_config.eagle_aux_hidden_state_layer_convention", "'before'"),
+    ({**DRAFTER, "eagle_config": {"use_mtp_layernorm": True}}, "eagle_config.use_mtp_layernorm", "True"),
+    (
+        {**DRAFTER, "eagle_config": {"use_aux_hidden_state": False}},
+        "eagle_config.use_aux_hidden_state",
+        "False",
+    ),
+    (
+        {
+            **DRAFTER,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                "eagle_aux_hidden_state_layer_convention": "before",
+            },
+        },
+        "eagle_config.eagle_aux_hidden_state_layer_convention",
+        "'before'",
+    ),
 ]
 
 
@@ -100,8 +140,14 @@ def test_unsupported_values_list_what_is_supported():
 
 def test_window_needs_the_mistral_family():
     with pytest.raises(ValueError, match="sliding_window: 8 .*'mistral'"):
-        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, sliding_window=8)
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            sliding_window=8,
+        )
 
 
 def test_drafter_target_hidden_size_must_match_the_target():
@@ -119,5 +165,4 @@ def test_aux_layers_outside_the_target_are_refused():
     with pytest.raises(ValueError, match="aux_layer_ids: layer -1"):
         EagleConfig.from_dict(d).check_target(target)
     with pytest.raises(ValueError, match="aux_layer_ids: layer -1"):
-        EagleConfig.from_dict(DRAFTER).check_target(LlamaConfig.from_dict(
-            {**BASE, "num_hidden_layers": 3}))
+        EagleConfig.from_dict(DRAFTER).check_target(LlamaConfig.from_dict({**BASE, "num_hidden_layers": 3}))
