@@ -1,10 +1,27 @@
 """The model runtime both worker roles share: target + EAGLE-3 drafter over the unified
-paged KV cache, continuous batching, speculative decoding. See docs/engine.md."""
+paged KV cache, continuous batching, speculative decoding. See docs/engine.md.
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.request import AuxState, RequestOutput
-from services.engine.sampling import SamplingParams
-from services.engine.stats import SpecStats, Usage
+The names below are exported lazily (PEP 562): importing a light submodule such as
+``services.engine.sampling`` does not load the engine, its models and torch with it."""
 
-__all__ = ["AuxState", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "SpecStats", "Usage"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AuxState": "services.engine.request",
+    "Engine": "services.engine.engine",
+    "EngineConfig": "services.engine.config",
+    "RequestOutput": "services.engine.request",
+    "SamplingParams": "services.engine.sampling",
+    "SpecStats": "services.engine.stats",
+    "Usage": "services.engine.stats",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

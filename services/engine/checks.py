@@ -11,7 +11,7 @@ from services.engine.config import EngineConfig
 from services.engine.models import Eagle3Drafter, LlamaConfig, LlamaForCausalLM
 from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
 
 
 def cache_config(

@@ -33,7 +33,7 @@ from services.engine.scheduler import Scheduler
 from services.engine.speculative import Drafts, draft, verify_spans
 from services.engine.stats import SpecStats
 from services.engine.step_outputs import StepOutputs
-from services.engine.tokenizer import load_tokenizer
+from tokenization.tokenizer import load_tokenizer
 
 
 class Engine:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request, RequestOutput, Status
 from services.engine.stopping import append_tokens, output_text
-from services.engine.tokenizer import Tokenizer
+from tokenization.detokenizer import Detokenizer
+from tokenization.tokenizer import Tokenizer
 
 
 class StepOutputs:

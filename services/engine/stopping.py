@@ -8,8 +8,8 @@ the same place.
 
 from __future__ import annotations
 
-from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request
+from tokenization.detokenizer import Detokenizer
 
 
 def append_tokens(

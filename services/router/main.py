@@ -12,11 +12,11 @@ from services.common.grpc_server import SERVING, start_server
 from services.common.metrics import Metrics, serve_metrics
 from services.common.security import TlsConfig
 from services.common.serve import _wait_for_stop
-from services.engine.tokenizer import Tokenizer, load_tokenizer
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
 from services.router.server import STATS_MISSES, STATS_TIMEOUT_S, ModelLimits, Router
+from tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
 def model_limits(

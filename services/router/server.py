@@ -25,11 +25,11 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, write_stream
 from services.common.metrics import Metrics
 from services.common.security import TlsConfig, aio_channel
-from services.engine.tokenizer import Tokenizer
 from services.router.pairing import pair_workers
 from services.router.registry import PairState, Registry
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
+from tokenization.tokenizer import Tokenizer
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up

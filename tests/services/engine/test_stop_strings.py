@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.detokenizer import Detokenizer
 from services.engine.request import Request
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import append_tokens, output_text
-from services.engine.tokenizer import load_tokenizer
 from services.router.stop_trimmer import StopTrimmer
 from tests.services.engine.tokenizer_helpers import trained_bpe, trained_metaspace, write_folder
+from tokenization.detokenizer import Detokenizer
+from tokenization.tokenizer import load_tokenizer
 
 TEXT = "héllo wörld, the quick brown fox 😀 jumps over the lazy dog"
 

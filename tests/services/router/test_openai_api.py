@@ -10,11 +10,11 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
-from services.engine.tokenizer import load_tokenizer
 from services.router.chat_template import load_chat_template
 from services.router.http import HttpServer, Request, Response, StreamingResponse
 from services.router.openai_api import OpenAIServer
 from services.router.server import ModelLimits, Router
+from tokenization.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.tokenizer import load_tokenizer
 from services.router.chat_template import load_chat_template
 from services.router.http import HttpError
 from services.router.openai_protocol import (
@@ -16,6 +15,7 @@ from services.router.openai_protocol import (
     render_chat,
     router_param,
 )
+from tokenization.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))
