@@ -20,6 +20,9 @@ Columns (medians of CUDA-event timings, L2 flushed before each run):
   of the step that the roofline's weight bytes stand for;
 - roofline: (weight bytes + KV bytes read) / the device copy rate (read + write) measured
   in the same run.
+Each figure is taken twice: "unfused" (separate q/k/v and gate/up matmuls, RMSNorm, RoPE
+and SiLU x up as torch ops) and "fused" (merged projections and the Triton kernels of
+``services.engine.kernels``: residual add + RMSNorm, q and k RoPE in one launch, SiLU x up).
 ``--small`` runs a 2-layer toy on the CPU (a smoke test of the script, no figures).
 """
 
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcore.spec import cdiv  # noqa: E402
+from services.engine import kernels  # noqa: E402
 from services.engine.cuda_graphs import GraphedForward, UniformBatch  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
 
@@ -151,8 +155,12 @@ def matmuls_only(model: LlamaForCausalLM, batch: int):
     def run() -> None:
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(x)
-            m.gate_proj(x), m.up_proj(x), m.down_proj(inter)
+            if a.qkv is None:
+                a.q_proj(x), a.k_proj(x), a.v_proj(x)
+                m.gate_proj(x), m.up_proj(x)
+            else:
+                F.linear(x, *a.qkv), F.linear(x, m.gate_up)
+            a.o_proj(x), m.down_proj(inter)
         F.linear(x, model.head_weight)
 
     return run
@@ -205,6 +213,7 @@ def run_batch(
     for name, fn in (("graph", graph_step), ("eager_uniform", uniform_step)):
         fn()
         tokens[name] = graphed.outputs[0][:batch].tolist()
+    first = tokens["graph"]
     ctx = PagedContext(
         pool,
         host.block_table.to(device),
@@ -217,7 +226,8 @@ def run_batch(
     timings["eager_paged"] = time_ms(lambda: paged(ids, positions, None, ctx), device)
     tokens["eager_paged"] = paged(ids, positions, None, ctx)[0].tolist()
     timings["matmuls"] = time_ms(matmuls_only(model, batch), device, graph=device.type == "cuda")
-    return {"ms": timings, "tokens_equal": len({tuple(t) for t in tokens.values()}) == 1}
+    equal = len({tuple(t) for t in tokens.values()}) == 1
+    return {"ms": timings, "tokens_equal": equal, "tokens": first}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,35 +245,47 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         model = build_target(config, device, dtype)
         pool, table = make_pool(config, batches[-1], a.context, device, dtype)
-        graphed = GraphedForward(
-            greedy_step(model),
-            pool,
-            q_len=1,
-            window=0,
-            buckets=batches,
-            max_pages=table.shape[1],
-            capture=device.type == "cuda",
-        )
-        if device.type == "cuda":
-            graphed.capture(torch.cuda.graph_pool_handle())
         copy = copy_rate_gbps(device)
-        rows = []
-        for batch in batches:
-            r = run_batch(model, graphed, pool, table, batch, a.context, device)
-            weights = weight_bytes_per_step(model, batch)
-            kv = kv_bytes_per_step(config, batch, a.context, pool.element_size())
-            r.update(
-                batch=batch, weight_bytes=weights, kv_bytes=kv, roofline_ms=(weights + kv) / (copy * 1e6)
-            )
-            rows.append(r)
-    print_table(rows, copy, a, config)
+        results = {}
+        for variant in ("unfused", "fused"):
+            kernels.use_kernels(variant == "fused")
+            if variant == "fused":
+                model.merge_projections()
+            results[variant] = run_variant(model, pool, table, batches, a.context, device, copy)
+        kernels.use_kernels(True)
+    for variant, rows in results.items():
+        print_table(variant, rows, copy, a, config)
+    same = [r["tokens"] == u["tokens"] for r, u in zip(results["fused"], results["unfused"], strict=True)]
+    print(f"\nfused greedy tokens equal to unfused: {sum(same)} of {len(same)} batches")
     if a.out:
-        Path(a.out).write_text(json.dumps({"copy_gbps": copy, "rows": rows}, indent=1))
+        Path(a.out).write_text(json.dumps({"copy_gbps": copy, "variants": results}, indent=1))
 
 
-def print_table(rows: list[dict], copy: float, a, config: LlamaConfig) -> None:
+def run_variant(model, pool, table, batches: list[int], context: int, device, copy: float) -> list[dict]:
+    graphed = GraphedForward(
+        greedy_step(model),
+        pool,
+        q_len=1,
+        window=0,
+        buckets=batches,
+        max_pages=table.shape[1],
+        capture=device.type == "cuda",
+    )
+    if device.type == "cuda":
+        graphed.capture(torch.cuda.graph_pool_handle())
+    rows = []
+    for batch in batches:
+        r = run_batch(model, graphed, pool, table, batch, context, device)
+        weights = weight_bytes_per_step(model, batch)
+        kv = kv_bytes_per_step(model.config, batch, context, pool.element_size())
+        r.update(batch=batch, weight_bytes=weights, kv_bytes=kv, roofline_ms=(weights + kv) / (copy * 1e6))
+        rows.append(r)
+    return rows
+
+
+def print_table(variant: str, rows: list[dict], copy: float, a, config: LlamaConfig) -> None:
     print(
-        f"\ndecode step, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"\n{variant} decode step, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"vocab {config.vocab_size}, context {a.context}; copy {copy:,.0f} GB/s (read + write)"
     )
     print(

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.ops import paged_attention, write_kv
-from services.engine.models.layers import RMSNorm, apply_rotary
+from services.engine import kernels
+from services.engine.models.layers import RMSNorm, merge_linears
 from services.engine.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -137,17 +138,40 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # weight, bias once merged
+
+    def merge(self) -> None:
+        """Run q, k and v as one matmul from now on."""
+        self.qkv = merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int
     ) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
+        q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
+        out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))
+
+    def _separate_qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(n, -1))
+        return kernels.rotate_heads(q, *rope), kernels.rotate_heads(k, *rope), v
+
+    def _rotated_qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The merged path: one matmul; q and k rotated by one launch (after their norms)."""
+        n, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, *self.qkv).view(n, hq + 2 * hk, d)  # q heads, k heads, v heads
+        qk = qkv[:, : hq + hk]
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+        qk = kernels.rotate_heads(qk, *rope)  # [n, hq + hk, d]
+        return qk[:, :hq], qk[:, hq:], qkv[:, hq + hk :]

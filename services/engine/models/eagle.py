@@ -53,12 +53,18 @@ class Eagle3Layer(nn.Module):
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: KVContext,
-    ) -> torch.Tensor:
-        """embeds, hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, hidden [num_tokens, hidden_size] -> (MLP output, the stream before it),
+        as :class:`DecoderLayer` returns them."""
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, rope, ctx, 0)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        base = normed if self.norm_before_residual else hidden
+        h, residual = self.post_attention_layernorm.add(self.self_attn(x, rope, ctx, 0), base)
+        return self.mlp(h), residual
+
+    def merge(self) -> None:
+        self.self_attn.merge()
+        self.mlp.merge()
 
 
 class Eagle3Drafter(nn.Module):
@@ -103,10 +109,16 @@ class Eagle3Drafter(nn.Module):
         the module docstring). Returns g [num_tokens, hidden_size], before the final norm."""
         rope = self.rotary(positions)
         embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None else target.embed(input_ids)
-        x = self.midlayer(embeds, hidden.to(embeds.dtype), rope, ctx)
+        x, residual = self.midlayer(embeds, hidden.to(embeds.dtype), rope, ctx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, ctx, i + 1)
-        return x
+            x, residual = layer(x, residual, rope, ctx, i + 1)
+        return x + residual
+
+    def merge_projections(self) -> None:
+        """As :meth:`LlamaForCausalLM.merge_projections`, for the drafter's layers."""
+        self.midlayer.merge()
+        for layer in self.layers:
+            layer.merge()
 
     def compute_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over target ids;

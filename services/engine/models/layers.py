@@ -1,6 +1,9 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU.
 
 Tensors are flat over tokens: ``[num_tokens, ...]``; positions are absolute token indices.
+The pointwise math runs through :mod:`services.engine.kernels` (fused Triton kernels on
+CUDA, their torch reference elsewhere). :func:`merge_linears` gives a block one matmul
+where the checkpoint has several (q/k/v, gate/up), keeping the checkpoint's names.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import kernels
 from services.engine.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -30,8 +34,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        """x [..., size] -> the same shape."""
+        return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm step: (norm(x + residual), x + residual); residual None is zeros."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def merge_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum of out_features, in_features] weight (and bias) whose row blocks become the
+    linears' own weights, as views: the memory is not doubled. Call it once the model has
+    its final device and dtype (a later ``.to`` copies the views apart)."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        lin.weight.data = weight[rows]
+        if has_bias:
+            lin.bias.data = bias[rows]
+        start = rows.stop
+    return weight, bias
 
 
 class SwiGLU(nn.Module):
@@ -44,9 +69,16 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, rows)
         self.up_proj = ColumnParallelLinear(hidden_size, rows)
         self.down_proj = RowParallelLinear(rows, hidden_size, tp)
+        self.gate_up: torch.Tensor | None = None  # [2 * rows, hidden_size] once merged
+
+    def merge(self) -> None:
+        """Run gate and up as one matmul from now on."""
+        self.gate_up, _ = merge_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up)))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -85,11 +117,3 @@ class Rotary(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, hd / 2]
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]
         return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, num_heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)

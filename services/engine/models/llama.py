@@ -49,10 +49,23 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: KVContext,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's output; residual: the stream before it (None at the first
+        layer, where x is the stream). Returns (this block's MLP output, the stream before
+        it): the stream after the block is their sum, added by the next norm."""
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, ctx, layer), residual)
+        return self.mlp(h), residual
+
+    def merge(self) -> None:
+        self.self_attn.merge()
+        self.mlp.merge()
 
 
 class LlamaModel(nn.Module):
@@ -71,14 +84,15 @@ class LlamaModel(nn.Module):
         aux_layer_ids: tuple[int, ...] = (),
     ) -> TargetOutput:
         rope = self.rotary(positions)
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         kept = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, ctx, i)
+            x, residual = layer(x, residual, rope, ctx, i)
             if i in aux_layer_ids:
-                kept[i] = x
+                kept[i] = x + residual
         aux = [kept[i] for i in aux_layer_ids]
-        return TargetOutput(self.norm(x), torch.cat(aux, dim=-1) if aux else None)
+        hidden, _ = self.norm.add(x, residual)
+        return TargetOutput(hidden, torch.cat(aux, dim=-1) if aux else None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,6 +114,12 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """[vocab_size, hidden_size]: the LM head (the embedding when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def merge_projections(self) -> None:
+        """One q/k/v and one gate/up matmul per layer from now on (serving on a GPU); the
+        parameters keep their checkpoint names and values."""
+        for layer in self.model.layers:
+            layer.merge()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -70,7 +70,7 @@ def load_target(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     _load_into(model, shard_state_dict(model, state), folder)
-    return model.to(device=device, dtype=dtype).eval()
+    return _placed(model, device, dtype)
 
 
 def load_drafter(
@@ -91,7 +91,15 @@ def load_drafter(
         config, own_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state, tp=tp
     )
     _load_into(model, shard_state_dict(model, state), folder)
-    return model.to(device=device, dtype=dtype).eval()
+    return _placed(model, device, dtype)
+
+
+def _placed(model: LlamaForCausalLM | Eagle3Drafter, device: str | torch.device, dtype: torch.dtype):
+    """On ``device`` in ``dtype``, in eval mode; on a GPU with merged q/k/v and gate/up."""
+    model = model.to(device=device, dtype=dtype).eval()
+    if torch.device(device).type == "cuda":
+        model.merge_projections()
+    return model
 
 
 def save_model(

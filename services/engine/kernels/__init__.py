@@ -1,0 +1,58 @@
+"""The decoder's fused ops: Triton kernels for CUDA tensors, the torch reference
+(:mod:`services.engine.kernels.reference`) otherwise.
+
+Both paths compute the same function up to float32 reduction order. ``use_kernels(False)``
+makes CUDA tensors take the reference too (the unfused baseline of the benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from services.engine.kernels import reference
+
+_enabled = True
+
+
+def use_kernels(enabled: bool) -> None:
+    """Route CUDA tensors to the Triton kernels (True, the default) or the reference."""
+    global _enabled
+    _enabled = enabled
+
+
+@functools.cache
+def _triton() -> ModuleType | None:
+    try:  # Triton is optional: CPU-only installs run the reference
+        from services.engine.kernels import triton_fused
+    except ImportError:
+        return None
+    return triton_fused
+
+
+def _impl(t: torch.Tensor) -> ModuleType:
+    return (_triton() if t.is_cuda and _enabled else None) or reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [num_tokens, size] -> rms-normed x times weight, in x's dtype."""
+    return _impl(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); residual None means zeros."""
+    return _impl(x).add_rms_norm(x, residual, weight, eps)
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] (any row/head strides) -> rotated copy."""
+    return _impl(x).rotate_heads(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter]."""
+    return _impl(gate_up).silu_mul(gate_up)

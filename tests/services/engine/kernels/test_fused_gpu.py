@@ -1,0 +1,87 @@
+"""The decoder's Triton kernels against their torch reference, on random bf16 inputs.
+
+Tolerances: one bf16 ulp of the output scale (the kernels reduce in another order and may
+contract multiply-adds, so single elements can round to the neighbouring bf16 value); the
+residual sum must be exact (both round one float32 addition).
+"""
+
+import pytest
+import torch
+
+from services.engine.kernels import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_ULP = 2**-7
+
+
+def triton_ops():
+    from services.engine.kernels import triton_fused
+
+    return triton_fused
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    scale = ref.float().abs().max().clamp(min=1.0)
+    return bool(((out.float() - ref.float()).abs() <= BF16_ULP * scale).all())
+
+
+@pytest.mark.parametrize("n, size", [(1, 4096), (7, 4096), (64, 4096), (3, 1000), (0, 128)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_reference(n, size, with_residual):
+    g = torch.Generator(device="cuda").manual_seed(n * size)
+    x = torch.randn(n, size, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(n, size, device="cuda", generator=g).to(torch.bfloat16) if with_residual else None
+    w = (1 + 0.1 * torch.randn(size, device="cuda", generator=g)).to(torch.bfloat16)
+    out, summed = triton_ops().add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_sum = reference.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed, ref_sum)
+    assert close(out, ref_out)
+
+
+@pytest.mark.parametrize("n, heads, head_dim", [(1, 40, 128), (9, 12, 64), (33, 3, 128)])
+def test_rotate_heads_matches_reference_on_strided_heads(n, heads, head_dim):
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    wide = torch.randn(n, heads + 5, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    x = wide[:, :heads]  # a view into a merged q/k/v output: strided tokens
+    positions = torch.randint(0, 32768, (n,), device="cuda", generator=g)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    assert close(triton_ops().rotate_heads(x, cos, sin), reference.rotate_heads(x, cos, sin))
+
+
+@pytest.mark.parametrize("n, inter", [(1, 14336), (5, 3000), (64, 14336)])
+def test_silu_mul_matches_reference(n, inter):
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    gate_up = (3 * torch.randn(n, 2 * inter, device="cuda", generator=g)).to(torch.bfloat16)
+    assert close(triton_ops().silu_mul(gate_up), reference.silu_mul(gate_up))
+
+
+def test_merged_decoder_matches_unmerged_reference():
+    from services.engine import kernels
+    from services.engine.models import DenseContext, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    c = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(c).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2 * 16,), device="cuda")
+    pos = torch.arange(16, device="cuda").repeat(2)
+    ctx = DenseContext(2, 16)
+    with torch.inference_mode():
+        kernels.use_kernels(False)
+        try:
+            ref = model(ids, pos, ctx, (0, 1)).hidden
+        finally:
+            kernels.use_kernels(True)
+        model.merge_projections()
+        out = model(ids, pos, ctx, (0, 1)).hidden
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
