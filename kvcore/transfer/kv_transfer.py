@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.aux_state import AuxState
 from kvcore.manager import KVCacheManager, TransferPages
 from kvcore.ops import pack_pages, unpack_pages
 from kvcore.transfer.head_routes import HeadRoute
@@ -41,43 +42,8 @@ from kvcore.transfer.ucx import TransferError, UcxEndpointInfo, UcxTransport
 AUX_GROUP = MAX_GROUPS - 1  # tag group index of the aux-state message
 ACK_GROUP = MAX_GROUPS - 2  # tag group index of the receiver's acknowledgement
 PING_GROUP = MAX_GROUPS - 3  # tag group index of the pairing test transfer
-_AUX_HEADER = struct.Struct("<qqq128s")  # prompt length, first token, hidden values, sender id
 _ACK = struct.Struct("<q")
 _LENGTH = struct.Struct("<q")
-
-
-@dataclass(slots=True)
-class AuxState:
-    """What a decode-side drafter starts from: the first sampled token, the target's hidden
-    features at the last prompt position, and the prompt length (tokens). ``sender_id``
-    names the sending worker (at most 128 bytes), whom the receiver acknowledges."""
-
-    prompt_len: int
-    first_token: int
-    hidden: torch.Tensor  # [hidden_size], float32 on the wire
-    sender_id: str = ""
-
-    def to_bytes(self) -> bytes:
-        values = self.hidden.detach().to("cpu", torch.float32).contiguous()
-        sender = self.sender_id.encode()
-        if len(sender) > 128:
-            raise ValueError(f"sender_id: at most 128 bytes, got {len(sender)}")
-        return (
-            _AUX_HEADER.pack(self.prompt_len, self.first_token, values.numel(), sender)
-            + values.numpy().tobytes()
-        )
-
-    @staticmethod
-    def from_bytes(data: bytes | bytearray) -> AuxState:
-        prompt_len, first_token, n, sender = _AUX_HEADER.unpack_from(data)
-        hidden = torch.frombuffer(bytearray(data[_AUX_HEADER.size :]), dtype=torch.float32)
-        if hidden.numel() != n:
-            raise TransferError(f"aux state: {hidden.numel()} hidden values, header says {n}")
-        return AuxState(prompt_len, first_token, hidden, sender.rstrip(b"\0").decode())
-
-    @staticmethod
-    def wire_size(hidden_size: int) -> int:
-        return _AUX_HEADER.size + 4 * hidden_size
 
 
 @dataclass(slots=True)
@@ -229,7 +195,10 @@ class KVTransferAgent:
     async def receive_aux(self, request_id: str, num_tokens: int, timeout_s: float) -> AuxState:
         data = bytearray(AuxState.wire_size(self.hidden_size))
         await self.transport.recv(data, message_tag(request_tag(request_id), AUX_GROUP, 0), timeout_s)
-        aux = AuxState.from_bytes(data)
+        try:
+            aux = AuxState.from_bytes(data)
+        except ValueError as e:
+            raise TransferError(f"request {request_id!r}: {e}") from e
         if aux.prompt_len != num_tokens:
             raise TransferError(
                 f"request {request_id!r}: aux state is for {aux.prompt_len} tokens, reserved {num_tokens}"

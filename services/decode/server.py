@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import grpc
 
 from kvcore import KVLayout
-from kvcore.transfer.kv_transfer import AuxState, TransferUsage
+from kvcore.aux_state import AuxState
+from kvcore.transfer.kv_transfer import TransferUsage
 from kvcore.transfer.tags import request_tag
 from kvcore.transfer.ucx import TransferError, TransferTimeout
 from proto.tandem.v1 import client_pb2 as cpb
@@ -190,7 +191,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             aux, moved = await self._landed(res, request, context)
             prompt = list(request.prompt_token_ids)
             k = spec_tokens_from_proto(request.speculative)
-            submit = lambda: w.engine.add_prefilled(rid, prompt, _engine_aux(aux), sampling, k)  # noqa: E731
+            submit = lambda: w.engine.add_prefilled(rid, prompt, aux, sampling, k)  # noqa: E731
             sent = 1  # the first token came with the prefill's answer
             last = None
             try:
@@ -234,7 +235,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             if isinstance(e, TransferTimeout):
                 self.worker.metrics.timeouts.labels("transfer").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pages did not land: {e!r}")
-        if aux.first_token != request.first_token_id or aux.prompt_len != len(request.prompt_token_ids):
+        if aux.first_token_id != request.first_token_id or aux.prompt_len != len(request.prompt_token_ids):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "first_token_id: differs from the transferred aux state"
             )
@@ -242,9 +243,3 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
         return await self.worker.stats_reply()
-
-
-def _engine_aux(aux: AuxState):
-    from services.engine.request import AuxState as EngineAux
-
-    return EngineAux(first_token_id=aux.first_token, hidden=aux.hidden, prompt_len=aux.prompt_len)

@@ -18,13 +18,14 @@ import random
 import torch
 
 from kvcore import KVLayout
+from kvcore.aux_state import AuxState
 from services.engine.checks import cache_config, check_fits, check_sampling, encode_prompt, eos_ids
 from services.engine.config import EngineConfig
 from services.engine.lockstep import attach_lockstep, make_manager
 from services.engine.models import load_drafter, load_target
 from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.rejection import rejection_sample
-from services.engine.request import AuxState, PrefillSpan, Request, RequestOutput, Status, TokenLogprob
+from services.engine.request import PrefillSpan, Request, RequestOutput, Status, TokenLogprob
 from services.engine.row_sampling import row_params, token_logprobs
 from services.engine.runner import ModelRunner, Span, TargetRun
 from services.engine.sampler import probs_for_rows, sample
@@ -255,9 +256,8 @@ class Engine:
             req.output_ids.append(token)
             req.output_logprobs.extend(logprobs)
             req.status = Status.PARKED
-            req.aux = AuxState(
-                token, req.last_feature.float().cpu() if req.last_feature is not None else torch.zeros(0), n
-            )
+            hidden = req.last_feature.float().cpu() if req.last_feature is not None else torch.zeros(0)
+            req.aux = AuxState(n, token, hidden)
             self.scheduler.remove(req)
             self.out.park(req)
             return

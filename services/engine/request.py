@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.aux_state import AuxState
 from services.engine.sampling import SamplingParams
 from services.engine.stats import SpecStats, Usage
 
@@ -24,15 +25,6 @@ class Status(enum.Enum):
     DECODE = "decode"
     PARKED = "parked"  # prefill-only request done; holds its pages until released
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class AuxState:
-    """What a decode worker needs, besides the pages, to continue a prefilled request."""
-
-    first_token_id: int  # t_n, sampled from the prefill's last logits
-    hidden: torch.Tensor  # [hidden_size] float32: f_{n-1}, the drafter's input for slot n
-    prompt_len: int  # n
 
 
 @dataclass(slots=True)

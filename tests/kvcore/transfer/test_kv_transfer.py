@@ -87,7 +87,7 @@ async def _session(role: str, layout: KVLayout, target_window: int, conn) -> Non
         manager.free("s")
         conn.send(
             {
-                "aux": (aux.prompt_len, aux.first_token, aux.hidden.tolist(), aux.sender_id),
+                "aux": (aux.prompt_len, aux.first_token_id, aux.hidden.tolist(), aux.sender_id),
                 "bytes": usage.bytes,
                 "landed": landed,
                 "silent": silent,

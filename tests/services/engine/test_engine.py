@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.aux_state import AuxState
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import GREEDY, assert_pools_empty, make_engine, random_prompts
 
@@ -196,10 +197,8 @@ def test_prefill_only_then_decode_elsewhere_matches_aggregated(pair, prompt_len)
 
 def test_add_prefilled_needs_a_reservation(pair):
     engine = make_engine(pair, k=2)
-    from services.engine.request import AuxState
-
     with pytest.raises(ValueError, match="^request_id:"):
-        engine.add_prefilled("x", [1, 2], AuxState(3, torch.zeros(64), 2), GREEDY)
+        engine.add_prefilled("x", [1, 2], AuxState(2, 3, torch.zeros(64)), GREEDY)
 
 
 def test_generate_is_all_or_nothing_on_bad_input(pair):
