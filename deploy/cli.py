@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "worker":
         from services.common.serve import run_worker
         from services.common.worker import WorkerConfig
+        from services.worker_roles import WORKER_ROLES
 
         config = WorkerConfig(
             role=args.role,
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             transfer_timeout_s=args.transfer_timeout_s,
             lease_s=args.lease_s,
         )
-        asyncio.run(run_worker(config, model_name=served_model_name(args)))
+        asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=served_model_name(args)))
     else:
         return run_up(args)
     return 0

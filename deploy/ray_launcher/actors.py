@@ -132,6 +132,7 @@ class ServiceActor:
         from deploy.cli import engine_config, served_model_name
         from services.common.serve import run_worker
         from services.common.worker import WorkerConfig
+        from services.worker_roles import WORKER_ROLES
 
         args = engine_args(model)
         try:
@@ -150,7 +151,11 @@ class ServiceActor:
             instance_id=instance_id,
         )
         name = served_model_name(args)
-        self._start(instance_id, lambda ready, stop: run_worker(config, ready, stop, name), timeout_s)
+        self._start(
+            instance_id,
+            lambda ready, stop: run_worker(config, WORKER_ROLES[role], ready, stop, name),
+            timeout_s,
+        )
         return {
             "name": instance_id,
             "node": self.host,
@@ -163,7 +168,7 @@ class ServiceActor:
         """The router's Health, as a dict (router actors only)."""
         from proto.tandem.v1 import client_pb2 as cpb
 
-        h = self.service.call(self.bound["router"].Health(cpb.HealthRequest(), None))
+        h = self.service.call(self.bound["router"].health())
         return {
             "serving": h.status == cpb.SERVING_STATUS_SERVING,
             "num_ready_pairs": h.num_ready_pairs,

@@ -1,7 +1,10 @@
-"""Starting a service: a grpc.aio server with the standard health service, on a host:port."""
+"""Starting a service (a grpc.aio server with the standard health service, on a host:port)
+and waiting for its stop."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -61,3 +64,15 @@ async def write_stream(messages: AsyncIterator, context: grpc.aio.ServicerContex
 async def invalid_argument(context: grpc.aio.ServicerContext, field: str, problem: str) -> None:
     """End the RPC with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+async def wait_for_stop(stop: asyncio.Event | None) -> None:
+    """Return once ``stop`` is set or the process gets SIGTERM/SIGINT."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()

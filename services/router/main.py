@@ -6,16 +6,15 @@ import asyncio
 import json
 import os
 
-from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
-from services.common.grpc_server import SERVING, start_server
+from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
 from services.common.security import TlsConfig
-from services.common.serve import _wait_for_stop
+from services.router.api import ModelLimits, RouterAPI
 from services.router.chat_template import ChatTemplate, load_chat_template
+from services.router.health import STATS_MISSES, STATS_TIMEOUT_S
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
-from services.router.server import STATS_MISSES, STATS_TIMEOUT_S, ModelLimits, Router
+from services.router.server import add_router_servicers
 from tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -68,37 +67,38 @@ async def run_router(
     OpenAI-compatible HTTP server. A worker that misses ``health_misses`` Stats polls in a
     row (``health_timeout_s`` each) gets no traffic. ``tokenizer`` encodes text prompts and
     decodes streamed text; ``chat`` renders chat messages (None: chat is refused). Prints
-    one line with the endpoints."""
+    one line with the endpoints; ``bound`` gets the ports and the RouterAPI (``router``)."""
     metrics = Metrics("router", limits.model_id)
-    router = Router(limits, metrics, tokens_per_page, token, tls, tokenizer)
-    router.stats_timeout_s, router.stats_misses = health_timeout_s, health_misses
-
-    def add(server) -> None:
-        cpb_grpc.add_TandemServicer_to_server(router, server)
-        reg_grpc.add_RegistrationServicer_to_server(router, server)
-
-    server, health, port = await start_server(add, host, port, tls, token)
-    metrics_port = serve_metrics(metrics, host, metrics_port)
-    http = HttpServer(OpenAIServer(router, chat).routes()) if http_port is not None else None
-    if http is not None:
-        http_port = await http.start(host, http_port)
-    await health.set("", SERVING)
-    router.health = health
-    print(
-        f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics"
-        + (f" http=http://{host}:{http_port}" if http else ""),
-        flush=True,
+    router = RouterAPI(
+        limits, metrics, tokens_per_page, token, tls, tokenizer, health_timeout_s, health_misses
     )
+    server, health, port = await start_server(
+        lambda s: add_router_servicers(s, router), host, port, tls, token
+    )
+    metrics_port = serve_metrics(metrics, host, metrics_port)
+    http, http_port = await _start_http(router, chat, host, http_port)
+    await health.set("", SERVING)
+    router.health_monitor.readiness = health
+    http_url = f" http=http://{host}:{http_port}" if http else ""
+    print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics{http_url}", flush=True)
     if bound is not None:
-        bound.update(
-            port=port, metrics_port=metrics_port, router=router, http_port=http_port if http else None
-        )
-    poll = asyncio.ensure_future(router.poll_stats())
+        bound.update(port=port, metrics_port=metrics_port, router=router, http_port=http_port)
+    poll = asyncio.ensure_future(router.health_monitor.poll_forever())
     if ready is not None:
         ready.set()
-    await _wait_for_stop(stop)
+    await wait_for_stop(stop)
     poll.cancel()
     if http is not None:
         await http.close()
     await router.close()
     await server.stop(grace=1)
+
+
+async def _start_http(
+    router: RouterAPI, chat: ChatTemplate | None, host: str, port: int | None
+) -> tuple[HttpServer | None, int | None]:
+    """The OpenAI-compatible HTTP server and its port; (None, None) when ``port`` is None."""
+    if port is None:
+        return None, None
+    http = HttpServer(OpenAIServer(router, chat).routes())
+    return http, await http.start(host, port)

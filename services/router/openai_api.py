@@ -1,12 +1,11 @@
 """The router's OpenAI-compatible HTTP API: completions, chat, models, health, metrics.
 
-Requests are served on the router's own asyncio loop by calling its ``Router`` servicer
-in-process (``stream``, the messages its Generate sends; ``Health``, ``ModelInfo``,
-``Abort``): no extra network hop.
+Requests are served on the router's own asyncio loop by calling the in-process
+``RouterAPI`` (``generate``, ``health``, ``model_info``, ``abort``): no extra network hop.
 Errors before the first token become HTTP errors (400 naming the field, 404 for an
-unknown model, 503 when no prefill/decode pair is ready, 500 otherwise); an error after
-streaming started is sent as an SSE event ``{"error": {...}}``. A streaming client that
-disconnects aborts its request.
+unknown model, 409 for a request id already running, 503 when no prefill/decode pair is
+ready or a worker died, 500 otherwise); an error after streaming started is sent as an SSE
+event ``{"error": {...}}``. A streaming client that disconnects aborts its request.
 """
 
 from __future__ import annotations
@@ -16,11 +15,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
-import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.api import RouterAPI
 from services.router.chat_template import ChatTemplate
+from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
 from services.router.openai_responses import (
@@ -33,27 +33,12 @@ from services.router.openai_responses import (
     error_json,
     sse,
 )
-from services.router.server import Router
 
 ABANDON_TIMEOUT_S = 5.0
 
 
-class _Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _LocalContext:
-    """Stands in for grpc.aio.ServicerContext when the servicer is called in-process."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise _Rejected(code, details)
-
-
 class OpenAIServer:
-    def __init__(self, router: Router, chat: ChatTemplate | None = None) -> None:
+    def __init__(self, router: RouterAPI, chat: ChatTemplate | None = None) -> None:
         """``chat``: the model's chat template; None refuses /v1/chat/completions (400)."""
         self.router = router
         self.chat = chat
@@ -99,7 +84,7 @@ class OpenAIServer:
         return await self._serve(parse_chat(http.json(), await self._model_id(), self.chat))
 
     async def models(self, http: Request) -> Response:
-        info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())
+        info = await self.router.model_info()
         model = {
             "id": info.model_id,
             "object": "model",
@@ -117,7 +102,7 @@ class OpenAIServer:
 
     async def health(self, http: Request) -> Response:
         """200 while at least one prefill/decode pair is ready, else 503."""
-        h = await self.router.Health(cpb.HealthRequest(), _LocalContext())
+        h = await self.router.health()
         serving = h.status == cpb.SERVING_STATUS_SERVING
         body = {
             "status": "serving" if serving else "not_serving",
@@ -134,8 +119,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ generation
 
     async def _model_id(self) -> str:
-        info = await self.router.ModelInfo(cpb.ModelInfoRequest(), _LocalContext())
-        return info.model_id
+        return (await self.router.model_info()).model_id
 
     async def _serve(self, request: OpenAIRequest) -> Response | StreamingResponse:
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
@@ -148,9 +132,9 @@ class OpenAIServer:
 
     async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
         try:
-            async for message in self.router.stream(request.generate, _LocalContext()):
+            async for message in self.router.generate(request.generate):
                 yield message
-        except _Rejected as e:
+        except RouterError as e:
             raise _rejection(request, e) from None
 
     async def _first(self, request: OpenAIRequest, messages) -> cpb.GenerateResponse:
@@ -214,8 +198,8 @@ class OpenAIServer:
 
     async def _abandon(self, rid: str, messages: AsyncGenerator) -> None:
         """Abort the request if it still runs, let the router finish it, close the stream."""
-        if rid in self.router.inflight:
-            await self.router.Abort(cpb.AbortRequest(request_id=rid), _LocalContext())
+        if self.router.is_running(rid):
+            await self.router.abort(rid)
             try:
                 await asyncio.wait_for(_drain(messages), ABANDON_TIMEOUT_S)
             except (TimeoutError, HttpError):
@@ -238,15 +222,18 @@ async def _drain(messages: AsyncGenerator) -> None:
         pass
 
 
-def _rejection(request: OpenAIRequest, e: _Rejected) -> HttpError:
-    """The router refused the request before generating (validation, duplicate id, ...)."""
-    field, sep, problem = e.details.partition(": ")
-    if e.code == grpc.StatusCode.INVALID_ARGUMENT and sep:
+HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.ALREADY_EXISTS: 409, ErrorCode.UNAVAILABLE: 503}
+
+
+def _rejection(request: OpenAIRequest, e: RouterError) -> HttpError:
+    """The router refused the request (validation, duplicate id) or lost its worker."""
+    field, sep, problem = e.message.partition(": ")
+    if e.code == ErrorCode.INVALID_ARGUMENT and sep:
         param = router_param(request, field)
         return HttpError(400, error_json(f"{param}: {problem}", "invalid_request_error", param))
-    status = {grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503}.get(e.code, 500)
+    status = HTTP_STATUS.get(e.code, 500)
     return HttpError(
-        status, error_json(e.details, "invalid_request_error" if status < 500 else "server_error")
+        status, error_json(e.message, "invalid_request_error" if status < 500 else "server_error")
     )
 
 

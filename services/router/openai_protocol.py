@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import ChatTemplate, ChatTemplateError
-from services.router.http import HttpError
+from services.router.openai_fields import as_object, boolean, integer, invalid, is_int, number
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
@@ -66,28 +66,13 @@ class OpenAIRequest:
     params: dict[str, str] = field(default_factory=dict)  # router field -> OpenAI field
 
 
-def invalid(param: str, message: str, status: int = 400, code: str | None = None) -> HttpError:
-    """An OpenAI-style error naming ``param``; the message starts with it."""
-    return HttpError(
-        status,
-        {
-            "error": {
-                "message": f"{param}: {message}",
-                "type": "invalid_request_error",
-                "param": param,
-                "code": code,
-            }
-        },
-    )
-
-
 def parse_completion(body, model_id: str) -> OpenAIRequest:
-    body = _object(body)
+    body = as_object(body)
     _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
     request = _common(body, model_id, "completion")
     _set_prompt(request.generate, body)
-    request.generate.sampling.max_tokens = _integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, low=1)
-    logprobs = _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    request.generate.sampling.max_tokens = integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, low=1)
+    logprobs = integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
     if logprobs is not None:
         request.generate.sampling.logprobs = logprobs
     request.params.update(
@@ -97,7 +82,7 @@ def parse_completion(body, model_id: str) -> OpenAIRequest:
 
 
 def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
-    body = _object(body)
+    body = as_object(body)
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
     request = _common(body, model_id, "chat")
     messages = chat_messages(body.get("messages"))
@@ -111,9 +96,9 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
     text = render_chat(messages, chat)
     request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    request.generate.sampling.max_tokens = _integer(body, limit, 0, low=1)
-    top = _integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
-    if _boolean(body, "logprobs", False):
+    request.generate.sampling.max_tokens = integer(body, limit, 0, low=1)
+    top = integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if boolean(body, "logprobs", False):
         request.generate.sampling.logprobs = top or 0
     elif top:
         raise invalid("top_logprobs", "needs logprobs: true")
@@ -169,9 +154,9 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
             status=404,
             code="model_not_found",
         )
-    if _integer(body, "n", 1, low=1) != 1:
+    if integer(body, "n", 1, low=1) != 1:
         raise invalid("n", "only n = 1 is supported; send one request per completion")
-    stream = _boolean(body, "stream", False)
+    stream = boolean(body, "stream", False)
     request = OpenAIRequest(
         kind,
         model,
@@ -191,25 +176,25 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
 
 def _set_sampling(generate: cpb.GenerateRequest, body: dict) -> None:
     sampling = generate.sampling
-    sampling.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    sampling.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    sampling.temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    sampling.top_p = number(body, "top_p", 1.0, 0.0, 1.0)
     if sampling.top_p == 0:
         raise invalid("top_p", "must be in (0, 1], got 0")
-    seed = _integer(body, "seed", None, low=0, high=MAX_SEED)
+    seed = integer(body, "seed", None, low=0, high=MAX_SEED)
     if seed is not None:
         sampling.seed = seed
     sampling.stop.extend(_stop(body.get("stop")))
-    sampling.ignore_eos = _boolean(body, "ignore_eos", False)
-    top_k = _integer(body, "top_k", 0, low=-1)
+    sampling.ignore_eos = boolean(body, "ignore_eos", False)
+    top_k = integer(body, "top_k", 0, low=-1)
     sampling.top_k = max(top_k, 0)  # -1 and 0 both mean off
-    sampling.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-    sampling.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, math.inf)
+    sampling.min_p = number(body, "min_p", 0.0, 0.0, 1.0)
+    sampling.repetition_penalty = number(body, "repetition_penalty", 1.0, 0.0, math.inf)
     if sampling.repetition_penalty == 0:
         raise invalid("repetition_penalty", "must be > 0 (1 = off), got 0")
-    sampling.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    sampling.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    sampling.min_tokens = _integer(body, "min_tokens", 0, low=0)
-    k = _integer(body, "num_spec_tokens", None, low=0)
+    sampling.presence_penalty = number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    sampling.frequency_penalty = number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    sampling.min_tokens = integer(body, "min_tokens", 0, low=0)
+    k = integer(body, "num_spec_tokens", None, low=0)
     if k is not None:
         generate.speculative.num_spec_tokens = k
 
@@ -222,7 +207,7 @@ def _set_prompt(generate: cpb.GenerateRequest, body: dict) -> None:
         if not prompt:
             raise invalid("prompt", "empty")
         generate.text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         generate.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", f"a batch of {len(prompt)} prompts; this server takes one prompt per request")
@@ -261,55 +246,10 @@ def _include_usage(body: dict, stream: bool) -> bool:
         raise invalid("stream_options", "only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
-    return _boolean(options, "include_usage", False, "stream_options.include_usage")
+    return boolean(options, "include_usage", False, "stream_options.include_usage")
 
 
 def _refuse_unsupported(body: dict, unsupported: dict) -> None:
     for name, is_neutral in unsupported.items():
         if not is_neutral(body.get(name)):
             raise invalid(name, "not supported by this server")
-
-
-# ---------------------------------------------------------------------- typed getters
-
-
-def _object(body) -> dict:
-    if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
-    return body
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise invalid(name, f"must be a number, got {value!r}")
-    if not low <= value <= high:
-        raise invalid(name, f"must be in [{low:g}, {high:g}], got {value}")
-    return float(value)
-
-
-def _integer(body: dict, name: str, default, low: int, high: int | None = None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise invalid(name, f"must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(name, f"must be {bound}, got {value}")
-    return value
-
-
-def _boolean(body: dict, name: str, default: bool, param: str = "") -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(param or name, f"must be true or false, got {value!r}")
-    return value

@@ -9,15 +9,14 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from deploy.cli import build_parser, served_model_name
+from deploy.cli import build_parser
 from deploy.local import LocalCluster
-from deploy.ray_launcher.actors import engine_args
+from deploy.options import served_model_name
 from deploy.ray_launcher.config import parse_config
-from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
+from services.router.api import RouterAPI
 from services.router.main import model_limits, router_text
 from services.router.openai_api import OpenAIServer
-from services.router.server import Router
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-target"
 OPTIONS = ["--tokenizer", "/tok", "--chat-template", "/chat.jinja", "--served-model-name", "m"]
@@ -45,7 +44,7 @@ def test_up_passes_them_to_the_router_and_the_workers_their_part():
 
 def test_the_served_name_defaults_to_the_model_folder():
     args = build_parser().parse_args(["router", "--model", str(TINY)])
-    assert served_model_name(args) == "tiny-target"
+    assert served_model_name(args.model, args.served_model_name) == "tiny-target"
     assert model_limits(str(TINY), 4, served_model_name="").model_id == "tiny-target"
     assert model_limits(str(TINY), 4, served_model_name="m").model_id == "m"
 
@@ -54,8 +53,8 @@ def test_the_router_serves_the_name_and_labels_its_metrics_with_it():
     limits = model_limits(str(TINY), 4, served_model_name="my-model")
     tokenizer, chat = router_text(str(TINY))
     metrics = Metrics("router", limits.model_id)
-    router = Router(limits, metrics, tokenizer=tokenizer)
-    info = asyncio.run(router.ModelInfo(cpb.ModelInfoRequest(), None))
+    router = RouterAPI(limits, metrics, tokenizer=tokenizer)
+    info = asyncio.run(router.model_info())
     assert info.model_id == "my-model"
     server = OpenAIServer(router, chat)
     response = asyncio.run(server.models(None))
@@ -79,8 +78,9 @@ def test_the_ray_config_takes_the_serving_options():
     config = parse_config(
         {"model": {"tokenizer": "tok", "chat_template": "chat.jinja", "served_model_name": "m"}}
     )
-    args = engine_args(config.model)
-    assert args.tokenizer.endswith("/tok") and args.chat_template.endswith("/chat.jinja")
-    assert served_model_name(args) == "m"
-    default = engine_args(parse_config({}).model)
-    assert (default.tokenizer, default.chat_template, served_model_name(default)) == ("", "", "tiny-target")
+    engine = config.model.engine_options()
+    assert engine.tokenizer.endswith("/tok") and config.model.chat_template_path.endswith("/chat.jinja")
+    assert served_model_name(engine.model, config.model.served_model_name) == "m"
+    default = parse_config({}).model
+    name = served_model_name(default.engine_options().model, default.served_model_name)
+    assert (default.engine_options().tokenizer, default.chat_template_path, name) == ("", "", "tiny-target")

@@ -6,14 +6,13 @@ import asyncio
 import json
 from pathlib import Path
 
-import grpc
-
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
+from services.router.api import ModelLimits, RouterAPI
 from services.router.chat_template import load_chat_template
+from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpServer, Request, Response, StreamingResponse
 from services.router.openai_api import OpenAIServer
-from services.router.server import ModelLimits, Router
 from tokenization.tokenizer import load_tokenizer
 
 MODEL = "tiny"
@@ -48,7 +47,7 @@ def _error(message: str) -> cpb.GenerateResponse:
 
 
 class ScriptedRouter:
-    """Answers ``stream`` (what Generate writes) with ``script``; ``hold`` parks it after the
+    """A RouterAPI whose ``generate`` answers with ``script``; ``hold`` parks it after the
     first message."""
 
     def __init__(self, script: list[cpb.GenerateResponse], hold: bool = False) -> None:
@@ -60,24 +59,27 @@ class ScriptedRouter:
         self.aborted: list[str] = []
         self.released = asyncio.Event()
 
-    async def ModelInfo(self, request, context):
+    async def model_info(self):
         return cpb.ModelInfoResponse(
             model_id=MODEL, drafter_id="draft", drafter_kind="eagle3", num_spec_tokens=3, max_model_len=64
         )
 
-    async def Health(self, request, context):
+    async def health(self):
         return cpb.HealthResponse(
             status=cpb.SERVING_STATUS_NOT_SERVING,
             num_decode_workers=1,
             message="no ready prefill/decode pair. ",
         )
 
-    async def Abort(self, request, context):
-        self.aborted.append(request.request_id)
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
         self.released.set()
-        return cpb.AbortResponse(found=True)
+        return True
 
-    async def stream(self, request, context):
+    def is_running(self, request_id):
+        return request_id in self.inflight
+
+    async def generate(self, request):
         self.requests.append(request)
         self.inflight[request.request_id] = object()
         try:
@@ -280,11 +282,11 @@ def test_metrics_serves_the_router_registry_in_prometheus_text():
     assert b'tandem_requests_total{role="router",status="stop"} 1.0' in response.body
 
 
-# ---------------------------------------------------------------------- the real Router
+# ---------------------------------------------------------------------- the real RouterAPI
 
 
-def _real_router() -> Router:
-    return Router(
+def _real_router() -> RouterAPI:
+    return RouterAPI(
         ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"), tokenizer=TOKENIZER
     )
 
@@ -315,14 +317,15 @@ def test_no_ready_pair_is_a_503_and_counted_by_the_router():
     assert response.status == 503
     assert json.loads(response.body)["error"]["message"] == "no ready prefill/decode pair"
     assert router.metrics.requests.labels("router", "error")._value.get() == 1
-    assert router.inflight == {}
+    assert router.flows == {}
 
 
-def test_a_grpc_refusal_maps_to_a_status():
+def test_a_router_refusal_maps_to_a_status():
     class Refusing(ScriptedRouter):
-        async def stream(self, request, context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker d is unavailable")
-            yield  # an async generator, like the servicer
+        async def generate(self, request):
+            raise RouterError(ErrorCode.UNAVAILABLE, "decode worker d is unavailable")
+            yield  # an async generator, like RouterAPI.generate
 
     response = _call(OpenAIServer(Refusing([])), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert response.status == 503
+    assert json.loads(response.body)["error"]["message"] == "decode worker d is unavailable"

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.api import ModelLimits
 from services.router.http import HttpError
 from services.router.openai_api import OpenAIServer
 from services.router.openai_protocol import parse_completion, router_param
-from services.router.server import ModelLimits
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from tests.services.router.test_openai_api import CHAT, MODEL, ScriptedRouter, _call, _complete

@@ -1,0 +1,143 @@
+"""The router in process: what its gRPC servicers and the OpenAI HTTP server both call.
+
+``RouterAPI`` speaks the client protos (tandem.v1 client.proto): ``generate`` yields a
+request's GenerateResponse messages; ``health``, ``model_info`` and ``abort`` answer as
+the RPCs of the same names. A refusal is a ``RouterError(code, message)``; each caller
+maps it to its own status (gRPC in server.py, HTTP in openai_api.py).
+
+Invariants:
+- Every coroutine runs on the router's event loop (the registry is not thread-safe).
+- ``generate`` raises ALREADY_EXISTS (the id is running) or INVALID_ARGUMENT (the message
+  names the field) before it yields anything; UNAVAILABLE when a worker died under a
+  request that had streamed tokens. Otherwise its last message is the complete.
+- ``tandem_requests_running{role="router"}`` counts the requests between admission and
+  their end; each ends counted once in ``tandem_requests_total{status}`` (the finish
+  reason, "error" or "unavailable") and ``tandem_e2e_request_latency_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from services.common.metrics import Metrics
+from services.common.security import TlsConfig
+from services.router.cluster import Cluster
+from services.router.dispatch import QUEUE_TIMEOUT_S, RequestFlow
+from services.router.errors import ErrorCode, RouterError
+from services.router.health import STATS_MISSES, STATS_TIMEOUT_S, HealthMonitor, health_response
+from services.router.registration import Registration
+from services.router.registry import Registry
+from services.router.stream_text import StreamText
+from services.router.validation import RequestError, validate_generate
+from tokenization.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    model_id: str = ""  # the served model name (--served-model-name; default the folder's)
+    vocab_size: int = 264
+    max_model_len: int = 2048  # tokens, prompt plus completion
+    default_max_tokens: int = 128
+    num_spec_tokens: int = 0
+
+
+class RouterAPI:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        metrics: Metrics,
+        tokens_per_page: int = 16,
+        token: str = "",
+        tls: TlsConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        health_timeout_s: float = STATS_TIMEOUT_S,
+        health_misses: int = STATS_MISSES,
+    ) -> None:
+        """``token``: what workers must register with (and calls to them carry);
+        ``tokenizer``: the model's, for text prompts and streamed text; None = token-id
+        prompts only, and chunks carry no text. A worker that misses ``health_misses``
+        Stats polls in a row (``health_timeout_s`` each) gets no traffic."""
+        self.limits = limits
+        self.metrics = metrics
+        self.token = token
+        self.tokenizer = tokenizer
+        self.queue_timeout_s = QUEUE_TIMEOUT_S
+        self.cluster = Cluster(Registry(tokens_per_page), tls, token)
+        self.registration = Registration(self.cluster, metrics)
+        self.flows: dict[str, RequestFlow] = {}  # the requests in flight, by id
+        self.health_monitor = HealthMonitor(self.cluster, self.flows, health_timeout_s, health_misses)
+
+    async def generate(self, request: cpb.GenerateRequest) -> AsyncIterator[cpb.GenerateResponse]:
+        """One request's messages: chunks (text trimmed of stop strings), maybe an error,
+        then its complete."""
+        flow = self._admit(request)
+        self.flows[flow.rid] = flow
+        self.metrics.running.labels("router").inc()
+        status = "error"
+        try:
+            async for message in flow.run():
+                yield message
+                if message.WhichOneof("payload") == "complete":
+                    status = cpb.FinishReason.Name(message.complete.finish_reason).split("_")[-1]
+        except RouterError:
+            status = "unavailable"
+            raise
+        finally:
+            flow.finish()
+            self.flows.pop(flow.rid, None)
+            self.metrics.running.labels("router").dec()
+            self.metrics.requests.labels("router", status.lower()).inc()
+            self.metrics.e2e.labels("router").observe(time.monotonic() - flow.start)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request (it ends with FINISH_REASON_ABORT); False if none runs."""
+        flow = self.flows.get(request_id)
+        if flow is None:
+            return False
+        flow.abort()
+        return True
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self.flows
+
+    async def health(self) -> cpb.HealthResponse:
+        return health_response(self.cluster.registry)
+
+    async def model_info(self) -> cpb.ModelInfoResponse:
+        """The served model and its limits; the drafter as the first registered worker says."""
+        lim = self.limits
+        workers = [w.info for w in self.cluster.registry.workers.values()]
+        first = workers[0] if workers else rpb.RankInfo()
+        return cpb.ModelInfoResponse(
+            model_id=lim.model_id or first.model_id,
+            drafter_id=first.drafter_id,
+            drafter_kind=first.drafter_kind,
+            num_spec_tokens=lim.num_spec_tokens,
+            max_model_len=lim.max_model_len,
+            vocab_size=lim.vocab_size,
+            default_max_tokens=lim.default_max_tokens,
+            workers=workers,
+        )
+
+    async def close(self) -> None:
+        await self.cluster.close()
+
+    def _admit(self, request: cpb.GenerateRequest) -> RequestFlow:
+        """The request's flow, once its id is free and its fields are valid."""
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.flows:
+            raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
+        try:
+            token_ids = validate_generate(request, self.limits, self.tokenizer)
+        except RequestError as e:
+            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
+        text = None
+        if self.tokenizer is not None:
+            sampling = request.sampling
+            text = StreamText(self.tokenizer, list(sampling.stop), sampling.min_tokens)
+        return RequestFlow(rid, token_ids, request, text, self.cluster, self.metrics, self.queue_timeout_s)

@@ -1,0 +1,76 @@
+"""The router's reach into the workers: who is registered, and the channel to each.
+
+Invariants:
+- ``channels`` has one open channel per registered worker id (``connect`` replaces an
+  older one, ``disconnect`` closes it); a worker absent from ``channels`` gets no calls.
+- Background work (pair tests, releases) runs as tasks ``spawn`` keeps alive until they
+  end; ``close`` cancels them and closes every channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+
+import grpc
+
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.security import TlsConfig, aio_channel
+from services.router.registry import Registry
+
+RELEASE_TIMEOUT_S = 5.0
+
+
+class Cluster:
+    def __init__(self, registry: Registry, tls: TlsConfig | None = None, token: str = "") -> None:
+        self.registry = registry
+        self.tls = tls
+        self.token = token  # the bearer token every call to a worker carries
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def connect(self, info: rpb.RankInfo) -> None:
+        """Open the channel to a (re-)registering worker, closing the one it had."""
+        await self.disconnect(info.instance_id)
+        self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, self.token)
+
+    async def disconnect(self, worker_id: str) -> None:
+        channel = self.channels.pop(worker_id, None)
+        if channel is not None:
+            await channel.close()
+
+    def decode_stub(self, worker_id: str) -> wpb_grpc.DecodeWorkerStub:
+        return wpb_grpc.DecodeWorkerStub(self.channels[worker_id])
+
+    def prefill_stub(self, worker_id: str) -> wpb_grpc.PrefillWorkerStub:
+        return wpb_grpc.PrefillWorkerStub(self.channels[worker_id])
+
+    def tandem_stub(self, worker_id: str) -> cpb_grpc.TandemStub:
+        """An aggregated worker's client API."""
+        return cpb_grpc.TandemStub(self.channels[worker_id])
+
+    async def release(self, decode_id: str, request_id: str) -> None:
+        """Free a reservation on a decode worker; a gone worker or lease holds nothing."""
+        if decode_id not in self.channels:
+            return
+        try:
+            release = wpb.ReleaseRequest(request_id=request_id)
+            await self.decode_stub(decode_id).Release(release, timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            pass  # the worker is gone or the lease already expired: nothing is held
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Run ``coro`` in the background, kept alive until it ends or ``close``."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()

@@ -1,0 +1,317 @@
+"""One request through the cluster: a ``RequestFlow`` runs reserve() -> prefill() -> decode(),
+or forward() to an aggregated worker when no prefill/decode pair serves.
+
+1. ``run`` picks a READY pair (``Registry.choose_pair``), ``reserve``s the prompt's pages on
+   its decode worker, has its prefill worker ``prefill`` the prompt (which pushes the pages
+   over UCX and returns the first token), then streams the rest from ``decode``.
+2. A failed step before any token is classified (failures.py): Busy queues the request
+   (backoff 20 ms doubling to 0.5 s) until pages free up, ``queue_timeout_s`` passes or it
+   is aborted; Retry tries the next pair, at most MAX_ATTEMPTS workers excluded in all;
+   Abort and Fail end it. After tokens streamed, a decode worker found dead ends the
+   request with ``RouterError(UNAVAILABLE)``; any other error is an error message.
+
+Invariants:
+- The messages are chunks, at most one error, then one complete (unless RouterError is
+  raised). Chunk text comes from one StreamText across the first token and the decode
+  worker's chunks; its held-back tail is sent just before the complete.
+- ``reserved_on`` names the decode worker holding a reservation that no completed Decode
+  owns, set before Reserve is sent (a cancel may land after it reserved); ``finish``
+  releases it.
+- ``call`` is the RPC in flight and ``workers`` the workers it depends on: ``abort`` and
+  ``lose`` cancel it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from services.common.metrics import Metrics
+from services.router import messages as msg
+from services.router.cluster import Cluster
+from services.router.errors import ErrorCode, RouterError
+from services.router.failures import Abort, Busy, Fail, Retry, classify
+from services.router.messages import Usage
+from services.router.registry import Worker
+from services.router.stream_text import StreamText
+
+MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
+QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
+QUEUE_BACKOFF_S, QUEUE_BACKOFF_MAX_S = 0.02, 0.5
+NO_PAIR = "no ready prefill/decode pair"
+
+Messages = AsyncIterator[cpb.GenerateResponse]
+
+
+@dataclass(eq=False)
+class RequestFlow:
+    """One request's state from admission to its complete message."""
+
+    rid: str
+    token_ids: list[int]  # the prompt's
+    request: cpb.GenerateRequest
+    text: StreamText | None  # None: chunks carry no text
+    cluster: Cluster
+    metrics: Metrics
+    queue_timeout_s: float = QUEUE_TIMEOUT_S
+    start: float = field(default_factory=time.monotonic)
+    usage: Usage = field(default_factory=Usage)
+    first: wpb.PrefillResponse | None = None  # the prefill's answer: first token, usage
+    call: grpc.aio.Call | None = None
+    workers: tuple[str, ...] = ()  # the workers ``call`` depends on
+    lost: str = ""  # a worker of ``workers`` found dead; its call was cancelled
+    aborted: bool = False
+    reserved_on: str = ""
+
+    # ------------------------------------------------------------------ control
+
+    def abort(self) -> None:
+        """The client gave up: cancel the call in flight; the flow ends with ABORT."""
+        self.aborted = True
+        if self.call is not None:
+            self.call.cancel()
+
+    def lose(self, worker_id: str) -> None:
+        """``worker_id`` failed its health poll: cancel the call if it depends on it."""
+        if worker_id in self.workers and self.call is not None:
+            self.lost = worker_id
+            self.call.cancel()
+
+    def finish(self) -> None:
+        """The flow ended: release, in the background, a reservation no Decode completed."""
+        if self.reserved_on and self.reserved_on in self.cluster.channels:
+            self.cluster.spawn(self.cluster.release(self.reserved_on, self.rid))
+
+    # ------------------------------------------------------------------ the steps
+
+    async def run(self) -> Messages:
+        """The request's messages: chunks, maybe an error, then the complete."""
+        async for message in self._attempts():
+            if message.WhichOneof("payload") == "complete" and self.text is not None:
+                if rest := self.text.flush():  # held-back text that began no stop string
+                    yield msg.chunk(self.rid, [], rest)
+            yield message
+
+    async def _attempts(self) -> Messages:
+        excluded: set[str] = set()
+        backoff = QUEUE_BACKOFF_S
+        while len(excluded) < MAX_ATTEMPTS:
+            pair = self.cluster.registry.choose_pair(self.token_ids, excluded)
+            if pair is None:
+                break
+            prefill, decode = pair
+            try:
+                await self.prefill(prefill, decode, await self.reserve(decode))
+            except Busy:  # no free pages yet: queue, as an engine queues its admissions
+                if ending := self._queue_ending():
+                    for message in ending:
+                        yield message
+                    return
+                backoff = await self._wait_queued(backoff)
+                continue
+            except Retry as e:
+                excluded.add(e.worker_id)
+                continue
+            except (Abort, Fail) as e:
+                for message in _ending(self.rid, e):
+                    yield message
+                return
+            async for message in self.decode(decode):
+                yield message
+            return
+        async for message in self._without_pair(excluded):
+            yield message
+
+    async def reserve(self, decode: Worker) -> wpb.Reservation:
+        """Reserve pages for the prompt (plus headroom) on ``decode``."""
+        self.reserved_on = decode.id  # before the call: a cancel may land after it reserved
+        reserve = msg.reserve_request(self.rid, self.token_ids)
+        try:
+            reserved = await self.cluster.decode_stub(decode.id).Reserve(reserve)
+        except grpc.aio.AioRpcError as e:
+            self.reserved_on = ""
+            raise classify(e, decode.id) from None
+        if reserved.reservation.groups:  # until the next poll says better
+            decode.busy_pages += len(reserved.reservation.groups[0].page_ids)
+        return reserved.reservation
+
+    async def prefill(self, prefill: Worker, decode: Worker, reservation: wpb.Reservation) -> None:
+        """Prefill the prompt on ``prefill`` into ``decode``'s reservation; sets ``first``.
+        On failure the reservation is released before the failure is classified."""
+        prefill.inflight += 1
+        decode.inflight += 1
+        self.workers, self.lost = (prefill.id, decode.id), ""
+        try:
+            self.call = self.cluster.prefill_stub(prefill.id).Prefill(
+                msg.prefill_request(self.rid, self.token_ids, self.request, reservation)
+            )
+            self.first = await self.call
+            self.usage.prefill = self.first.usage
+            self.cluster.registry.index.record(prefill.id, self.token_ids)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            await self.cluster.release(decode.id, self.rid)
+            self.reserved_on = ""
+            raise self._prefill_failure(e, prefill.id) from None
+        finally:
+            self.call, self.workers = None, ()
+            prefill.inflight -= 1
+            decode.inflight -= 1
+
+    async def decode(self, decode: Worker) -> Messages:
+        """The first token, then ``decode``'s stream of the rest (unless the first ended it)."""
+        yield self._first_chunk()
+        self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
+        if self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
+            await self.cluster.release(decode.id, self.rid)
+            self.reserved_on = ""
+            yield msg.complete(self.rid, self.first.finish_reason, self.usage.merged())
+            return
+        decode.inflight += 1
+        call = self.cluster.decode_stub(decode.id).Decode(
+            msg.decode_request(self.rid, self.token_ids, self.request, self.first.first_token_id)
+        )
+        # reserved_on stays set until the stream completes: a Decode call cancelled before the
+        # worker saw it would otherwise orphan the reservation until its lease ran out
+        self.call, self.workers = call, (decode.id,)
+        try:
+            async for message in self._relay(call, decode):
+                yield message
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            for message in self._decode_failure(e, decode.id):
+                yield message
+        finally:
+            self.call, self.workers = None, ()
+            decode.inflight -= 1
+            if not call.done():
+                call.cancel()
+
+    async def forward(self, worker: Worker) -> Messages:
+        """Aggregated serving: the worker runs the whole request behind its own client API."""
+        call = self.cluster.tandem_stub(worker.id).Generate(
+            msg.forward_request(self.rid, self.token_ids, self.request)
+        )
+        self.call = call
+        worker.inflight += 1
+        try:
+            async for message in self._forwarded(call):
+                yield message
+            self.cluster.registry.index.record(worker.id, self.token_ids)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and not self.aborted:
+                raise
+            for message in self._forward_failure(e, worker.id):
+                yield message
+        finally:
+            self.call = None
+            worker.inflight -= 1
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _without_pair(self, excluded: set[str]) -> Messages:
+        """No pair left: an aggregated worker serves it, or the request fails naming why."""
+        worker = self.cluster.registry.choose_aggregated(self.token_ids, excluded)
+        if worker is not None:
+            async for message in self.forward(worker):
+                yield message
+            return
+        for message in msg.failed(self.rid, NO_PAIR + (f" (tried {sorted(excluded)})" if excluded else "")):
+            yield message
+
+    def _queue_ending(self) -> list[cpb.GenerateResponse]:
+        """How a queued request ends now (aborted, or waited too long); [] = keep waiting."""
+        if self.aborted:
+            return msg.aborted(self.rid)
+        if time.monotonic() - self.start > self.queue_timeout_s:
+            return msg.failed(self.rid, f"no free KV pages within {self.queue_timeout_s} s")
+        return []
+
+    async def _wait_queued(self, backoff: float) -> float:
+        """Wait ``backoff`` seconds, counted as waiting; returns the next backoff."""
+        waiting = self.metrics.waiting.labels("router")
+        waiting.inc()
+        try:
+            await asyncio.sleep(backoff)
+        finally:
+            waiting.dec()
+        return min(2 * backoff, QUEUE_BACKOFF_MAX_S)
+
+    def _prefill_failure(self, error: BaseException, prefill_id: str) -> BaseException:
+        if self.aborted:
+            return Abort()
+        if self.lost:
+            return Retry(self.lost)
+        if isinstance(error, asyncio.CancelledError):
+            return error
+        return classify(error, prefill_id)
+
+    def _forward_failure(self, error: BaseException, worker_id: str) -> list[cpb.GenerateResponse]:
+        if self.aborted:
+            return msg.aborted(self.rid)
+        return msg.failed(self.rid, f"worker {worker_id}: {error.code().name}: {error.details()}")
+
+    def _decode_failure(self, error: BaseException, decode_id: str) -> list[cpb.GenerateResponse]:
+        """The messages ending a Decode stream that broke; raises when the request cannot
+        end by a message (its decode worker died, or the router's own task was cancelled)."""
+        if self.aborted:
+            return msg.aborted(self.rid, self.usage.merged())
+        gone = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        if self.lost or gone:
+            raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} is unavailable")
+        if isinstance(error, asyncio.CancelledError):
+            raise error
+        message = f"decode worker {decode_id}: {error.code().name}: {error.details()}"
+        return msg.failed(self.rid, message, self.usage.merged())
+
+    async def _relay(self, call, decode: Worker) -> Messages:
+        """Decode's messages as this request's; at its complete, what decode now caches."""
+        last = time.monotonic()
+        tokens = [*self.token_ids, self.first.first_token_id]  # what decode's cache will hold
+        async for message in call:
+            kind = message.WhichOneof("payload")
+            if kind == "chunk":
+                ids = list(message.chunk.token_ids)
+                tokens += ids
+                now = time.monotonic()
+                self.metrics.itl.labels("router").observe(now - last)
+                last = now
+                yield msg.chunk(self.rid, ids, self._text(ids), message.chunk.logprobs)
+            elif kind == "error":
+                yield cpb.GenerateResponse(request_id=self.rid, error=message.error)
+            else:
+                self.usage.decode = message.complete.usage
+                self.reserved_on = ""
+                self.cluster.registry.index.record(decode.id, tokens)
+                yield msg.complete(self.rid, message.complete.finish_reason, self.usage.merged())
+                return
+
+    async def _forwarded(self, call) -> Messages:
+        """An aggregated worker's messages, their chunks given text."""
+        first = True
+        async for message in call:
+            if message.WhichOneof("payload") == "chunk":
+                if first:
+                    self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
+                    first = False
+                message.chunk.text = self._text(message.chunk.token_ids)
+            yield message
+
+    def _first_chunk(self) -> cpb.GenerateResponse:
+        first = self.first
+        logprobs = [first.first_token_logprobs] if first.HasField("first_token_logprobs") else []
+        ids = [first.first_token_id]
+        return msg.chunk(self.rid, ids, self._text(ids), logprobs)
+
+    def _text(self, token_ids) -> str:
+        return self.text.push(list(token_ids)) if self.text is not None else ""
+
+
+def _ending(rid: str, outcome: Abort | Fail) -> list[cpb.GenerateResponse]:
+    if isinstance(outcome, Abort):
+        return msg.aborted(rid)
+    return msg.failed(rid, outcome.message)

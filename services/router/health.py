@@ -1,0 +1,112 @@
+"""The workers' health as the router sees it: Stats polls, losing a worker, readiness.
+
+Invariants:
+- Every registered worker is polled every STATS_INTERVAL_S; an answer refreshes its free
+  and busy target-group pages and marks it healthy.
+- A refused connection (UNAVAILABLE) is a dead process: the worker is lost at once; a
+  slow answer may be a busy one: only ``misses`` timed-out polls in a row lose it.
+- Losing a worker marks it unhealthy (its pairs get no traffic) and cancels every call
+  that depends on it: requests that emitted nothing are retried elsewhere, the others fail
+  UNAVAILABLE (dispatch.py).
+- The readiness service (``READY_SERVICE``) is SERVING exactly while a request can be
+  served: a READY pair of healthy workers, or a healthy aggregated worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import grpc
+from grpc_health.v1 import health
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING
+from services.router.cluster import Cluster
+from services.router.dispatch import RequestFlow
+from services.router.registry import PairState, Registry, Worker
+
+STATS_INTERVAL_S = 0.5
+STATS_TIMEOUT_S = 2.0
+STATS_MISSES = 2  # Stats polls a worker may miss (time out) before it counts as unhealthy
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        cluster: Cluster,
+        flows: Mapping[str, RequestFlow],
+        timeout_s: float = STATS_TIMEOUT_S,
+        misses: int = STATS_MISSES,
+    ) -> None:
+        """``flows``: the requests in flight, by id; ``timeout_s``: each poll's deadline."""
+        self.cluster = cluster
+        self.flows = flows
+        self.timeout_s = timeout_s
+        self.misses = misses
+        self.readiness: health.aio.HealthServicer | None = None  # grpc.health.v1, if served
+
+    async def poll_forever(self) -> None:
+        """Poll every worker, then report readiness, every STATS_INTERVAL_S, forever."""
+        while True:
+            await self.poll()
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def poll(self) -> None:
+        """One round: every registered worker's Stats, then readiness."""
+        for worker in list(self.cluster.registry.workers.values()):
+            if worker.id in self.cluster.channels:
+                await self._poll(worker)
+        if self.readiness is not None:
+            serving = self.cluster.registry.is_serving()
+            await self.readiness.set(READY_SERVICE, SERVING if serving else NOT_SERVING)
+
+    def lose(self, worker_id: str) -> None:
+        """``worker_id`` failed its health poll: cancel every call that depends on it."""
+        for flow in self.flows.values():
+            flow.lose(worker_id)
+
+    async def _poll(self, worker: Worker) -> None:
+        try:
+            stats = await self._stub(worker).Stats(wpb.StatsRequest(), timeout=self.timeout_s)
+        except (grpc.aio.AioRpcError, AttributeError) as e:
+            worker.missed += 1
+            gone = isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+            if worker.healthy and (gone or worker.missed >= self.misses):
+                self.lose(worker.id)
+                worker.healthy = False
+            return
+        if stats.groups:
+            target = stats.groups[0]
+            busy = target.num_pages_used - target.num_pages_cached
+            worker.free_pages = target.num_pages_total - busy
+            worker.busy_pages = busy
+        worker.healthy = True
+        worker.missed = 0
+
+    def _stub(self, worker: Worker):
+        """Decode workers serve Stats on DecodeWorker; prefill and aggregated on PrefillWorker."""
+        if worker.role == rpb.ROLE_DECODE:
+            return self.cluster.decode_stub(worker.id)
+        return self.cluster.prefill_stub(worker.id)
+
+
+def health_response(registry: Registry) -> cpb.HealthResponse:
+    """The router's Health: serving or not, the workers and ready pairs, and every refused
+    or failed pair with its reason."""
+    serving = registry.is_serving()
+    both = len(registry.ids(rpb.ROLE_BOTH))
+    refused = [
+        f"{p}->{d}: {pair.reason}"
+        for (p, d), pair in registry.pairs.items()
+        if pair.state in (PairState.REFUSED, PairState.FAILED)
+    ]
+    return cpb.HealthResponse(
+        status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
+        num_prefill_workers=len(registry.ids(rpb.ROLE_PREFILL)) + both,
+        num_decode_workers=len(registry.ids(rpb.ROLE_DECODE)) + both,
+        num_ready_pairs=len(registry.ready_pairs()),
+        message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused),
+    )

@@ -1,0 +1,65 @@
+"""Typed getters for OpenAI JSON bodies: a missing field reads as its default, a bad value
+is a 400 whose message and ``param`` name the field (OpenAI's error shape)."""
+
+from __future__ import annotations
+
+import math
+
+from services.router.http import HttpError
+
+
+def invalid(param: str, message: str, status: int = 400, code: str | None = None) -> HttpError:
+    """An OpenAI-style error naming ``param``; the message starts with it."""
+    return HttpError(
+        status,
+        {
+            "error": {
+                "message": f"{param}: {message}",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": code,
+            }
+        },
+    )
+
+
+def as_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    return body
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise invalid(name, f"must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise invalid(name, f"must be in [{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def integer(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value):
+        raise invalid(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise invalid(name, f"must be {bound}, got {value}")
+    return value
+
+
+def boolean(body: dict, name: str, default: bool, param: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(param or name, f"must be true or false, got {value!r}")
+    return value

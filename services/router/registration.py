@@ -1,0 +1,111 @@
+"""Workers joining and leaving the router, and every new prefill/decode pair tested.
+
+A pair is tested in the background as soon as both of its workers are registered:
+1. the decode worker checks the prefill worker's RankInfo (its ``Register``), connects its
+   UCX endpoint to it (for acknowledgements) and waits for the test transfer;
+2. the prefill worker checks the decode worker's RankInfo, connects, and runs the test
+   transfer (a 64 KiB buffer sent and echoed over UCX).
+
+Invariants:
+- A registration is refused (RouterError) before anything changes: wrong token first,
+  then an empty instance id, role or gRPC address, in that order.
+- A mismatch on either side refuses the pair, naming the field and both values; the pair
+  is READY only when both accepted and the test transfer came back intact.
+- ``tandem_registrations_total{result}`` counts each accepted worker and each pair's
+  outcome ("accepted" when READY, else "refused").
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from services.common.metrics import Metrics
+from services.router.cluster import Cluster
+from services.router.errors import ErrorCode, RouterError
+from services.router.registry import PairState
+
+PAIR_TIMEOUT_S = 30.0
+HEARTBEAT_INTERVAL_MS = 1000
+
+
+class Registration:
+    def __init__(self, cluster: Cluster, metrics: Metrics) -> None:
+        self.cluster = cluster
+        self.registry = cluster.registry
+        self.metrics = metrics
+
+    async def register(self, request: reg.RegisterRequest) -> reg.RegisterResponse:
+        """Accept a worker (again, if it was known) and start testing its new pairs."""
+        _check_registration(request, self.cluster.token)
+        await self.cluster.connect(request.rank_info)
+        for prefill_id, decode_id in self.registry.add(request.rank_info):
+            self.cluster.spawn(self.pair(prefill_id, decode_id))
+        self.metrics.registrations.labels("accepted").inc()
+        return reg.RegisterResponse(accepted=True)
+
+    async def deregister(self, instance_id: str) -> bool:
+        """Forget a worker and its pairs; True if it was registered."""
+        removed = self.registry.remove(instance_id)
+        await self.cluster.disconnect(instance_id)
+        return removed
+
+    def list_peers(self, role: int) -> list[rpb.RankInfo]:
+        """The registered workers of ``role`` (ROLE_UNSPECIFIED: all)."""
+        workers = self.registry.workers.values()
+        return [w.info for w in workers if role in (rpb.ROLE_UNSPECIFIED, w.role)]
+
+    def heartbeat(self, instance_id: str) -> reg.HeartbeatResponse:
+        """``registered`` False tells a forgotten worker to register again."""
+        known = instance_id in self.registry.workers
+        return reg.HeartbeatResponse(registered=known, interval_ms=HEARTBEAT_INTERVAL_MS)
+
+    async def pair(self, prefill_id: str, decode_id: str) -> None:
+        """Test one pair and record its state (if both workers are still registered)."""
+        workers = self.registry.workers
+        if prefill_id not in workers or decode_id not in workers:
+            return
+        prefill, decode = workers[prefill_id].info, workers[decode_id].info
+        state, reason = await pair_workers(self.cluster.channels, prefill, decode, self.cluster.token)
+        self.registry.set_pair(prefill_id, decode_id, state, reason)
+        self.metrics.registrations.labels("accepted" if state == PairState.READY else "refused").inc()
+
+
+def _check_registration(request: reg.RegisterRequest, token: str) -> None:
+    info = request.rank_info
+    if token and request.token != token:
+        raise RouterError(ErrorCode.UNAUTHENTICATED, "token: does not match")
+    if not info.instance_id:
+        raise RouterError(ErrorCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")
+    if info.role == rpb.ROLE_UNSPECIFIED:
+        raise RouterError(ErrorCode.INVALID_ARGUMENT, "rank_info.role: unspecified")
+    if not info.grpc_address:
+        raise RouterError(ErrorCode.INVALID_ARGUMENT, "rank_info.grpc_address: empty")
+
+
+async def pair_workers(
+    channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo, decode: rpb.RankInfo, token: str = ""
+) -> tuple[PairState, str]:
+    """Run both registrations, decode side first. Returns the pair's state and why."""
+    steps = ((decode, prefill), (prefill, decode))  # (who checks, whose info)
+    for checker, peer in steps:
+        stub = reg_grpc.RegistrationStub(channels[checker.instance_id])
+        try:
+            response = await stub.Register(
+                reg.RegisterRequest(rank_info=peer, token=token), timeout=PAIR_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            return PairState.FAILED, f"{checker.instance_id}: {e.code().name}: {e.details()}"
+        if not response.accepted:
+            mismatches = describe_mismatches(response)
+            return PairState.REFUSED, f"{checker.instance_id} refused {peer.instance_id}: {mismatches}"
+    return PairState.READY, ""
+
+
+def describe_mismatches(response: reg.RegisterResponse) -> str:
+    return "; ".join(
+        f"{m.field}: local {m.local_value} vs peer {m.peer_value}" + (f" ({m.reason})" if m.reason else "")
+        for m in response.mismatches
+    )

@@ -1,0 +1,41 @@
+"""What each worker role serves: role name -> the function adding its gRPC servicers,
+which the entry points pass to ``run_worker`` (services/common/serve.py).
+
+- prefill: tandem.v1.PrefillWorker;
+- decode: tandem.v1.DecodeWorker;
+- both (aggregated): tandem.v1.Tandem, which the router forwards requests to, and the
+  PrefillWorker service for its Stats.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.aggregated.server import AggregatedServicer, AggregatedStats
+from services.common.peering import PeerRegistry
+from services.common.serve import AddServicers
+from services.common.worker import WorkerBase
+from services.decode.server import DecodeServicer
+from services.prefill.server import PrefillServicer
+
+
+def add_prefill(server: grpc.aio.Server, worker: WorkerBase, peers: PeerRegistry) -> None:
+    wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, peers), server)
+
+
+def add_decode(server: grpc.aio.Server, worker: WorkerBase, peers: PeerRegistry) -> None:
+    wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+
+
+def add_aggregated(server: grpc.aio.Server, worker: WorkerBase, peers: PeerRegistry) -> None:
+    cpb_grpc.add_TandemServicer_to_server(AggregatedServicer(worker), server)
+    wpb_grpc.add_PrefillWorkerServicer_to_server(AggregatedStats(worker), server)
+
+
+WORKER_ROLES: dict[str, AddServicers] = {
+    "prefill": add_prefill,
+    "decode": add_decode,
+    "both": add_aggregated,
+}
