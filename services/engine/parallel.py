@@ -54,6 +54,11 @@ SINGLE = TensorParallel()
 _current: TensorParallel = SINGLE
 
 
+def backend_for(device: str) -> str:
+    """The collective backend of a group on ``device``: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_tensor_parallel(
     size: int, rank: int, address: str, backend: str, device: str = "cpu"
 ) -> TensorParallel:
