@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from deploy.options import ROUTER_ENGINE_OPTIONS, EngineOptions, ServingOptions, from_args, to_argv
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
 _HTTP = re.compile(r"http=(\S+)")
@@ -62,53 +66,13 @@ class LocalCluster:
 
     @classmethod
     def from_args(cls, args) -> LocalCluster:
-        engine = [
-            "--model",
-            args.model,
-            "--drafter",
-            args.drafter,
-            "-k",
-            str(args.num_spec_tokens),
-            "--layout",
-            args.layout,
-            "--device",
-            args.device,
-            "--tokens-per-page",
-            str(args.tokens_per_page),
-            "--kv-cache-mb",
-            str(args.kv_cache_mb),
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--host-kv-cache-mb",
-            str(args.host_kv_cache_mb),
-            "--host-kv-write-policy",
-            args.host_kv_write_policy,
-            "--host-kv-recall-min-pages",
-            str(args.host_kv_recall_min_pages),
-        ]
-        if args.tokenizer:
-            engine += ["--tokenizer", args.tokenizer]
-        if args.served_model_name:
-            engine += ["--served-model-name", args.served_model_name]
-        if args.dtype:
-            engine += ["--dtype", args.dtype]
-        if args.no_prefix_cache:
-            engine.append("--no-prefix-cache")
-        router = [
-            "--model",
-            args.model,
-            "-k",
-            str(args.num_spec_tokens),
-            "--tokens-per-page",
-            str(args.tokens_per_page),
-        ]
-        for flag, value in (
-            ("--tokenizer", args.tokenizer),
-            ("--chat-template", args.chat_template),
-            ("--served-model-name", args.served_model_name),
-        ):
-            if value:
-                router += [flag, value]
+        """The cluster ``tandem up`` parsed into ``args``. Workers get every engine flag but
+        the TP size (given per role), and the served name; the router gets the engine flags
+        it reads and every serving flag. Flags at their defaults are left out."""
+        engine = from_args(EngineOptions, args)
+        serving = from_args(ServingOptions, args)
+        worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=("chat_template",))
+        router = to_argv(engine, names=ROUTER_ENGINE_OPTIONS) + to_argv(serving)
         tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp, "decode": args.decode_tp or args.tp}
         names = (
             ["both"] * args.aggregated
@@ -119,7 +83,7 @@ class LocalCluster:
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
-        return cls(engine, router, roles, port=args.port, http_port=http_port)
+        return cls(worker, router, roles, port=args.port, http_port=http_port)
 
     @property
     def router_address(self) -> str:
@@ -167,9 +131,6 @@ class LocalCluster:
 
     def wait_serving(self) -> None:
         """Wait until every prefill/decode pair is READY (or every aggregated worker joined)."""
-        from proto.tandem.v1 import client_pb2 as cpb
-        from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-
         pairs = self.expected_pairs
         if pairs is None:
             pairs = self.roles.count("prefill") * self.roles.count("decode")

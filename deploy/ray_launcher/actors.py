@@ -7,14 +7,19 @@ Inside the actor the service is exactly what the CLI runs (``run_router`` /
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import socket
 import threading
 from collections.abc import Callable, Coroutine
 
-from deploy.ray_launcher.config import ModelOptions, RouterOptions, WorkerOptions
+import ray
+
+from deploy.options import engine_config, served_model_name
+from deploy.ray_launcher.config import ClusterConfig, ModelOptions, RouterOptions
+from proto.tandem.v1 import client_pb2 as cpb
+from services.router.chat_template import load_chat_template
+from services.router.main import model_limits, run_router
+from tokenization.tokenizer import load_tokenizer
 
 ServeFn = Callable[[asyncio.Event, asyncio.Event], Coroutine]
 
@@ -75,23 +80,17 @@ class ServiceActor:
     """One service per actor; ``start_router`` or ``start_worker`` is called once."""
 
     def __init__(self) -> None:
-        import ray
-
         self.host = ray.util.get_node_ip_address()
         self.service: ServiceThread | None = None
         self.bound: dict = {}
 
     def start_router(self, model: ModelOptions, options: RouterOptions, timeout_s: float) -> dict:
         """Start the router; returns its endpoints (grpc host:port, http and metrics URLs)."""
-        from deploy.cli import served_model_name
-        from services.router.main import model_limits, router_text, run_router
-
-        args = engine_args(model)
-        limits = model_limits(args.model, args.num_spec_tokens, served_model_name=served_model_name(args))
-        try:
-            tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
-        except SystemExit as e:  # a missing or malformed tokenizer or chat template
-            raise ValueError(str(e)) from None
+        engine = model.engine_options()
+        name = served_model_name(engine.model, model.served_model_name)
+        limits = model_limits(engine.model, engine.num_spec_tokens, served_model_name=name)
+        tokenizer = load_tokenizer(engine.model, engine.tokenizer)  # ValueError names what is wrong
+        chat = load_chat_template(tokenizer, model.chat_template_path)
         http_port = None if options.http_port < 0 else options.http_port
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
@@ -100,7 +99,7 @@ class ServiceActor:
                 self.host,
                 options.port,
                 options.metrics_port,
-                args.tokens_per_page,
+                engine.tokens_per_page,
                 ready=ready,
                 stop=stop,
                 bound=self.bound,
@@ -119,26 +118,16 @@ class ServiceActor:
             "http": f"http://{self.host}:{b['http_port']}" if b["http_port"] else "",
         }
 
-    def start_worker(
-        self,
-        role: str,
-        instance_id: str,
-        model: ModelOptions,
-        options: WorkerOptions,
-        router: str,
-        timeout_s: float,
-    ) -> dict:
-        """Start a worker that registers with ``router`` (host:port); returns its endpoints."""
-        from deploy.cli import engine_config, served_model_name
-        from services.common.serve import run_worker
-        from services.common.worker import WorkerConfig
-        from services.worker_roles import WORKER_ROLES
+    def start_worker(self, cluster: ClusterConfig, role: str, instance_id: str, router: str) -> dict:
+        """Start a ``role`` worker of ``cluster`` that registers with ``router`` (host:port);
+        returns its endpoints. A refused engine option raises ValueError naming it."""
+        # the worker runs an engine: torch and its models load in its actor, never in the launcher
+        from services.common.serve import run_worker  # noqa: PLC0415
+        from services.common.worker import WorkerConfig  # noqa: PLC0415
+        from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
-        args = engine_args(model)
-        try:
-            engine = engine_config(args)
-        except SystemExit as e:  # the CLI's refusal of an impossible layout
-            raise ValueError(str(e)) from None
+        options = getattr(cluster, role)
+        engine = engine_config(cluster.model.engine_options())
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)
         config = WorkerConfig(
@@ -149,12 +138,14 @@ class ServiceActor:
             metrics_port=metrics_port,
             router=router,
             instance_id=instance_id,
+            transfer_timeout_s=options.transfer_timeout_s,
+            lease_s=options.lease_s,
         )
-        name = served_model_name(args)
+        name = served_model_name(engine.model, cluster.model.served_model_name)
         self._start(
             instance_id,
             lambda ready, stop: run_worker(config, WORKER_ROLES[role], ready, stop, name),
-            timeout_s,
+            cluster.ready_timeout_s,
         )
         return {
             "name": instance_id,
@@ -166,8 +157,6 @@ class ServiceActor:
 
     def health(self) -> dict:
         """The router's Health, as a dict (router actors only)."""
-        from proto.tandem.v1 import client_pb2 as cpb
-
         h = self.service.call(self.bound["router"].health())
         return {
             "serving": h.status == cpb.SERVING_STATUS_SERVING,
@@ -185,35 +174,6 @@ class ServiceActor:
             raise RuntimeError(f"{name}: this actor already runs {self.service.name}")
         self.service = ServiceThread(name, serve)
         self.service.start(timeout_s)
-
-
-def engine_args(model: ModelOptions) -> argparse.Namespace:
-    """The engine flags of ``tandem worker`` from cluster.yaml's ``model`` section.
-    Relative paths are taken from the Tandem source tree (where ``models/`` lives)."""
-    from deploy.cli import DEFAULT_DRAFTER, DEFAULT_MODEL, HERE
-
-    drafter = model.drafter or DEFAULT_DRAFTER
-    if drafter != "none":
-        drafter = os.path.join(HERE, drafter)
-    here = lambda path: os.path.join(HERE, path) if path else ""
-    return argparse.Namespace(
-        model=os.path.join(HERE, model.model or DEFAULT_MODEL),
-        drafter=drafter,
-        tokenizer=here(model.tokenizer),
-        chat_template=here(model.chat_template),
-        served_model_name=model.served_model_name,
-        num_spec_tokens=model.num_spec_tokens,
-        layout=model.layout,
-        device=model.device,
-        dtype=model.dtype,
-        tokens_per_page=model.tokens_per_page,
-        kv_cache_mb=model.kv_cache_mb,
-        host_kv_cache_mb=0,
-        host_kv_write_policy="evict",
-        host_kv_recall_min_pages=1,
-        max_num_seqs=model.max_num_seqs,
-        no_prefix_cache=not model.prefix_cache,
-    )
 
 
 def _free_port(host: str) -> int:

@@ -7,9 +7,12 @@ are refused with their path, so a typo does not silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import yaml
+
+from deploy.options import DEFAULT_DRAFTER, DEFAULT_MODEL, HERE, EngineOptions, TransferOptions, check
 
 
 class ConfigError(ValueError):
@@ -27,22 +30,29 @@ class RayOptions:
 
 
 @dataclass(slots=True)
-class ModelOptions:
-    """What ``tandem worker`` takes as engine flags; "" paths = the bundled tiny pair."""
+class ModelOptions(EngineOptions):
+    """Every engine option of ``tandem worker`` (deploy/options.py), under its own name,
+    and the router's serving options. Paths: "" = the bundled tiny pair (or the model
+    folder's own tokenizer and template), relative ones are taken from the Tandem tree."""
 
     model: str = ""
     drafter: str = ""  # "none" = no drafter
-    tokenizer: str = ""  # a folder or tokenizer.json; "" = the model folder's own
     served_model_name: str = ""  # the API's model name and metrics label; "" = folder name
     chat_template: str = ""  # a Jinja file for chat; "" = the tokenizer's
-    num_spec_tokens: int = 4
-    layout: str = "auto"
-    device: str = "cpu"
-    dtype: str = ""
-    tokens_per_page: int = 16
-    kv_cache_mb: int = 256
-    max_num_seqs: int = 64
-    prefix_cache: bool = True
+
+    def engine_options(self) -> EngineOptions:
+        """The engine options with the paths resolved."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
+        values["model"] = os.path.join(HERE, self.model or DEFAULT_MODEL)
+        values["drafter"] = (
+            "none" if self.drafter == "none" else os.path.join(HERE, self.drafter or DEFAULT_DRAFTER)
+        )
+        values["tokenizer"] = _from_tree(self.tokenizer)
+        return EngineOptions(**values)
+
+    @property
+    def chat_template_path(self) -> str:
+        return _from_tree(self.chat_template)
 
 
 @dataclass(slots=True)
@@ -56,7 +66,7 @@ class RouterOptions:
 
 
 @dataclass(slots=True)
-class WorkerOptions:
+class WorkerOptions(TransferOptions):
     replicas: int = 1
     port: int = 0  # gRPC; 0 = any free port
     metrics_port: int = 0
@@ -119,12 +129,24 @@ def _check(config: ClusterConfig) -> None:
             raise ConfigError(f"{path}: must be a number >= 0, got {value!r}")
     if not config.ray.start_local and not config.ray.address:
         raise ConfigError("ray.address: empty; give a cluster address or set ray.start_local")
-    if config.model.layout not in ("auto", "unified", "separate"):
-        raise ConfigError(f"model.layout: must be auto, unified or separate, got {config.model.layout!r}")
+    for section, options in (
+        ("model", config.model.engine_options()),
+        ("prefill", config.prefill),
+        ("decode", config.decode),
+    ):
+        try:
+            check(options)
+        except ValueError as e:
+            raise ConfigError(f"{section}.{e}") from None
     if not isinstance(config.ray.env, dict):
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s: must be > 0, got {config.ready_timeout_s}")
+
+
+def _from_tree(path: str) -> str:
+    """A path of cluster.yaml: a relative one is taken from the Tandem tree; "" stays ""."""
+    return os.path.join(HERE, path) if path else ""
 
 
 def _resources(config: ClusterConfig):

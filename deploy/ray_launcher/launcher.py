@@ -16,7 +16,7 @@ import time
 import ray
 
 from deploy.ray_launcher.actors import ServiceActor
-from deploy.ray_launcher.config import ClusterConfig, WorkerOptions
+from deploy.ray_launcher.config import ClusterConfig, ConfigError, load_config
 
 NAME_PREFIX = "tandem-"
 ROUTER = NAME_PREFIX + "router"
@@ -109,8 +109,6 @@ def serve_foreground(config: ClusterConfig) -> None:
 
 def main(args) -> int:
     """``tandem ray up|down`` (see deploy.cli)."""
-    from deploy.ray_launcher.config import ConfigError, load_config
-
     try:
         config = load_config(args.config)
     except (OSError, ConfigError) as e:
@@ -174,10 +172,9 @@ def _place(config: ClusterConfig, options, name: str):
 
 
 def _start_worker(config: ClusterConfig, role: str, index: int, router: str):
-    options: WorkerOptions = getattr(config, role)
     instance_id = f"{role}-{index}"
-    actor = _place(config, options, NAME_PREFIX + instance_id)
-    return actor.start_worker.remote(role, instance_id, config.model, options, router, config.ready_timeout_s)
+    actor = _place(config, getattr(config, role), NAME_PREFIX + instance_id)
+    return actor.start_worker.remote(config, role, instance_id, router)
 
 
 def _wait_ready(router, config: ClusterConfig) -> None:

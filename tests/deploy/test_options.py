@@ -1,0 +1,141 @@
+"""deploy/options.py: one engine/worker option schema behind the `tandem` flags, the local
+launcher's argv and the Ray cluster.yaml, refusing values by the option's name."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.local import LocalCluster
+from deploy.options import (
+    HOST_WRITE_POLICIES,
+    EngineOptions,
+    TransferOptions,
+    check,
+    engine_config,
+    from_args,
+    to_argv,
+)
+from deploy.ray_launcher.config import ConfigError, parse_config
+from kvcore import KVLayout
+from kvcore.spec import HOST_WRITE_POLICIES as KVCORE_POLICIES
+
+NON_DEFAULT = {
+    "tokenizer": "/tok",
+    "num_spec_tokens": 3,
+    "layout": "separate",
+    "dtype": "float32",
+    "tokens_per_page": 4,
+    "kv_cache_mb": 8,
+    "host_kv_cache_mb": 16,
+    "host_kv_write_policy": "through",
+    "host_kv_recall_min_pages": 2,
+    "max_num_seqs": 5,
+    "prefix_cache": False,
+}
+
+
+def _worker(argv: list[str]):
+    return build_parser().parse_args(["worker", "--role", "decode", *argv])
+
+
+def test_every_engine_option_is_a_flag_and_a_ray_key_with_the_same_default():
+    assert from_args(EngineOptions, _worker([])) == EngineOptions()
+    assert parse_config({}).model.engine_options() == EngineOptions()  # "" paths: the bundled pair
+    model = parse_config({"model": NON_DEFAULT | {"tp": 2, "host_kv_cache_mb": 0}}).model
+    assert {n: getattr(model, n) for n in NON_DEFAULT} == NON_DEFAULT | {"host_kv_cache_mb": 0}
+    assert model.tp == 2
+
+
+def test_flags_written_back_parse_to_the_same_options():
+    options = dataclasses.replace(EngineOptions(), **NON_DEFAULT)
+    argv = to_argv(options)
+    assert "--model" not in argv and "--no-prefix-cache" in argv
+    assert from_args(EngineOptions, _worker(argv)) == options
+
+
+def test_the_ray_model_section_reaches_the_host_tier_and_tensor_parallelism():
+    model = parse_config({"model": {"host_kv_cache_mb": 64, "host_kv_write_policy": "through"}}).model
+    config = engine_config(model.engine_options())
+    assert (config.host_kv_cache_bytes, config.host_kv_write_policy) == (64 << 20, "through")
+    tp = engine_config(parse_config({"model": {"tp": 2, "prefix_cache": False}}).model.engine_options())
+    assert (tp.tp_size, tp.enable_prefix_cache, tp.host_kv_cache_bytes) == (2, False, 0)
+
+
+def test_engine_config_maps_every_option():
+    config = engine_config(dataclasses.replace(EngineOptions(), **NON_DEFAULT))
+    assert config.kv_cache_bytes == 8 << 20 and config.layout is KVLayout.SEPARATE
+    assert (config.num_spec_tokens, config.tokens_per_page, config.max_num_seqs) == (3, 4, 5)
+    assert (config.host_kv_recall_min_pages, config.tokenizer, config.dtype) == (2, "/tok", "float32")
+    assert engine_config(EngineOptions(drafter="none", layout="auto")).drafter is None
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"drafter": "none", "layout": "unified"}, "layout: unified keeps the drafter's KV pages"),
+        ({"num_spec_tokens": 0, "layout": "unified"}, "layout: unified keeps the drafter's KV pages"),
+        ({"tp": 2, "host_kv_cache_mb": 4}, "host_kv_cache_mb: the host KV tier's page copies"),
+        ({"kv_cache_mb": 0}, "kv_cache_mb: must be >= 1, got 0"),
+        ({"layout": "mixed"}, "layout: must be auto, unified or separate, got 'mixed'"),
+        ({"host_kv_write_policy": "back"}, "host_kv_write_policy: must be evict or through"),
+        ({"kv_cache_mb": "8"}, "kv_cache_mb: must be an integer, got '8'"),
+        ({"prefix_cache": 0}, "prefix_cache: must be true or false, got 0"),
+        ({"tp": 0}, "tp: must be >= 1, got 0"),
+        ({"device": "tpu:x"}, "device: "),
+    ],
+)
+def test_a_refused_option_is_named(changes, message):
+    with pytest.raises(ValueError) as e:
+        engine_config(dataclasses.replace(EngineOptions(), **changes))
+    assert str(e.value).startswith(message)
+
+
+def test_the_ray_config_refuses_by_section_and_option_before_placing_anything():
+    for data, message in [
+        ({"model": {"tp": 2, "host_kv_cache_mb": 4}}, "model.host_kv_cache_mb: "),
+        ({"model": {"drafter": "none", "layout": "unified"}}, "model.layout: unified keeps"),
+        ({"decode": {"lease_s": 0}}, "decode.lease_s: must be > 0, got 0"),
+        ({"prefill": {"transfer_timeout_s": "soon"}}, "prefill.transfer_timeout_s: must be a number"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse_config(data)
+        assert str(e.value).startswith(message)
+    assert parse_config({"prefill": {"lease_s": 5}}).prefill.lease_s == 5
+
+
+def test_the_cli_refuses_a_bad_value_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _worker(["--kv-cache-mb", "0"])
+    assert "argument --kv-cache-mb: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _worker(["--lease-s", "-1"])
+    assert "argument --lease-s: must be > 0" in capsys.readouterr().err
+
+
+def test_the_worker_takes_the_transfer_options():
+    args = _worker(["--transfer-timeout-s", "5", "--lease-s", "7"])
+    assert from_args(TransferOptions, args) == TransferOptions(5.0, 7.0)
+    check(TransferOptions())
+
+
+def test_up_gives_the_workers_every_engine_flag_and_each_role_its_tp():
+    args = build_parser().parse_args(["up", "--kv-cache-mb", "32", "--tp", "2", "--decode-tp", "1"])
+    cluster = LocalCluster.from_args(args)
+    assert cluster.worker_args == ["--kv-cache-mb", "32"]
+    assert cluster.extra == [["--tp", "2"], ["--tp", "1"]]
+    assert cluster.router_args == []
+
+
+def test_host_write_policies_are_kvcores():
+    assert HOST_WRITE_POLICIES == KVCORE_POLICIES
+
+
+def test_the_options_and_the_ray_config_load_no_torch():
+    code = "import sys, deploy.options, deploy.ray_launcher.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
