@@ -1,0 +1,51 @@
+"""Shared pieces of the router's tests: workers that cannot be reached, waiting for state."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
+from services.common.metrics import Metrics
+from services.router.api import ModelLimits, RouterAPI
+from services.router.registry import PairState
+
+PAGE = 4
+
+
+def dead_address() -> str:
+    """host:port where nothing listens: connections are refused (UNAVAILABLE)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def rank_info(instance_id: str, role: int, address: str = "") -> rpb.RankInfo:
+    return rpb.RankInfo(instance_id=instance_id, role=role, grpc_address=address or dead_address())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Return once ``condition()`` holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def router(token: str = "", **limits) -> RouterAPI:
+    options = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
+    return RouterAPI(ModelLimits(**options), Metrics("router"), tokens_per_page=PAGE, token=token)
+
+
+async def unreachable_ready_pairs(api: RouterAPI, prefills: list[str], decodes: list[str]) -> None:
+    """Register workers nobody can reach and mark their pairs READY, as if they had been."""
+    for ids, role in ((decodes, rpb.ROLE_DECODE), (prefills, rpb.ROLE_PREFILL)):
+        for worker_id in ids:
+            await api.registration.register(reg.RegisterRequest(rank_info=rank_info(worker_id, role)))
+    registry = api.cluster.registry
+    await until(lambda: all(p.state != PairState.PENDING for p in registry.pairs.values()))
+    for prefill_id, decode_id in list(registry.pairs):
+        registry.set_pair(prefill_id, decode_id, PairState.READY)

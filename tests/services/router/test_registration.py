@@ -1,0 +1,158 @@
+"""Workers registering with the router, and the pair tests that follow (no worker processes:
+the pair's workers are addresses nobody listens on)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
+from services.router.errors import ErrorCode, RouterError
+from services.router.health import health_response
+from services.router.registration import describe_mismatches
+from services.router.registry import PairState
+from tests.services.router.helpers import rank_info, router, until
+
+
+def _registrations(api, result: str) -> float:
+    return api.metrics.registrations.labels(result)._value.get()
+
+
+def test_a_registration_is_refused_naming_the_first_bad_field():
+    api = router(token="secret")
+    good = rank_info("d0", rpb.ROLE_DECODE)
+    cases = [
+        (reg.RegisterRequest(rank_info=rpb.RankInfo(), token="wrong"), "token: does not match"),
+        (
+            reg.RegisterRequest(rank_info=rpb.RankInfo(role=rpb.ROLE_DECODE), token="secret"),
+            "rank_info.instance_id: empty",
+        ),
+        (
+            reg.RegisterRequest(rank_info=rpb.RankInfo(instance_id="d0"), token="secret"),
+            "rank_info.role: unspecified",
+        ),
+        (
+            reg.RegisterRequest(
+                rank_info=rpb.RankInfo(instance_id="d0", role=rpb.ROLE_DECODE), token="secret"
+            ),
+            "rank_info.grpc_address: empty",
+        ),
+    ]
+
+    async def scenario():
+        refusals = []
+        for request, _ in cases:
+            with pytest.raises(RouterError) as e:
+                await api.registration.register(request)
+            refusals.append((e.value.code, e.value.message))
+        accepted = await api.registration.register(reg.RegisterRequest(rank_info=good, token="secret"))
+        await api.close()
+        return refusals, accepted
+
+    refusals, accepted = asyncio.run(scenario())
+    assert refusals == [(ErrorCode.UNAUTHENTICATED, cases[0][1])] + [
+        (ErrorCode.INVALID_ARGUMENT, message) for _, message in cases[1:]
+    ]
+    assert accepted.accepted and list(api.cluster.registry.workers) == ["d0"]
+    assert _registrations(api, "accepted") == 1
+
+
+def test_a_worker_registers_heartbeats_lists_and_deregisters():
+    api = router()
+    decode, prefill = rank_info("d0", rpb.ROLE_DECODE), rank_info("p0", rpb.ROLE_PREFILL)
+    registration = api.registration
+
+    async def scenario():
+        await registration.register(reg.RegisterRequest(rank_info=decode))
+        await registration.register(reg.RegisterRequest(rank_info=prefill))
+        listed = [
+            registration.list_peers(role)
+            for role in (rpb.ROLE_DECODE, rpb.ROLE_PREFILL, rpb.ROLE_UNSPECIFIED)
+        ]
+        beats = [registration.heartbeat(i) for i in ("d0", "nobody")]
+        removed = [await registration.deregister("d0"), await registration.deregister("d0")]
+        after = registration.heartbeat("d0")
+        channels = list(api.cluster.channels)
+        await api.close()
+        return listed, beats, removed, after, channels
+
+    listed, beats, removed, after, channels = asyncio.run(scenario())
+    assert listed == [[decode], [prefill], [decode, prefill]]
+    assert [(b.registered, b.interval_ms) for b in beats] == [(True, 1000), (False, 1000)]
+    assert removed == [True, False] and not after.registered
+    assert channels == ["p0"] and api.cluster.registry.pairs == {}
+
+
+def test_a_pair_that_cannot_be_reached_fails_naming_the_decode_side_first():
+    api = router()
+    registry = api.cluster.registry
+
+    async def scenario():
+        await api.registration.register(reg.RegisterRequest(rank_info=rank_info("d0", rpb.ROLE_DECODE)))
+        await api.registration.register(reg.RegisterRequest(rank_info=rank_info("p0", rpb.ROLE_PREFILL)))
+        await until(lambda: registry.pairs[("p0", "d0")].state != PairState.PENDING)
+        health = await api.health()
+        await api.close()
+        return health
+
+    health = asyncio.run(scenario())
+    pair = registry.pairs[("p0", "d0")]
+    assert pair.state == PairState.FAILED and pair.reason.startswith("d0: UNAVAILABLE: ")
+    assert (_registrations(api, "accepted"), _registrations(api, "refused")) == (2, 1)
+    assert health.message == f"no ready prefill/decode pair. p0->d0: {pair.reason}"
+    assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (1, 1, 0)
+
+
+def test_registering_again_replaces_the_workers_channel_and_retests_its_pairs():
+    api = router()
+    registry = api.cluster.registry
+
+    async def scenario():
+        for info in (rank_info("d0", rpb.ROLE_DECODE), rank_info("p0", rpb.ROLE_PREFILL)):
+            await api.registration.register(reg.RegisterRequest(rank_info=info))
+        await until(lambda: registry.pairs[("p0", "d0")].state == PairState.FAILED)
+        first = api.cluster.channels["d0"]
+        await api.registration.register(reg.RegisterRequest(rank_info=rank_info("d0", rpb.ROLE_DECODE)))
+        states = [registry.pairs[("p0", "d0")].state]
+        await until(lambda: registry.pairs[("p0", "d0")].state != PairState.PENDING)
+        states.append(registry.pairs[("p0", "d0")].state)
+        replaced = api.cluster.channels["d0"] is not first
+        await api.close()
+        return states, replaced
+
+    states, replaced = asyncio.run(scenario())
+    assert states == [PairState.PENDING, PairState.FAILED] and replaced
+    assert (_registrations(api, "accepted"), _registrations(api, "refused")) == (3, 2)
+
+
+def test_mismatches_are_described_field_by_field():
+    response = reg.RegisterResponse(
+        accepted=False,
+        mismatches=[
+            reg.Mismatch(field="kv_layout", local_value="SEPARATE", peer_value="UNIFIED"),
+            reg.Mismatch(field="tp_size", local_value="2", peer_value="3", reason="3 KV heads do not split"),
+        ],
+    )
+    assert describe_mismatches(response) == (
+        "kv_layout: local SEPARATE vs peer UNIFIED; tp_size: local 2 vs peer 3 (3 KV heads do not split)"
+    )
+
+
+def test_health_names_every_refused_or_failed_pair_and_counts_aggregated_workers_twice():
+    api = router()
+    registry = api.cluster.registry
+    for info in (
+        rank_info("d0", rpb.ROLE_DECODE),
+        rank_info("p0", rpb.ROLE_PREFILL),
+        rank_info("p1", rpb.ROLE_PREFILL),
+        rank_info("a0", rpb.ROLE_BOTH),
+    ):
+        registry.add(info)
+    registry.set_pair("p0", "d0", PairState.REFUSED, "d0 refused p0: kv_layout: local A vs peer B")
+    registry.set_pair("p1", "d0", PairState.READY)
+    registry.workers["a0"].healthy = False
+    health = health_response(registry)
+    assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (3, 2, 1)
+    assert health.message == "p0->d0: d0 refused p0: kv_layout: local A vs peer B"
