@@ -191,7 +191,7 @@ def test_unified_layout_without_a_drafter_fails_at_startup(tiny_pair):
         timeout=60,
     )
     assert result.returncode != 0
-    assert "--layout unified" in result.stderr and "no drafter" in result.stderr
+    assert "tandem: layout: unified" in result.stderr and "no drafter" in result.stderr
 
 
 def test_a_dead_prefill_worker_is_retried_around(tiny_pair):
