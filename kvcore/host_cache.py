@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore.page_allocator import PageAllocator
+from kvcore.pools import KVPools
 from kvcore.spec import NULL_PAGE
 
 
@@ -44,21 +45,24 @@ class HostStats:
 
 
 class HostCache:
-    def __init__(self, pools: dict[str, torch.Tensor], num_pages: int, tokens_per_page: int) -> None:
-        """``pools``: the device pools (group -> tensor); the tier mirrors their page shapes.
-        Host pools are pinned when the device pools are on CUDA."""
-        pin = any(p.is_cuda for p in pools.values())
-        self.device_pools = pools
-        device = next((p.device for p in pools.values() if p.is_cuda), None)
+    def __init__(self, pools: KVPools, groups: list[str], num_pages: int, tokens_per_page: int) -> None:
+        """``pools``: the device pools, of which the tier keeps ``groups``, mirroring their
+        page shapes. Host pools are pinned when the device pools are on CUDA. Its copies
+        into device pages are not in the pools' write log: a tensor-parallel group runs
+        without a host tier."""
+        self.device_pools = {g: pools.tensor(g) for g in groups}
+        pin = any(p.is_cuda for p in self.device_pools.values())
+        device = next((p.device for p in self.device_pools.values() if p.is_cuda), None)
         self.stream = torch.cuda.Stream(device) if device is not None else None  # copies out
         self._copied: torch.cuda.Event | None = None  # the last copy out still in flight
         self.host_pools = {
-            g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype, pin_memory=pin) for g, p in pools.items()
+            g: torch.empty((num_pages, *p.shape[1:]), dtype=p.dtype, pin_memory=pin)
+            for g, p in self.device_pools.items()
         }
-        self.allocators = {g: PageAllocator(num_pages) for g in pools}
+        self.allocators = {g: PageAllocator(num_pages) for g in groups}
         self.page = tokens_per_page
         self.entries: OrderedDict[int, dict[str, int]] = OrderedDict()
-        self.stats = HostStats({g: 0 for g in pools}, {g: 0 for g in pools})
+        self.stats = HostStats({g: 0 for g in groups}, {g: 0 for g in groups})
 
     def store(self, keys: list[int], pages: dict[str, list[int]]) -> None:
         """Copy device pages (one per key, per group) into host pages; a key held already

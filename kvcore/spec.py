@@ -28,6 +28,12 @@ class Owner(enum.Enum):
     DRAFT = "draft"
 
 
+TARGET_GROUP = "target"
+"""Name of the target model's layer group (the engine's first, REQUIRED group)."""
+DRAFT_GROUP = "draft"
+"""Name of the drafter's layer group."""
+
+
 class Lifecycle(enum.Enum):
     """How a group takes part in reuse. REQUIRED groups decide the prefix match;
     OPTIONAL groups are reused only where they are complete, else recomputed."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(slots=True)
@@ -32,6 +32,9 @@ class GroupStats:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
+    def copy(self) -> GroupStats:
+        return replace(self)
+
 
 @dataclass(frozen=True, slots=True)
 class GroupUsage:
@@ -44,3 +47,12 @@ class GroupUsage:
     evictable: int
     host_used: int = 0  # host-tier pages (0 without a host tier)
     host_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the cache, per group: prefix-cache counters (copies, so later
+    requests do not change them) and page usage."""
+
+    prefix: dict[str, GroupStats]
+    usage: dict[str, GroupUsage]

@@ -1,66 +1,16 @@
-"""Engine setup and request checks. Every refusal is a ValueError naming the field."""
+"""Request checks. Every refusal is a ValueError naming the field."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
-from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
+from kvcore import KVCacheManager
 from kvcore.spec import cdiv
-from services.engine.config import EngineConfig
-from services.engine.models import Eagle3Drafter, LlamaConfig, LlamaForCausalLM
-from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
+from services.engine.models import LlamaConfig
 from services.engine.sampling import SamplingParams
 from tokenization.tokenizer import Tokenizer
-
-
-def cache_config(
-    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
-) -> CacheConfig:
-    """The target group (windowed by the model's ``sliding_window``), plus the drafter's
-    (OPTIONAL, windowed) group when it runs."""
-    t = target.config
-    groups = [
-        LayerGroupSpec(
-            TARGET_GROUP,
-            Owner.TARGET,
-            t.num_hidden_layers,
-            t.num_key_value_heads,
-            t.head_dim,
-            dtype=c.dtype,
-            window=t.sliding_window,
-        )
-    ]
-    if drafter is not None:
-        d = drafter.config
-        groups.append(
-            LayerGroupSpec(
-                DRAFT_GROUP,
-                Owner.DRAFT,
-                d.num_hidden_layers,
-                d.num_key_value_heads,
-                d.head_dim,
-                dtype=c.dtype,
-                window=d.sliding_window,
-                lifecycle=Lifecycle.OPTIONAL,
-            )
-        )
-    host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
-    return CacheConfig(
-        groups=tuple(groups),
-        tokens_per_page=c.tokens_per_page,
-        num_pages=tuple(c.num_pages[: len(groups)]),
-        memory_bytes=c.kv_cache_bytes,
-        max_num_seqs=c.max_num_seqs,
-        max_prefill_chunk=c.max_prefill_chunk,
-        num_spec_tokens=k,
-        draft_block_width=1,
-        layout=c.layout,
-        enable_prefix_cache=c.enable_prefix_cache,
-        host_num_pages=host_pages,
-        host_write_policy=c.host_kv_write_policy,
-        host_recall_min_pages=c.host_kv_recall_min_pages,
-    )
 
 
 def eos_ids(model_dir: str, config: LlamaConfig, tokenizer: Tokenizer) -> frozenset[int]:
@@ -111,6 +61,41 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab: int) -> 
     return ids
 
 
+def check_spec_tokens(num_spec_tokens: int | None, k: int) -> int:
+    """A request's drafts per step: None = the engine's K; else 0..K."""
+    if num_spec_tokens is None:
+        return k
+    if (
+        isinstance(num_spec_tokens, bool)
+        or not isinstance(num_spec_tokens, int)
+        or not 0 <= num_spec_tokens <= k
+    ):
+        raise ValueError(
+            f"num_spec_tokens: must be an integer in [0, {k}] (the server's K), got {num_spec_tokens!r}"
+        )
+    return num_spec_tokens
+
+
+class RequestExists(ValueError):
+    """A request id the engine already holds pages or state for."""
+
+
+def check_prompt_len(prompt_len: int, max_model_len: int) -> None:
+    """A reserved prompt has at least one token and leaves room for output."""
+    if prompt_len < 1:
+        raise ValueError("prompt_len: must be >= 1")
+    if prompt_len >= max_model_len:
+        raise ValueError(f"prompt_len: {prompt_len} leaves no room in the context of {max_model_len}")
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], prompt_len: int, vocab: int) -> None:
+    """Reserved prompt tokens (optional: empty) number ``prompt_len`` and lie in the vocabulary."""
+    if prompt_ids and len(prompt_ids) != prompt_len:
+        raise ValueError(f"prompt_token_ids: {len(prompt_ids)} tokens, prompt_len is {prompt_len}")
+    if any(t >= vocab for t in prompt_ids):
+        raise ValueError(f"prompt_token_ids: {max(prompt_ids)} is outside the vocabulary of {vocab}")
+
+
 def check_fits(prompt_len: int, max_tokens: int, max_model_len: int, manager: KVCacheManager) -> None:
     """The request fits the context, and an otherwise empty cache."""
     if prompt_len >= max_model_len:
@@ -122,7 +107,7 @@ def check_fits(prompt_len: int, max_tokens: int, max_model_len: int, manager: KV
     full = prompt_len + max_tokens + manager.config.headroom_tokens
     for name, spec in manager.groups.items():
         tokens = min(full, _window_tokens(name, manager)) if spec.window > 0 else full
-        need, total = cdiv(tokens, manager.page), manager.allocators[name].num_pages
+        need, total = cdiv(tokens, manager.tokens_per_page), manager.num_pages(name)
         if need > total:
             raise ValueError(f"prompt: needs {need} KV pages of group {name}, the cache holds {total}")
 
@@ -137,4 +122,4 @@ def _window_tokens(group: str, manager: KVCacheManager) -> int:
     span = c.max_prefill_chunk
     if group == c.groups[0].name:
         span = max([span, *(g.num_layers * (g.window - 1) + 2 for g in c.groups[1:] if g.window)])
-    return spec.window + 1 + span + 2 * c.headroom_tokens + 3 * manager.page
+    return spec.window + 1 + span + 2 * c.headroom_tokens + 3 * manager.tokens_per_page

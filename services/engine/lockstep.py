@@ -2,8 +2,9 @@
 
 Rank 0 runs the whole engine: scheduler, sampling, and every decision of its cache
 manager. Before each target or drafter forward it publishes a :class:`ForwardPlan` (token
-ids, positions, block tables, slot mapping, the drafter's hidden inputs, and the page
-copies its manager made since the last plan); ranks 1.. receive it and run the same
+ids, positions, block tables, slot mapping, the drafter's hidden inputs, and the pool
+writes made outside a forward since the last plan: copied-on-write prefix pages, zeroed
+draft pages of a reservation); ranks 1.. receive it, replay the writes and run the same
 forward on their own heads and pools (:func:`follow`), in the same order, so each
 all-reduce of a row-parallel layer pairs up across the ranks. Page ids are rank 0's: every
 rank's pools have the same page count and hold, page for page, its own heads of what rank
@@ -17,17 +18,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kvcore import CacheConfig, KVCacheManager
-from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
-from services.engine.parallel import TensorParallel, shard_cache_config
-from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
+from kvcore import KVPools, Owner, PoolWrite
+from services.engine.models import PagedContext
+from services.engine.parallel import TensorParallel
 
 
 @dataclass(slots=True)
 class ForwardPlan:
     """One forward, as every rank runs it. Tensors travel on the CPU."""
 
-    model: str  # "target" or "draft"
+    model: Owner  # which model runs
     group: str  # the layer group whose pool the forward reads and writes
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -38,39 +38,20 @@ class ForwardPlan:
     window: int = 0
     aux_layer_ids: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]: the drafter's h_j
-    page_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (group, src, dst)
+    pool_writes: list[PoolWrite] = field(default_factory=list)  # replayed before the forward
     key_start: int = 0
-
-
-class LockstepManager(KVCacheManager):
-    """Rank 0's manager: the pages it copies outside a forward (a partial prefix page,
-    copied on write at allocation) are recorded, for the other ranks to copy too before
-    the next forward reads them."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.page_copies: list[tuple[str, int, int]] = []
-
-    def _copy_partial_pages(self, match, rows) -> None:
-        super()._copy_partial_pages(match, rows)
-        if match is not None:
-            full = match.num_tokens // self.page
-            self.page_copies += [(g, src, rows[g][full]) for g, src in match.cow_pages.items()]
-
-    def take_page_copies(self) -> list[tuple[str, int, int]]:
-        copies, self.page_copies = self.page_copies, []
-        return copies
 
 
 class Lockstep:
     """Rank 0's side: publishes each forward before running it."""
 
-    def __init__(self, tp: TensorParallel, manager: LockstepManager) -> None:
-        self.tp, self.manager = tp, manager
+    def __init__(self, tp: TensorParallel, pools: KVPools) -> None:
+        """``pools``: rank 0's, recording their writes (``KVPools(record=True)``)."""
+        self.tp, self.pools = tp, pools
 
     def publish(
         self,
-        model: str,
+        model: Owner,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: PagedContext,
@@ -91,34 +72,16 @@ class Lockstep:
             ctx.window,
             tuple(aux_layer_ids),
             cpu(hidden) if hidden is not None else None,
-            self.manager.take_page_copies(),
+            self.pools.take_writes(),
             ctx.key_start,
         )
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
 
 
-def make_manager(
-    config: CacheConfig,
-    target: LlamaForCausalLM,
-    drafter: Eagle3Drafter | None,
-    device: torch.device,
-    tp: TensorParallel,
-) -> KVCacheManager:
-    """This rank's cache manager: pools of its own KV heads; rank 0 of a group records
-    its page copies for the others."""
-    if tp.size == 1:
-        return KVCacheManager(config, device)
-    totals = {TARGET_GROUP: target.config.num_key_value_heads}
-    if drafter is not None:
-        totals[DRAFT_GROUP] = drafter.config.num_key_value_heads
-    cls = LockstepManager if tp.rank == 0 else KVCacheManager
-    return cls(shard_cache_config(config, totals, tp), device)
-
-
 def attach_lockstep(runner, tp: TensorParallel) -> None:
     """Rank 0 of a group publishes every forward its runner runs."""
     if tp.size > 1 and tp.rank == 0:
-        runner.lockstep = Lockstep(tp, runner.manager)
+        runner.lockstep = Lockstep(tp, runner.pools)
 
 
 def receive_plan(tp: TensorParallel) -> ForwardPlan:
@@ -131,12 +94,11 @@ def receive_plan(tp: TensorParallel) -> ForwardPlan:
 @torch.inference_mode()
 def replay(plan: ForwardPlan, runner) -> None:
     """Run ``plan`` on this rank's models and pools (``runner``: its ModelRunner)."""
-    pools, device = runner.manager.pools, runner.device
-    for group, src, dst in plan.page_copies:
-        pools[group][dst].copy_(pools[group][src])
+    pools, device = runner.pools, runner.device
+    pools.apply(plan.pool_writes)
     to = lambda t: t.to(device)  # noqa: E731
     ctx = PagedContext(
-        pools[plan.group],
+        pools.tensor(plan.group),
         to(plan.block_table),
         to(plan.query_start_loc),
         to(plan.seq_lens),
@@ -145,7 +107,7 @@ def replay(plan: ForwardPlan, runner) -> None:
         plan.key_start,
     )
     ids, positions = to(plan.input_ids), to(plan.positions)
-    if plan.model == "target":
+    if plan.model is Owner.TARGET:
         runner.target(ids, positions, ctx, plan.aux_layer_ids)
     else:
         runner.drafter(ids, to(plan.hidden), positions, ctx, runner.target)

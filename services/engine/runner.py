@@ -1,39 +1,22 @@
 """Runs the target and the drafter over batches of contiguous position spans.
 
-A span is one request's query block: positions [start, start + len(token_ids)). Spans of
-one forward are concatenated (varlen); each attends its own block-table row. KV is
-written only at positions >= ``write_start``: below it the pages are shared prefix-cache
-pages (or pages whose KV is already exact) and the span runs only to produce hidden
-states.
+Spans (``services/engine/batch.py``) of one forward are concatenated (varlen); each
+attends its own block-table row, and writes KV only from its ``write_start``. Uniform
+decode-step batches go through ``graphs`` when the engine set them (CUDA graphs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvcore import KVCacheManager
+from kvcore import DRAFT_GROUP, TARGET_GROUP, KVCacheManager, KVPools, Owner
 from kvcore.ops import slot_mapping_for
+from services.engine.batch import GraphedForwards, Span, TargetRun
+from services.engine.lockstep import Lockstep
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
 from services.engine.models.eagle import DRAFT_KEY_START
 
-TARGET_GROUP = "target"
-DRAFT_GROUP = "draft"
-
-
-@dataclass(slots=True)
-class Span:
-    request_id: str
-    start: int  # position of token_ids[0]
-    token_ids: list[int]
-    write_start: int = 0
-
-
-@dataclass(slots=True)
-class TargetRun:
-    hidden: torch.Tensor  # [num_tokens, hidden_size], final-normed
-    features: torch.Tensor | None  # [num_tokens, hidden_size]: f = fc(aux), or None
+__all__ = ["DRAFT_GROUP", "TARGET_GROUP", "ModelRunner", "Span", "TargetRun"]
 
 
 class ModelRunner:
@@ -42,24 +25,16 @@ class ModelRunner:
         target: LlamaForCausalLM,
         drafter: Eagle3Drafter | None,
         manager: KVCacheManager,
+        pools: KVPools,
         device: torch.device,
     ) -> None:
+        """``pools``: the tensors ``manager``'s page ids index."""
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
+        self.pools = pools
         self.target_window = target.config.sliding_window
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
-        self.graphs = None  # DecodeGraphs once capture_cuda_graphs ran
-        self.lockstep = None  # rank 0 of a tensor-parallel group: publishes each forward
-
-    @torch.inference_mode()
-    def capture_cuda_graphs(
-        self, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
-    ) -> None:
-        """Route uniform decode-step forwards through CUDA graphs (services/engine/
-        cuda_graphs.py); ``capture=False`` runs the same static-buffer path eagerly."""
-        from services.engine.cuda_graphs import DecodeGraphs  # it imports this module
-
-        self.graphs = DecodeGraphs(self, verify_len, max_batch, max_model_len, capture)
-        self.graphs.capture()
+        self.graphs: GraphedForwards | None = None  # set by the engine when it captures graphs
+        self.lockstep: Lockstep | None = None  # rank 0 of a TP group: publishes each forward
 
     @torch.inference_mode()
     def run_target(self, spans: list[Span]) -> TargetRun:
@@ -69,7 +44,7 @@ class ModelRunner:
         ids, positions = self._inputs(spans)
         aux_ids = self.drafter.config.aux_layer_ids if self.drafter is not None else ()
         if self.lockstep is not None:
-            self.lockstep.publish("target", ids, positions, ctx, TARGET_GROUP, aux_ids)
+            self.lockstep.publish(Owner.TARGET, ids, positions, ctx, TARGET_GROUP, aux_ids)
         out = self.target(ids, positions, ctx, aux_ids)
         features = self.drafter.project(out.aux) if self.drafter is not None else None
         return TargetRun(out.hidden, features)
@@ -82,7 +57,7 @@ class ModelRunner:
         ctx = self.context(DRAFT_GROUP, spans, self.draft_window, DRAFT_KEY_START)
         ids, positions = self._inputs(spans)
         if self.lockstep is not None:
-            self.lockstep.publish("draft", ids, positions, ctx, DRAFT_GROUP, hidden=hidden)
+            self.lockstep.publish(Owner.DRAFT, ids, positions, ctx, DRAFT_GROUP, hidden=hidden)
         return self.drafter(ids, hidden, positions, ctx, self.target)
 
     @torch.inference_mode()
@@ -97,7 +72,7 @@ class ModelRunner:
         lengths = [len(s.token_ids) for s in spans]
         starts = [s.start for s in spans]
         block_table = self.manager.block_tables([s.request_id for s in spans], group, self.device)
-        slots = slot_mapping_for(block_table, starts, lengths, self.manager.page)
+        slots = slot_mapping_for(block_table, starts, lengths, self.manager.tokens_per_page)
         write_start = torch.tensor([s.write_start for s in spans], device=self.device)
         lens = torch.tensor(lengths, device=self.device)
         positions = self._positions(spans)
@@ -106,7 +81,7 @@ class ModelRunner:
         qsl[1:] = torch.tensor(lengths).cumsum(0)
         seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)], dtype=torch.int32)
         return PagedContext(
-            self.manager.pools[group],
+            self.pools.tensor(group),
             block_table,
             qsl.to(self.device),
             seq_lens.to(self.device),

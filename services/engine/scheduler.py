@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvcore import KVCacheManager
+from kvcore import DRAFT_GROUP, KVCacheManager
 from services.engine.request import PrefillSpan, Request, Status, StepPlan
 
 
@@ -104,7 +104,7 @@ class Scheduler:
         req.status = Status.PREFILL
         req.prefill_pos, req.prefill_end = start, len(tokens)
         req.num_computed = req.target_write_start = hit
-        req.draft_write_start = match.compute_start.get("draft", hit)
+        req.draft_write_start = match.compute_start.get(DRAFT_GROUP, hit)
         req.draft_valid = hit if not self.feeds_drafter else req.draft_write_start
         return PrefillSpan(start, end)
 

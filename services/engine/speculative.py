@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request
+from services.engine.batch import Span, TargetRun
+from services.engine.request import PrefillSpan, Request
 from services.engine.row_sampling import row_params
-from services.engine.runner import ModelRunner, Span
+from services.engine.runner import ModelRunner
 from services.engine.sampler import probs_for_rows, sample
 
 
@@ -66,3 +67,22 @@ def verify_spans(requests: list[Request], drafts: Drafts | None) -> list[Span]:
         Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i][: r.num_spec_tokens]], r.target_write_start)
         for i, r in enumerate(requests)
     ]
+
+
+def draft_prefill(
+    runner: ModelRunner, prefill: list[tuple[Request, PrefillSpan]], run: TargetRun, offsets: list[int]
+) -> None:
+    """Drafter slots of the prefill chunks' positions: slot j reads t_j and f_{j-1}
+    (request i's target rows are ``run.features[offsets[i]:offsets[i + 1]]``)."""
+    spans, hidden = [], []
+    for i, (req, span) in enumerate(prefill):
+        first = (
+            req.last_feature
+            if req.last_feature is not None and span.start > 0
+            else torch.zeros_like(run.features[0])
+        )
+        hidden += [first[None], run.features[offsets[i] : offsets[i + 1] - 1]]
+        spans.append(
+            Span(req.request_id, span.start, req.tokens[span.start : span.end], req.draft_write_start)
+        )
+    runner.run_drafter(spans, torch.cat(hidden))

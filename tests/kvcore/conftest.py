@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvcore import CacheConfig, KVCacheManager, KVLayout, LayerGroupSpec, Lifecycle, Owner
+from kvcore import CacheConfig, KVCacheManager, KVLayout, KVPools, LayerGroupSpec, Lifecycle, Owner
+from kvcore.page_store import PageStore
+from kvcore.request_rows import RequestRows
 
 N = -1  # NULL_PAGE, short for expected rows
 
@@ -64,8 +67,39 @@ def make_config(
     )
 
 
+def make_cache(**kwargs) -> tuple[KVCacheManager, KVPools]:
+    """A manager over CPU pools of :func:`make_config`, and the pools."""
+    config = make_config(**kwargs)
+    pools = KVPools.allocate(config)
+    return KVCacheManager(config, pools), pools
+
+
 def make_manager(**kwargs) -> KVCacheManager:
-    return KVCacheManager(make_config(**kwargs))
+    return make_cache(**kwargs)[0]
+
+
+def store(manager: KVCacheManager) -> PageStore:
+    """Test-visible: the manager's page store (allocators, radix tree, host tier)."""
+    return manager._store
+
+
+def request_rows(manager: KVCacheManager) -> dict[str, RequestRows]:
+    """Test-visible: the manager's request table."""
+    return manager._requests
+
+
+def pool(manager: KVCacheManager, group: str) -> torch.Tensor:
+    """Test-visible: the pool tensor ``manager``'s pages of ``group`` index."""
+    return manager._pools.tensor(group)
+
+
+def free_queue(manager: KVCacheManager, group: str) -> list[int]:
+    """Test-visible: ``group``'s free pages in the order they are handed out."""
+    return list(store(manager).allocators[group].free_queue)
+
+
+def ref_count(manager: KVCacheManager, group: str, page: int) -> int:
+    return store(manager).allocators[group].ref_counts[page]
 
 
 def rows(manager: KVCacheManager, request_id: str) -> tuple[list[int], list[int]]:
@@ -83,12 +117,12 @@ def run_request(manager: KVCacheManager, request_id: str, tokens: list[int], cac
 
 def assert_empty(manager: KVCacheManager) -> None:
     """No request holds pages; after dropping the prefix cache every page is free."""
-    assert not manager.requests
+    assert not request_rows(manager)
     manager.reset_prefix_cache()
     for name, usage in manager.usage().items():
         assert usage.used == 0, name
         assert usage.host_used == 0, name
-        assert sorted(manager.allocators[name].free_queue) == list(range(usage.total))
+        assert sorted(free_queue(manager, name)) == list(range(usage.total))
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvcore import KVLayout
-from tests.kvcore.conftest import N, assert_empty, make_manager, rows
+from tests.kvcore.conftest import N, assert_empty, make_manager, pool, rows, store
 
 
 def fill(manager, request_id: str, seed: int) -> None:
@@ -15,13 +15,13 @@ def fill(manager, request_id: str, seed: int) -> None:
     for group in manager.groups:
         for p in manager.block_table(request_id, group):
             if p != N:
-                bits = manager.pools[group][p].view(torch.uint8)
+                bits = pool(manager, group)[p].view(torch.uint8)
                 bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=g))
 
 
 def pages_bits(manager, request_id: str, group: str, upto: int) -> list[bytes]:
     return [
-        manager.pools[group][p].view(torch.uint8).numpy().tobytes() if p != N else b""
+        pool(manager, group)[p].view(torch.uint8).numpy().tobytes() if p != N else b""
         for p in manager.block_table(request_id, group)[:upto]
     ]
 
@@ -52,7 +52,7 @@ def test_evicted_pages_come_back_bit_identical_in_every_group():
     assert after["target"] == before["target"]
     assert after["draft"][2:] == before["draft"][2:]
     assert rows(m, "c")[1][:2] == [N, N]
-    assert m.stats["target"].recalled_tokens == 24
+    assert m.stats().prefix["target"].recalled_tokens == 24
     assert m.held_pages("c") == {"target": 6, "draft": 6}  # a transfer into c skips them
     m.free("c")
     assert_empty(m)
@@ -107,11 +107,11 @@ def test_write_through_copies_as_pages_are_cached_so_eviction_copies_nothing():
     run(m, "a", a, seed=1)
     before = {g: pages_bits(m, "a", g, 6) for g in m.groups}
     m.free("a", a)
-    stored = dict(m.host.stats.stored_pages)
+    stored = dict(store(m).host.stats.stored_pages)
     assert stored == {"target": 6, "draft": 4}  # at once, while the pages stay on the device
     assert m.usage()["target"].cached == 6
     m.allocate("b", 26)  # evicts a's node: its pages are on the host already
-    assert m.host.stats.stored_pages == stored
+    assert store(m).host.stats.stored_pages == stored
     m.free("b")
     match = m.match_prefix(a + [7])
     assert match.compute_start == {"target": 24, "draft": 24}

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from kvcore import KVLayout
-from tests.kvcore.conftest import N, assert_empty, make_manager, rows, run_request
+from tests.kvcore.conftest import (
+    N,
+    assert_empty,
+    free_queue,
+    make_manager,
+    pool,
+    ref_count,
+    rows,
+    run_request,
+)
 
 
 def test_window_release_keeps_the_extent(manager):
@@ -26,8 +35,8 @@ def test_window_release_keeps_the_extent(manager):
     assert rows(manager, "a") == ([0, 1, 2, 3, 4], [N, N, N, 3, 4])
     assert manager.block_tables(["a"], "draft").tolist() == [[N, N, N, 3, 4]]
     manager.free("a")
-    assert list(manager.allocators["target"].free_queue) == [*range(5, 32), 4, 3, 2, 1, 0]
-    assert list(manager.allocators["draft"].free_queue) == [*range(5, 32), 0, 1, 2, 4, 3]
+    assert free_queue(manager, "target") == [*range(5, 32), 4, 3, 2, 1, 0]
+    assert free_queue(manager, "draft") == [*range(5, 32), 0, 1, 2, 4, 3]
     assert_empty(manager)
 
 
@@ -56,7 +65,7 @@ def test_branch_within_the_window_reuses_the_draft_pages(manager):
     assert match.reused_pages == {"target": [0, 1, 2, 3, 4, 5], "draft": [N, N, N, N, 4, 5]}
     manager.allocate("b", len(b), match)
     assert rows(manager, "b") == ([0, 1, 2, 3, 4, 5, 7, 8], [N, N, N, N, 4, 5, 7, 8])
-    assert manager.stats["draft"].hit_tokens == 24
+    assert manager.stats().prefix["draft"].hit_tokens == 24
     manager.advance("b", len(b))
     manager.free("b", b)
     assert_empty(manager)
@@ -74,9 +83,9 @@ def test_incomplete_draft_window_is_recomputed(manager):
     assert match.recompute_start == 13
     manager.allocate("c", len(c), match)
     assert rows(manager, "c") == ([0, 1, 2, 3, 4, 7, 8], [N, N, N, 7, 8, 9, 10])
-    assert manager.stats["draft"].hit_tokens == 0
-    assert manager.stats["draft"].recomputed_tokens == 7
-    assert manager.stats["target"].hit_tokens == 20
+    assert manager.stats().prefix["draft"].hit_tokens == 0
+    assert manager.stats().prefix["draft"].recomputed_tokens == 7
+    assert manager.stats().prefix["target"].hit_tokens == 20
     manager.free("c")
     assert_empty(manager)
 
@@ -93,8 +102,8 @@ def test_partial_page_hit_copies_the_page_for_every_group():
     manager = make_manager(window=16)
     a = list(range(12))
     manager.allocate("a", 12)
-    manager.pools["target"][2] = 7.0
-    manager.pools["draft"][2] = 3.0
+    pool(manager, "target")[2] = 7.0
+    pool(manager, "draft")[2] = 3.0
     manager.advance("a", 12)
     manager.free("a", a)
     b = a[:10] + [50, 51, 52]
@@ -104,10 +113,10 @@ def test_partial_page_hit_copies_the_page_for_every_group():
     assert match.reused_pages == {"target": [0, 1], "draft": [0, 1]}
     manager.allocate("b", len(b), match)
     assert rows(manager, "b") == ([0, 1, 4, 5], [0, 1, 4, 5])
-    assert torch.equal(manager.pools["target"][4], torch.full_like(manager.pools["target"][4], 7.0))
-    assert torch.equal(manager.pools["draft"][4], torch.full_like(manager.pools["draft"][4], 3.0))
+    assert torch.equal(pool(manager, "target")[4], torch.full_like(pool(manager, "target")[4], 7.0))
+    assert torch.equal(pool(manager, "draft")[4], torch.full_like(pool(manager, "draft")[4], 3.0))
     # the shared source page stays in the cache, untouched and unlocked
-    assert manager.allocators["target"].ref_counts[2] == 1
+    assert ref_count(manager, "target", 2) == 1
     manager.free("b")
     assert_empty(manager)
 
@@ -117,7 +126,7 @@ def test_eviction_is_least_recently_used_first():
     x, y, z = list(range(100, 108)), list(range(200, 208)), list(range(300, 308))
     for name, tokens in (("x", x), ("y", y), ("z", z)):
         run_request(manager, name, tokens)
-    assert list(manager.allocators["target"].free_queue) == [9, 10, 11, 2, 5, 8]
+    assert free_queue(manager, "target") == [9, 10, 11, 2, 5, 8]
     manager.match_prefix(x + [1])  # x becomes the most recently used
     assert manager.can_allocate(28)
     manager.allocate("w", 28)  # 8 pages, 6 free: evicts y (pages 3, 4)
@@ -125,7 +134,7 @@ def test_eviction_is_least_recently_used_first():
     assert manager.match_prefix(y + [1]).num_tokens == 0
     assert manager.match_prefix(x + [1]).num_tokens == 8
     manager.free("w")  # its pages return in reverse: tail pages are reused last
-    assert list(manager.allocators["target"].free_queue) == [4, 3, 8, 5, 2, 11, 10, 9]
+    assert free_queue(manager, "target") == [4, 3, 8, 5, 2, 11, 10, 9]
     manager.allocate("v", 36)  # 10 pages, 8 free: evicts z (6, 7), the older of z and x
     assert manager.block_table("v", "target") == [4, 3, 8, 5, 2, 11, 10, 9, 6, 7]
     assert manager.match_prefix(z + [1]).num_tokens == 0

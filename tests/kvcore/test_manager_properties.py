@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcore import NULL_PAGE, KVLayout
 from kvcore.window import stale_page_end
-from tests.kvcore.conftest import make_manager
+from tests.kvcore.conftest import make_manager, request_rows, store
 
 DOCS = [[d * 1000 + i for i in range(64)] for d in range(3)]
 
@@ -83,7 +83,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         m.extend(rid, n)
         accepted = data.draw(st.integers(1, m.config.num_spec_tokens + 1))
-        assert (n + accepted - 1) < len(m.block_table(rid, "target")) * m.page  # headroom holds
+        assert (n + accepted - 1) < len(m.block_table(rid, "target")) * m.tokens_per_page  # headroom holds
         req["tokens"] += data.draw(st.lists(st.integers(0, 9), min_size=accepted, max_size=accepted))
         m.advance(rid, n + accepted)
 
@@ -104,12 +104,12 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.manager
         if m is None:
             return
-        for g, alloc in m.allocators.items():
+        for g, alloc in store(m).allocators.items():
             holders = Counter()
-            for req in m.requests.values():
+            for req in request_rows(m).values():
                 holders.update(p for p in req.rows[g] if p != NULL_PAGE)
-            if m.tree is not None and g in m.cached_groups:
-                for node in m.tree.nodes():
+            if store(m).tree is not None and g in store(m).cached_groups:
+                for node in store(m).tree.nodes():
                     holders.update(p for p in node.pages[g] if p != NULL_PAGE)
             assert all(c >= 0 for c in alloc.ref_counts)
             assert [holders.get(p, 0) for p in range(alloc.num_pages)] == alloc.ref_counts
@@ -117,9 +117,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert len(free) == len(set(free))
             assert set(free) == {p for p, c in enumerate(alloc.ref_counts) if c == 0}
             assert alloc.num_used + alloc.num_free == alloc.num_pages
-        if m.host is not None:  # host pages: held by exactly one entry each
-            for g, alloc in m.host.allocators.items():
-                held = Counter(e[g] for e in m.host.entries.values() if e[g] != NULL_PAGE)
+        if store(m).host is not None:  # host pages: held by exactly one entry each
+            for g, alloc in store(m).host.allocators.items():
+                held = Counter(e[g] for e in store(m).host.entries.values() if e[g] != NULL_PAGE)
                 assert all(n == 1 for n in held.values())
                 assert [held.get(p, 0) for p in range(alloc.num_pages)] == alloc.ref_counts
 
@@ -129,9 +129,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if m is None:
             return
         for rid, req in self.live.items():
-            for g, row in m.requests[rid].rows.items():
+            for g, row in request_rows(m)[rid].rows.items():
                 for p in row[req["private"][g] :]:
-                    assert p == NULL_PAGE or m.allocators[g].ref_counts[p] == 1, (rid, g, row)
+                    assert p == NULL_PAGE or store(m).allocators[g].ref_counts[p] == 1, (rid, g, row)
 
     @invariant()
     def window_pages_are_held_and_stale_pages_released(self):
@@ -139,27 +139,27 @@ class ManagerMachine(RuleBasedStateMachine):
         if m is None:
             return
         for rid in self.live:
-            r = m.requests[rid]
+            r = request_rows(m)[rid]
             for g, row in r.rows.items():
-                stale = stale_page_end(r.num_computed, m.groups[g].window, m.page)
+                stale = stale_page_end(r.num_computed, m.groups[g].window, m.tokens_per_page)
                 assert all(p == NULL_PAGE for p in row[:stale])
                 assert all(p != NULL_PAGE for p in row[stale:])
                 window = m.groups[g].window
                 first_read = max(0, r.num_computed - window + 1) if window else 0
                 for pos in range(first_read, r.num_computed):  # keys the next query reads
-                    assert row[pos // m.page] != NULL_PAGE
+                    assert row[pos // m.tokens_per_page] != NULL_PAGE
 
     @invariant()
     def evictable_counts_add_up(self):
         m = self.manager
-        if m is None or m.tree is None:
+        if m is None or store(m).tree is None:
             return
         expected = Counter()
-        for node in m.tree.nodes():
+        for node in store(m).tree.nodes():
             if node.lock_ref == 0:
                 for g, ps in node.pages.items():
                     expected[g] += sum(p != NULL_PAGE for p in ps)
-        assert {g: expected.get(g, 0) for g in m.tree.evictable} == m.tree.evictable
+        assert {g: expected.get(g, 0) for g in store(m).tree.evictable} == store(m).tree.evictable
 
     def teardown(self):
         m = self.manager

@@ -11,13 +11,23 @@ import torch
 
 from kvcore import KVLayout
 from kvcore.radix import RadixCache
-from tests.kvcore.conftest import N, assert_empty, make_manager, rows, run_request
+from tests.kvcore.conftest import (
+    N,
+    assert_empty,
+    free_queue,
+    make_manager,
+    pool,
+    ref_count,
+    rows,
+    run_request,
+    store,
+)
 from tests.kvcore.test_host_cache import fill, pages_bits
 
 
 def tree(manager) -> list[tuple[int, dict[str, list[int]]]]:
     """(prefix length at the node's end, its pages) of every node, shortest first."""
-    return sorted((len(RadixCache.prefix_of(n)), n.pages) for n in manager.tree.nodes())
+    return sorted((len(RadixCache.prefix_of(n)), n.pages) for n in store(manager).tree.nodes())
 
 
 def test_target_pages_below_the_window_are_released_as_the_request_advances():
@@ -32,8 +42,8 @@ def test_target_pages_below_the_window_are_released_as_the_request_advances():
     assert rows(m, "a") == ([N, N, 2, 3, 4], [N, N, N, 3, 4])
     assert m.num_request_pages("a") == {"target": 3, "draft": 2}
     m.free("a")
-    assert list(m.allocators["target"].free_queue) == [*range(5, 32), 0, 1, 4, 3, 2]
-    assert list(m.allocators["draft"].free_queue) == [*range(5, 32), 0, 1, 2, 4, 3]
+    assert free_queue(m, "target") == [*range(5, 32), 0, 1, 4, 3, 2]
+    assert free_queue(m, "draft") == [*range(5, 32), 0, 1, 2, 4, 3]
     assert_empty(m)
 
 
@@ -89,7 +99,7 @@ def test_a_branch_whose_target_window_was_released_matches_nothing():
     # released. Every earlier page boundary needs pages released too.
     assert match.num_tokens == 0
     assert match.compute_start == {"target": 0, "draft": 0}
-    assert match.node is m.tree.root
+    assert match.node is store(m).tree.root
     m.allocate("c", len(c), match)
     assert rows(m, "c") == ([7, 8, 9, 10, 11, 12, 13], [7, 8, 9, 10, 11, 12, 13])
     m.free("c")
@@ -154,7 +164,7 @@ def test_a_partial_page_hit_is_copied_and_the_shared_page_never_written():
     m = make_manager(target_window=8, draft=False)
     a = list(range(24))
     m.allocate("a", 24)
-    m.pools["target"][5] = 7.0
+    pool(m, "target")[5] = 7.0
     m.advance("a", 24)
     m.free("a", a)
     b = a[:23] + [50, 51]
@@ -164,8 +174,8 @@ def test_a_partial_page_hit_is_copied_and_the_shared_page_never_written():
     assert match.cow_pages == {"target": 5}
     m.allocate("b", len(b), match)
     assert m.block_table("b", "target") == [N, N, N, N, 4, 7, 8]
-    assert torch.equal(m.pools["target"][7], torch.full_like(m.pools["target"][7], 7.0))
-    assert m.allocators["target"].ref_counts[5] == 1  # only the tree holds the source
+    assert torch.equal(pool(m, "target")[7], torch.full_like(pool(m, "target")[7], 7.0))
+    assert ref_count(m, "target", 5) == 1  # only the tree holds the source
     m.free("b")
     assert_empty(m)
 
@@ -240,6 +250,6 @@ def test_the_host_tier_keeps_and_recalls_a_windowed_target_bit_exactly():
     after = {g: pages_bits(m, "c", g, 6) for g in m.groups}
     assert after["target"][4:] == before["target"][4:]
     assert after["draft"][4:] == before["draft"][4:]
-    assert m.stats["target"].recalled_tokens == 24
+    assert m.stats().prefix["target"].recalled_tokens == 24
     m.free("c")
     assert_empty(m)

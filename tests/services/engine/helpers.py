@@ -94,8 +94,9 @@ def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 40) -
 
 
 def assert_pools_empty(engine: Engine) -> None:
-    """No request holds pages: only the prefix cache does, and nothing after a reset."""
-    assert not engine.manager.requests
+    """No request holds pages (no page is used but by the prefix cache), and after a
+    reset nothing is used."""
+    assert not engine.requests
     for name, u in engine.manager.usage().items():
         assert u.used == u.cached, name
     engine.manager.reset_prefix_cache()

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from kvcore.spec import NULL_PAGE
-from services.engine.cuda_graphs import GraphedForward, UniformBatch, batch_buckets, pad_front
-from services.engine.runner import Span
+from services.engine.batch import Span
+from services.engine.cuda_graphs import (
+    GraphedForward,
+    UniformBatch,
+    batch_buckets,
+    capture_decode_graphs,
+    pad_front,
+)
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import make_engine, random_prompts
 
@@ -18,7 +24,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 def with_static_path(engine, max_batch: int = 8):
     """The engine's runner routed through the graph path, uncaptured (CPU)."""
-    engine.runner.capture_cuda_graphs(engine.k + 1, max_batch, engine.max_model_len, capture=False)
+    engine.runner.graphs = capture_decode_graphs(
+        engine.runner, engine.k + 1, max_batch, engine.max_model_len, capture=False
+    )
     return engine
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import services.engine.engine as engine_module
+from kvcore import DRAFT_GROUP
 from services.engine.models.eagle import DRAFT_KEY_START
 from services.engine.request import Status
-from services.engine.runner import DRAFT_GROUP
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import WINDOW, assert_pools_empty, make_engine
 
@@ -36,7 +36,7 @@ def run(pair, poison_slot: int | None, monkeypatch):
         req = engine.requests.get(rid)
         if poison_slot is not None and req is not None and req.status is Status.DECODE:
             page = engine.manager.block_tables([rid], DRAFT_GROUP, "cpu")[0, 0].item()
-            engine.manager.pools[DRAFT_GROUP][page, :, :, :, poison_slot] = math.nan
+            engine.kv_pools.tensor(DRAFT_GROUP)[page, :, :, :, poison_slot] = math.nan
             poison_slot = None
         final = next((o for o in outputs if o.finished), final)
     monkeypatch.undo()

@@ -165,9 +165,8 @@ def transfer(prefill_engine, decode_engine, request_id: str, num_tokens: int) ->
     dst = decode_engine.manager.transfer_pages(request_id, num_tokens)
     for group, pages in src.items():
         assert dst[group].first_page == pages.first_page
-        decode_engine.manager.pools[group][dst[group].page_ids] = prefill_engine.manager.pools[group][
-            pages.page_ids
-        ]
+        src_pool, dst_pool = prefill_engine.kv_pools.tensor(group), decode_engine.kv_pools.tensor(group)
+        dst_pool[dst[group].page_ids] = src_pool[pages.page_ids]
 
 
 @pytest.mark.parametrize("prompt_len", [5, 30])  # inside and past the draft window
@@ -182,7 +181,7 @@ def test_prefill_only_then_decode_elsewhere_matches_aggregated(pair, prompt_len)
     out = outs[0]
     assert out.finish_reason == "prefilled" and out.aux.prompt_len == prompt_len
     assert out.aux.first_token_id == expected[0] and out.aux.hidden.shape == (64,)
-    decode.manager.allocate(rid, prompt_len, num_computed=prompt_len)
+    assert decode.reserve(rid, prompt_len, prompt) is not None
     transfer(prefill, decode, rid, prompt_len)
     prefill.release(rid)
     decode.add_prefilled(rid, prompt, out.aux, LONG)

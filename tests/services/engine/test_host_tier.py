@@ -14,7 +14,7 @@ def test_a_recalled_prefix_gives_the_cold_greedy_output(pair):
         engine.generate([other], GREEDY)  # pushes a's pages out to the host tier
     assert engine.manager.usage()["target"].host_used > 0
     again = engine.generate([a], GREEDY)[0].token_ids
-    assert engine.manager.stats["target"].recalled_tokens > 0
+    assert engine.cache_stats().prefix["target"].recalled_tokens > 0
     assert again == first == cold.generate([a], GREEDY)[0].token_ids
     assert_pools_empty(engine)
     assert engine.manager.usage()["target"].host_used == 0

@@ -56,10 +56,10 @@ def test_prefix_hits_with_complete_and_incomplete_draft_windows(pair, layout):
     variants += [full[:n] + [30, 29] for n in range(len(full) - 1, len(full) - 9, -1)]
     got += [o.token_ids for o in engine.generate(variants, GREEDY)]
     assert got == [o.token_ids for o in reference.generate(first + variants, GREEDY)]
-    assert engine.manager.stats["target"].hit_tokens > 0
-    assert engine.manager.stats["draft"].recomputed_tokens > 0  # windows refilled
+    assert engine.cache_stats().prefix["target"].hit_tokens > 0
+    assert engine.cache_stats().prefix["draft"].recomputed_tokens > 0  # windows refilled
     if layout == KVLayout.UNIFIED:
-        assert engine.manager.stats["draft"].hit_tokens > 0  # windows reused
+        assert engine.cache_stats().prefix["draft"].hit_tokens > 0  # windows reused
     assert_pools_empty(engine)
 
 

@@ -290,7 +290,7 @@ def test_a_prefilled_request_continues_its_logprobs(pair):
     prefill.add_request(prompt, sp, "r", prefill_only=True)
     parked = list(_drain(prefill))[-1]
     assert parked.logprobs == reference.logprobs[:1]
-    decode.manager.allocate("r", len(prompt), num_computed=len(prompt))
+    assert decode.reserve("r", len(prompt)) is not None
     transfer(prefill, decode, "r", len(prompt))
     prefill.release("r")
     decode.add_prefilled("r", prompt, parked.aux, sp)

@@ -64,7 +64,7 @@ def run(engine: Engine, turns: list[list], sampling: SamplingParams) -> dict:
         "tokens": [o.token_ids for o in outs],
         "al": [o.usage.acceptance_length for o in outs],
         "held": {g: u.used - u.cached for g, u in engine.manager.usage().items()},
-        "hit_tokens": engine.manager.stats["target"].hit_tokens,
+        "hit_tokens": engine.cache_stats().prefix["target"].hit_tokens,
     }
 
 

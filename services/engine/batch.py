@@ -1,0 +1,36 @@
+"""What the model runner takes and returns: plain data.
+
+A span is one request's query block: positions [start, start + len(token_ids)). KV is
+written only at positions >= ``write_start``: below it the pages are shared prefix-cache
+pages (or pages whose KV is already exact) and the span runs only to produce hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class Span:
+    request_id: str
+    start: int  # position of token_ids[0]
+    token_ids: list[int]
+    write_start: int = 0
+
+
+@dataclass(slots=True)
+class TargetRun:
+    hidden: torch.Tensor  # [num_tokens, hidden_size], final-normed
+    features: torch.Tensor | None  # [num_tokens, hidden_size]: f = fc(aux), or None
+
+
+class GraphedForwards(Protocol):
+    """Decode-step forwards the runner hands over when they fit (``cuda_graphs.py``);
+    each returns None when the spans do not fit a captured shape."""
+
+    def run_target(self, spans: list[Span]) -> TargetRun | None: ...
+
+    def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor | None: ...

@@ -1,0 +1,85 @@
+"""Engine setup: the KV cache the loaded models need, its pools and the manager over them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import (
+    DRAFT_GROUP,
+    TARGET_GROUP,
+    CacheConfig,
+    KVCacheManager,
+    KVPools,
+    LayerGroupSpec,
+    Lifecycle,
+    Owner,
+)
+from services.engine.config import EngineConfig
+from services.engine.models import Eagle3Drafter, LlamaForCausalLM
+from services.engine.parallel import TensorParallel, shard_cache_config
+
+
+def cache_config(
+    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
+) -> CacheConfig:
+    """The target group (windowed by the model's ``sliding_window``), plus the drafter's
+    (OPTIONAL, windowed) group when it runs."""
+    t = target.config
+    groups = [
+        LayerGroupSpec(
+            TARGET_GROUP,
+            Owner.TARGET,
+            t.num_hidden_layers,
+            t.num_key_value_heads,
+            t.head_dim,
+            dtype=c.dtype,
+            window=t.sliding_window,
+        )
+    ]
+    if drafter is not None:
+        d = drafter.config
+        groups.append(
+            LayerGroupSpec(
+                DRAFT_GROUP,
+                Owner.DRAFT,
+                d.num_hidden_layers,
+                d.num_key_value_heads,
+                d.head_dim,
+                dtype=c.dtype,
+                window=d.sliding_window,
+                lifecycle=Lifecycle.OPTIONAL,
+            )
+        )
+    host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
+    return CacheConfig(
+        groups=tuple(groups),
+        tokens_per_page=c.tokens_per_page,
+        num_pages=tuple(c.num_pages[: len(groups)]),
+        memory_bytes=c.kv_cache_bytes,
+        max_num_seqs=c.max_num_seqs,
+        max_prefill_chunk=c.max_prefill_chunk,
+        num_spec_tokens=k,
+        draft_block_width=1,
+        layout=c.layout,
+        enable_prefix_cache=c.enable_prefix_cache,
+        host_num_pages=host_pages,
+        host_write_policy=c.host_kv_write_policy,
+        host_recall_min_pages=c.host_kv_recall_min_pages,
+    )
+
+
+def build_cache(
+    config: CacheConfig,
+    target: LlamaForCausalLM,
+    drafter: Eagle3Drafter | None,
+    device: torch.device,
+    tp: TensorParallel,
+) -> tuple[KVCacheManager, KVPools]:
+    """This rank's cache manager and the pools it indexes, of its own KV heads. Rank 0 of
+    a tensor-parallel group records its pool writes for the other ranks to replay."""
+    totals = {TARGET_GROUP: target.config.num_key_value_heads}
+    if drafter is not None:
+        totals[DRAFT_GROUP] = drafter.config.num_key_value_heads
+    config = shard_cache_config(config, totals, tp)
+    pools = KVPools.allocate(config, device, record=tp.size > 1 and tp.rank == 0)
+    return KVCacheManager(config, pools), pools
