@@ -31,7 +31,7 @@ def test_merged_projections_keep_names_values_and_outputs():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        qkv_bias=True,
+        model_type="qwen2",
     )
     model = LlamaForCausalLM(c).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}

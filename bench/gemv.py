@@ -1,0 +1,103 @@
+"""Decode-sized matmuls of an 8B-shaped Llama (M = 1..16 rows) as cuBLAS runs them
+(``F.linear``) and as the weight-streaming Triton kernel runs them, over a sweep of its
+tile sizes; weight read rate in GB/s.
+
+Each figure is one call's share of a CUDA graph that runs the matmul back to back over
+distinct copies of the weight (at least 512 MB in all, so nothing is served from L2), the
+way a captured decode step runs its layers: no launch cost is counted.
+
+    python -m bench.gemv [--rows 1,8] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K) of Llama-3.1-8B's merged projections and head
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+CONFIGS = list(
+    itertools.product((16, 32, 64), (128, 256), (4,), (4,), (1, 2, 4))
+)  # n, k, warps, stages, split
+MIN_BYTES = 512 * 2**20
+
+
+def graphed_ms(fn, weights: list[torch.Tensor]) -> float:
+    """Median ms of one ``fn(w)`` inside a graph over every weight in turn."""
+    import triton
+
+    for w in weights:
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median") / len(weights)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    from services.engine.kernels.triton_gemv import gemv
+
+    results = []
+    print("| matmul | M | N x K | cuBLAS us | cuBLAS GB/s | Triton us | Triton GB/s | tiles |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), [int(r) for r in a.rows.split(",")]):
+        size = n * k * 2
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(max(2, -(-MIN_BYTES // size)))
+        ]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, weights[0])
+        cublas = graphed_ms(functools.partial(F.linear, x), weights)
+        best = (float("inf"), None)
+        for config in CONFIGS:
+            run = functools.partial(lambda w, x, c: gemv(x, w, *c), x=x, c=config)
+            try:
+                out = run(weights[0])
+            except Exception:  # a tile size Triton cannot build (shared memory): skip it
+                continue
+            err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+            ms = graphed_ms(run, weights)
+            if ms < best[0] and err < 2**-7:
+                best = (ms, config)
+        row = dict(
+            name=name,
+            rows=m,
+            n=n,
+            k=k,
+            cublas_ms=cublas,
+            cublas_gbps=size / cublas / 1e6,
+            triton_ms=best[0],
+            triton_gbps=size / best[0] / 1e6,
+            config=best[1],
+        )
+        results.append(row)
+        print(
+            f"| {name} | {m} | {n}x{k} | {cublas * 1e3:.1f} | {row['cublas_gbps']:,.0f} "
+            f"| {best[0] * 1e3:.1f} | {row['triton_gbps']:,.0f} | {best[1]} |",
+            flush=True,
+        )
+        del weights
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

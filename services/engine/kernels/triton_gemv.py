@@ -1,0 +1,95 @@
+"""Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 16.
+
+At M of a few rows a decode step's linear layers only stream their weights, so the
+kernel is laid out for the copy rate: program ``n`` owns ``BLOCK_N`` output columns
+and walks K once, reading each weight element exactly once; x is tiny and stays in L1/L2.
+With ``split_k`` > 1 program (n, s) covers the s-th K range and writes float32 partials
+that one sum reduces in a fixed order (no atomics): results are deterministic run to run.
+The reference is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    K_PER_SPLIT,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+            mask=(rn[:, None] < N) & (rk[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :],
+            mask=(rm[:, None] < M) & (rk[None, :] < K),
+            other=0.0,
+        )  # [16, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    split_k: int = 1,
+) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K] row-major -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"x: {m} rows, at most {MAX_ROWS}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    dtype = x.dtype if splits == 1 else torch.float32
+    out = torch.empty((splits, m, n), dtype=dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(1),
+        out.stride(0),
+        k_per_split,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
