@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from kvcore import TARGET_GROUP
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
@@ -71,7 +72,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
             num_drafts=u.num_steps,
             num_draft_tokens=u.num_draft_tokens,
             num_accepted_tokens=u.num_accepted,
-            cached_tokens=u.cached_tokens.get("target", 0),
+            cached_tokens=u.cached_tokens.get(TARGET_GROUP, 0),
             cached_tokens_per_group=[
                 cpb.GroupTokens(group=g, num_tokens=n) for g, n in u.cached_tokens.items()
             ],

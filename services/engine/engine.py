@@ -157,9 +157,13 @@ class Engine:
         self.check_reserve(request_id, prompt_len, prompt_ids)
         return self.manager.reserve_for_transfer(request_id, prompt_len, prompt_ids)
 
+    def holds_reservation(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds reserved pages that no :meth:`add_prefilled` took over."""
+        return request_id not in self.requests and self.manager.has_request(request_id)
+
     def release_reservation(self, request_id: str) -> bool:
         """Free the pages of a reservation no :meth:`add_prefilled` took over; whether it did."""
-        if request_id in self.requests or not self.manager.has_request(request_id):
+        if not self.holds_reservation(request_id):
             return False
         self.manager.free(request_id)
         return True

@@ -67,10 +67,11 @@ def make_config(
     )
 
 
-def make_cache(**kwargs) -> tuple[KVCacheManager, KVPools]:
-    """A manager over CPU pools of :func:`make_config`, and the pools."""
+def make_cache(record: bool = False, **kwargs) -> tuple[KVCacheManager, KVPools]:
+    """A manager over CPU pools of :func:`make_config`, and the pools (logging their
+    writes with ``record``)."""
     config = make_config(**kwargs)
-    pools = KVPools.allocate(config)
+    pools = KVPools.allocate(config, record=record)
     return KVCacheManager(config, pools), pools
 
 

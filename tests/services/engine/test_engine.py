@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvcore.aux_state import AuxState
+from services.engine.checks import RequestExists
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import GREEDY, assert_pools_empty, make_engine, random_prompts
 
@@ -192,6 +193,38 @@ def test_prefill_only_then_decode_elsewhere_matches_aggregated(pair, prompt_len)
     assert decode.stats["transferred"].num_steps > 0
     assert_pools_empty(prefill)
     assert_pools_empty(decode)
+
+
+@pytest.mark.parametrize(
+    "prompt_len,prompt_ids,message",
+    [
+        (0, [], "prompt_len: must be >= 1"),
+        (512, [], "prompt_len: 512 leaves no room in the context of 512"),
+        (3, [1, 2], "prompt_token_ids: 2 tokens, prompt_len is 3"),
+        (2, [1, 99], "prompt_token_ids: 99 is outside the vocabulary of 32"),
+    ],
+)
+def test_a_reservation_the_engine_can_never_take_is_refused(pair, prompt_len, prompt_ids, message):
+    engine = make_engine(pair, k=2)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        engine.reserve("r", prompt_len, prompt_ids)
+    assert not engine.holds_reservation("r")
+
+
+def test_a_reservation_is_held_until_released_or_taken_over(pair):
+    engine = make_engine(pair, k=2)
+    res = engine.reserve("r", 5, [1, 2, 3, 4, 5])
+    assert res is not None and set(res.block_tables) == {"target", "draft"}
+    assert engine.holds_reservation("r")
+    with pytest.raises(RequestExists, match="^request_id: 'r' is reserved$"):
+        engine.check_reserve("r", 5)
+    assert engine.release_reservation("r") and not engine.release_reservation("r")
+    engine.reserve("s", 2)
+    engine.add_prefilled("s", [1, 2], AuxState(2, 3, torch.zeros(64)), GREEDY)
+    assert not engine.holds_reservation("s") and not engine.release_reservation("s")
+    while engine.has_unfinished():
+        engine.step()
+    assert_pools_empty(engine)
 
 
 def test_add_prefilled_needs_a_reservation(pair):
