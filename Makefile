@@ -10,7 +10,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test proto bench bench-al soak lint clean observe bench-agentic
+.PHONY: setup run test test-unit proto bench bench-al soak lint clean observe bench-agentic
 
 setup: $(STAMP)
 
@@ -35,8 +35,13 @@ observe: proto
 	deploy/prometheus/install.sh
 	$(BIN)/python -m deploy.prometheus.observe $(OBSERVE_ARGS)
 
-test: proto
+# lint first: a broken layer contract or unformatted file fails the tests
+test: proto lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the inner loop: everything but the end-to-end runs marked slow
+test-unit: proto
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: proto
 	$(BIN)/python -m bench.kvcore
@@ -57,8 +62,12 @@ bench-agentic: proto
 soak: proto
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
+# ruff over the whole tree (kvcore, tokenization, services, deploy, models, bench, tests),
+# then the layer contracts of pyproject.toml's [tool.importlinter]
 lint: $(STAMP)
-	$(BIN)/ruff check kvcore services deploy bench tests
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py* .pytest_cache
