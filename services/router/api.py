@@ -46,31 +46,38 @@ class ModelLimits:
     num_spec_tokens: int = 0
 
 
+@dataclass(slots=True)
+class RouterOptions:
+    tokens_per_page: int = 16  # the workers' page size: the prefix index hashes whole pages
+    token: str = ""  # what workers must register with (and calls to them carry); "" = none
+    tls: TlsConfig | None = None  # mutual TLS on the channels to workers
+    health_timeout_s: float = STATS_TIMEOUT_S  # each Stats poll's deadline
+    health_misses: int = STATS_MISSES  # timed-out polls in a row before a worker is lost
+    queue_timeout_s: float = QUEUE_TIMEOUT_S  # how long a request waits for free pages
+
+
 class RouterAPI:
     def __init__(
         self,
         limits: ModelLimits,
         metrics: Metrics,
-        tokens_per_page: int = 16,
-        token: str = "",
-        tls: TlsConfig | None = None,
+        options: RouterOptions | None = None,
         tokenizer: Tokenizer | None = None,
-        health_timeout_s: float = STATS_TIMEOUT_S,
-        health_misses: int = STATS_MISSES,
     ) -> None:
-        """``token``: what workers must register with (and calls to them carry);
-        ``tokenizer``: the model's, for text prompts and streamed text; None = token-id
-        prompts only, and chunks carry no text. A worker that misses ``health_misses``
-        Stats polls in a row (``health_timeout_s`` each) gets no traffic."""
+        """``tokenizer``: the model's, for text prompts and streamed text; None = token-id
+        prompts only, and chunks carry no text."""
+        options = options or RouterOptions()
         self.limits = limits
         self.metrics = metrics
-        self.token = token
+        self.token = options.token
         self.tokenizer = tokenizer
-        self.queue_timeout_s = QUEUE_TIMEOUT_S
-        self.cluster = Cluster(Registry(tokens_per_page), tls, token)
+        self.queue_timeout_s = options.queue_timeout_s
+        self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.token)
         self.registration = Registration(self.cluster, metrics)
         self.flows: dict[str, RequestFlow] = {}  # the requests in flight, by id
-        self.health_monitor = HealthMonitor(self.cluster, self.flows, health_timeout_s, health_misses)
+        self.health_monitor = HealthMonitor(
+            self.cluster, self.flows, options.health_timeout_s, options.health_misses
+        )
 
     async def generate(self, request: cpb.GenerateRequest) -> AsyncIterator[cpb.GenerateResponse]:
         """One request's messages: chunks (text trimmed of stop strings), maybe an error,

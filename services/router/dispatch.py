@@ -164,13 +164,15 @@ class RequestFlow:
             decode.inflight -= 1
 
     async def decode(self, decode: Worker) -> Messages:
-        """The first token, then ``decode``'s stream of the rest (unless the first ended it)."""
+        """The first token, then ``decode``'s stream of the rest (unless the first ended it,
+        or the client aborted meanwhile: then the reservation is released, no Decode sent)."""
         yield self._first_chunk()
         self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
-        if self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
+        if self.aborted or self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
             await self.cluster.release(decode.id, self.rid)
             self.reserved_on = ""
-            yield msg.complete(self.rid, self.first.finish_reason, self.usage.merged())
+            reason = cpb.FINISH_REASON_ABORT if self.aborted else self.first.finish_reason
+            yield msg.complete(self.rid, reason, self.usage.merged())
             return
         decode.inflight += 1
         call = self.cluster.decode_stub(decode.id).Decode(

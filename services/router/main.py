@@ -9,7 +9,7 @@ import os
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
 from services.common.security import TlsConfig
-from services.router.api import ModelLimits, RouterAPI
+from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.health import STATS_MISSES, STATS_TIMEOUT_S
 from services.router.http import HttpServer
@@ -69,9 +69,8 @@ async def run_router(
     decodes streamed text; ``chat`` renders chat messages (None: chat is refused). Prints
     one line with the endpoints; ``bound`` gets the ports and the RouterAPI (``router``)."""
     metrics = Metrics("router", limits.model_id)
-    router = RouterAPI(
-        limits, metrics, tokens_per_page, token, tls, tokenizer, health_timeout_s, health_misses
-    )
+    options = RouterOptions(tokens_per_page, token, tls, health_timeout_s, health_misses)
+    router = RouterAPI(limits, metrics, options, tokenizer)
     server, health, port = await start_server(
         lambda s: add_router_servicers(s, router), host, port, tls, token
     )

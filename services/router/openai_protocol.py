@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import ChatTemplate, ChatTemplateError
 from services.router.openai_fields import as_object, boolean, integer, invalid, is_int, number
+from services.router.validation import MAX_LOGPROBS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
-MAX_LOGPROBS = 20
 
 # Fields we do not implement -> a test that the value is neutral (absent counts as neutral).
 _UNSUPPORTED_COMMON = {

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 from proto.tandem.v1 import client_pb2 as cpb
-from services.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
+
+MAX_LOGPROBS = 20  # top alternatives per token: the engine's bound (vLLM's default max_logprobs)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI), as in the engine
 
 
 class RequestError(ValueError):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from services.common.metrics import Metrics
-from services.router.api import ModelLimits, RouterAPI
+from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.registry import PairState
 
 PAGE = 4
@@ -37,7 +37,9 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def router(token: str = "", **limits) -> RouterAPI:
     options = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
-    return RouterAPI(ModelLimits(**options), Metrics("router"), tokens_per_page=PAGE, token=token)
+    return RouterAPI(
+        ModelLimits(**options), Metrics("router"), RouterOptions(tokens_per_page=PAGE, token=token)
+    )
 
 
 async def unreachable_ready_pairs(api: RouterAPI, prefills: list[str], decodes: list[str]) -> None:

@@ -8,6 +8,8 @@ import json
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.engine import sampling
+from services.router import validation
 from services.router.api import ModelLimits
 from services.router.http import HttpError
 from services.router.openai_api import OpenAIServer
@@ -250,3 +252,7 @@ def test_streamed_logprobs_come_with_their_chunks_and_offsets_run_on():
 def test_without_logprobs_the_field_stays_null():
     response = _call(OpenAIServer(_router()), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert json.loads(response.body)["choices"][0]["logprobs"] is None
+
+
+def test_the_routers_sampling_bounds_are_the_engines():
+    assert (validation.MAX_LOGPROBS, validation.MAX_PENALTY) == (sampling.MAX_LOGPROBS, sampling.MAX_PENALTY)
