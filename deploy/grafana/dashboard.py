@@ -292,6 +292,29 @@ def panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
 
 
 def build() -> dict:
+    return {
+        "uid": "tandem",
+        "title": "Tandem: disaggregated serving and speculative decoding",
+        "description": "Router, prefill and decode workers: traffic, latency, acceptance by "
+        "draft-state origin, KV pages, prefix reuse and transfers per layer group.",
+        "tags": ["tandem", "llm"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": _variables()},
+        "panels": _panels(),
+    }
+
+
+def _panels() -> list[dict]:
+    """Each row's header, then its panels left to right, wrapping at WIDTH (8 units high)."""
     panels, panel_id, y = [], 1, 0
     for row in ROWS:
         panels.append(
@@ -311,7 +334,11 @@ def build() -> dict:
             panels.append(panel_json(panel, panel_id, x, y))
             panel_id, x = panel_id + 1, x + panel.width
         y += 8
-    variables = [
+    return panels
+
+
+def _variables() -> list[dict]:
+    return [
         {
             "name": "datasource",
             "label": "Data source",
@@ -337,25 +364,6 @@ def build() -> dict:
             "hide": 0,
         },
     ]
-    return {
-        "uid": "tandem",
-        "title": "Tandem: disaggregated serving and speculative decoding",
-        "description": "Router, prefill and decode workers: traffic, latency, acceptance by "
-        "draft-state origin, KV pages, prefix reuse and transfers per layer group.",
-        "tags": ["tandem", "llm"],
-        "editable": True,
-        "graphTooltip": 1,
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "10s",
-        "time": {"from": "now-30m", "to": "now"},
-        "timepicker": {},
-        "timezone": "",
-        "annotations": {"list": []},
-        "links": [],
-        "templating": {"list": variables},
-        "panels": panels,
-    }
 
 
 def render() -> str:

@@ -186,7 +186,7 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.prometheus.observe",
         description=__doc__.splitlines()[0],
@@ -197,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--endpoints", help="a saved `tandem up` output: scrape that cluster instead of starting one"
     )
-    args, up_args = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, up_args = build_parser().parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     cluster = None
