@@ -7,7 +7,7 @@ Every rank holds a slice of each attention and MLP block, and the residual strea
   outputs are summed over the ranks by one all-reduce per block (a bias is added after);
 - KV heads split like query heads; with fewer KV heads than ranks a rank holds the one KV
   head its query heads read, replicated on tp / num_kv_heads ranks
-  (:func:`kvcore.transfer.head_routes.heads_of_rank`, the rule the transfer uses too);
+  (:func:`kvcore.transfer.heads_of_rank`, the rule the transfer uses too);
 - embeddings, norms, the drafter's ``fc`` and every LM head are replicated. Logits are
   computed on rank 0 only (it samples), so the head costs no communication.
 A checkpoint loads whole on every rank, which then keeps the slices it owns
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.spec import CacheConfig
-from kvcore.transfer.head_routes import heads_of_rank
+from kvcore.transfer import heads_of_rank
 
 IDLE_TIMEOUT = timedelta(days=365)
 """Collectives wait this long: followers block on the next step for as long as the
