@@ -1,26 +1,41 @@
-"""Moving KV pages between worker processes: the UCX transport and its message tags."""
+"""Moving KV pages between worker processes: the names the services use.
 
-from kvcore.transfer.tags import make_tag, message_tag, request_tag, split_tag
-from kvcore.transfer.ucx import (
-    LOOPBACK_ENV,
-    TransferError,
-    TransferTimeout,
-    TransportClosed,
-    UcxEndpointInfo,
-    UcxPath,
-    UcxTransport,
-)
+- :class:`TransferAgent` moves a request's pages, aux state and ack between two workers
+  of any TP sizes, and holds the pairing :class:`SideChannel`;
+- a TP worker's other ranks each run a :class:`RankTransfer` over their own
+  :class:`PagePools`; rank 0 reaches them through the services' :class:`RankLinks`
+  with :class:`SendJob`, :class:`RecvJob` and :class:`LinkTest`;
+- :func:`heads_of_rank` is the KV-head split both the transfer and the model sharding use.
+
+Everything else in this package (the UCX transport, tags, page runs) is its own.
+"""
+
+from kvcore import AuxState
+from kvcore.transfer.agent import TransferAgent
+from kvcore.transfer.fanout import RankLinks
+from kvcore.transfer.head_routes import HeadRoute, heads_of_rank
+from kvcore.transfer.jobs import LinkTest, PeerRank, RecvJob, SendJob, TransferUsage
+from kvcore.transfer.rank import PagePools, RankTransfer
+from kvcore.transfer.side_channel import PairingMessage, SideChannel
+from kvcore.transfer.ucx import LOOPBACK_ENV, EndpointInfo, TransferError, TransferTimeout
 
 __all__ = [
     "LOOPBACK_ENV",
+    "AuxState",
+    "EndpointInfo",
+    "HeadRoute",
+    "LinkTest",
+    "PagePools",
+    "PairingMessage",
+    "PeerRank",
+    "RankLinks",
+    "RankTransfer",
+    "RecvJob",
+    "SendJob",
+    "SideChannel",
+    "TransferAgent",
     "TransferError",
     "TransferTimeout",
-    "TransportClosed",
-    "UcxEndpointInfo",
-    "UcxPath",
-    "UcxTransport",
-    "make_tag",
-    "message_tag",
-    "request_tag",
-    "split_tag",
+    "TransferUsage",
+    "heads_of_rank",
 ]

@@ -9,7 +9,8 @@ message a worker can receive apart. A tag is laid out as
 
 ``request_tag`` is the per-request base (low 24 bits zero); it is what a
 reservation carries as ``transfer_tag``. Group indices past the cache's groups are
-free for per-request side messages (aux state, acks).
+free for per-request side messages: the top three are reserved below, and page messages
+of sender rank s use ``group index + number of groups * s``, which must stay under them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ REQUEST_BITS = 64 - GROUP_BITS - CHUNK_BITS
 MAX_GROUPS = 1 << GROUP_BITS
 MAX_CHUNKS = 1 << CHUNK_BITS
 _LOW_BITS = GROUP_BITS + CHUNK_BITS
+
+AUX_GROUP = MAX_GROUPS - 1  # group index of a request's aux-state message
+ACK_GROUP = MAX_GROUPS - 2  # group index of the receiver's acknowledgement
+PING_GROUP = MAX_GROUPS - 3  # group index of the pairing side channel (nonce, not request)
 
 
 def request_tag(request_id: str) -> int:

@@ -1,16 +1,11 @@
 """UCX transport for KV pages: tagged messages between worker processes.
 
-Two ways to reach a peer, chosen per connection:
+Two ways to reach a peer, chosen per connection (docs/transfer.md compares them):
 
-- ``UcxPath.WORKER_ADDRESS`` (default, bulk data): the peer's UCX worker address
-  travels out of band (in ``RankInfo``, as bytes) and the endpoint is made from it
-  with endpoint error handling off. UCX may then use every transport it has: shared
-  memory (sysv for small messages, cma zero-copy reads for large ones) on one host,
-  cuda_ipc between GPUs. On one host it is about 6x faster than TCP. The price:
-  UCX reports no peer failure, so every receive has a timeout and every send may.
-- ``UcxPath.LISTENER`` (TCP): the peer runs a listener; ``create_endpoint`` forces
-  endpoint error handling, which rules shared memory out, so only TCP is left. It
-  suits a cross-host fallback and reports a dead peer as an error.
+- ``UcxPath.WORKER_ADDRESS`` (default, bulk data): an endpoint from the peer's worker
+  address (``RankInfo.ucx``), error handling off, so UCX may use shared memory, cma and
+  cuda_ipc; it reports no peer failure, so every receive has a timeout and every send may;
+- ``UcxPath.LISTENER``: TCP to the peer's listener; a dead peer raises.
 
 Receive semantics. UCX matches tags per worker, so a receive names only its tag
 (see :mod:`kvcore.transfer.tags`), not a peer. A receive never posts a UCX request
@@ -25,15 +20,15 @@ A send that times out or fails aborts the endpoint (which cancels its in-flight
 sends, so the source buffers are free again) and forgets the peer; ``connect`` again
 to reuse it.
 
-One transport per process: ``ucxx`` keeps a single UCX worker per process. Its
-progress runs in the "blocking" mode: the event loop progresses the worker when the
-worker's epoll descriptor fires and arms it again afterwards (:mod:`ucx_progress` fixes
-ucxx, which armed it only once and then spun on every loop turn), so an idle process
-sleeps; a send or receive in flight progresses the worker itself on every loop turn,
-since shared-memory transports raise no wakeup events. (ucxx's own default, a
-progress thread, moved 1-256 MiB messages 3-8x slower on a 2-core host: every
-completion hops threads.) Hence the event loop must stay responsive: long compute
-belongs off the loop's thread, or transfers stall. ``UCXPY_PROGRESS_MODE`` overrides.
+One transport per process: ``ucxx`` keeps a single UCX worker per process. It progresses
+in the "blocking" mode (docs/transfer.md, "Progress and the event loop"):
+
+- the event loop progresses the worker when its epoll descriptor fires, and
+  :mod:`kvcore.transfer.ucx_progress` arms it again afterwards, so an idle process sleeps;
+- a send or receive in flight progresses the worker on every loop turn itself, since
+  shared-memory transports raise no wakeup events;
+- so long compute belongs off the loop's thread, or transfers stall.
+  ``UCXPY_PROGRESS_MODE`` overrides the mode.
 """
 
 from __future__ import annotations
@@ -44,8 +39,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.transfer import ucx_progress
 from kvcore.transfer.buffers import as_ucx_array
+from kvcore.transfer.ucx_progress import install as install_progress
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 """Environment that pins UCX to loopback (tests, benchmarks); set it before ``import ucxx``."""
@@ -73,8 +68,8 @@ class TransportClosed(TransferError):
 
 
 @dataclass(frozen=True, slots=True)
-class UcxEndpointInfo:
-    """How peers reach this transport; mirrors the ``UcxEndpoint`` proto message."""
+class EndpointInfo:
+    """How peers reach a transport; mirrors the ``UcxEndpoint`` proto message."""
 
     worker_address: bytes  # UCX worker address, as published in RankInfo
     host: str = ""  # listener host
@@ -105,8 +100,6 @@ class UcxTransport:
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
         self._started = self._closed = False
 
-    # ------------------------------------------------------------------ lifecycle
-
     async def start(self) -> None:
         """Create (or join) the process's UCX worker; start the listener if asked.
 
@@ -116,11 +109,11 @@ class UcxTransport:
             raise TransportClosed("transport: closed; create a new one")
         if self._started:
             return
-        import ucxx
+        import ucxx  # here, not at the top: UCX reads its environment once, when imported
 
         self._ucxx = ucxx
         if ucxx.core._ctx is None:  # first transport of this process picks the progress mode
-            ucx_progress.install()
+            install_progress()
             ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", PROGRESS_MODE))
         self._context = ucxx.core._get_ctx()  # the process's worker; ucxx has no public getter
         self._context.continuous_ucx_progress()
@@ -128,17 +121,15 @@ class UcxTransport:
             self._listener = ucxx.create_listener(self._on_accept, port=self._port)
         self._started = True
 
-    def local_info(self) -> UcxEndpointInfo:
+    def local_info(self) -> EndpointInfo:
         self._check_open()
         port = self._listener.port if self._listener is not None else 0
         address = self._ucxx.get_worker_address().tobytes()
-        return UcxEndpointInfo(address, self._host if port else "", port)
+        return EndpointInfo(address, self._host if port else "", port)
 
     async def close(self) -> None:
         """Abort every endpoint (cancelling their in-flight sends) and stop listening.
-
-        Idempotent. Receives waiting for a message raise ``TransportClosed``.
-        """
+        Idempotent; receives waiting for a message raise ``TransportClosed``."""
         if self._closed:
             return
         self._closed = True
@@ -150,11 +141,7 @@ class UcxTransport:
             self._listener.close()
             self._listener = None
 
-    # ------------------------------------------------------------------ peers
-
-    async def connect(
-        self, peer_id: str, info: UcxEndpointInfo, path: UcxPath = UcxPath.WORKER_ADDRESS
-    ) -> None:
+    async def connect(self, peer_id: str, info: EndpointInfo, path: UcxPath = UcxPath.WORKER_ADDRESS) -> None:
         """Open the send direction to ``peer_id``; ValueError naming the bad field."""
         self._check_open()
         if not peer_id:
@@ -181,13 +168,13 @@ class UcxTransport:
         if endpoint is not None:
             endpoint.abort()
 
-    async def _connect_by_address(self, info: UcxEndpointInfo) -> Any:
+    async def _connect_by_address(self, info: EndpointInfo) -> Any:
         if not info.worker_address:
             raise ValueError("worker_address: empty; the peer has no UCX worker")
         address = self._ucxx.get_ucx_address_from_buffer(info.worker_address)
         return await self._ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
-    async def _connect_by_listener(self, info: UcxEndpointInfo) -> Any:
+    async def _connect_by_listener(self, info: EndpointInfo) -> Any:
         if not info.host:
             raise ValueError("host: empty; the peer has no listener")
         if not 0 < info.port < 1 << 16:
@@ -204,8 +191,6 @@ class UcxTransport:
             return
         self._accepted = [ep for ep in self._accepted if not ep.closed]
         self._accepted.append(endpoint)
-
-    # ------------------------------------------------------------------ messages
 
     async def send(self, peer_id: str, buffer: Any, tag: int, timeout_s: float | None = None) -> None:
         """Send ``buffer``'s bytes to ``peer_id`` under ``tag``.
@@ -250,7 +235,7 @@ class UcxTransport:
             raise TransferError(
                 f"recv of tag {tag:#x}: message has {probe.length} bytes, buffer has {array.nbytes}"
             )
-        request = _background(self._receive_matched(array, probe))
+        request = _background(self._context.recv_with_handle(array, probe))
         try:
             await self._drive(request, max(deadline - loop.time(), 0))
         except TimeoutError:
@@ -289,12 +274,9 @@ class UcxTransport:
             await asyncio.sleep(0)
         request.result()
 
-    async def _receive_matched(self, array: Any, probe: Any) -> None:
-        await self._context.recv_with_handle(array, probe)
-
     async def _discard(self, probe: Any) -> None:
         """Drain a dequeued message that will not be delivered (UCX requires it)."""
-        await self._receive_matched(as_ucx_array(bytearray(probe.length), writable=True), probe)
+        await self._context.recv_with_handle(as_ucx_array(bytearray(probe.length), writable=True), probe)
 
     def _check_open(self) -> None:
         if self._closed:

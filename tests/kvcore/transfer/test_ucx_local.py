@@ -14,10 +14,10 @@ import torch
 
 from kvcore.transfer.tags import make_tag
 from kvcore.transfer.ucx import (
+    EndpointInfo,
     TransferError,
     TransferTimeout,
     TransportClosed,
-    UcxEndpointInfo,
     UcxPath,
     UcxTransport,
 )
@@ -139,9 +139,9 @@ def test_bad_input_names_the_field():
         cases = [
             (transport.connect("", info), "peer_id"),
             (transport.connect("self", info), "peer_id"),  # already connected
-            (transport.connect("x", UcxEndpointInfo(b"")), "worker_address"),
-            (transport.connect("x", UcxEndpointInfo(b"", "", 0), UcxPath.LISTENER), "host"),
-            (transport.connect("x", UcxEndpointInfo(b"", "127.0.0.1", 0), UcxPath.LISTENER), "port"),
+            (transport.connect("x", EndpointInfo(b"")), "worker_address"),
+            (transport.connect("x", EndpointInfo(b"", "", 0), UcxPath.LISTENER), "host"),
+            (transport.connect("x", EndpointInfo(b"", "127.0.0.1", 0), UcxPath.LISTENER), "port"),
             (transport.send("nobody", b"x", 1), "peer_id"),
             (transport.send("self", b"x", -1), "tag"),
             (transport.send("self", b"x", 1 << 64), "tag"),

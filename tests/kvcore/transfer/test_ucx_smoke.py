@@ -54,12 +54,12 @@ def _peer_main(role: int, conn) -> None:
 
 
 async def _peer_session(role: int, conn) -> None:
-    from kvcore.transfer.ucx import TransferTimeout, UcxEndpointInfo, UcxTransport
+    from kvcore.transfer.ucx import EndpointInfo, TransferTimeout, UcxTransport
 
     transport = UcxTransport(listen=True)
     await transport.start()
     conn.send(dataclasses.astuple(transport.local_info()))
-    peer_info = UcxEndpointInfo(*await asyncio.to_thread(conn.recv))
+    peer_info = EndpointInfo(*await asyncio.to_thread(conn.recv))
     await transport.connect("shm", peer_info, UcxPath.WORKER_ADDRESS)
     await transport.connect("tcp", peer_info, UcxPath.LISTENER)
 

@@ -1,0 +1,119 @@
+"""One rank's share of every transfer: its UCX worker, its pools, its jobs.
+
+Every rank of a worker runs one :class:`RankTransfer`: rank 0 inside its
+:class:`~kvcore.transfer.agent.TransferAgent`, ranks 1.. on rank 0's word through the
+services' control channel. A job names rank 0's page ids; this rank moves its own heads
+of them, from and into its own pools.
+
+Tag group index of a group's messages from sender rank s: ``group index + number of
+groups * s`` (rank 0 alone uses the plain indices), so a receiver gathering from several
+sender ranks tells them apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvcore.transfer.jobs import LinkTest, RecvJob, SendJob, TransferUsage
+from kvcore.transfer.pages import receive_group, send_group
+from kvcore.transfer.side_channel import SideChannel
+from kvcore.transfer.tags import PING_GROUP, request_tag
+from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
+
+LINK_TEST_TIMEOUT_S = 10.0
+
+
+class PagePools(Protocol):
+    """The KV pools a rank's transfers read and write, by layer group."""
+
+    def tensor(self, group: str) -> torch.Tensor:
+        """``[pages, layers, 2, heads, tokens_per_page, head_dim]`` pool of ``group``."""
+        ...
+
+
+class RankTransfer:
+    """Runs this rank's :class:`SendJob`, :class:`RecvJob` and :class:`LinkTest`.
+
+    ``groups``: the cache config's group names, in its order (they index the tags).
+    """
+
+    def __init__(
+        self, pools: PagePools, groups: Sequence[str], transport: UcxTransport | None = None
+    ) -> None:
+        self.pools = pools
+        self.transport = transport or UcxTransport()
+        self.side_channel = SideChannel(self.transport)
+        self._index = {g: i for i, g in enumerate(groups)}
+
+    async def start(self) -> None:
+        await self.transport.start()
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    def endpoint(self) -> EndpointInfo:
+        return self.transport.local_info()
+
+    async def connect(self, peer_id: str, info: EndpointInfo) -> None:
+        """Open the send direction to ``peer_id`` unless it is open already."""
+        if not self.transport.is_connected(peer_id):
+            await self.transport.connect(peer_id, info)
+
+    async def disconnect(self, peer_id: str) -> None:
+        await self.transport.disconnect(peer_id)
+
+    async def send(self, job: SendJob) -> TransferUsage:
+        """Every routed group of ``job``, one after the other."""
+        base, usage = request_tag(job.request_id), TransferUsage()
+        for group, sent in job.pages.items():
+            route = job.routes.get(group)
+            if route is None:
+                continue
+            start = time.perf_counter()
+            dest = job.dest.get(group) if job.dest else None
+            tag = (base, self.tag_index(group, job.src_rank))
+            usage.bytes[group] = await send_group(
+                self.transport, self.pools.tensor(group), job.peer_id, tag, sent, route, dest, job.timeout_s
+            )
+            usage.seconds[group] = time.perf_counter() - start
+        return usage
+
+    async def recv(self, job: RecvJob) -> TransferUsage:
+        """Every sender rank's routed groups, in ascending sender rank."""
+        total = TransferUsage()
+        for src_rank in sorted(job.sources):
+            total.add(await self._recv_from(job, src_rank))
+        return total
+
+    async def test(self, job: LinkTest) -> None:
+        """Connect afresh to the peer rank, then ping it or echo its ping."""
+        await self.disconnect(job.peer.instance_id)  # a re-registering peer has a new address
+        await self.connect(job.peer.instance_id, job.peer.endpoint)
+        run = self.side_channel.ping if job.lead else self.side_channel.pong
+        await run(job.peer.instance_id, job.nonce, LINK_TEST_TIMEOUT_S)
+
+    def tag_index(self, group: str, src_rank: int) -> int:
+        """Tag group index of ``group``'s messages from sender rank ``src_rank``."""
+        index = self._index[group] + len(self._index) * src_rank
+        if index >= PING_GROUP:
+            raise TransferError(f"src_rank: {src_rank} leaves no tag for group {group!r}")
+        return index
+
+    async def _recv_from(self, job: RecvJob, src_rank: int) -> TransferUsage:
+        base, usage = request_tag(job.request_id), TransferUsage()
+        routes = job.sources[src_rank]
+        for group, landing in job.pages.items():
+            route = routes.get(group)
+            if route is None:
+                continue
+            start = time.perf_counter()
+            tag = (base, self.tag_index(group, src_rank))
+            usage.bytes[group] = await receive_group(
+                self.transport, self.pools.tensor(group), tag, landing, route, job.timeout_s
+            )
+            usage.seconds[group] = time.perf_counter() - start
+        return usage

@@ -1,0 +1,304 @@
+"""Child processes of tests/kvcore/transfer/test_agent.py: real agents over loopback UCX.
+
+Each child is one rank of one worker, with its own UCX worker shared by every scenario it
+takes part in. Rank 0 of a worker runs the TransferAgent the servers run; rank 1 runs its
+RankTransfer on rank 0's jobs, carried by a pipe (:mod:`tests.kvcore.transfer.rank_pipe`).
+Children report plain bytes and lists: tensors through a pipe travel as file
+descriptors, which a child exiting first would close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+from kvcore import (
+    AuxState,
+    CacheConfig,
+    KVCacheManager,
+    KVLayout,
+    KVPools,
+    LayerGroupSpec,
+    Lifecycle,
+    Owner,
+)
+from kvcore.transfer import (
+    LOOPBACK_ENV,
+    EndpointInfo,
+    PairingMessage,
+    PeerRank,
+    RankTransfer,
+    TransferAgent,
+    TransferTimeout,
+    heads_of_rank,
+)
+from kvcore.transfer.tags import AUX_GROUP, message_tag, request_tag
+from kvcore.transfer.ucx import UcxTransport
+from tests.kvcore.conftest import make_config
+from tests.kvcore.transfer.rank_pipe import PipeClient, PipeLinks, serve_pipe
+
+HEADS = {"target": 4, "draft": 1}  # KV heads of the whole layer: split 2 + 2, replicated
+NUM_TOKENS = 22
+HIDDEN = 8
+TIMEOUT_S = 20.0
+SCENARIOS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (prefill TP, decode TP)
+CANCELLED = "cancelled"  # the 2 -> 2 request whose receive is cancelled mid-way
+
+
+def tp_config(tp: int) -> CacheConfig:
+    groups = tuple(
+        LayerGroupSpec(
+            g,
+            owner,
+            num_layers=2 if g == "target" else 1,
+            num_kv_heads=len(heads_of_rank(h, tp, 0)),
+            head_dim=4,
+            dtype="float32" if g == "target" else "bfloat16",
+            window=0 if g == "target" else 8,
+            lifecycle=Lifecycle.REQUIRED if g == "target" else Lifecycle.OPTIONAL,
+        )
+        for (g, h), owner in zip(HEADS.items(), (Owner.TARGET, Owner.DRAFT), strict=True)
+    )
+    return CacheConfig(groups=groups, tokens_per_page=4, num_pages=(32, 32), num_spec_tokens=2)
+
+
+def seeded(pools: KVPools, seed: int) -> KVPools:
+    """``pools`` filled with seeded random bits."""
+    gen = torch.Generator().manual_seed(seed)
+    for pool in pools.tensors().values():
+        bits = pool.view(torch.uint8)
+        bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=gen))
+    return pools
+
+
+def rid(src_tp: int, dst_tp: int) -> str:
+    return f"r{src_tp}{dst_tp}"
+
+
+def tp_of(side: str, scenario: tuple[int, int]) -> int:
+    return scenario[0] if side == "P" else scenario[1]
+
+
+def landed(manager: KVCacheManager, pools: KVPools, request_id: str, held=None) -> dict:
+    """Per travelling group: (first page, page ids, their bytes) of ``request_id``."""
+    return {
+        g: (p.first_page, p.page_ids, pools.tensor(g)[p.page_ids].view(torch.uint8).numpy().tobytes())
+        for g, p in manager.transfer_pages(request_id, NUM_TOKENS, held).items()
+    }
+
+
+# ---------------------------------------------------------------- TP groups, four ranks
+
+
+def tp_child(name: str, parent, sibling) -> None:
+    os.environ.update(LOOPBACK_ENV)
+    asyncio.run(_tp_rank(name, parent, sibling))
+
+
+def rank_state(side: str, rank: int, scenario: tuple[int, int]) -> tuple[KVCacheManager, KVPools]:
+    """One rank's cache for one scenario. Every rank of a worker makes the same page
+    decisions; a prefill rank's pools hold its heads of one seeded whole pool."""
+    tp, r = tp_of(side, scenario), rid(*scenario)
+    pools = KVPools.allocate(tp_config(tp))
+    manager = KVCacheManager(tp_config(tp), pools)
+    if side == "P":
+        for g, whole in seeded(KVPools.allocate(tp_config(1)), 7).tensors().items():
+            held = heads_of_rank(HEADS[g], tp, rank)
+            pools.tensor(g).copy_(whole[:, :, :, held.start : held.stop])
+        manager.allocate(r, NUM_TOKENS)
+        manager.advance(r, NUM_TOKENS)
+        return manager, pools
+    manager.allocate("other", 4 * sum(scenario))  # other page ids than the sender's
+    manager.reserve_for_transfer(r, NUM_TOKENS)
+    if scenario == (2, 2):
+        assert manager.reserve_for_transfer(CANCELLED, NUM_TOKENS) is not None
+    return manager, pools
+
+
+async def _tp_rank(name: str, parent, sibling) -> None:
+    side, rank = name[0], int(name[1])
+    transport = UcxTransport()
+    await transport.start()
+    states = {sc: rank_state(side, rank, sc) for sc in SCENARIOS if rank < tp_of(side, sc)}
+    rows = {
+        rid(*sc): {g: m.block_table(rid(*sc), g) for g in m.groups}
+        for sc, (m, _) in states.items()
+        if side == "D"
+    }
+    parent.send((transport.local_info().worker_address, rows))
+    addresses, dest = await asyncio.to_thread(parent.recv)
+    if rank == 1:
+        ranks = {sc: RankTransfer(pools, list(m.groups), transport) for sc, (m, pools) in states.items()}
+        report = {"outcomes": await serve_pipe(sibling, ranks)}
+    else:
+        report = await _lead_rank(side, states, transport, PipeClient(sibling), addresses, dest)
+    if side == "D":
+        report["landed"] = {rid(*sc): landed(m, pools, rid(*sc)) for sc, (m, pools) in states.items()}
+    parent.send(report)
+    await transport.close()
+
+
+async def _lead_rank(side, states, transport, client: PipeClient, addresses, dest) -> dict:
+    """Rank 0: pair every scenario's agent in turn, run every transfer at once, then the
+    cancelled receive (2 -> 2)."""
+    agents = {}
+    for sc, (m, pools) in states.items():
+        links = PipeLinks(client, sc) if tp_of(side, sc) == 2 else None
+        agents[sc] = TransferAgent(m, pools, HIDDEN, transport, links, total_heads=HEADS)
+        await _pair(agents[sc], side, sc, addresses)
+    usage = await asyncio.gather(*(_transfer(side, sc, a, dest) for sc, a in agents.items()))
+    report = {"usage": {rid(*sc): (u.bytes, u.pages) for sc, u in zip(agents, usage, strict=True)}}
+    if side == "P":
+        aux = AuxState(NUM_TOKENS, 42, torch.zeros(HIDDEN), "P0")  # the aux alone, no pages
+        await transport.send("D0", aux.to_bytes(), message_tag(request_tag(CANCELLED), AUX_GROUP, 0), 5.0)
+    else:
+        report["cancel"] = await _cancel_mid_receive(agents[(2, 2)], client)
+    client.stop()
+    return report
+
+
+async def _pair(agent: TransferAgent, side: str, scenario: tuple[int, int], addresses) -> None:
+    other = "D" if side == "P" else "P"
+    peer = [
+        PeerRank(f"{other}{r}", EndpointInfo(addresses[f"{other}{r}"])) for r in range(tp_of(other, scenario))
+    ]
+    await agent.connect(peer[0].instance_id, peer[0].endpoint)
+    agent.pair(peer[0].instance_id, peer)
+    await agent.test_links(peer, lead=side == "P", nonce=f"pair-{rid(*scenario)}")
+
+
+async def _transfer(side: str, scenario: tuple[int, int], agent: TransferAgent, dest):
+    r = rid(*scenario)
+    if side == "P":
+        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "P0")
+        return await agent.send_request(r, NUM_TOKENS, "D0", aux, TIMEOUT_S, dest[r])
+    aux, usage = await agent.receive_request(r, NUM_TOKENS, TIMEOUT_S)
+    assert (aux.first_token_id, aux.hidden.tolist()) == (42, list(range(HIDDEN)))
+    return usage
+
+
+async def _cancel_mid_receive(agent: TransferAgent, client: PipeClient) -> str:
+    """Receive a request whose pages never come; cancel once rank 1 holds its job."""
+    task = asyncio.ensure_future(agent.receive_request(CANCELLED, NUM_TOKENS, TIMEOUT_S))
+    while not client.pending and not task.done():
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    task.cancel()
+    outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+    return type(outcome).__name__
+
+
+# ---------------------------------------------------------------- TP 1 pair, every layout
+
+PROMPT = list(range(1, NUM_TOKENS + 1))
+CASES = {  # name -> (layout, target window, decode holds the prompt's first 12 tokens)
+    "unified": (KVLayout.UNIFIED, 0, False),
+    "separate": (KVLayout.SEPARATE, 0, False),
+    "windowed": (KVLayout.UNIFIED, 8, False),
+    "held": (KVLayout.UNIFIED, 0, True),
+}
+PAIR_CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtype="bfloat16")
+NONCE = "pair-1"
+
+
+def pair_config(case: str) -> CacheConfig:
+    layout, target_window, _ = CASES[case]
+    return make_config(layout=layout, target_window=target_window, **PAIR_CONFIG)
+
+
+def sender_state(case: str) -> tuple[KVCacheManager, KVPools]:
+    """The prefill side of ``case``: seeded pools, request "r" prefilled."""
+    pools = seeded(KVPools.allocate(pair_config(case)), 7)
+    manager = KVCacheManager(pair_config(case), pools)
+    manager.allocate("r", NUM_TOKENS)
+    manager.advance("r", NUM_TOKENS)
+    return manager, pools
+
+
+def _receiver_state(case: str):
+    """The decode side of ``case``: "r" reserved, with the prompt's cached pages held."""
+    pools = KVPools.allocate(pair_config(case))
+    manager = KVCacheManager(pair_config(case), pools)
+    if CASES[case][2]:
+        manager.allocate("warm", 12)
+        manager.advance("warm", 12)
+        manager.free("warm", PROMPT[:12])
+    reservation = manager.reserve_for_transfer("r", NUM_TOKENS, PROMPT if CASES[case][2] else ())
+    return manager, pools, reservation
+
+
+def pair_child(role: str, conn) -> None:
+    os.environ.update(LOOPBACK_ENV)
+    asyncio.run(_pair_side(role, conn))
+
+
+async def _pair_side(role: str, conn) -> None:
+    transport = UcxTransport()
+    await transport.start()
+    states = {c: sender_state(c) if role == "prefill" else _receiver_state(c) for c in CASES}
+    reservations = {c: (s[2].block_tables, s[2].num_held) for c, s in states.items() if role == "decode"}
+    conn.send((transport.local_info().worker_address, reservations))
+    address, peer_reservations = await asyncio.to_thread(conn.recv)
+    peer_id = "decode" if role == "prefill" else "prefill"
+    agents = {c: TransferAgent(s[0], s[1], HIDDEN, transport) for c, s in states.items()}
+    for agent in agents.values():
+        await agent.connect(peer_id, EndpointInfo(address))
+        agent.pair(peer_id, [PeerRank(peer_id, EndpointInfo(address))])
+    if role == "prefill":
+        report = await _send_cases(agents, peer_reservations)
+    else:
+        report = await _receive_cases(agents, states)
+    conn.send(report)
+    await transport.close()
+
+
+async def _send_cases(agents: dict[str, TransferAgent], reservations) -> dict:
+    """Every case in turn (the separate one packed, the others pool to pool), then the
+    side channel's lead."""
+    report = {}
+    for case, agent in agents.items():
+        rows, held = reservations[case]
+        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "prefill")
+        dest = None if case == "separate" else rows
+        usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S, dest, held)
+        report[case] = (usage.bytes, usage.pages, usage.held)
+    side = agents["unified"].side_channel
+    await side.ping("decode", NONCE, TIMEOUT_S)
+    await side.send_message("decode", NONCE, PairingMessage.SENDER_RANKS, b"ranks", TIMEOUT_S)
+    report["verdict"] = await side.receive_message(NONCE, PairingMessage.RECEIVER_VERDICT, TIMEOUT_S)
+    await side.send_message("decode", NONCE, PairingMessage.SENDER_VERDICT, b"", TIMEOUT_S)
+    return report
+
+
+async def _receive_cases(agents: dict[str, TransferAgent], states) -> dict:
+    """Every case in turn, the side channel's answer, then a receive nobody sends."""
+    report = {}
+    for case, agent in agents.items():
+        manager, pools, reservation = states[case]
+        aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
+        got = landed(manager, pools, "r", reservation.num_held)
+        aux_fields = (aux.prompt_len, aux.first_token_id, aux.hidden.tolist(), aux.sender_id)
+        report[case] = (usage.bytes, usage.pages, usage.held, got, aux_fields)
+        manager.free("r")
+    side = agents["unified"].side_channel
+    await side.pong("prefill", NONCE, TIMEOUT_S)
+    report["ranks"] = await side.receive_message(NONCE, PairingMessage.SENDER_RANKS, TIMEOUT_S)
+    await side.send_message("prefill", NONCE, PairingMessage.RECEIVER_VERDICT, b"accepted", TIMEOUT_S)
+    report["final"] = await side.receive_message(NONCE, PairingMessage.SENDER_VERDICT, TIMEOUT_S)
+    report["silent"] = await _silent_receive(agents["unified"], states["unified"][0])
+    report["used"] = {g: u.used for g, u in states["unified"][0].usage().items()}
+    return report
+
+
+async def _silent_receive(agent: TransferAgent, manager: KVCacheManager) -> str:
+    """Nobody sends request "s": the receive times out, and its pages are freed."""
+    manager.reserve_for_transfer("s", 8)
+    try:
+        await agent.receive_request("s", 8, 0.3)
+        outcome = "no error"
+    except TransferTimeout:
+        outcome = "TransferTimeout"
+    manager.free("s")
+    return outcome
