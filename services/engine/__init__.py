@@ -2,14 +2,14 @@
 paged KV cache, continuous batching, speculative decoding. See docs/engine.md.
 
 The names below are exported lazily (PEP 562): importing a light submodule such as
-``services.engine.sampling`` does not load the engine, its models and torch with it."""
+``services.engine.sampling`` does not load the engine, its models and torch with it. The
+aux state a prefilled request carries is kvcore's (``kvcore.AuxState``)."""
 
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "AuxState": "services.engine.request",
     "Engine": "services.engine.engine",
     "EngineConfig": "services.engine.config",
     "RequestOutput": "services.engine.request",
