@@ -17,32 +17,35 @@ from collections.abc import Callable
 
 import grpc
 
-from kvcore.transfer.ucx import TransferError, UcxEndpointInfo
+from kvcore.transfer import EndpointInfo, PairingMessage, PeerRank, TransferAgent, TransferError
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.metrics import Metrics
 from services.common.peer_check import Mismatch, check_peer, mismatches_to_proto
 from services.common.tp_check import check_peer_group, group_from_bytes, group_to_bytes
-from services.common.tp_control import RankError
-from services.common.tp_group import GroupTransferAgent
 
 PAIR_TEST_TIMEOUT_S = 10.0
-GROUP_CHUNK = 2  # the prefill side's ranks (length, then bytes: chunks 2 and 3)
-PEER_GROUP_CHUNK = 4  # the decode side's ranks
-VERDICT_CHUNK = 6  # the decode side's RegisterResponse
-FINAL_CHUNK = 8  # the prefill side's RegisterResponse (sent when the decode side accepted)
 
 
 def pair_nonce(prefill_id: str, decode_id: str) -> str:
     return f"pair:{prefill_id}->{decode_id}"
 
 
+def endpoint_of(info: rpb.RankInfo) -> EndpointInfo:
+    return EndpointInfo(info.ucx.worker_address, info.ucx.host, info.ucx.port)
+
+
+def peer_ranks(ranks: list[rpb.RankInfo]) -> list[PeerRank]:
+    """A peer group's RankInfos (rank 0 first) as the transfer agent knows them."""
+    return [PeerRank(r.instance_id, endpoint_of(r)) for r in ranks]
+
+
 class PeerRegistry(reg_grpc.RegistrationServicer):
     def __init__(
         self,
         local_info: Callable[[], rpb.RankInfo],
-        agent: GroupTransferAgent,
+        agent: TransferAgent,
         metrics: Metrics,
         token: str = "",
         local_ranks: Callable[[], list[rpb.RankInfo]] | None = None,
@@ -70,7 +73,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         if not mismatches:
             try:
                 mismatches = await self._connect_and_test(local, peer)
-            except (TransferError, RankError, ValueError) as e:
+            except (TransferError, ValueError) as e:
                 mismatches = [
                     Mismatch("ucx", local.instance_id, peer.instance_id, f"test transfer failed: {e}")
                 ]
@@ -85,9 +88,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
 
     async def _connect_and_test(self, local: rpb.RankInfo, peer: rpb.RankInfo) -> list[Mismatch]:
         await self.agent.disconnect(peer.instance_id)  # a re-registering peer has a new address
-        await self.agent.connect(
-            peer.instance_id, UcxEndpointInfo(peer.ucx.worker_address, peer.ucx.host, peer.ucx.port)
-        )
+        await self.agent.connect(peer.instance_id, endpoint_of(peer))
         if local.role != rpb.ROLE_DECODE:
             return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id))
         task = asyncio.ensure_future(self._answer(peer, pair_nonce(peer.instance_id, local.instance_id)))
@@ -97,64 +98,70 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
 
     async def _lead(self, peer: rpb.RankInfo, nonce: str) -> list[Mismatch]:
         """Prefill side: test transfer, groups out and in, every rank checked and tested."""
-        a, t = self.agent, PAIR_TEST_TIMEOUT_S
-        await a.ping(peer.instance_id, nonce, t)
-        await a.send_message(peer.instance_id, nonce, GROUP_CHUNK, group_to_bytes(self.local_ranks()), t)
-        ranks = group_from_bytes(await a.receive_message(nonce, PEER_GROUP_CHUNK, t))
-        verdict = reg.RegisterResponse.FromString(await a.receive_message(nonce, VERDICT_CHUNK, t))
+        side, t = self.agent.side_channel, PAIR_TEST_TIMEOUT_S
+        await side.ping(peer.instance_id, nonce, t)
+        mine = group_to_bytes(self.local_ranks())
+        await side.send_message(peer.instance_id, nonce, PairingMessage.SENDER_RANKS, mine, t)
+        ranks = group_from_bytes(await side.receive_message(nonce, PairingMessage.RECEIVER_RANKS, t))
+        verdict = reg.RegisterResponse.FromString(
+            await side.receive_message(nonce, PairingMessage.RECEIVER_VERDICT, t)
+        )
         if not verdict.accepted:  # named from the decode side: its values are "local" there
             return [
                 Mismatch(m.field, m.peer_value, m.local_value, m.reason or f"refused by {peer.instance_id}")
                 for m in verdict.mismatches
             ]
-        mismatches = check_peer_group(self.local_ranks(), ranks)
-        if not mismatches:
-            try:
-                await a.test_links(ranks, sender=True, nonce=nonce)
-            except TransferError as e:
-                mismatches = [
-                    Mismatch(
-                        "ucx",
-                        self.local_info().instance_id,
-                        peer.instance_id,
-                        f"test transfer between ranks failed: {e}",
-                    )
-                ]
+        mismatches = check_peer_group(self.local_ranks(), ranks) or await self._test_ranks(peer, ranks, nonce)
         final = reg.RegisterResponse(accepted=not mismatches, mismatches=mismatches_to_proto(mismatches))
-        await a.send_message(peer.instance_id, nonce, FINAL_CHUNK, final.SerializeToString(), t)
+        await side.send_message(
+            peer.instance_id, nonce, PairingMessage.SENDER_VERDICT, final.SerializeToString(), t
+        )
         if not mismatches:
-            a.peer_ranks[peer.instance_id] = ranks
+            self.agent.pair(peer.instance_id, peer_ranks(ranks))
         return mismatches
+
+    async def _test_ranks(self, peer: rpb.RankInfo, ranks: list[rpb.RankInfo], nonce: str) -> list[Mismatch]:
+        """Prefill side: the test transfer of every other rank pair; a failure is a mismatch."""
+        try:
+            await self.agent.test_links(peer_ranks(ranks), lead=True, nonce=nonce)
+        except TransferError as e:
+            local = self.local_info().instance_id
+            return [Mismatch("ucx", local, peer.instance_id, f"test transfer between ranks failed: {e}")]
+        return []
 
     async def _answer(self, peer: rpb.RankInfo, nonce: str) -> None:
         """Decode side: echo, check the prefill group, answer, echo every other rank pair,
         then keep or drop the peer as the prefill side decides."""
-        a, t = self.agent, PAIR_TEST_TIMEOUT_S
         accepted = False
         try:
-            await a.pong(peer.instance_id, nonce, t)
-            ranks = group_from_bytes(await a.receive_message(nonce, GROUP_CHUNK, t))
-            mismatches = check_peer_group(self.local_ranks(), ranks)
-            if not mismatches:
-                a.peer_ranks[peer.instance_id] = ranks  # before the answer: traffic may follow
-            await a.send_message(
-                peer.instance_id, nonce, PEER_GROUP_CHUNK, group_to_bytes(self.local_ranks()), t
-            )
-            verdict = reg.RegisterResponse(
-                accepted=not mismatches, mismatches=mismatches_to_proto(mismatches)
-            )
-            await a.send_message(peer.instance_id, nonce, VERDICT_CHUNK, verdict.SerializeToString(), t)
-            if mismatches:
-                return
-            await a.test_links(ranks, sender=False, nonce=nonce)
-            final = reg.RegisterResponse.FromString(await a.receive_message(nonce, FINAL_CHUNK, t))
-            accepted = final.accepted
-        except (TransferError, RankError):
+            accepted = await self._answer_steps(peer, nonce)
+        except TransferError:
             pass
         finally:
             if not accepted:
                 self.peers.pop(peer.instance_id, None)
-                a.peer_ranks.pop(peer.instance_id, None)
+                self.agent.unpair(peer.instance_id)
+
+    async def _answer_steps(self, peer: rpb.RankInfo, nonce: str) -> bool:
+        side, t = self.agent.side_channel, PAIR_TEST_TIMEOUT_S
+        await side.pong(peer.instance_id, nonce, t)
+        ranks = group_from_bytes(await side.receive_message(nonce, PairingMessage.SENDER_RANKS, t))
+        mismatches = check_peer_group(self.local_ranks(), ranks)
+        if not mismatches:
+            self.agent.pair(peer.instance_id, peer_ranks(ranks))  # before the answer: traffic may follow
+        mine = group_to_bytes(self.local_ranks())
+        await side.send_message(peer.instance_id, nonce, PairingMessage.RECEIVER_RANKS, mine, t)
+        verdict = reg.RegisterResponse(accepted=not mismatches, mismatches=mismatches_to_proto(mismatches))
+        await side.send_message(
+            peer.instance_id, nonce, PairingMessage.RECEIVER_VERDICT, verdict.SerializeToString(), t
+        )
+        if mismatches:
+            return False
+        await self.agent.test_links(peer_ranks(ranks), lead=False, nonce=nonce)
+        final = reg.RegisterResponse.FromString(
+            await side.receive_message(nonce, PairingMessage.SENDER_VERDICT, t)
+        )
+        return final.accepted
 
     async def Deregister(self, request, context) -> reg.DeregisterResponse:
         removed = self.peers.pop(request.instance_id, None) is not None

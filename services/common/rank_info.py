@@ -1,4 +1,5 @@
-"""Build a rank's RankInfo from its kvcore CacheConfig.
+"""Build a rank's RankInfo from its kvcore CacheConfig (:func:`build_rank_info`), or from
+the engine it runs (:func:`engine_rank_info`).
 
 The proto mirrors ``kvcore.spec``: one LayerGroupInfo per LayerGroupSpec, in the
 config's group order (the target's REQUIRED group first). Page bytes and element
@@ -7,11 +8,14 @@ bytes come from the spec, so both sides of a transfer compute them the same way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
+from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner, dtype_name
 from proto.tandem.v1 import rank_info_pb2
 from services.common.peer_check import heads_per_rank
+from services.engine.engine import Engine
 
 SCHEMA_VERSION = 1
 """Bumped whenever a change to RankInfo changes what a field means."""
@@ -101,6 +105,35 @@ def build_rank_info(
         num_spec_tokens=cache_config.num_spec_tokens,
         draft_block_width=cache_config.draft_block_width,
         ucx=rank_info_pb2.UcxEndpoint(worker_address=ucx_address, host=ucx_host, port=ucx_port),
+    )
+
+
+def engine_kv_heads(engine: Engine) -> dict[str, int]:
+    """KV heads of the whole layer of the target's group and the drafter's (when one runs):
+    the models' counts, which every rank of a TP group shares."""
+    totals = {TARGET_GROUP: engine.target.config.num_key_value_heads}
+    if engine.drafter is not None:
+        totals[DRAFT_GROUP] = engine.drafter.config.num_key_value_heads
+    return totals
+
+
+def engine_rank_info(
+    engine: Engine, role: str, instance_id: str, ucx_address: bytes
+) -> rank_info_pb2.RankInfo:
+    """The RankInfo of the rank running ``engine``: its own pools' heads, TP size and rank."""
+    e = engine
+    return build_rank_info(
+        e.manager.config,
+        role=role,
+        instance_id=instance_id,
+        model_id=os.path.basename(os.path.normpath(e.config.model)),
+        drafter_id=os.path.basename(os.path.normpath(e.config.drafter)) if e.drafter else "",
+        drafter_kind="eagle3" if e.drafter else "",
+        tp_size=e.tp.size,
+        tp_rank=e.tp.rank,
+        ucx_address=ucx_address,
+        total_kv_heads=engine_kv_heads(e),
+        num_pages=tuple(e.manager.num_pages(g) for g in e.manager.groups),
     )
 
 

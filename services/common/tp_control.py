@@ -7,6 +7,11 @@ channel binds loopback). Rank r connects to rank 0 and says hello
 ``{"id": n, "ok": false, "error": text}``. Commands run concurrently; a cancelled call
 sends ``{"op": "cancel", "target": n}``. A rank whose connection to rank 0 closes exits,
 and rank 0 exits when a rank's does: a group lives and dies as one.
+
+The commands are kvcore's transfer jobs (``send``, ``recv``, ``test``, ``disconnect``),
+and this module alone gives them a JSON form: page lists ``{group: [first_page, [page
+ids]]}``, routes ``{group: [src_lo, src_hi, dst_lo, dst_hi, whole, src_rank, dst_rank]}``,
+UCX worker addresses base64. Rank 0 in-process and TP 1 workers never take this path.
 """
 
 from __future__ import annotations
@@ -20,6 +25,18 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from kvcore import TransferPages
+from kvcore.transfer import (
+    EndpointInfo,
+    HeadRoute,
+    LinkTest,
+    PeerRank,
+    RankTransfer,
+    RecvJob,
+    SendJob,
+    TransferUsage,
+)
 
 HOST = "127.0.0.1"
 LINE_LIMIT = 64 << 20  # bytes of one JSON line (a long prompt's page lists fit)
@@ -159,3 +176,113 @@ async def serve_rank(port: int, hello: dict[str, Any], handlers: dict[str, Handl
         running[n] = asyncio.ensure_future(run(n, op, message))
     print("rank 0 is gone; this rank exits", file=sys.stderr, flush=True)
     os._exit(0)
+
+
+# ---------------------------------------------------------------- transfer jobs as JSON
+
+
+def pages_to_json(pages: dict[str, TransferPages]) -> dict[str, list]:
+    return {g: [p.first_page, list(p.page_ids)] for g, p in pages.items()}
+
+
+def pages_from_json(pages: dict[str, list]) -> dict[str, TransferPages]:
+    return {g: TransferPages(first, ids) for g, (first, ids) in pages.items()}
+
+
+def routes_to_json(routes: dict[str, HeadRoute]) -> dict[str, list]:
+    return {
+        g: [
+            r.src_heads.start,
+            r.src_heads.stop,
+            r.dst_heads.start,
+            r.dst_heads.stop,
+            r.whole,
+            r.src_rank,
+            r.dst_rank,
+        ]
+        for g, r in routes.items()
+    }
+
+
+def routes_from_json(routes: dict[str, list]) -> dict[str, HeadRoute]:
+    return {
+        g: HeadRoute(src, dst, slice(s0, s1), slice(d0, d1), whole)
+        for g, (s0, s1, d0, d1, whole, src, dst) in routes.items()
+    }
+
+
+def usage_to_json(usage: TransferUsage) -> dict[str, Any]:
+    return {"bytes": usage.bytes, "seconds": usage.seconds}
+
+
+def usage_from_json(reply: dict[str, Any]) -> TransferUsage:
+    return TransferUsage(dict(reply["bytes"]), dict(reply["seconds"]))
+
+
+def send_to_json(job: SendJob) -> dict[str, Any]:
+    return {
+        "request_id": job.request_id,
+        "peer": job.peer_id,
+        "src_rank": job.src_rank,
+        "pages": pages_to_json(job.pages),
+        "routes": routes_to_json(job.routes),
+        "timeout_s": job.timeout_s,
+        "dest": job.dest,
+    }
+
+
+def send_from_json(args: dict[str, Any]) -> SendJob:
+    pages, routes = pages_from_json(args["pages"]), routes_from_json(args["routes"])
+    return SendJob(
+        args["request_id"], args["peer"], args["src_rank"], pages, routes, args["timeout_s"], args["dest"]
+    )
+
+
+def recv_to_json(job: RecvJob) -> dict[str, Any]:
+    sources = [[src, routes_to_json(routes)] for src, routes in job.sources.items()]
+    return {
+        "request_id": job.request_id,
+        "pages": pages_to_json(job.pages),
+        "sources": sources,
+        "timeout_s": job.timeout_s,
+    }
+
+
+def recv_from_json(args: dict[str, Any]) -> RecvJob:
+    sources = {src: routes_from_json(routes) for src, routes in args["sources"]}
+    return RecvJob(args["request_id"], pages_from_json(args["pages"]), sources, args["timeout_s"])
+
+
+def test_to_json(job: LinkTest) -> dict[str, Any]:
+    peer = job.peer
+    return {
+        "peer": peer.instance_id,
+        "address": encode_bytes(peer.endpoint.worker_address),
+        "nonce": job.nonce,
+        "lead": job.lead,
+    }
+
+
+def test_from_json(args: dict[str, Any]) -> LinkTest:
+    peer = PeerRank(args["peer"], EndpointInfo(decode_bytes(args["address"])))
+    return LinkTest(peer, args["nonce"], args["lead"])
+
+
+def rank_handlers(rank: RankTransfer) -> dict[str, Handler]:
+    """What ranks 1.. serve (:func:`serve_rank`): rank 0's jobs, run on ``rank``."""
+
+    async def send(**args: Any) -> dict[str, Any]:
+        return usage_to_json(await rank.send(send_from_json(args)))
+
+    async def recv(**args: Any) -> dict[str, Any]:
+        return usage_to_json(await rank.recv(recv_from_json(args)))
+
+    async def test(**args: Any) -> dict[str, Any]:
+        await rank.test(test_from_json(args))
+        return {}
+
+    async def disconnect(peer: str) -> dict[str, Any]:
+        await rank.disconnect(peer)
+        return {}
+
+    return {"send": send, "recv": recv, "test": test, "disconnect": disconnect}

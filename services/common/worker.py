@@ -1,19 +1,17 @@
-"""What every worker role shares: config, the engine, the UCX agent, RankInfo, registration
-with the router, Stats, and request conversions."""
+"""What every worker role shares: the engine, the transfer agent, RankInfo, registration
+with the router, Stats, and request conversions (the config: services/common/worker_config.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 
-from kvcore import KVLayout
-from kvcore.transfer.kv_transfer import KVTransferAgent
+from kvcore import GroupStats, GroupUsage, KVLayout
+from kvcore.transfer import TransferAgent
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
@@ -22,42 +20,16 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.engine_loop import EngineLoop
 from services.common.faults import delay
 from services.common.metrics import Metrics
-from services.common.rank_info import build_rank_info
-from services.common.security import TlsConfig, aio_channel
-from services.common.tp_group import GroupTransferAgent, RankGroup
-from services.engine.config import EngineConfig
+from services.common.rank_info import engine_kv_heads, engine_rank_info
+from services.common.security import aio_channel
+from services.common.tp_group import RankGroup
+from services.common.worker_config import ROLES, WorkerConfig
 from services.engine.engine import Engine
 from services.engine.request import TokenLogprob
-from services.engine.runner import DRAFT_GROUP, TARGET_GROUP
 from services.engine.sampling import SamplingParams
 
-ROLES = {"prefill": rpb.ROLE_PREFILL, "decode": rpb.ROLE_DECODE, "both": rpb.ROLE_BOTH}
 DEFAULT_MAX_TOKENS = 128
 HEARTBEAT_S = 1.0
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    role: str  # "prefill", "decode" or "both"
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0  # gRPC; 0 = any free port
-    metrics_port: int = 0  # HTTP /metrics; 0 = any free port
-    router: str = ""  # host:port of the router to register with; "" = none
-    instance_id: str = ""  # "" = <role>-<random>
-    transfer_timeout_s: float = 30.0
-    lease_s: float = 60.0  # reserved pages are freed if Decode has not started by then
-    token: str = ""  # bearer token every RPC must carry; "" = none
-    tls: TlsConfig | None = None  # mutual TLS on every gRPC hop; None = plaintext
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role: must be one of {sorted(ROLES)}, got {self.role!r}")
-        if not self.instance_id:
-            self.instance_id = f"{self.role}-{uuid.uuid4().hex[:8]}"
-        for name in ("transfer_timeout_s", "lease_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
 
 class WorkerBase:
@@ -73,30 +45,35 @@ class WorkerBase:
             self.engine.step = _exit_on_failure(self.engine.step)
         self.loop = EngineLoop(self.engine)
         self.metrics = Metrics(config.role)
-        hidden = self.engine.target.config.hidden_size
-        self.agent = GroupTransferAgent(KVTransferAgent(self.engine.manager, hidden_size=hidden), self.group)
+        e = self.engine
+        self.agent = TransferAgent(
+            e.manager,
+            e.kv_pools,
+            e.target.config.hidden_size,
+            links=self.group,
+            total_heads=engine_kv_heads(e),
+        )
         self.grpc_address = ""
         self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
 
     async def start(self) -> None:
-        if self.config.role != "both":
+        if self.config.moves_pages:
             await self.agent.start()
         if self.group is not None:
             await self.group.join(self.rank_info())
-        self.agent.total_heads = {g.name: g.total_num_kv_heads for g in self.rank_info().groups}
         self.loop.start()
 
     async def stop(self) -> None:
         await self.loop.stop()
-        if self.config.role != "both":
+        if self.config.moves_pages:
             await self.agent.close()
         if self.group is not None:
             self.group.close()
 
     def rank_info(self) -> rpb.RankInfo:
         """Rank 0's RankInfo (the worker's, as the router knows it)."""
-        ucx = self.agent.endpoint() if self.config.role != "both" else None
+        ucx = self.agent.endpoint() if self.config.moves_pages else None
         info = engine_rank_info(
             self.engine, self.config.role, self.config.instance_id, ucx.worker_address if ucx else b""
         )
@@ -115,33 +92,19 @@ class WorkerBase:
         return self.stats()
 
     def stats(self) -> wpb.StatsResponse:
-        m = self.engine.manager
+        cache = self.engine.cache_stats()
         groups = []
-        for name, usage in m.usage().items():
-            s = m.stats[name]
-            groups.append(
-                wpb.GroupStats(
-                    group=name,
-                    num_pages_used=usage.used,
-                    num_pages_total=usage.total,
-                    num_pages_cached=usage.cached,
-                    prefix_cache=wpb.PrefixCacheStats(
-                        num_queries=s.queries,
-                        num_hits=s.hits,
-                        num_query_tokens=s.query_tokens,
-                        num_hit_tokens=s.hit_tokens,
-                    ),
-                )
-            )
+        for name, usage in cache.usage.items():
+            groups.append(_group_stats(name, usage, cache.prefix[name]))
             self.metrics.pages_used.labels(name).set(usage.used)
             self.metrics.pages_total.labels(name).set(usage.total)
-        sched = self.engine.scheduler
+        running, waiting = self.engine.num_requests()
         return wpb.StatsResponse(
             instance_id=self.config.instance_id,
             role=ROLES[self.config.role],
             groups=groups,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_running=running,
+            num_waiting=waiting,
         )
 
     async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
@@ -199,6 +162,21 @@ class WorkerBase:
             )
 
 
+def _group_stats(name: str, usage: GroupUsage, prefix: GroupStats) -> wpb.GroupStats:
+    return wpb.GroupStats(
+        group=name,
+        num_pages_used=usage.used,
+        num_pages_total=usage.total,
+        num_pages_cached=usage.cached,
+        prefix_cache=wpb.PrefixCacheStats(
+            num_queries=prefix.queries,
+            num_hits=prefix.hits,
+            num_query_tokens=prefix.query_tokens,
+            num_hit_tokens=prefix.hit_tokens,
+        ),
+    )
+
+
 def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:
     """Under tensor parallelism a step that raises may leave the other ranks inside a
     forward's collectives: the group cannot go on, so the worker exits (the router then
@@ -216,27 +194,6 @@ def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:
             os._exit(1)
 
     return guarded
-
-
-def engine_rank_info(engine: Engine, role: str, instance_id: str, ucx_address: bytes) -> rpb.RankInfo:
-    """The RankInfo of the rank running ``engine``: its own pools' heads, tp size/rank."""
-    e = engine
-    totals = {TARGET_GROUP: e.target.config.num_key_value_heads}
-    if e.drafter is not None:
-        totals[DRAFT_GROUP] = e.drafter.config.num_key_value_heads
-    return build_rank_info(
-        e.manager.config,
-        role=role,
-        instance_id=instance_id,
-        model_id=os.path.basename(os.path.normpath(e.config.model)),
-        drafter_id=os.path.basename(os.path.normpath(e.config.drafter)) if e.drafter else "",
-        drafter_kind="eagle3" if e.drafter else "",
-        tp_size=e.tp.size,
-        tp_rank=e.tp.rank,
-        ucx_address=ucx_address,
-        total_kv_heads=totals,
-        num_pages=tuple(a.num_pages for a in e.manager.allocators.values()),
-    )
 
 
 def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
