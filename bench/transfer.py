@@ -1,4 +1,4 @@
-"""Throughput of one request's page transfer (KVTransferAgent) between two processes.
+"""Throughput of one request's page transfer (kvcore.transfer.TransferAgent) between two processes.
 
 An 8B-shaped target group (32 layers, 8 KV heads, head dim 128, bf16, 16-token pages: 2 MiB
 a page) and a 1-layer draft group with a 512-token window; a prompt of N tokens is pushed
@@ -20,7 +20,8 @@ LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def make_manager(num_tokens: int):
-    from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
+    """The manager and its pools (``KVPools``)."""
+    from kvcore import CacheConfig, KVCacheManager, KVPools, LayerGroupSpec, Lifecycle, Owner
 
     target = LayerGroupSpec("target", Owner.TARGET, 32, 8, 128, dtype="bfloat16")
     draft = LayerGroupSpec(
@@ -30,7 +31,8 @@ def make_manager(num_tokens: int):
     config = CacheConfig(
         groups=(target, draft), tokens_per_page=16, num_pages=(pages, pages), num_spec_tokens=4
     )
-    return KVCacheManager(config)
+    pools = KVPools.allocate(config)
+    return KVCacheManager(config, pools), pools
 
 
 def _child(role: str, num_tokens: int, iters: int, direct: bool, conn) -> None:
@@ -41,15 +43,17 @@ def _child(role: str, num_tokens: int, iters: int, direct: bool, conn) -> None:
 async def _session(role: str, num_tokens: int, iters: int, direct: bool, conn) -> None:
     import torch
 
-    from kvcore.transfer.kv_transfer import AuxState, KVTransferAgent
-    from kvcore.transfer.ucx import UcxEndpointInfo
+    from kvcore import AuxState
+    from kvcore.transfer import EndpointInfo, PeerRank, TransferAgent
 
-    manager = make_manager(num_tokens)
-    agent = KVTransferAgent(manager, hidden_size=4096)
+    manager, pools = make_manager(num_tokens)
+    agent = TransferAgent(manager, pools, hidden_size=4096)
     await agent.start()
     conn.send(dataclasses.astuple(agent.endpoint()))
     peer = "decode" if role == "prefill" else "prefill"
-    await agent.connect(peer, UcxEndpointInfo(*await asyncio.to_thread(conn.recv)))
+    info = EndpointInfo(*await asyncio.to_thread(conn.recv))
+    await agent.connect(peer, info)
+    agent.pair(peer, [PeerRank(peer, info)])
     times, moved = [], {}
     for i in range(iters):
         rid = f"bench-{i}"

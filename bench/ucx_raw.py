@@ -86,12 +86,12 @@ def child_main(role: str, conn, config: dict, ucx_log: str) -> None:
 
 
 async def child_session(role: str, conn, config: dict) -> None:
-    from kvcore.transfer.ucx import UcxEndpointInfo, UcxTransport
+    from kvcore.transfer.ucx import EndpointInfo, UcxTransport
 
     transport = UcxTransport(listen=True)
     await transport.start()
     conn.send(dataclasses.astuple(transport.local_info()))
-    peer = UcxEndpointInfo(*await asyncio.to_thread(conn.recv))
+    peer = EndpointInfo(*await asyncio.to_thread(conn.recv))
     rows = []
     for name in config["paths"]:
         if role == "sender":
