@@ -70,4 +70,4 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py* .pytest_cache
+	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py* .pytest_cache .ruff_cache .import_linter_cache
