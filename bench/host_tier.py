@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
+from kvcore import CacheConfig, KVCacheManager, KVPools, LayerGroupSpec, Lifecycle, Owner
 
 P = 16
 
@@ -52,9 +52,10 @@ def timed(fn) -> float:
 
 
 def run(pages: int, policy: str) -> dict[str, float]:
-    m = KVCacheManager(config(pages, policy), device="cuda")
+    pools = KVPools.allocate(config(pages, policy), "cuda")
+    m = KVCacheManager(config(pages, policy), pools)
     tokens = list(range(pages * P))
-    page_bytes = m.pools["target"][0].numel() * 2
+    page_bytes = pools.tensor("target")[0].numel() * 2
     m.allocate("a", len(tokens))
     m.advance("a", len(tokens))
     cache = timed(lambda: m.free("a", tokens))
@@ -77,7 +78,7 @@ def overlap(pages: int) -> dict[str, float]:
             x @ x
 
     def cache_with(work) -> float:
-        m = KVCacheManager(config(pages, "through"), device="cuda")
+        m = KVCacheManager(config(pages, "through"), KVPools.allocate(config(pages, "through"), "cuda"))
         tokens = list(range(pages * P))
         m.allocate("a", len(tokens))
         m.advance("a", len(tokens))

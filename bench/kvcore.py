@@ -17,7 +17,7 @@ import statistics
 import time
 import tracemalloc
 
-from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, Lifecycle, Owner
+from kvcore import CacheConfig, KVCacheManager, KVPools, LayerGroupSpec, Lifecycle, Owner
 
 
 def make_manager(num_pages: int, page: int, window: int, k: int) -> KVCacheManager:
@@ -38,7 +38,7 @@ def make_manager(num_pages: int, page: int, window: int, k: int) -> KVCacheManag
         num_spec_tokens=k,
         max_num_seqs=512,
     )
-    return KVCacheManager(config, allocate_tensors=False)
+    return KVCacheManager(config, KVPools.allocate(config, tensors=False))
 
 
 def bench_step(batch: int, page: int, window: int, k: int, steps: int) -> dict[str, float]:

@@ -195,6 +195,10 @@ class CacheConfig:
                 _require(n > 0, "num_pages", f"every entry must be > 0, got {self.num_pages}")
         else:
             _require(self.memory_bytes > 0, "memory_bytes", "must be > 0 when num_pages is not given")
+        self._check_host_tier()
+        object.__setattr__(self, "group_names", names)
+
+    def _check_host_tier(self) -> None:
         _require(self.host_num_pages >= 0, "host_num_pages", f"must be >= 0, got {self.host_num_pages}")
         _require(
             self.host_write_policy in HOST_WRITE_POLICIES,
@@ -206,7 +210,6 @@ class CacheConfig:
             "host_recall_min_pages",
             f"must be >= 1, got {self.host_recall_min_pages}",
         )
-        object.__setattr__(self, "group_names", names)
 
     @property
     def headroom_tokens(self) -> int:

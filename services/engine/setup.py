@@ -19,9 +19,7 @@ from services.engine.models import Eagle3Drafter, LlamaForCausalLM
 from services.engine.parallel import TensorParallel, shard_cache_config
 
 
-def cache_config(
-    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
-) -> CacheConfig:
+def layer_groups(dtype: str, target: LlamaForCausalLM, drafter: Eagle3Drafter | None) -> list[LayerGroupSpec]:
     """The target group (windowed by the model's ``sliding_window``), plus the drafter's
     (OPTIONAL, windowed) group when it runs."""
     t = target.config
@@ -32,7 +30,7 @@ def cache_config(
             t.num_hidden_layers,
             t.num_key_value_heads,
             t.head_dim,
-            dtype=c.dtype,
+            dtype=dtype,
             window=t.sliding_window,
         )
     ]
@@ -45,11 +43,19 @@ def cache_config(
                 d.num_hidden_layers,
                 d.num_key_value_heads,
                 d.head_dim,
-                dtype=c.dtype,
+                dtype=dtype,
                 window=d.sliding_window,
                 lifecycle=Lifecycle.OPTIONAL,
             )
         )
+    return groups
+
+
+def cache_config(
+    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
+) -> CacheConfig:
+    """The engine's cache over :func:`layer_groups`, sized by its options."""
+    groups = layer_groups(c.dtype, target, drafter)
     host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
     return CacheConfig(
         groups=tuple(groups),
