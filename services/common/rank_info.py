@@ -75,18 +75,7 @@ def build_rank_info(
         raise ValueError("instance_id: must be non-empty")
     if not model_id:
         raise ValueError("model_id: must be non-empty")
-    pages = _pool_sizes(cache_config, num_pages)
-    totals = dict(total_kv_heads or {})
-    groups = [
-        _group_info(
-            spec,
-            cache_config.tokens_per_page,
-            tp_size,
-            pages[i],
-            totals.get(spec.name, spec.num_kv_heads * tp_size),
-        )
-        for i, spec in enumerate(cache_config.groups)
-    ]
+    groups = _groups(cache_config, tp_size, total_kv_heads or {}, num_pages)
     return rank_info_pb2.RankInfo(
         schema_version=SCHEMA_VERSION,
         instance_id=instance_id,
@@ -139,6 +128,23 @@ def engine_rank_info(
 
 def num_draft_layers(cache_config: CacheConfig) -> int:
     return sum(g.num_layers for g in cache_config.groups if g.owner == Owner.DRAFT)
+
+
+def _groups(
+    cache_config: CacheConfig, tp_size: int, total_kv_heads: Mapping[str, int], num_pages: Sequence[int]
+) -> list[rank_info_pb2.LayerGroupInfo]:
+    """One LayerGroupInfo per group, in the config's order."""
+    pages = _pool_sizes(cache_config, num_pages)
+    return [
+        _group_info(
+            spec,
+            cache_config.tokens_per_page,
+            tp_size,
+            pages[i],
+            total_kv_heads.get(spec.name, spec.num_kv_heads * tp_size),
+        )
+        for i, spec in enumerate(cache_config.groups)
+    ]
 
 
 def _group_info(

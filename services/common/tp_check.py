@@ -61,34 +61,32 @@ def check_group(ranks: list[rpb.RankInfo]) -> list[Mismatch]:
             )
         )
     for r in ranks[1:]:
-        path = f"ranks[{r.tp_rank}]"
-        for name in _SAME_IN_GROUP:
-            if getattr(r, name) != getattr(first, name):
-                out.append(
-                    Mismatch(
-                        f"{path}.{name}",
-                        str(getattr(first, name)),
-                        str(getattr(r, name)),
-                        "differs from rank 0",
-                    )
-                )
-        if _geometry(r) != _geometry(first):
+        out.extend(_rank_mismatches(first, r))
+    return out
+
+
+def _rank_mismatches(first: rpb.RankInfo, r: rpb.RankInfo) -> list[Mismatch]:
+    """Where rank ``r`` disagrees with its rank 0 ``first``."""
+    path, out = f"ranks[{r.tp_rank}]", []
+    for name in _SAME_IN_GROUP:
+        if getattr(r, name) != getattr(first, name):
             out.append(
                 Mismatch(
-                    f"{path}.groups",
-                    str(_geometry(first)),
-                    str(_geometry(r)),
-                    "layer groups differ from rank 0's",
+                    f"{path}.{name}", str(getattr(first, name)), str(getattr(r, name)), "differs from rank 0"
                 )
             )
-        if r.instance_id != rank_instance_id(first.instance_id, r.tp_rank):
-            out.append(
-                Mismatch(
-                    f"{path}.instance_id",
-                    repr(rank_instance_id(first.instance_id, r.tp_rank)),
-                    repr(r.instance_id),
-                )
+    if _geometry(r) != _geometry(first):
+        out.append(
+            Mismatch(
+                f"{path}.groups",
+                str(_geometry(first)),
+                str(_geometry(r)),
+                "layer groups differ from rank 0's",
             )
+        )
+    expected_id = rank_instance_id(first.instance_id, r.tp_rank)
+    if r.instance_id != expected_id:
+        out.append(Mismatch(f"{path}.instance_id", repr(expected_id), repr(r.instance_id)))
     return out
 
 

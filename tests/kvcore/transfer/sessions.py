@@ -1,4 +1,5 @@
-"""Child processes of tests/kvcore/transfer/test_agent.py: real agents over loopback UCX.
+"""The TP groups of tests/kvcore/transfer/test_agent.py: four ranks, real agents over
+loopback UCX (the TP 1 pair is :mod:`tests.kvcore.transfer.pair_session`).
 
 Each child is one rank of one worker, with its own UCX worker shared by every scenario it
 takes part in. Rank 0 of a worker runs the TransferAgent the servers run; rank 1 runs its
@@ -18,7 +19,6 @@ from kvcore import (
     AuxState,
     CacheConfig,
     KVCacheManager,
-    KVLayout,
     KVPools,
     LayerGroupSpec,
     Lifecycle,
@@ -27,16 +27,13 @@ from kvcore import (
 from kvcore.transfer import (
     LOOPBACK_ENV,
     EndpointInfo,
-    PairingMessage,
     PeerRank,
     RankTransfer,
     TransferAgent,
-    TransferTimeout,
     heads_of_rank,
 )
 from kvcore.transfer.tags import AUX_GROUP, message_tag, request_tag
 from kvcore.transfer.ucx import UcxTransport
-from tests.kvcore.conftest import make_config
 from tests.kvcore.transfer.rank_pipe import PipeClient, PipeLinks, serve_pipe
 
 HEADS = {"target": 4, "draft": 1}  # KV heads of the whole layer: split 2 + 2, replicated
@@ -188,117 +185,3 @@ async def _cancel_mid_receive(agent: TransferAgent, client: PipeClient) -> str:
     task.cancel()
     outcome = (await asyncio.gather(task, return_exceptions=True))[0]
     return type(outcome).__name__
-
-
-# ---------------------------------------------------------------- TP 1 pair, every layout
-
-PROMPT = list(range(1, NUM_TOKENS + 1))
-CASES = {  # name -> (layout, target window, decode holds the prompt's first 12 tokens)
-    "unified": (KVLayout.UNIFIED, 0, False),
-    "separate": (KVLayout.SEPARATE, 0, False),
-    "windowed": (KVLayout.UNIFIED, 8, False),
-    "held": (KVLayout.UNIFIED, 0, True),
-}
-PAIR_CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtype="bfloat16")
-NONCE = "pair-1"
-
-
-def pair_config(case: str) -> CacheConfig:
-    layout, target_window, _ = CASES[case]
-    return make_config(layout=layout, target_window=target_window, **PAIR_CONFIG)
-
-
-def sender_state(case: str) -> tuple[KVCacheManager, KVPools]:
-    """The prefill side of ``case``: seeded pools, request "r" prefilled."""
-    pools = seeded(KVPools.allocate(pair_config(case)), 7)
-    manager = KVCacheManager(pair_config(case), pools)
-    manager.allocate("r", NUM_TOKENS)
-    manager.advance("r", NUM_TOKENS)
-    return manager, pools
-
-
-def _receiver_state(case: str):
-    """The decode side of ``case``: "r" reserved, with the prompt's cached pages held."""
-    pools = KVPools.allocate(pair_config(case))
-    manager = KVCacheManager(pair_config(case), pools)
-    if CASES[case][2]:
-        manager.allocate("warm", 12)
-        manager.advance("warm", 12)
-        manager.free("warm", PROMPT[:12])
-    reservation = manager.reserve_for_transfer("r", NUM_TOKENS, PROMPT if CASES[case][2] else ())
-    return manager, pools, reservation
-
-
-def pair_child(role: str, conn) -> None:
-    os.environ.update(LOOPBACK_ENV)
-    asyncio.run(_pair_side(role, conn))
-
-
-async def _pair_side(role: str, conn) -> None:
-    transport = UcxTransport()
-    await transport.start()
-    states = {c: sender_state(c) if role == "prefill" else _receiver_state(c) for c in CASES}
-    reservations = {c: (s[2].block_tables, s[2].num_held) for c, s in states.items() if role == "decode"}
-    conn.send((transport.local_info().worker_address, reservations))
-    address, peer_reservations = await asyncio.to_thread(conn.recv)
-    peer_id = "decode" if role == "prefill" else "prefill"
-    agents = {c: TransferAgent(s[0], s[1], HIDDEN, transport) for c, s in states.items()}
-    for agent in agents.values():
-        await agent.connect(peer_id, EndpointInfo(address))
-        agent.pair(peer_id, [PeerRank(peer_id, EndpointInfo(address))])
-    if role == "prefill":
-        report = await _send_cases(agents, peer_reservations)
-    else:
-        report = await _receive_cases(agents, states)
-    conn.send(report)
-    await transport.close()
-
-
-async def _send_cases(agents: dict[str, TransferAgent], reservations) -> dict:
-    """Every case in turn (the separate one packed, the others pool to pool), then the
-    side channel's lead."""
-    report = {}
-    for case, agent in agents.items():
-        rows, held = reservations[case]
-        aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "prefill")
-        dest = None if case == "separate" else rows
-        usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S, dest, held)
-        report[case] = (usage.bytes, usage.pages, usage.held)
-    side = agents["unified"].side_channel
-    await side.ping("decode", NONCE, TIMEOUT_S)
-    await side.send_message("decode", NONCE, PairingMessage.SENDER_RANKS, b"ranks", TIMEOUT_S)
-    report["verdict"] = await side.receive_message(NONCE, PairingMessage.RECEIVER_VERDICT, TIMEOUT_S)
-    await side.send_message("decode", NONCE, PairingMessage.SENDER_VERDICT, b"", TIMEOUT_S)
-    return report
-
-
-async def _receive_cases(agents: dict[str, TransferAgent], states) -> dict:
-    """Every case in turn, the side channel's answer, then a receive nobody sends."""
-    report = {}
-    for case, agent in agents.items():
-        manager, pools, reservation = states[case]
-        aux, usage = await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S)
-        got = landed(manager, pools, "r", reservation.num_held)
-        aux_fields = (aux.prompt_len, aux.first_token_id, aux.hidden.tolist(), aux.sender_id)
-        report[case] = (usage.bytes, usage.pages, usage.held, got, aux_fields)
-        manager.free("r")
-    side = agents["unified"].side_channel
-    await side.pong("prefill", NONCE, TIMEOUT_S)
-    report["ranks"] = await side.receive_message(NONCE, PairingMessage.SENDER_RANKS, TIMEOUT_S)
-    await side.send_message("prefill", NONCE, PairingMessage.RECEIVER_VERDICT, b"accepted", TIMEOUT_S)
-    report["final"] = await side.receive_message(NONCE, PairingMessage.SENDER_VERDICT, TIMEOUT_S)
-    report["silent"] = await _silent_receive(agents["unified"], states["unified"][0])
-    report["used"] = {g: u.used for g, u in states["unified"][0].usage().items()}
-    return report
-
-
-async def _silent_receive(agent: TransferAgent, manager: KVCacheManager) -> str:
-    """Nobody sends request "s": the receive times out, and its pages are freed."""
-    manager.reserve_for_transfer("s", 8)
-    try:
-        await agent.receive_request("s", 8, 0.3)
-        outcome = "no error"
-    except TransferTimeout:
-        outcome = "TransferTimeout"
-    manager.free("s")
-    return outcome

@@ -20,7 +20,7 @@ import torch
 from kvcore import KVPools
 from kvcore.transfer import heads_of_rank
 from kvcore.transfer.head_routes import head_routes
-from tests.kvcore.transfer import sessions
+from tests.kvcore.transfer import pair_session, sessions
 from tests.kvcore.transfer.sessions import HEADS, NUM_TOKENS, SCENARIOS, rid
 
 RANKS = ("P0", "P1", "D0", "D1")
@@ -112,7 +112,7 @@ def test_a_cancelled_receive_cancels_the_other_ranks_job(tp_reports):
 def pair_reports() -> tuple[dict, dict]:
     ctx = mp.get_context("spawn")
     pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
-    procs = [ctx.Process(target=sessions.pair_child, args=(r, pipes[r][1]), daemon=True) for r in pipes]
+    procs = [ctx.Process(target=pair_session.pair_child, args=(r, pipes[r][1]), daemon=True) for r in pipes]
     for p in procs:
         p.start()
     try:
@@ -125,10 +125,10 @@ def pair_reports() -> tuple[dict, dict]:
         _finish(procs)
 
 
-@pytest.mark.parametrize("case", list(sessions.CASES))
+@pytest.mark.parametrize("case", list(pair_session.CASES))
 def test_pages_of_every_travelling_group_land_bit_exactly(pair_reports, case):
     sent_report, got_report = pair_reports
-    sender, pools = sessions.sender_state(case)
+    sender, pools = pair_session.sender_state(case)
     sent_bytes, sent_pages, sent_held = sent_report[case]
     got_bytes, got_pages, got_held, landed, aux = got_report[case]
     expected = sender.transfer_pages("r", NUM_TOKENS, got_held)
@@ -149,7 +149,7 @@ def test_pages_of_every_travelling_group_land_bit_exactly(pair_reports, case):
 def test_windows_and_held_pages_start_the_transfer_late(pair_reports):
     """At 22 tokens a window of 8 spans pages 3..5; 12 cached tokens hold pages 0..2."""
     _, got = pair_reports
-    starts = {case: {g: landed[0] for g, landed in got[case][3].items()} for case in sessions.CASES}
+    starts = {case: {g: landed[0] for g, landed in got[case][3].items()} for case in pair_session.CASES}
     assert starts["unified"] == {"target": 0, "draft": 3}
     assert starts["separate"] == {"target": 0}
     assert starts["windowed"] == {"target": 3, "draft": 3}
