@@ -16,11 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvcore import KVLayout
-from kvcore.aux_state import AuxState
-from kvcore.transfer.kv_transfer import TransferUsage
-from kvcore.transfer.tags import request_tag
-from kvcore.transfer.ucx import TransferError, TransferTimeout
+from kvcore import Reservation
+from kvcore.transfer import AuxState, TransferError, TransferTimeout, TransferUsage
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
@@ -33,6 +30,7 @@ from services.common.worker import (
     sampling_from_proto,
     spec_tokens_from_proto,
 )
+from services.engine.checks import RequestExists
 
 
 @dataclass(slots=True)
@@ -54,39 +52,32 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         w, rid, n = self.worker, request.request_id, request.prompt_len
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
-        if n < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_len: must be >= 1")
-        if n >= w.engine.max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_len: {n} leaves no room in the context of {w.engine.max_model_len}",
-            )
-        if rid in self.reserved or rid in w.engine.manager.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
         prompt = list(request.prompt_token_ids)
-        if prompt and len(prompt) != n:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {len(prompt)} tokens, prompt_len is {n}"
-            )
-        vocab = w.engine.target.config.vocab_size
-        if any(t >= vocab for t in prompt):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids: {max(prompt)} is outside the vocabulary of {vocab}",
-            )
+        try:
+            w.engine.check_reserve(rid, n, prompt)
+        except RequestExists as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if rid in self.reserved:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         # shielded: once pages are taken they are registered (and so releasable), even if
         # the caller gives up mid-call; a Release arriving meanwhile waits for it
         task = self.reserving[rid] = asyncio.ensure_future(self._reserve(rid, n, prompt, lease_s))
         task.add_done_callback(lambda _: self.reserving.pop(rid, None))
-        reservation = await asyncio.shield(task)
+        try:
+            reservation = await asyncio.shield(task)
+        except RequestExists as e:  # a Reserve of the same id took the pages meanwhile
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if reservation is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no free pages for {n} tokens")
         return wpb.ReserveResponse(reservation=reservation)
 
     async def _reserve(self, rid: str, n: int, prompt: list[int], lease_s: float) -> wpb.Reservation | None:
         w = self.worker
-        if not await w.loop.call(self._reserve_pages, rid, n, prompt):
+        reservation = await w.loop.call(w.engine.reserve, rid, n, prompt)
+        if reservation is None:
             return None
         receive = asyncio.ensure_future(
             w.agent.receive_request(rid, n, min(lease_s, w.config.transfer_timeout_s))
@@ -94,47 +85,22 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
-        return self._reservation_proto(rid, n, lease_s)
+        return self._reservation_proto(reservation, lease_s)
 
-    def _reserve_pages(self, rid: str, n: int, prompt: list[int]) -> bool:
-        """Pages for the prompt, reusing what the prefix cache (or host tier) holds of it;
-        without a match when the match's locked path leaves too few pages."""
-        m = self.worker.engine.manager
-        for match in ([m.match_prefix(prompt)] if prompt else []) + [None]:
-            if m.can_allocate(n, match, num_computed=n):
-                break
-        else:
-            return False
-        m.allocate(rid, n, match, num_computed=n)
-        if m.config.layout == KVLayout.SEPARATE:
-            self._blind_draft(rid, n)
-        return True
-
-    def _blind_draft(self, rid: str, n: int) -> None:
-        """SEPARATE layout: the draft's prompt window is not sent; its pages hold zeros, not a
-        previous request's KV, so the baseline drafter starts blind and deterministic."""
-        m = self.worker.engine.manager
-        for group, spec in m.groups.items():
-            if spec.owner.value == "draft":
-                pages = [p for p in m.block_table(rid, group) if p >= 0]
-                m.pools[group][pages] = 0
-
-    def _reservation_proto(self, rid: str, n: int, lease_s: float) -> wpb.Reservation:
-        w = self.worker
-        m = w.engine.manager
+    def _reservation_proto(self, res: Reservation, lease_s: float) -> wpb.Reservation:
+        w, rid = self.worker, res.request_id
         info = w.agent.endpoint()
-        held = m.held_pages(rid)
         return wpb.Reservation(
             request_id=rid,
             decode_instance_id=w.config.instance_id,
-            num_tokens=n + m.config.headroom_tokens,
+            num_tokens=res.num_tokens,
             groups=[
-                wpb.GroupPages(group=g, page_ids=m.block_table(rid, g), num_held=held.get(g, 0))
-                for g in m.groups
+                wpb.GroupPages(group=g, page_ids=table, num_held=res.num_held[g])
+                for g, table in res.block_tables.items()
             ],
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
             ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host, port=info.port),
-            transfer_tag=request_tag(rid),
+            transfer_tag=w.agent.transfer_tag(rid),
         )
 
     def _expire(self, rid: str) -> None:
@@ -148,8 +114,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if res is None:
             return False
         res.receive.cancel()
-        if rid in self.worker.engine.manager.requests and rid not in self.worker.engine.requests:
-            await self.worker.loop.call(self.worker.engine.manager.free, rid)
+        if self.worker.engine.holds_reservation(rid):
+            await self.worker.loop.call(self.worker.engine.release_reservation, rid)
         return True
 
     async def Release(self, request: wpb.ReleaseRequest, context) -> wpb.ReleaseResponse:
@@ -225,8 +191,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             )
         finally:
             self.reserved.pop(rid, None)
-            if rid in w.engine.manager.requests and rid not in w.engine.requests:
-                await asyncio.shield(w.loop.call(w.engine.manager.free, rid))
+            if w.engine.holds_reservation(rid):
+                await asyncio.shield(w.loop.call(w.engine.release_reservation, rid))
 
     async def _landed(self, res: _Reservation, request, context) -> tuple[AuxState, TransferUsage]:
         try:
