@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcore import DRAFT_GROUP, NULL_PAGE, KVLayout
 from services.engine import Engine, EngineConfig
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM
 from services.engine.parallel import TensorParallel, shard_state_dict
@@ -125,6 +126,53 @@ def test_tp2_decodes_the_bundled_pair_as_tp1_with_the_same_acceptance():
     assert got["tokens"] == reference["tokens"]
     assert got["al"] == pytest.approx(reference["al"], rel=0.01)
     assert sum(got["al"]) / len(got["al"]) > 2
+
+
+def _rank_blanking(rank: int, address: str, config: dict, conn) -> None:
+    """Both ranks' draft pools start dirty; rank 0 reserves pages for a transfer (SEPARATE
+    layout: its draft pages are zeroed) and then runs a request; rank 1 reports which draft
+    pages hold zeros after replaying the first forward it is sent."""
+    from services.engine.lockstep import follow, receive_plan, replay
+    from services.engine.parallel import init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(2, rank, address, "gloo")
+    engine = Engine(EngineConfig(**config, tp_size=2))
+    draft = engine.kv_pools.tensor(DRAFT_GROUP)
+    draft.fill_(1.0)
+    if rank == 0:
+        res = engine.reserve("r", 10)
+        engine.generate([[1, 2, 3]], GREEDY)
+        conn.send(("rank0", [p for p in res.block_tables[DRAFT_GROUP] if p != NULL_PAGE]))
+        return
+    replay(receive_plan(tp), engine.runner)
+    zeroed = [p for p in range(draft.shape[0]) if not torch.any(draft[p])]
+    conn.send(("rank1", zeroed))
+    follow(engine.runner, tp)
+
+
+def test_tp2_other_ranks_blank_the_separate_layouts_reserved_draft_pages(pair):
+    config = dict(random_pair_config(pair), layout=KVLayout.SEPARATE)
+    ctx = mp.get_context("spawn")
+    address = free_address()
+    parent, child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_rank_blanking, args=(r, address, config, child), daemon=True) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        while len(got) < 2:
+            if not parent.poll(TIMEOUT_S):
+                raise TimeoutError("a rank did not answer")
+            who, pages = parent.recv()
+            got[who] = pages
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert got["rank0"] and got["rank1"] == got["rank0"]
 
 
 def test_shards_of_every_rank_rebuild_the_checkpoint():
