@@ -80,7 +80,7 @@ class DecodeGraphs:
         dtype = runner.target.head_weight.dtype
         self.target = GraphedForward(
             self._target_forward,
-            runner.pools.tensor(TARGET_GROUP),
+            runner.kv_pools.tensor(TARGET_GROUP),
             verify_len,
             runner.target_window,
             buckets,
@@ -91,7 +91,7 @@ class DecodeGraphs:
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
                 self._drafter_forward,
-                runner.pools.tensor(DRAFT_GROUP),
+                runner.kv_pools.tensor(DRAFT_GROUP),
                 q_len,
                 runner.draft_window,
                 buckets,

@@ -47,7 +47,7 @@ class Lockstep:
 
     def __init__(self, tp: TensorParallel, pools: KVPools) -> None:
         """``pools``: rank 0's, recording their writes (``KVPools(record=True)``)."""
-        self.tp, self.pools = tp, pools
+        self.tp, self.kv_pools = tp, pools
 
     def publish(
         self,
@@ -72,7 +72,7 @@ class Lockstep:
             ctx.window,
             tuple(aux_layer_ids),
             cpu(hidden) if hidden is not None else None,
-            self.pools.take_writes(),
+            self.kv_pools.take_writes(),
             ctx.key_start,
         )
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
@@ -81,7 +81,7 @@ class Lockstep:
 def attach_lockstep(runner, tp: TensorParallel) -> None:
     """Rank 0 of a group publishes every forward its runner runs."""
     if tp.size > 1 and tp.rank == 0:
-        runner.lockstep = Lockstep(tp, runner.pools)
+        runner.lockstep = Lockstep(tp, runner.kv_pools)
 
 
 def receive_plan(tp: TensorParallel) -> ForwardPlan:
@@ -94,7 +94,7 @@ def receive_plan(tp: TensorParallel) -> ForwardPlan:
 @torch.inference_mode()
 def replay(plan: ForwardPlan, runner) -> None:
     """Run ``plan`` on this rank's models and pools (``runner``: its ModelRunner)."""
-    pools, device = runner.pools, runner.device
+    pools, device = runner.kv_pools, runner.device
     pools.apply(plan.pool_writes)
     to = lambda t: t.to(device)  # noqa: E731
     ctx = PagedContext(

@@ -30,7 +30,7 @@ class ModelRunner:
     ) -> None:
         """``pools``: the tensors ``manager``'s page ids index."""
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
-        self.pools = pools
+        self.kv_pools = pools
         self.target_window = target.config.sliding_window
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
         self.graphs: GraphedForwards | None = None  # set by the engine when it captures graphs
@@ -81,7 +81,7 @@ class ModelRunner:
         qsl[1:] = torch.tensor(lengths).cumsum(0)
         seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)], dtype=torch.int32)
         return PagedContext(
-            self.pools.tensor(group),
+            self.kv_pools.tensor(group),
             block_table,
             qsl.to(self.device),
             seq_lens.to(self.device),

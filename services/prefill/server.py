@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from kvcore import TARGET_GROUP
 from kvcore.transfer import TransferError, TransferTimeout, TransferUsage
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
@@ -122,7 +123,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
 
 
 def _usage(prompt_len: int, cached: dict[str, int]) -> cpb.Usage:
-    usage = cpb.Usage(prompt_tokens=prompt_len, cached_tokens=cached.get("target", 0))
+    usage = cpb.Usage(prompt_tokens=prompt_len, cached_tokens=cached.get(TARGET_GROUP, 0))
     for group, n in cached.items():
         usage.cached_tokens_per_group.append(cpb.GroupTokens(group=group, num_tokens=n))
     return usage
