@@ -1,95 +1,18 @@
-"""tandem.v1 protos: they generate, round-trip with non-default values, and serve over gRPC."""
+"""tandem.v1 protos: they generate and round-trip with non-default values."""
 
-from concurrent import futures
-
-import grpc
 import pytest
 from google.protobuf.message import Message
 
 from proto.tandem.v1 import (
     client_pb2,
-    client_pb2_grpc,
     rank_info_pb2,
     registration_pb2,
-    registration_pb2_grpc,
     worker_pb2,
-    worker_pb2_grpc,
 )
 from tests.services.common.conftest import PROTO_DIR, protoc
+from tests.services.common.proto_samples import full_rank_info, full_usage
 
 PB2_MODULES = (rank_info_pb2, registration_pb2, client_pb2, worker_pb2)
-
-
-def full_rank_info() -> rank_info_pb2.RankInfo:
-    target = rank_info_pb2.LayerGroupInfo(
-        name="target",
-        owner=rank_info_pb2.GROUP_OWNER_TARGET,
-        layer_ids=[0, 1, 2],
-        num_kv_heads=4,
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype=rank_info_pb2.KV_DTYPE_BF16,
-        dtype_name="bfloat16",
-        element_bytes=2,
-        window=0,
-        lifecycle=rank_info_pb2.LIFECYCLE_REQUIRED,
-        page_bytes=3 * 2 * 4 * 16 * 128 * 2,
-        num_pages=1000,
-    )
-    draft = rank_info_pb2.LayerGroupInfo(
-        name="draft",
-        owner=rank_info_pb2.GROUP_OWNER_DRAFT,
-        layer_ids=[3],
-        num_kv_heads=4,
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype=rank_info_pb2.KV_DTYPE_FP8_E4M3,
-        dtype_name="float8_e4m3fn",
-        element_bytes=1,
-        window=256,
-        lifecycle=rank_info_pb2.LIFECYCLE_OPTIONAL,
-        page_bytes=2 * 4 * 16 * 128,
-        num_pages=64,
-    )
-    return rank_info_pb2.RankInfo(
-        schema_version=1,
-        instance_id="decode-0",
-        role=rank_info_pb2.ROLE_DECODE,
-        model_id="tiny-llama",
-        drafter_id="tiny-eagle",
-        drafter_kind="eagle3",
-        tp_size=2,
-        tp_rank=1,
-        pp_size=1,
-        pp_rank=0,
-        tokens_per_page=16,
-        kv_layout=rank_info_pb2.KV_LAYOUT_SEPARATE,
-        groups=[target, draft],
-        num_draft_layers=1,
-        num_spec_tokens=3,
-        draft_block_width=4,
-        ucx=rank_info_pb2.UcxEndpoint(worker_address=b"\x00\x01ucx\xff", host="127.0.0.1", port=13337),
-    )
-
-
-def full_usage() -> client_pb2.Usage:
-    return client_pb2.Usage(
-        prompt_tokens=100,
-        cached_tokens=64,
-        cached_tokens_per_group=[
-            client_pb2.GroupTokens(group="target", num_tokens=64),
-            client_pb2.GroupTokens(group="draft", num_tokens=48),
-        ],
-        completion_tokens=20,
-        acceptance_length=2.5,
-        num_drafts=8,
-        num_draft_tokens=24,
-        num_accepted_tokens=12,
-        transfers=[
-            client_pb2.GroupTransfer(group="target", num_bytes=1 << 33, seconds=0.25),
-            client_pb2.GroupTransfer(group="draft", num_bytes=4096, seconds=0.5),
-        ],
-    )
 
 
 def round_trip(message: Message) -> Message:
@@ -291,73 +214,3 @@ def test_worker_messages_round_trip():
         )
     )
     assert stats.groups[0].prefix_cache.num_hit_tokens == 128
-
-
-@pytest.mark.parametrize(
-    "module, service, method, streaming",
-    [
-        (client_pb2, "Tandem", "Generate", True),
-        (client_pb2, "Tandem", "Abort", False),
-        (client_pb2, "Tandem", "Health", False),
-        (client_pb2, "Tandem", "ModelInfo", False),
-        (registration_pb2, "Registration", "Register", False),
-        (registration_pb2, "Registration", "Deregister", False),
-        (registration_pb2, "Registration", "ListPeers", False),
-        (registration_pb2, "Registration", "Heartbeat", False),
-        (worker_pb2, "DecodeWorker", "Reserve", False),
-        (worker_pb2, "DecodeWorker", "Release", False),
-        (worker_pb2, "DecodeWorker", "Decode", True),
-        (worker_pb2, "DecodeWorker", "Stats", False),
-        (worker_pb2, "PrefillWorker", "Prefill", False),
-        (worker_pb2, "PrefillWorker", "Stats", False),
-    ],
-)
-def test_service_methods(module, service, method, streaming):
-    descriptor = module.DESCRIPTOR.services_by_name[service].methods_by_name[method]
-    assert (descriptor.server_streaming, descriptor.client_streaming) == (streaming, False)
-    if service != "PrefillWorker" or method != "Stats":  # Stats pairs are shared by both workers
-        assert descriptor.input_type.name == f"{method}Request"
-        assert descriptor.output_type.name == f"{method}Response"
-
-
-class _EchoTandem(client_pb2_grpc.TandemServicer):
-    def Generate(self, request, context):
-        for token_id in request.token_ids.ids:
-            yield client_pb2.GenerateResponse(
-                request_id=request.request_id, chunk=client_pb2.Chunk(token_ids=[token_id])
-            )
-        complete = client_pb2.Complete(
-            finish_reason=client_pb2.FINISH_REASON_STOP,
-            usage=client_pb2.Usage(completion_tokens=len(request.token_ids.ids)),
-        )
-        yield client_pb2.GenerateResponse(request_id=request.request_id, complete=complete)
-
-
-class _RefusingRegistry(registration_pb2_grpc.RegistrationServicer):
-    def Register(self, request, context):
-        return registration_pb2.RegisterResponse(accepted=False, peer=request.rank_info)
-
-
-def test_generated_stubs_serve_over_loopback():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    client_pb2_grpc.add_TandemServicer_to_server(_EchoTandem(), server)
-    registration_pb2_grpc.add_RegistrationServicer_to_server(_RefusingRegistry(), server)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker_pb2_grpc.DecodeWorkerServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            request = client_pb2.GenerateRequest(request_id="r", token_ids=client_pb2.TokenIds(ids=[5, 6]))
-            stream = list(client_pb2_grpc.TandemStub(channel).Generate(request, timeout=10))
-            assert [r.WhichOneof("payload") for r in stream] == ["chunk", "chunk", "complete"]
-            assert [list(r.chunk.token_ids) for r in stream[:2]] == [[5], [6]]
-            assert stream[2].complete.usage.completion_tokens == 2
-            registered = registration_pb2_grpc.RegistrationStub(channel).Register(
-                registration_pb2.RegisterRequest(rank_info=full_rank_info()), timeout=10
-            )
-            assert registered.peer == full_rank_info() and not registered.accepted
-            with pytest.raises(grpc.RpcError) as raised:
-                worker_pb2_grpc.DecodeWorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
-            assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        server.stop(grace=None)
