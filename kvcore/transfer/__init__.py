@@ -1,9 +1,9 @@
 """Moving KV pages between worker processes: the names the services use.
 
 - :class:`TransferAgent` moves a request's pages, aux state and ack between two workers
-  of any TP sizes, and holds the pairing :class:`SideChannel`;
-- a TP worker's other ranks each run a :class:`RankTransfer` over their own
-  :class:`PagePools`; rank 0 reaches them through the services' :class:`RankLinks`
+  of any TP sizes, and holds the pairing side channel (:class:`PairingMessage` kinds);
+- a TP worker's other ranks each run a :class:`RankTransfer` over their own pools;
+  rank 0 reaches them through the services' :class:`RankLinks`
   with :class:`SendJob`, :class:`RecvJob` and :class:`LinkTest`;
 - :func:`heads_of_rank` is the KV-head split both the transfer and the model sharding use.
 
@@ -15,24 +15,21 @@ from kvcore.transfer.agent import TransferAgent
 from kvcore.transfer.fanout import RankLinks
 from kvcore.transfer.head_routes import HeadRoute, heads_of_rank
 from kvcore.transfer.jobs import LinkTest, PeerRank, RecvJob, SendJob, TransferUsage
-from kvcore.transfer.rank import PagePools, RankTransfer
-from kvcore.transfer.side_channel import PairingMessage, SideChannel
-from kvcore.transfer.ucx import LOOPBACK_ENV, EndpointInfo, TransferError, TransferTimeout
+from kvcore.transfer.rank import RankTransfer
+from kvcore.transfer.side_channel import PairingMessage
+from kvcore.transfer.ucx import EndpointInfo, TransferError, TransferTimeout
 
 __all__ = [
-    "LOOPBACK_ENV",
     "AuxState",
     "EndpointInfo",
     "HeadRoute",
     "LinkTest",
-    "PagePools",
     "PairingMessage",
     "PeerRank",
     "RankLinks",
     "RankTransfer",
     "RecvJob",
     "SendJob",
-    "SideChannel",
     "TransferAgent",
     "TransferError",
     "TransferTimeout",

@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Protocol
 
 from kvcore import TransferPages
@@ -74,7 +74,8 @@ class Fanout:
     def size(self) -> int:
         return self.links.size
 
-    def routes(self, src_tp: int, dst_tp: int, groups) -> Routes:
+    def routes(self, src_tp: int, dst_tp: int, groups: Iterable[str]) -> Routes:
+        """Per group of ``groups``, every route from ``src_tp`` ranks to ``dst_tp``."""
         return {g: head_routes(self.total_heads[g], src_tp, dst_tp) for g in groups}
 
     async def send(

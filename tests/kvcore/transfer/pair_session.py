@@ -11,14 +11,13 @@ import torch
 
 from kvcore import AuxState, CacheConfig, KVCacheManager, KVLayout, KVPools
 from kvcore.transfer import (
-    LOOPBACK_ENV,
     EndpointInfo,
     PairingMessage,
     PeerRank,
     TransferAgent,
     TransferTimeout,
 )
-from kvcore.transfer.ucx import UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
 from tests.kvcore.conftest import make_config
 from tests.kvcore.transfer.sessions import HIDDEN, NUM_TOKENS, TIMEOUT_S, landed, seeded
 

@@ -25,7 +25,6 @@ from kvcore import (
     Owner,
 )
 from kvcore.transfer import (
-    LOOPBACK_ENV,
     EndpointInfo,
     PeerRank,
     RankTransfer,
@@ -33,7 +32,7 @@ from kvcore.transfer import (
     heads_of_rank,
 )
 from kvcore.transfer.tags import AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
 from tests.kvcore.transfer.rank_pipe import PipeClient, PipeLinks, serve_pipe
 
 HEADS = {"target": 4, "draft": 1}  # KV heads of the whole layer: split 2 + 2, replicated
