@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcore import CacheStats, KVLayout, Reservation
-from kvcore.aux_state import AuxState
+from kvcore import AuxState, CacheStats, KVLayout, Reservation
 from services.engine.batch import Span
 from services.engine.checks import (
     RequestExists,

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import KVCacheManager
-from kvcore.aux_state import AuxState
+from kvcore import AuxState, KVCacheManager
 from services.engine.batch import TargetRun
 from services.engine.request import PrefillSpan, Request, Status, TokenLogprob
 from services.engine.scheduler import Scheduler

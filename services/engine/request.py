@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore.aux_state import AuxState
+from kvcore import AuxState
 from services.engine.sampling import SamplingParams
 from services.engine.stats import SpecStats, Usage
 
