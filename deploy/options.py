@@ -176,7 +176,7 @@ def check(options) -> None:
 def engine_config(options: EngineOptions) -> EngineConfig:
     """The EngineConfig of ``options``; raises ValueError naming the option it refuses."""
     # services.engine.config loads torch, which only the processes that run an engine need
-    from kvcore import KVLayout  # noqa: PLC0415
+    from kvcore import KVLayout  # noqa: PLC0415 (torch: checking options loads none)
     from services.engine.config import EngineConfig  # noqa: PLC0415
 
     check(options)

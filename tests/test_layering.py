@@ -18,9 +18,10 @@ LIGHT = [
     "services.router.server",
     "services.router.openai_api",
     "services.router.main",
-    "tokenization.tokenizer",
-    "tokenization.detokenizer",
+    "services.tokenization.tokenizer",
+    "services.tokenization.detokenizer",
     "deploy.options",
+    "deploy.cli",
     "deploy.ray_launcher.config",
 ]
 

@@ -19,7 +19,7 @@ from deploy.ray_launcher.config import ClusterConfig, ModelOptions, RouterOption
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import load_chat_template
 from services.router.main import model_limits, run_router
-from tokenization.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 
 ServeFn = Callable[[asyncio.Event, asyncio.Event], Coroutine]
 
@@ -122,7 +122,7 @@ class ServiceActor:
         """Start a ``role`` worker of ``cluster`` that registers with ``router`` (host:port);
         returns its endpoints. A refused engine option raises ValueError naming it."""
         # the worker runs an engine: torch and its models load in its actor, never in the launcher
-        from services.common.serve import run_worker  # noqa: PLC0415
+        from services.common.serve import run_worker  # noqa: PLC0415 (torch: the router actor stays light)
         from services.common.worker import WorkerConfig  # noqa: PLC0415
         from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 

@@ -14,7 +14,7 @@ from kvcore.ops import pages, reference
 @functools.cache
 def _gpu_kernels() -> ModuleType | None:
     try:
-        from kvcore.ops import gpu
+        from kvcore.ops import gpu  # noqa: PLC0415 (Triton is optional: CPU-only installs run the reference)
     except ImportError:
         return None
     return gpu

@@ -19,7 +19,7 @@ import torch
 
 def as_ucx_array(obj: Any, *, writable: bool) -> Any:
     """Return a ``ucxx`` Array sharing ``obj``'s memory; ValueError naming ``buffer``."""
-    from ucxx._lib.arr import Array
+    from ucxx._lib.arr import Array  # noqa: PLC0415 (after ucx.py has imported ucxx with its environment set)
 
     if isinstance(obj, torch.Tensor):
         obj = _tensor_bytes(obj)

@@ -109,7 +109,7 @@ class UcxTransport:
             raise TransportClosed("transport: closed; create a new one")
         if self._started:
             return
-        import ucxx  # here, not at the top: UCX reads its environment once, when imported
+        import ucxx  # noqa: PLC0415 (UCX reads its environment once, when imported: here, not at the top)
 
         self._ucxx = ucxx
         if ucxx.core._ctx is None:  # first transport of this process picks the progress mode

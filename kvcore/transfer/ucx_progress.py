@@ -13,7 +13,7 @@ from __future__ import annotations
 
 def install() -> None:
     """Patch ucxx's BlockingMode reader (idempotent); call before ``ucxx.init``."""
-    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode  # noqa: PLC0415 (as buffers.py)
 
     if getattr(BlockingMode, "rearms_after_events", False):
         return

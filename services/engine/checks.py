@@ -10,7 +10,7 @@ from kvcore import KVCacheManager
 from kvcore.spec import cdiv
 from services.engine.models import LlamaConfig
 from services.engine.sampling import SamplingParams
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 
 def eos_ids(model_dir: str, config: LlamaConfig, tokenizer: Tokenizer) -> frozenset[int]:

@@ -13,9 +13,12 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services.engine.config import EngineConfig
 from services.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.config import EngineConfig
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models"
 
@@ -33,7 +36,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     """Prints the completion (or its JSON record); bad input exits with status 2."""
-    from services.engine.engine import Engine
+    from services.engine.engine import Engine  # noqa: PLC0415 (torch: only this subcommand needs it)
 
     if not args.offline:
         print("generate: only --offline runs here; online requests go to the router", file=sys.stderr)
@@ -77,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.engine.config import EngineConfig  # noqa: PLC0415 (torch, as in run_generate)
+
     args = build_parser().parse_args(argv)
     try:
         config = EngineConfig(

@@ -45,7 +45,7 @@ from services.engine.setup import build_cache, cache_config
 from services.engine.speculative import draft, draft_prefill, verify_spans
 from services.engine.step_outputs import StepOutputs
 from services.engine.verify import sample_first, verify
-from tokenization.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 
 
 class Engine:

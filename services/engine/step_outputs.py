@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from services.engine.request import Request, RequestOutput, Status
 from services.engine.stopping import append_tokens, output_text
-from tokenization.detokenizer import Detokenizer
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.detokenizer import Detokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 
 class StepOutputs:

@@ -9,7 +9,7 @@ the same place.
 from __future__ import annotations
 
 from services.engine.request import Request
-from tokenization.detokenizer import Detokenizer
+from services.tokenization.detokenizer import Detokenizer
 
 
 def append_tokens(

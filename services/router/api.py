@@ -34,7 +34,7 @@ from services.router.registration import Registration
 from services.router.registry import Registry
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

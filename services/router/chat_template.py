@@ -27,7 +27,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -15,7 +15,7 @@ from services.router.health import STATS_MISSES, STATS_TIMEOUT_S
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
 from services.router.server import add_router_servicers
-from tokenization.tokenizer import Tokenizer, load_tokenizer
+from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
 def model_limits(

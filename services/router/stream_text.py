@@ -8,8 +8,8 @@ as decoded, never searched nor withheld, and the StopTrimmer sees only what foll
 from __future__ import annotations
 
 from services.router.stop_trimmer import StopTrimmer
-from tokenization.detokenizer import Detokenizer
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.detokenizer import Detokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 
 class StreamText:

@@ -11,10 +11,10 @@ import torch
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM, save_model
+from services.tokenization.tokenizer import load_tokenizer
 from tests.e2e.conftest import start_cluster
 from tests.services.engine.helpers import drafter_config, randomize, target_config
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
-from tokenization.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 PROMPT = "héllo wörld, the quick brown fox 😀"

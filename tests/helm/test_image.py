@@ -44,7 +44,6 @@ def test_every_copied_folder_exists_and_is_in_the_build_context():
     assert [src for src, _ in copies] == [
         "pyproject.toml",
         "kvcore",
-        "tokenization",
         "services",
         "proto",
         "deploy",

@@ -25,8 +25,8 @@ def use_kernels(enabled: bool) -> None:
 
 @functools.cache
 def _triton() -> ModuleType | None:
-    try:  # Triton is optional: CPU-only installs run the reference
-        from services.engine.kernels import triton_fused
+    try:
+        from services.engine.kernels import triton_fused  # noqa: PLC0415 (Triton is optional: CPU-only installs run the reference)
     except ImportError:
         return None
     return triton_fused

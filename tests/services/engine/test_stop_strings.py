@@ -9,9 +9,9 @@ from services.engine.request import Request
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import append_tokens, output_text
 from services.router.stop_trimmer import StopTrimmer
+from services.tokenization.detokenizer import Detokenizer
+from services.tokenization.tokenizer import load_tokenizer
 from tests.services.engine.tokenizer_helpers import trained_bpe, trained_metaspace, write_folder
-from tokenization.detokenizer import Detokenizer
-from tokenization.tokenizer import load_tokenizer
 
 TEXT = "héllo wörld, the quick brown fox 😀 jumps over the lazy dog"
 

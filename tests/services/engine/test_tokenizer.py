@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from models.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_ids
 from services.engine.checks import eos_ids
+from services.tokenization.detokenizer import REPLACEMENT, Detokenizer
+from services.tokenization.tokenizer import load_tokenizer
 from tests.services.engine.tokenizer_helpers import trained_bpe, trained_metaspace, write_folder
-from tokenization.detokenizer import REPLACEMENT, Detokenizer
-from tokenization.tokenizer import load_tokenizer
 
 TINY = Path(__file__).resolve().parents[3] / "models" / "tiny-target"
 SPECIAL_TEXT = ("<bos>", "<eos>", "<pad>")

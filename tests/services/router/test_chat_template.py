@@ -12,8 +12,8 @@ from tokenizers import AddedToken
 from services.router.chat_template import ChatTemplateError, load_chat_template
 from services.router.http import HttpError
 from services.router.openai_protocol import chat_messages, parse_chat
+from services.tokenization.tokenizer import load_tokenizer
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
-from tokenization.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from services.router.chat_template import load_chat_template
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpServer, Request, Response, StreamingResponse
 from services.router.openai_api import OpenAIServer
-from tokenization.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))

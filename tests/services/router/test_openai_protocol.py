@@ -15,7 +15,7 @@ from services.router.openai_protocol import (
     render_chat,
     router_param,
 )
-from tokenization.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))

@@ -13,7 +13,7 @@ still held at the end (an invalid sequence that never completed stays U+FFFD, as
 
 from __future__ import annotations
 
-from tokenization.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
