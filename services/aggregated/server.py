@@ -7,19 +7,13 @@ import uuid
 
 import grpc
 
-from kvcore import TARGET_GROUP
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
-from services.common.worker import (
-    FINISH_REASONS,
-    WorkerBase,
-    logprobs_to_proto,
-    sampling_from_proto,
-    spec_tokens_from_proto,
-)
+from services.common.outputs import OutputStream
+from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
 
 class AggregatedStats(wpb_grpc.PrefillWorkerServicer):
@@ -46,44 +40,17 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
-        sent, last = 0, None
+        stream = OutputStream()
         try:
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_request(prompt, sampling, rid, num_spec_tokens=k)  # noqa: E731
-            async for out in w.loop.outputs(rid, submit):
-                last = out
-                if len(out.token_ids) > sent:
-                    yield cpb.GenerateResponse(
-                        request_id=rid,
-                        chunk=cpb.Chunk(
-                            token_ids=out.token_ids[sent:],
-                            logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:]),
-                        ),
-                    )
-                    sent = len(out.token_ids)
+            async for chunk in stream.chunks(w.loop, rid, submit):
+                yield cpb.GenerateResponse(request_id=rid, chunk=chunk)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.record_spec_metrics()
-        u = last.usage
-        usage = cpb.Usage(
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=len(last.token_ids),
-            acceptance_length=u.acceptance_length,
-            num_drafts=u.num_steps,
-            num_draft_tokens=u.num_draft_tokens,
-            num_accepted_tokens=u.num_accepted,
-            cached_tokens=u.cached_tokens.get(TARGET_GROUP, 0),
-            cached_tokens_per_group=[
-                cpb.GroupTokens(group=g, num_tokens=n) for g, n in u.cached_tokens.items()
-            ],
-        )
-        w.metrics.requests.labels("both", last.finish_reason or "stop").inc()
-        yield cpb.GenerateResponse(
-            request_id=rid,
-            complete=cpb.Complete(
-                finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP), usage=usage
-            ),
-        )
+        w.metrics.requests.labels("both", stream.last.finish_reason or "stop").inc()
+        yield cpb.GenerateResponse(request_id=rid, complete=stream.complete(stream.last.usage.prompt_tokens))
 
     async def Abort(self, request, context) -> cpb.AbortResponse:
         found = await self.worker.loop.call(self.worker.engine.abort, request.request_id)

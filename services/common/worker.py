@@ -25,7 +25,6 @@ from services.common.security import aio_channel
 from services.common.tp_group import RankGroup
 from services.common.worker_config import ROLES, WorkerConfig
 from services.engine.engine import Engine
-from services.engine.request import TokenLogprob
 from services.engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
@@ -219,26 +218,6 @@ def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
 def spec_tokens_from_proto(options: cpb.SpeculativeOptions) -> int | None:
     """speculative.num_spec_tokens: unset = the server's K (None)."""
     return options.num_spec_tokens if options.HasField("num_spec_tokens") else None
-
-
-def logprobs_to_proto(entries: list[TokenLogprob | None] | None) -> list[cpb.TokenLogprobs]:
-    """Engine logprobs -> Chunk.logprobs (None entries, computed elsewhere, are skipped)."""
-    return [
-        cpb.TokenLogprobs(
-            token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids, top_logprobs=e.top_logprobs
-        )
-        for e in entries or ()
-        if e is not None
-    ]
-
-
-FINISH_REASONS = {
-    "stop": cpb.FINISH_REASON_STOP,
-    "length": cpb.FINISH_REASON_LENGTH,
-    "abort": cpb.FINISH_REASON_ABORT,
-    None: cpb.FINISH_REASON_UNSPECIFIED,
-    "prefilled": cpb.FINISH_REASON_UNSPECIFIED,
-}
 
 
 def layout_of(name: str) -> KVLayout:

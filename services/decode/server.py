@@ -17,19 +17,13 @@ from dataclasses import dataclass
 import grpc
 
 from kvcore import Reservation
-from kvcore.transfer import AuxState, TransferError, TransferTimeout, TransferUsage
-from proto.tandem.v1 import client_pb2 as cpb
+from kvcore.transfer import AuxState, TransferError, TransferTimeout
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
-from services.common.worker import (
-    FINISH_REASONS,
-    WorkerBase,
-    logprobs_to_proto,
-    sampling_from_proto,
-    spec_tokens_from_proto,
-)
+from services.common.outputs import OutputStream
+from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 from services.engine.checks import RequestExists
 
 
@@ -137,66 +131,36 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     async def _decode(self, request: wpb.DecodeRequest, context):
         w, rid = self.worker, request.request_id
         res = self.reserved.get(rid)
-        if res is None or res.decoding:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} is not reserved")
-        if len(request.prompt_token_ids) != res.prompt_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids: {len(request.prompt_token_ids)} tokens, {res.prompt_len} reserved",
-            )
-        if res.prompt and list(request.prompt_token_ids) != res.prompt:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: differ from the tokens reserved"
-            )
+        refusal = _refusal(request, res)
+        if refusal is not None:
+            await context.abort(*refusal)
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
         res.decoding = True
         try:
-            aux, moved = await self._landed(res, request, context)
+            aux = await self._landed(res, request, context)
             prompt = list(request.prompt_token_ids)
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_prefilled(rid, prompt, aux, sampling, k)  # noqa: E731
-            sent = 1  # the first token came with the prefill's answer
-            last = None
+            stream = OutputStream(sent=1)  # the first token came with the prefill's answer
             try:
-                async for out in w.loop.outputs(rid, submit):
-                    last = out
-                    if len(out.token_ids) > sent:
-                        yield wpb.DecodeResponse(
-                            chunk=cpb.Chunk(
-                                token_ids=out.token_ids[sent:],
-                                logprobs=logprobs_to_proto(out.logprobs and out.logprobs[sent:]),
-                            )
-                        )
-                        sent = len(out.token_ids)
+                async for chunk in stream.chunks(w.loop, rid, submit):
+                    yield wpb.DecodeResponse(chunk=chunk)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
-            u = last.usage
-            usage = cpb.Usage(
-                prompt_tokens=len(prompt),
-                completion_tokens=len(last.token_ids) - 1,
-                acceptance_length=u.acceptance_length,
-                num_drafts=u.num_steps,
-                num_draft_tokens=u.num_draft_tokens,
-                num_accepted_tokens=u.num_accepted,
-            )
-            w.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
-            yield wpb.DecodeResponse(
-                complete=cpb.Complete(
-                    finish_reason=FINISH_REASONS.get(last.finish_reason, cpb.FINISH_REASON_STOP), usage=usage
-                )
-            )
+            w.metrics.requests.labels("decode", stream.last.finish_reason or "stop").inc()
+            yield wpb.DecodeResponse(complete=stream.complete(len(prompt), skipped=1, cached=False))
         finally:
             self.reserved.pop(rid, None)
             if w.engine.holds_reservation(rid):
                 await asyncio.shield(w.loop.call(w.engine.release_reservation, rid))
 
-    async def _landed(self, res: _Reservation, request, context) -> tuple[AuxState, TransferUsage]:
+    async def _landed(self, res: _Reservation, request, context) -> AuxState:
         try:
-            aux, moved = await res.receive
+            aux, _ = await res.receive
         except (TransferError, asyncio.CancelledError) as e:
             if isinstance(e, TransferTimeout):
                 self.worker.metrics.timeouts.labels("transfer").inc()
@@ -205,7 +169,19 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "first_token_id: differs from the transferred aux state"
             )
-        return aux, moved
+        return aux
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
         return await self.worker.stats_reply()
+
+
+def _refusal(request: wpb.DecodeRequest, res: _Reservation | None) -> tuple[grpc.StatusCode, str] | None:
+    """Why a Decode of ``request`` against its reservation is refused, or None."""
+    if res is None or res.decoding:
+        return grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is not reserved"
+    if len(request.prompt_token_ids) != res.prompt_len:
+        n = len(request.prompt_token_ids)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {n} tokens, {res.prompt_len} reserved"
+    if res.prompt and list(request.prompt_token_ids) != res.prompt:
+        return grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: differ from the tokens reserved"
+    return None

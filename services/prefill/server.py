@@ -14,14 +14,14 @@ import time
 
 import grpc
 
-from kvcore import TARGET_GROUP
 from kvcore.transfer import TransferError, TransferTimeout, TransferUsage
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import delay
+from services.common.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
 from services.common.peering import PeerRegistry
-from services.common.worker import FINISH_REASONS, WorkerBase, logprobs_to_proto, sampling_from_proto
+from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
 
 
@@ -82,7 +82,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         """Send the parked request's pages and aux state to the decode worker that reserved
         them (not when it finished at its first token); the usage, transfers included."""
         w, n = self.worker, len(request.prompt_token_ids)
-        usage = _usage(n, final.usage.cached_tokens)
+        usage = add_cached_tokens(cpb.Usage(prompt_tokens=n), final.usage.cached_tokens)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
             return usage
         decode_id = request.reservation.decode_instance_id
@@ -120,13 +120,6 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
 
     async def Stats(self, request, context) -> wpb.StatsResponse:
         return await self.worker.stats_reply()
-
-
-def _usage(prompt_len: int, cached: dict[str, int]) -> cpb.Usage:
-    usage = cpb.Usage(prompt_tokens=prompt_len, cached_tokens=cached.get(TARGET_GROUP, 0))
-    for group, n in cached.items():
-        usage.cached_tokens_per_group.append(cpb.GroupTokens(group=group, num_tokens=n))
-    return usage
 
 
 def _transfers(moved: TransferUsage) -> list[cpb.GroupTransfer]:
