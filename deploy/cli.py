@@ -27,7 +27,8 @@ from deploy.options import (
 )
 from services.common.security import TlsConfig, tls_from
 from services.engine.cli import add_generate_args, run_generate
-from services.router.main import model_limits, router_text, run_router
+from services.router.api import RouterOptions
+from services.router.main import RouterConfig, model_limits, router_text, run_router
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -180,22 +181,20 @@ def run_router_command(args: argparse.Namespace) -> int:
     name = served_model_name(args.model, args.served_model_name)
     limits = model_limits(args.model, args.num_spec_tokens, served_model_name=name)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
-    asyncio.run(
-        run_router(
-            limits,
-            args.host,
-            args.port,
-            args.metrics_port,
-            args.tokens_per_page,
-            token=args.token,
-            http_port=None if args.http_port < 0 else args.http_port,
-            tls=tls_config(args),
-            health_timeout_s=args.health_timeout_s,
-            health_misses=args.health_misses,
-            tokenizer=tokenizer,
-            chat=chat,
-        )
+    options = RouterOptions(
+        args.tokens_per_page, args.token, tls_config(args), args.health_timeout_s, args.health_misses
     )
+    config = RouterConfig(
+        limits,
+        options,
+        args.host,
+        args.port,
+        args.metrics_port,
+        None if args.http_port < 0 else args.http_port,
+        tokenizer,
+        chat,
+    )
+    asyncio.run(run_router(config))
     return 0
 
 

@@ -17,8 +17,9 @@ import ray
 from deploy.options import engine_config, served_model_name
 from deploy.ray_launcher.config import ClusterConfig, ModelOptions, RouterOptions
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.api import RouterOptions as RouterAPIOptions
 from services.router.chat_template import load_chat_template
-from services.router.main import model_limits, run_router
+from services.router.main import RouterConfig, model_limits, run_router
 from services.tokenization.tokenizer import load_tokenizer
 
 ServeFn = Callable[[asyncio.Event, asyncio.Event], Coroutine]
@@ -94,19 +95,17 @@ class ServiceActor:
         http_port = None if options.http_port < 0 else options.http_port
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
-            return run_router(
+            config = RouterConfig(
                 limits,
+                RouterAPIOptions(tokens_per_page=engine.tokens_per_page),
                 self.host,
                 options.port,
                 options.metrics_port,
-                engine.tokens_per_page,
-                ready=ready,
-                stop=stop,
-                bound=self.bound,
-                http_port=http_port,
-                tokenizer=tokenizer,
-                chat=chat,
+                http_port,
+                tokenizer,
+                chat,
             )
+            return run_router(config, ready, stop, self.bound)
 
         self._start("router", serve, timeout_s)
         b = self.bound

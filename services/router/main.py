@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from dataclasses import dataclass, field
 
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
-from services.common.security import TlsConfig
 from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.chat_template import ChatTemplate, load_chat_template
-from services.router.health import STATS_MISSES, STATS_TIMEOUT_S
 from services.router.http import HttpServer
 from services.router.openai_api import OpenAIServer
 from services.router.server import add_router_servicers
@@ -46,36 +45,42 @@ def router_text(
         raise SystemExit(f"tandem: {e}") from None
 
 
+@dataclass(slots=True)
+class RouterConfig:
+    """One router process: the model it fronts, its parts' options, and where it listens.
+
+    - ports 0 = any free port; ``http_port`` None = no OpenAI-compatible HTTP server;
+    - ``tokenizer`` encodes text prompts and decodes streamed text; ``chat`` renders chat
+      messages (None: chat is refused).
+    """
+
+    limits: ModelLimits
+    options: RouterOptions = field(default_factory=RouterOptions)
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    http_port: int | None = None
+    tokenizer: Tokenizer | None = None
+    chat: ChatTemplate | None = None
+
+
 async def run_router(
-    limits: ModelLimits,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    metrics_port: int = 0,
-    tokens_per_page: int = 16,
-    token: str = "",
+    config: RouterConfig,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     bound: dict | None = None,
-    http_port: int | None = None,
-    tls: TlsConfig | None = None,
-    health_timeout_s: float = STATS_TIMEOUT_S,
-    health_misses: int = STATS_MISSES,
-    tokenizer: Tokenizer | None = None,
-    chat: ChatTemplate | None = None,
 ) -> None:
-    """Serve until ``stop`` is set. Ports: 0 = any free port; ``http_port`` None = no
-    OpenAI-compatible HTTP server. A worker that misses ``health_misses`` Stats polls in a
-    row (``health_timeout_s`` each) gets no traffic. ``tokenizer`` encodes text prompts and
-    decodes streamed text; ``chat`` renders chat messages (None: chat is refused). Prints
-    one line with the endpoints; ``bound`` gets the ports and the RouterAPI (``router``)."""
-    metrics = Metrics("router", limits.model_id)
-    options = RouterOptions(tokens_per_page, token, tls, health_timeout_s, health_misses)
-    router = RouterAPI(limits, metrics, options, tokenizer)
+    """Serve until ``stop`` is set. Prints one line with the endpoints; ``bound`` gets the
+    ports and the RouterAPI (``router``)."""
+    c, host = config, config.host
+    metrics = Metrics("router", c.limits.model_id)
+    router = RouterAPI(c.limits, metrics, c.options, c.tokenizer)
+    opts = c.options
     server, health, port = await start_server(
-        lambda s: add_router_servicers(s, router), host, port, tls, token
+        lambda s: add_router_servicers(s, router), host, c.port, opts.tls, opts.token
     )
-    metrics_port = serve_metrics(metrics, host, metrics_port)
-    http, http_port = await _start_http(router, chat, host, http_port)
+    metrics_port = serve_metrics(metrics, host, c.metrics_port)
+    http, http_port = await _start_http(router, c.chat, host, c.http_port)
     await health.set("", SERVING)
     router.health_monitor.readiness = health
     http_url = f" http=http://{host}:{http_port}" if http else ""
