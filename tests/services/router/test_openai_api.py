@@ -4,123 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
 from services.router.api import ModelLimits, RouterAPI
-from services.router.chat_template import load_chat_template
 from services.router.errors import ErrorCode, RouterError
-from services.router.http import HttpServer, Request, Response, StreamingResponse
+from services.router.http import Request, Response
 from services.router.openai_api import OpenAIServer
-from services.tokenization.tokenizer import load_tokenizer
-
-MODEL = "tiny"
-TOKENIZER = load_tokenizer(str(Path(__file__).resolve().parents[3] / "models" / "tiny-target"))
-CHAT = load_chat_template(TOKENIZER)
-USAGE = cpb.Usage(
-    prompt_tokens=4,
-    cached_tokens=2,
-    completion_tokens=3,
-    acceptance_length=1.5,
-    num_drafts=2,
-    num_draft_tokens=6,
-    num_accepted_tokens=1,
-    cached_tokens_per_group=[cpb.GroupTokens(group="target", num_tokens=2)],
-    transfers=[
-        cpb.GroupTransfer(group="target", num_bytes=4096, seconds=0.25),
-        cpb.GroupTransfer(group="draft", num_bytes=1024, seconds=0.5),
-    ],
+from tests.services.router.scripted_router import (
+    CHAT,
+    MODEL,
+    TOKENIZER,
+    ScriptedRouter,
+    call,
+    chunk_message,
+    complete_message,
+    error_message,
+    request_body,
 )
-
-
-def _chunk(text: str) -> cpb.GenerateResponse:
-    return cpb.GenerateResponse(chunk=cpb.Chunk(token_ids=[1], text=text))
-
-
-def _complete(reason=cpb.FINISH_REASON_LENGTH, usage=USAGE) -> cpb.GenerateResponse:
-    return cpb.GenerateResponse(complete=cpb.Complete(finish_reason=reason, usage=usage))
-
-
-def _error(message: str) -> cpb.GenerateResponse:
-    return cpb.GenerateResponse(error=cpb.Error(message=message))
-
-
-class ScriptedRouter:
-    """A RouterAPI whose ``generate`` answers with ``script``; ``hold`` parks it after the
-    first message."""
-
-    def __init__(self, script: list[cpb.GenerateResponse], hold: bool = False) -> None:
-        self.script, self.hold = script, hold
-        self.token = ""  # no bearer token required
-        self.metrics = Metrics("router")
-        self.inflight: dict[str, object] = {}
-        self.requests: list[cpb.GenerateRequest] = []
-        self.aborted: list[str] = []
-        self.released = asyncio.Event()
-
-    async def model_info(self):
-        return cpb.ModelInfoResponse(
-            model_id=MODEL, drafter_id="draft", drafter_kind="eagle3", num_spec_tokens=3, max_model_len=64
-        )
-
-    async def health(self):
-        return cpb.HealthResponse(
-            status=cpb.SERVING_STATUS_NOT_SERVING,
-            num_decode_workers=1,
-            message="no ready prefill/decode pair. ",
-        )
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
-        self.released.set()
-        return True
-
-    def is_running(self, request_id):
-        return request_id in self.inflight
-
-    async def generate(self, request):
-        self.requests.append(request)
-        self.inflight[request.request_id] = object()
-        try:
-            for i, message in enumerate(self.script):
-                yield message
-                if self.hold and i == 0:
-                    await self.released.wait()
-                    yield _complete(cpb.FINISH_REASON_ABORT, cpb.Usage())
-                    return
-        finally:
-            del self.inflight[request.request_id]
-
-
-def _body(payload: dict) -> bytes:
-    return json.dumps(payload).encode()
-
-
-def _call(server: OpenAIServer, path: str, payload: dict | None = None):
-    """Answer one request; a streamed response is read whole in the same event loop and
-    returned as its list of events (JSON objects, then "[DONE]")."""
-    method = "GET" if payload is None else "POST"
-    http = HttpServer(server.routes())
-
-    async def run():
-        response = await http.handle(Request(method, path, "", {}, _body(payload or {})))
-        if isinstance(response, StreamingResponse):
-            return _parse_events(b"".join([chunk async for chunk in response.chunks]))
-        return response
-
-    return asyncio.run(run())
-
-
-def _parse_events(raw: bytes) -> list:
-    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
-    return [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
 
 
 def _stable(payload: dict) -> dict:
     return {k: v for k, v in payload.items() if k not in ("id", "created")}
 
 
+# scripted_router.USAGE (the default of complete_message) as the OpenAI usage object
 TANDEM_USAGE = {
     "prompt_tokens": 4,
     "completion_tokens": 3,
@@ -139,8 +47,8 @@ TANDEM_USAGE = {
 
 
 def test_a_completion_joins_the_chunks_and_reports_usage_with_tandem_extras():
-    router = ScriptedRouter([_chunk("ab"), _chunk(""), _chunk("c"), _complete()])
-    response = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    router = ScriptedRouter([chunk_message("ab"), chunk_message(""), chunk_message("c"), complete_message()])
+    response = call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x"})
     payload = json.loads(response.body)
     assert response.status == 200 and payload["id"].startswith("cmpl-")
     assert _stable(payload) == {
@@ -153,8 +61,8 @@ def test_a_completion_joins_the_chunks_and_reports_usage_with_tandem_extras():
 
 
 def test_a_chat_completion_answers_as_the_assistant():
-    router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    response = _call(
+    router = ScriptedRouter([chunk_message("hi"), complete_message(cpb.FINISH_REASON_STOP)])
+    response = call(
         OpenAIServer(router, CHAT),
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "yo"}]},
@@ -173,8 +81,8 @@ def test_a_chat_completion_answers_as_the_assistant():
 
 
 def test_a_streamed_completion_sends_text_deltas_a_finish_chunk_usage_and_done():
-    router = ScriptedRouter([_chunk("a"), _chunk(""), _chunk("b"), _complete()])
-    events = _call(
+    router = ScriptedRouter([chunk_message("a"), chunk_message(""), chunk_message("b"), complete_message()])
+    events = call(
         OpenAIServer(router),
         "/v1/completions",
         {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
@@ -191,8 +99,8 @@ def test_a_streamed_completion_sends_text_deltas_a_finish_chunk_usage_and_done()
 
 
 def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
-    router = ScriptedRouter([_chunk("hi"), _complete(cpb.FINISH_REASON_STOP)])
-    events = _call(
+    router = ScriptedRouter([chunk_message("hi"), complete_message(cpb.FINISH_REASON_STOP)])
+    events = call(
         OpenAIServer(router, CHAT),
         "/v1/chat/completions",
         {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "yo"}]},
@@ -208,9 +116,12 @@ def test_a_streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta():
 
 def test_an_error_before_the_first_token_is_an_http_error():
     router = ScriptedRouter(
-        [_error("no ready prefill/decode pair"), _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())]
+        [
+            error_message("no ready prefill/decode pair"),
+            complete_message(cpb.FINISH_REASON_ERROR, cpb.Usage()),
+        ]
     )
-    response = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    response = call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
     assert isinstance(response, Response) and response.status == 503
     assert json.loads(response.body)["error"]["code"] == "no_ready_pair"
     assert router.inflight == {}
@@ -218,9 +129,13 @@ def test_an_error_before_the_first_token_is_an_http_error():
 
 def test_an_error_after_streaming_started_is_an_sse_error_event():
     router = ScriptedRouter(
-        [_chunk("a"), _error("decode worker d: INTERNAL: x"), _complete(cpb.FINISH_REASON_ERROR, cpb.Usage())]
+        [
+            chunk_message("a"),
+            error_message("decode worker d: INTERNAL: x"),
+            complete_message(cpb.FINISH_REASON_ERROR, cpb.Usage()),
+        ]
     )
-    events = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    events = call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
     assert events[1] == {
         "error": {
             "message": "decode worker d: INTERNAL: x",
@@ -233,12 +148,18 @@ def test_an_error_after_streaming_started_is_an_sse_error_event():
 
 
 def test_a_stream_closed_early_aborts_its_request():
-    router = ScriptedRouter([_chunk("a"), _chunk("b")], hold=True)
+    router = ScriptedRouter([chunk_message("a"), chunk_message("b")], hold=True)
 
     async def scenario():
         handler = OpenAIServer(router).routes()["/v1/completions"]["POST"]
         response = await handler(
-            Request("POST", "/v1/completions", "", {}, _body({"model": MODEL, "prompt": "x", "stream": True}))
+            Request(
+                "POST",
+                "/v1/completions",
+                "",
+                {},
+                request_body({"model": MODEL, "prompt": "x", "stream": True}),
+            )
         )
         first = await anext(response.chunks)
         await response.chunks.aclose()  # what the server does when the client goes away
@@ -250,7 +171,7 @@ def test_a_stream_closed_early_aborts_its_request():
 
 
 def test_models_lists_the_served_model_with_its_drafter():
-    payload = json.loads(_call(OpenAIServer(ScriptedRouter([])), "/v1/models").body)
+    payload = json.loads(call(OpenAIServer(ScriptedRouter([])), "/v1/models").body)
     model = payload["data"][0]
     assert payload["object"] == "list" and len(payload["data"]) == 1
     assert (model["id"], model["object"], model["owned_by"], model["max_model_len"]) == (
@@ -263,7 +184,7 @@ def test_models_lists_the_served_model_with_its_drafter():
 
 
 def test_health_is_503_without_a_ready_pair():
-    response = _call(OpenAIServer(ScriptedRouter([])), "/health")
+    response = call(OpenAIServer(ScriptedRouter([])), "/health")
     assert response.status == 503
     assert json.loads(response.body) == {
         "status": "not_serving",
@@ -277,7 +198,7 @@ def test_health_is_503_without_a_ready_pair():
 def test_metrics_serves_the_router_registry_in_prometheus_text():
     router = ScriptedRouter([])
     router.metrics.requests.labels("router", "stop").inc()
-    response = _call(OpenAIServer(router), "/metrics")
+    response = call(OpenAIServer(router), "/metrics")
     assert response.content_type.startswith("text/plain")
     assert b'tandem_requests_total{role="router",status="stop"} 1.0' in response.body
 
@@ -292,7 +213,7 @@ def _real_router() -> RouterAPI:
 
 
 def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
-    response = _call(
+    response = call(
         OpenAIServer(_real_router()),
         "/v1/completions",
         {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100},
@@ -303,7 +224,7 @@ def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
 
 
 def test_chat_prompt_overflow_names_messages():
-    response = _call(
+    response = call(
         OpenAIServer(_real_router(), CHAT),
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]},
@@ -313,7 +234,7 @@ def test_chat_prompt_overflow_names_messages():
 
 def test_no_ready_pair_is_a_503_and_counted_by_the_router():
     router = _real_router()
-    response = _call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    response = call(OpenAIServer(router), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert response.status == 503
     assert json.loads(response.body)["error"]["message"] == "no ready prefill/decode pair"
     assert router.metrics.requests.labels("router", "error")._value.get() == 1
@@ -326,6 +247,6 @@ def test_a_router_refusal_maps_to_a_status():
             raise RouterError(ErrorCode.UNAVAILABLE, "decode worker d is unavailable")
             yield  # an async generator, like RouterAPI.generate
 
-    response = _call(OpenAIServer(Refusing([])), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    response = call(OpenAIServer(Refusing([])), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert response.status == 503
     assert json.loads(response.body)["error"]["message"] == "decode worker d is unavailable"

@@ -16,7 +16,7 @@ from services.router.openai_api import OpenAIServer
 from services.router.openai_protocol import parse_completion, router_param
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
-from tests.services.router.test_openai_api import CHAT, MODEL, ScriptedRouter, _call, _complete
+from tests.services.router.scripted_router import CHAT, MODEL, ScriptedRouter, call, complete_message
 from tests.services.router.test_openai_protocol import TOKENIZER, _parse_chat
 
 
@@ -182,7 +182,7 @@ SCRIPT = [
             logprobs=[_lp(3, -2.0, (2, -0.25), (3, -2.0)), _lp(2, float("-inf"), (1, -0.75), (4, -1.0))],
         )
     ),
-    _complete(),
+    complete_message(),
 ]
 
 
@@ -193,7 +193,7 @@ def _router() -> ScriptedRouter:
 
 
 def test_completion_logprobs_have_openais_legacy_shape():
-    response = _call(
+    response = call(
         OpenAIServer(_router()), "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}
     )
     choice = json.loads(response.body)["choices"][0]
@@ -211,7 +211,7 @@ def test_completion_logprobs_have_openais_legacy_shape():
 
 
 def test_chat_logprobs_have_the_content_shape():
-    response = _call(
+    response = call(
         OpenAIServer(_router(), CHAT),
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
@@ -230,7 +230,7 @@ def test_chat_logprobs_have_the_content_shape():
 
 
 def test_streamed_logprobs_come_with_their_chunks_and_offsets_run_on():
-    events = _call(
+    events = call(
         OpenAIServer(_router()),
         "/v1/completions",
         {"model": MODEL, "prompt": "x", "logprobs": 1, "stream": True},
@@ -239,7 +239,7 @@ def test_streamed_logprobs_come_with_their_chunks_and_offsets_run_on():
     assert [lp["tokens"] for lp in lps[:2]] == [["a"], ["c", "b"]]
     assert [lp["text_offset"] for lp in lps[:2]] == [[0], [1, 2]]
     assert lps[2] is None  # the finish chunk
-    chat = _call(
+    chat = call(
         OpenAIServer(_router(), CHAT),
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True},
@@ -250,7 +250,7 @@ def test_streamed_logprobs_come_with_their_chunks_and_offsets_run_on():
 
 
 def test_without_logprobs_the_field_stays_null():
-    response = _call(OpenAIServer(_router()), "/v1/completions", {"model": MODEL, "prompt": "x"})
+    response = call(OpenAIServer(_router()), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert json.loads(response.body)["choices"][0]["logprobs"] is None
 
 
