@@ -5,62 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proto.tandem.v1 import rank_info_pb2 as pb
-from services.common.peer_check import (
-    Mismatch,
-    check_peer,
-    format_mismatches,
-    heads_per_rank,
-    mismatches_to_proto,
-)
-
-
-def make_group(name: str, *, heads: int = 8, total_heads: int = 8, **fields) -> pb.LayerGroupInfo:
-    target = name == "target"
-    group = pb.LayerGroupInfo(
-        name=name,
-        owner=pb.GROUP_OWNER_TARGET if target else pb.GROUP_OWNER_DRAFT,
-        layer_ids=[0, 1, 2, 3] if target else [4],
-        num_kv_heads=heads,
-        total_num_kv_heads=total_heads,
-        head_dim=128,
-        dtype=pb.KV_DTYPE_BF16 if target else pb.KV_DTYPE_FP8_E4M3,
-        dtype_name="bfloat16" if target else "float8_e4m3fn",
-        element_bytes=2 if target else 1,
-        window=0 if target else 64,
-        lifecycle=pb.LIFECYCLE_REQUIRED if target else pb.LIFECYCLE_OPTIONAL,
-        page_bytes=0,
-        num_pages=100,
-    )
-    for key, value in fields.items():
-        setattr(group, key, value)
-    return group
-
-
-def make_info(
-    role: int = pb.ROLE_PREFILL, *, tp_size: int = 1, heads: int = 8, total_heads: int = 8
-) -> pb.RankInfo:
-    groups = [make_group(name, heads=heads, total_heads=total_heads) for name in ("target", "draft")]
-    return pb.RankInfo(
-        schema_version=1,
-        instance_id=f"rank-{role}-{tp_size}",
-        role=role,
-        model_id="llama",
-        drafter_id="llama-eagle",
-        drafter_kind="eagle3",
-        tp_size=tp_size,
-        tp_rank=0,
-        pp_size=1,
-        tokens_per_page=16,
-        kv_layout=pb.KV_LAYOUT_UNIFIED,
-        groups=groups,
-        num_draft_layers=1,
-        num_spec_tokens=3,
-        draft_block_width=1,
-    )
-
-
-def prefill_and_decode() -> tuple[pb.RankInfo, pb.RankInfo]:
-    return make_info(pb.ROLE_PREFILL), make_info(pb.ROLE_DECODE)
+from services.common.peer_check import Mismatch, check_peer, format_mismatches, mismatches_to_proto
+from tests.services.common.peer_samples import make_info, prefill_and_decode
 
 
 def set_field(path: str, value):
@@ -202,83 +148,6 @@ def test_unknown_enum_value_is_shown_as_its_number():
     local, peer = prefill_and_decode()
     peer.kv_layout = 7
     assert check_peer(local, peer) == [Mismatch("kv_layout", "KV_LAYOUT_UNIFIED", "7")]
-
-
-def test_tp_1_and_2_with_8_heads_are_accepted():
-    local = make_info(pb.ROLE_PREFILL, tp_size=1, heads=8)
-    peer = make_info(pb.ROLE_DECODE, tp_size=2, heads=4)
-    assert check_peer(local, peer) == []
-    assert check_peer(peer, local) == []
-
-
-def test_unset_tp_size_reads_as_1():
-    local = make_info(pb.ROLE_PREFILL, tp_size=0, heads=8)
-    assert check_peer(local, make_info(pb.ROLE_DECODE, tp_size=2, heads=4)) == []
-
-
-def test_tp_3_and_2_with_8_heads_are_refused_naming_the_heads():
-    local = make_info(pb.ROLE_PREFILL, tp_size=3, heads=3)
-    peer = make_info(pb.ROLE_DECODE, tp_size=2, heads=4)
-    assert check_peer(local, peer) == [
-        Mismatch(
-            f"groups[{name}].num_kv_heads",
-            "3 of 8 heads per rank at tp 3",
-            "4 of 8 heads per rank at tp 2",
-            "local: 8 KV heads do not split over tp 3",
-        )
-        for name in ("target", "draft")
-    ]
-
-
-def test_gqa_replication_is_accepted():
-    # 2 KV heads over tp 4: each head lives on 2 ranks, 1 head per rank.
-    unsharded = make_info(pb.ROLE_PREFILL, tp_size=1, heads=2, total_heads=2)
-    replicated_4 = make_info(pb.ROLE_DECODE, tp_size=4, heads=1, total_heads=2)
-    assert check_peer(unsharded, replicated_4) == []
-    replicated_8 = make_info(pb.ROLE_PREFILL, tp_size=8, heads=1, total_heads=2)
-    assert check_peer(replicated_8, replicated_4) == []
-
-
-def test_gqa_replication_needs_heads_dividing_tp():
-    local = make_info(pb.ROLE_PREFILL, tp_size=1, heads=3, total_heads=3)
-    peer = make_info(pb.ROLE_DECODE, tp_size=4, heads=1, total_heads=3)
-    assert check_peer(local, peer)[0] == Mismatch(
-        "groups[target].num_kv_heads",
-        "3 of 3 heads per rank at tp 1",
-        "1 of 3 heads per rank at tp 4",
-        "peer: 3 KV heads do not split over tp 4",
-    )
-
-
-def test_wrong_heads_per_rank_is_refused():
-    local = make_info(pb.ROLE_PREFILL, tp_size=1, heads=8)
-    peer = make_info(pb.ROLE_DECODE, tp_size=2, heads=8)  # should hold 4 per rank
-    assert check_peer(local, peer)[0] == Mismatch(
-        "groups[target].num_kv_heads",
-        "8 of 8 heads per rank at tp 1",
-        "8 of 8 heads per rank at tp 2",
-        "peer: tp 2 holds 4 of 8 KV heads per rank, not 8",
-    )
-
-
-@pytest.mark.parametrize(
-    "total, tp, expected",
-    [
-        (8, 1, 8),
-        (8, 2, 4),
-        (8, 8, 1),
-        (8, 3, None),
-        (8, 16, 1),
-        (2, 4, 1),
-        (3, 4, None),
-        (6, 4, None),
-        (1, 8, 1),
-        (0, 2, None),
-        (8, 0, None),
-    ],
-)
-def test_heads_per_rank(total, tp, expected):
-    assert heads_per_rank(total, tp) == expected
 
 
 def test_format_mismatches_names_field_and_both_values():
