@@ -1,0 +1,246 @@
+"""The dashboard's rows and panels: titles, descriptions, queries and units.
+
+Queries read the metrics of ``services/common/metrics.py`` only; ``dashboard.py`` lays the
+rows out on the grid in this order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deploy.grafana.promql import JOB, quantiles, rate, ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    """One timeseries panel: 8 grid units high, ``width`` of the grid's 24 wide."""
+
+    title: str
+    description: str
+    queries: tuple[tuple[str, str], ...]  # (PromQL, legend)
+    unit: str = "short"
+    width: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A row header and its panels, placed left to right and wrapped at the grid's width."""
+
+    title: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+ROWS = (
+    Row(
+        "Traffic",
+        (
+            Panel(
+                "Requests/s at the router, by status",
+                "Finished client requests per second; status is the finish reason, or error / unavailable.",
+                ((rate("tandem_requests_total", "status", 'role="router"'), "{{status}}"),),
+                unit="reqps",
+            ),
+            Panel(
+                "Requests/s per worker role",
+                "Requests finished by prefill, decode and aggregated workers.",
+                ((rate("tandem_requests_total", "role", 'role!="router"'), "{{role}}"),),
+                unit="reqps",
+            ),
+            Panel(
+                "Peer registrations",
+                "Registrations accepted and refused. A refused pair gets no traffic: the router's "
+                "Health message names the field that differs.",
+                ((rate("tandem_peer_registrations_total", "result"), "{{result}}"),),
+                unit="ops",
+            ),
+        ),
+    ),
+    Row(
+        "Latency",
+        (
+            Panel(
+                "Time to first token",
+                "At the router: from the request to its first streamed token.",
+                quantiles("tandem_time_to_first_token_seconds", selector='role="router"'),
+                unit="s",
+            ),
+            Panel(
+                "Inter-token latency",
+                "At the router: time between streamed tokens.",
+                quantiles("tandem_inter_token_latency_seconds", selector='role="router"'),
+                unit="s",
+            ),
+            Panel(
+                "End-to-end latency",
+                "At the router: the whole request.",
+                quantiles("tandem_e2e_request_latency_seconds", selector='role="router"'),
+                unit="s",
+            ),
+        ),
+    ),
+    Row(
+        "Speculative decoding",
+        (
+            Panel(
+                "Acceptance length by draft-state origin",
+                "Tokens emitted per verify step (accepted + 1). transferred: the drafter started "
+                "from the prompt window the prefill worker sent; local: from its own prefill; "
+                "cold: with no prompt window (the separate layout).",
+                (
+                    (
+                        ratio(
+                            "tandem_spec_acceptance_length_sum",
+                            "tandem_spec_acceptance_length_count",
+                            "origin",
+                        ),
+                        "{{origin}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Draft acceptance rate by origin",
+                "Accepted draft tokens / proposed draft tokens.",
+                (
+                    (
+                        ratio(
+                            "tandem_spec_accepted_tokens_total", "tandem_spec_draft_tokens_total", "origin"
+                        ),
+                        "{{origin}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Acceptance by draft position and origin",
+                "Share of verify steps whose draft token at this position was accepted, per "
+                "draft-state origin.",
+                (
+                    (
+                        f"{rate('tandem_spec_accepted_tokens_per_position_total', 'position, origin')} / "
+                        f"on (origin) group_left {rate('tandem_spec_drafts_total', 'origin')}",
+                        "{{origin}} position {{position}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Verify steps/s by origin",
+                "How much decoding starts from transferred, local or cold draft state.",
+                ((rate("tandem_spec_drafts_total", "origin"), "{{origin}}"),),
+                unit="ops",
+                width=24,
+            ),
+        ),
+    ),
+    Row(
+        "KV cache pages",
+        (
+            Panel(
+                "KV pages used by group",
+                "Pages held across workers, target and draft groups.",
+                ((f"sum by (group) (tandem_kv_pages_used{{{JOB}}})", "{{group}}"),),
+                width=12,
+            ),
+            Panel(
+                "KV page utilization per worker and group",
+                "Used / total pages of each worker's pools.",
+                (
+                    (
+                        f"tandem_kv_pages_used{{{JOB}}} / tandem_kv_pages_total{{{JOB}}}",
+                        "{{instance}} {{group}}",
+                    ),
+                ),
+                unit="percentunit",
+                width=12,
+            ),
+        ),
+    ),
+    Row(
+        "Prefix cache",
+        (
+            Panel(
+                "Prefix hit rate by group",
+                "Prompt tokens reused / prompt tokens looked up. The "
+                "target decides the match; the draft group hits only where its window is complete.",
+                (
+                    (
+                        ratio("tandem_prefix_cache_hits_total", "tandem_prefix_cache_queries_total", "group"),
+                        "{{group}}",
+                    ),
+                ),
+                unit="percentunit",
+                width=12,
+            ),
+            Panel(
+                "Prompt tokens looked up and reused",
+                "Per second, by group.",
+                (
+                    (rate("tandem_prefix_cache_queries_total", "group"), "looked up {{group}}"),
+                    (rate("tandem_prefix_cache_hits_total", "group"), "reused {{group}}"),
+                ),
+                unit="short",
+                width=12,
+            ),
+        ),
+    ),
+    Row(
+        "KV transfer",
+        (
+            Panel(
+                "Transfer bytes/s by group",
+                "KV pages pushed from prefill to decode workers; the "
+                "draft group moves only in the unified layout.",
+                ((rate("tandem_kv_transfer_bytes_total", "group"), "{{group}}"),),
+                unit="Bps",
+            ),
+            Panel(
+                "Transfer latency",
+                "Wall time of one request's transfer (every group, aux state and the acknowledgement).",
+                quantiles("tandem_kv_transfer_seconds"),
+                unit="s",
+            ),
+            Panel(
+                "Transfer failures by group",
+                "Failed transfers per second.",
+                ((rate("tandem_kv_transfer_failures_total", "group"), "{{group}}"),),
+                unit="ops",
+            ),
+            Panel(
+                "Transfer pages sent and skipped",
+                "Pages per second the transfer sent, and "
+                "pages it skipped because the decode worker held them already (its prefix cache).",
+                ((rate("tandem_kv_transfer_pages_total", "group, kind"), "{{kind}} {{group}}"),),
+                width=24,
+            ),
+        ),
+    ),
+    Row(
+        "Queues",
+        (
+            Panel(
+                "Requests running and waiting",
+                "Per role.",
+                (
+                    (f"sum by (role) (tandem_requests_running{{{JOB}}})", "running {{role}}"),
+                    (f"sum by (role) (tandem_requests_waiting{{{JOB}}})", "waiting {{role}}"),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Queue time",
+                "From arrival to being scheduled, per role.",
+                quantiles("tandem_request_queue_seconds", by="role"),
+                unit="s",
+                width=12,
+            ),
+            Panel(
+                "Expired deadlines",
+                "lease: reserved pages freed unused; transfer: pages that "
+                "did not land or were not acknowledged in time.",
+                ((rate("tandem_timeouts_total", "kind"), "{{kind}}"),),
+                unit="ops",
+                width=24,
+            ),
+        ),
+    ),
+)
