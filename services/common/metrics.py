@@ -32,11 +32,22 @@ class ModelRegistry(CollectorRegistry):
 
 
 class Metrics:
+    """Every metric of a service, declared by area in the order it is exposed: requests and
+    their latencies, KV pages and prefix reuse, KV transfers, speculation, the cluster."""
+
     def __init__(self, role: str, model_name: str = "") -> None:
         """``model_name``: the served model's name, labelled on every sample ("" = none;
         settable later through ``model_name``)."""
         self.role = role
-        r = self.registry = ModelRegistry(model_name)
+        self.registry = ModelRegistry(model_name)
+        self._declare_requests(self.registry)
+        self._declare_kv_cache(self.registry)
+        self._declare_transfer(self.registry)
+        self._declare_speculation(self.registry)
+        self._declare_cluster(self.registry)
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Finished requests, their latencies and the queues, by role."""
         self.requests = Counter("tandem_requests", "Finished requests", ["role", "status"], registry=r)
         self.ttft = Histogram(
             "tandem_time_to_first_token_seconds",
@@ -68,12 +79,18 @@ class Metrics:
         )
         self.running = Gauge("tandem_requests_running", "Requests running", ["role"], registry=r)
         self.waiting = Gauge("tandem_requests_waiting", "Requests waiting", ["role"], registry=r)
+
+    def _declare_kv_cache(self, r: CollectorRegistry) -> None:
+        """KV pages held and in the pool, and prompt tokens looked up and reused, by group."""
         self.pages_used = Gauge("tandem_kv_pages_used", "KV pages held", ["group"], registry=r)
         self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"], registry=r)
         self.prefix_queries = Counter(
             "tandem_prefix_cache_queries", "Prompt tokens looked up", ["group"], registry=r
         )
         self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens reused", ["group"], registry=r)
+
+    def _declare_transfer(self, r: CollectorRegistry) -> None:
+        """KV transfers from prefill to decode workers: bytes, pages, failures, wall time."""
         self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved", ["group"], registry=r)
         self.transfer_pages = Counter(
             "tandem_kv_transfer_pages",
@@ -90,6 +107,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _declare_speculation(self, r: CollectorRegistry) -> None:
+        """Verify steps, draft tokens proposed and accepted, by draft-state origin."""
         self.spec_drafts = Counter(
             "tandem_spec_drafts", "Decode steps that verified a draft", ["origin"], registry=r
         )
@@ -112,6 +132,9 @@ class Metrics:
             buckets=AL_BUCKETS,
             registry=r,
         )
+
+    def _declare_cluster(self, r: CollectorRegistry) -> None:
+        """Peer registrations, and deadlines that expired."""
         self.registrations = Counter(
             "tandem_peer_registrations", "Peer registrations", ["result"], registry=r
         )

@@ -69,32 +69,49 @@ def build_rank_info(
     """
     _check_ranks(tp_size, tp_rank, "tp_size", "tp_rank")
     _check_ranks(pp_size, pp_rank, "pp_size", "pp_rank")
+    identity = _identity(role, instance_id, model_id, drafter_id, drafter_kind)
+    groups = _groups(cache_config, tp_size, total_kv_heads or {}, num_pages)
+    return rank_info_pb2.RankInfo(
+        schema_version=SCHEMA_VERSION,
+        **identity,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        **_cache_fields(cache_config),
+        groups=groups,
+        ucx=rank_info_pb2.UcxEndpoint(worker_address=ucx_address, host=ucx_host, port=ucx_port),
+    )
+
+
+def _identity(role: str, instance_id: str, model_id: str, drafter_id: str, drafter_kind: str) -> dict:
+    """The RankInfo fields that name the rank and its models. Refuses a role outside
+    ``_ROLES`` and an empty instance or model id, in that order."""
     if role not in _ROLES:
         raise ValueError(f"role: must be one of {sorted(_ROLES)}, got {role!r}")
     if not instance_id:
         raise ValueError("instance_id: must be non-empty")
     if not model_id:
         raise ValueError("model_id: must be non-empty")
-    groups = _groups(cache_config, tp_size, total_kv_heads or {}, num_pages)
-    return rank_info_pb2.RankInfo(
-        schema_version=SCHEMA_VERSION,
-        instance_id=instance_id,
-        role=_ROLES[role],
-        model_id=model_id,
-        drafter_id=drafter_id,
-        drafter_kind=drafter_kind,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_size=pp_size,
-        pp_rank=pp_rank,
-        tokens_per_page=cache_config.tokens_per_page,
-        kv_layout=_LAYOUTS[cache_config.layout],
-        groups=groups,
-        num_draft_layers=num_draft_layers(cache_config),
-        num_spec_tokens=cache_config.num_spec_tokens,
-        draft_block_width=cache_config.draft_block_width,
-        ucx=rank_info_pb2.UcxEndpoint(worker_address=ucx_address, host=ucx_host, port=ucx_port),
-    )
+    return {
+        "instance_id": instance_id,
+        "role": _ROLES[role],
+        "model_id": model_id,
+        "drafter_id": drafter_id,
+        "drafter_kind": drafter_kind,
+    }
+
+
+def _cache_fields(cache_config: CacheConfig) -> dict:
+    """The RankInfo fields the cache config gives besides its groups: page size, layout and
+    the speculation geometry."""
+    return {
+        "tokens_per_page": cache_config.tokens_per_page,
+        "kv_layout": _LAYOUTS[cache_config.layout],
+        "num_draft_layers": num_draft_layers(cache_config),
+        "num_spec_tokens": cache_config.num_spec_tokens,
+        "draft_block_width": cache_config.draft_block_width,
+    }
 
 
 def engine_kv_heads(engine: Engine) -> dict[str, int]:
