@@ -7,7 +7,7 @@ EAGLE-3 drafter on its hidden states: soft cross-entropy against the target's ne
 distribution at every slot, over ``--chain-steps`` chained draft steps (training-time
 test, models/ttt.py), step s weighted 0.8**s. Each phase stops at its step cap or its
 time budget, whichever comes first; the learning rate follows a warmup + cosine schedule
-over that progress. Writes DIR/tiny-target, DIR/tiny-drafter (HF folders, bf16) and
+over that progress (models/training.py). Writes DIR/tiny-target, DIR/tiny-drafter (HF folders, bf16) and
 DIR/train_metrics.json.
 """
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from models.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, write_byte_tokenizer
 from models.data import random_windows, split_files, token_stream
+from models.training import Budget, autocast, init_weights, lr_at, make_optimizer
 from models.ttt import DRAFT_KEY_START, ChainContext
 from services.engine.models import (
     DenseContext,
@@ -93,57 +94,6 @@ def drafter_config(a: argparse.Namespace, target: LlamaConfig) -> EagleConfig:
         rope_theta=target.rope_theta,
         sliding_window=a.window,
         aux_layer_ids=(min(1, n - 1), n // 2, n - 1),
-    )
-
-
-def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
-    """N(0, 0.02) for matrices and embeddings; residual outputs scaled by 1/sqrt(2L)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.dim() < 2:
-            continue
-        std = (
-            0.02 / math.sqrt(2 * num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-        )
-        with torch.no_grad():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
-
-
-def lr_at(progress: float, base: float, warmup: float = 0.05) -> float:
-    if progress < warmup:
-        return base * progress / warmup
-    t = min(1.0, (progress - warmup) / (1 - warmup))
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-class Budget:
-    """Progress in [0, 1]: the larger of steps / max_steps and seconds / max_seconds."""
-
-    def __init__(self, max_steps: int, max_seconds: float) -> None:
-        self.max_steps, self.max_seconds, self.start = max_steps, max_seconds, time.time()
-
-    def progress(self, step: int) -> float:
-        by_time = (time.time() - self.start) / self.max_seconds if self.max_seconds > 0 else 0.0
-        by_steps = step / self.max_steps if self.max_steps > 0 else 0.0
-        return max(by_time, by_steps)
-
-
-def autocast(device: str):
-    return (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.startswith("cuda")
-        else torch.autocast("cpu", enabled=False)
     )
 
 
@@ -245,11 +195,8 @@ def eval_drafter(drafter, target, stream: torch.Tensor, a) -> list[float]:
     return [round(sum(c) / len(c), 4) for c in zip(*rows, strict=True)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
-    torch.manual_seed(a.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    out = Path(a.out)
+def load_streams(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The training and held-out byte streams on ``a.device``, and the metrics naming them."""
     train_files, held_files = split_files(max_files=a.max_files)
     train, held = token_stream(train_files).to(a.device), token_stream(held_files).to(a.device)
     print(
@@ -264,7 +211,11 @@ def main(argv: list[str] | None = None) -> None:
         "held_out_files": len(held_files),
         "held_out_bytes": len(held),
     }
+    return train, held, metrics
 
+
+def train_target(a: argparse.Namespace, train: torch.Tensor, held: torch.Tensor, metrics: dict):
+    """Phase 1: the target from scratch; returns it frozen, its metrics in ``metrics``."""
     tc = target_config(a)
     target = LlamaForCausalLM(tc)
     init_weights(target, tc.num_hidden_layers, a.seed)
@@ -282,11 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     target.eval().requires_grad_(False)
     metrics["target"]["held_out_bits_per_byte"] = round(eval_target(target, held, a), 4)
-    save_model(target, out / "tiny-target")
-    write_byte_tokenizer(out / "tiny-target")
-    print(json.dumps(metrics["target"]["held_out_bits_per_byte"]), flush=True)
+    return target
 
-    dc = drafter_config(a, tc)
+
+def train_drafter(a: argparse.Namespace, target, train: torch.Tensor, held: torch.Tensor, metrics: dict):
+    """Phase 2: the drafter on the frozen target; its metrics in ``metrics``."""
+    dc = drafter_config(a, target.config)
     drafter = Eagle3Drafter(dc)
     init_weights(drafter, 1, a.seed + 2)
     drafter.to(a.device).train()
@@ -304,6 +256,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     drafter.eval()
     metrics["drafter"]["held_out_top1_per_step"] = eval_drafter(drafter, target, held, a)
+    return drafter
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.manual_seed(a.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(a.out)
+    train, held, metrics = load_streams(a)
+    target = train_target(a, train, held, metrics)
+    save_model(target, out / "tiny-target")
+    write_byte_tokenizer(out / "tiny-target")
+    print(json.dumps(metrics["target"]["held_out_bits_per_byte"]), flush=True)
+    drafter = train_drafter(a, target, train, held, metrics)
     save_model(drafter, out / "tiny-drafter")
     (out / "train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(json.dumps({k: v for k, v in metrics["drafter"].items() if k != "loss_curve"}))
