@@ -40,49 +40,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcore.spec import cdiv  # noqa: E402
+from bench.decode_inputs import build_target, llama_8b, make_pool, step_batch, toy  # noqa: E402
 from services.engine import kernels  # noqa: E402
-from services.engine.cuda_graphs import GraphedForward, UniformBatch  # noqa: E402
+from services.engine.cuda_graphs import GraphedForward  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
-
-PAGE = 16
-
-
-def llama_8b(vocab: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-    )
-
-
-def toy(vocab: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-
-
-def build_target(config: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Random weights (the modules' own initialisation), made directly on ``device``."""
-    torch.manual_seed(0)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
-    return model.to(dtype).eval()
 
 
 def weight_bytes_per_step(model: LlamaForCausalLM, batch: int) -> int:
@@ -106,35 +67,6 @@ def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: i
         * config.head_dim
         * 2
         * itemsize
-    )
-
-
-def make_pool(
-    config: LlamaConfig, max_batch: int, context: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random KV pool and a block table [max_batch, pages per sequence] of scattered
-    pages."""
-    pages_per_seq = cdiv(context, PAGE)
-    num_pages = max_batch * pages_per_seq
-    pool = torch.empty(
-        (num_pages, config.num_hidden_layers, 2, config.num_key_value_heads, PAGE, config.head_dim),
-        dtype=dtype,
-        device=device,
-    )
-    for chunk in pool.split(256):
-        chunk.normal_()
-    table = torch.randperm(num_pages, dtype=torch.int32).view(max_batch, pages_per_seq)
-    return pool, table
-
-
-def step_batch(table: torch.Tensor, batch: int, context: int, vocab: int) -> UniformBatch:
-    """Host-side inputs: one token per sequence at position context - 1."""
-    rows = table[:batch]
-    pos = context - 1
-    slots = rows[:, pos // PAGE].long() * PAGE + pos % PAGE
-    ids = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(batch))
-    return UniformBatch(
-        ids, torch.full((batch,), pos), slots, rows, torch.full((batch,), context, dtype=torch.int32)
     )
 
 
@@ -191,7 +123,7 @@ def time_ms(fn, device: torch.device, graph: bool = False) -> float:
 def copy_rate_gbps(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
-    from bench.kernels import copy_rate_gbps as measured
+    from bench.gpu_timing import copy_rate_gbps as measured
 
     return measured()
 

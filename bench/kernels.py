@@ -20,15 +20,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.attention_inputs import (  # noqa: E402
+    HEAD_DIM,
+    KV_HEADS,
+    Q_HEADS,
+    attention_fn,
+    kv_bytes,
+    make_pool,
+    verify_mask,
+)
+from bench.gpu_timing import copy_rate_gbps, free_bytes, gbps, time_us  # noqa: E402
 from kvcore.ops import pack_pages, unpack_pages, write_kv  # noqa: E402
-from kvcore.ops.slots import uniform_query_start_loc  # noqa: E402
-from kvcore.ops.triton_attention import default_splits, launch_attention  # noqa: E402
+from kvcore.ops.triton_attention import default_splits  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 FP8 = torch.float8_e4m3fn
 FULL = dict(
     batches=(1, 16, 64, 256),
@@ -38,69 +45,6 @@ FULL = dict(
     dtypes=(torch.bfloat16, FP8),
 )
 QUICK = dict(batches=(1, 64), lengths=(8192,), q_lens=(1, 8), pages=(16, 128), dtypes=(torch.bfloat16, FP8))
-
-
-def time_us(fn, graph: bool = False) -> float:
-    """Median GPU time. With ``graph``, fn is captured once in a CUDA graph and its replays
-    are timed, so host-side launch cost (which a graph-captured decode step does not pay)
-    stays out of small shapes' figures."""
-    if graph:
-        fn()  # compile and warm up outside the capture
-        torch.cuda.synchronize()
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            fn()
-        fn = captured.replay
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
-
-
-def gbps(num_bytes: float, us: float) -> float:
-    return num_bytes / us / 1e3
-
-
-def copy_rate_gbps(num_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.randn(num_bytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src))
-    return gbps(2 * num_bytes, us)
-
-
-def free_bytes() -> int:
-    return torch.cuda.mem_get_info()[0]
-
-
-def make_pool(batch: int, length: int, page: int, dtype: torch.dtype):
-    """Pool of exactly batch * length tokens and a block table of scattered pages."""
-    pages_per_seq = length // page
-    num_pages = batch * pages_per_seq
-    pool = torch.randn((num_pages, 1, 2, KV_HEADS, page, HEAD_DIM), device="cuda", dtype=torch.bfloat16).to(
-        dtype
-    )
-    table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)
-    return pool, table.view(batch, pages_per_seq)
-
-
-def attention_fn(pool, table, batch, length, q_len, **launch):
-    query = torch.randn((batch * q_len, Q_HEADS, HEAD_DIM), device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(query)
-    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    starts = uniform_query_start_loc(seq_lens, q_len)
-    return lambda: launch_attention(
-        out, query, pool, 0, table, starts, seq_lens, HEAD_DIM**-0.5, 0, q_len, **launch
-    )
-
-
-def kv_bytes(batch: int, length: int, dtype: torch.dtype) -> int:
-    return batch * length * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize
-
-
-def verify_mask(q_len: int, length: int) -> torch.Tensor | None:
-    """Bottom-right causal mask [q_len, length] (None for q_len 1)."""
-    if q_len == 1:
-        return None
-    pos = torch.arange(length, device="cuda")
-    return pos[None, :] <= (length - q_len + torch.arange(q_len, device="cuda"))[:, None]
 
 
 def dense_us(batch: int, length: int, q_len: int) -> float | None:
@@ -190,48 +134,55 @@ def sweep(rows: list) -> None:
     configs = [
         (block_n, warps, stages, 2) for block_n in (32, 64, 128) for warps, stages in ((4, 2), (4, 3), (8, 3))
     ]
-    for dtype, page, batch, length, q_len in shapes:
+    for shape in shapes:
+        dtype, page, batch, length, _ = shape
         pool, table = make_pool(batch, length, page, dtype)
         waves = [(64, 4, 2, 1), (64, 4, 2, 4)] if batch <= 16 else []
-        for block_n, warps, stages, wave in configs + waves:
-            splits = default_splits(batch * KV_HEADS, pool.device, waves=wave)
-            fn = attention_fn(
-                pool,
-                table,
-                batch,
-                length,
-                q_len,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
-                num_splits=splits,
-            )
-            us = time_us(fn, graph=True)
-            rate = gbps(kv_bytes(batch, length, dtype), us)
-            rows.append(
-                dict(
-                    sweep=True,
-                    kv=str(dtype),
-                    page=page,
-                    batch=batch,
-                    length=length,
-                    q_len=q_len,
-                    block_n=block_n,
-                    warps=warps,
-                    stages=stages,
-                    waves=wave,
-                    splits=splits,
-                    us=us,
-                )
-            )
-            print(
-                f"{str(dtype)[6:10]} P{page} B{batch} L{length} q{q_len}: {block_n:4d} "
-                f"{warps} {stages} {wave} ({splits:2d} splits) -> {us:8.1f} us "
-                f"{rate:6.0f} GB/s",
-                flush=True,
-            )
+        for config in configs + waves:
+            rows.append(sweep_row(pool, table, shape, config))
         del pool, table
         torch.cuda.empty_cache()
+
+
+def sweep_row(pool, table, shape: tuple, config: tuple) -> dict:
+    """One kernel setting (block_n, warps, stages, waves) at one shape (dtype, page, batch,
+    length, q_len), timed and printed."""
+    dtype, page, batch, length, q_len = shape
+    block_n, warps, stages, wave = config
+    splits = default_splits(batch * KV_HEADS, pool.device, waves=wave)
+    fn = attention_fn(
+        pool,
+        table,
+        batch,
+        length,
+        q_len,
+        block_n=block_n,
+        num_warps=warps,
+        num_stages=stages,
+        num_splits=splits,
+    )
+    us = time_us(fn, graph=True)
+    rate = gbps(kv_bytes(batch, length, dtype), us)
+    print(
+        f"{str(dtype)[6:10]} P{page} B{batch} L{length} q{q_len}: {block_n:4d} "
+        f"{warps} {stages} {wave} ({splits:2d} splits) -> {us:8.1f} us "
+        f"{rate:6.0f} GB/s",
+        flush=True,
+    )
+    return dict(
+        sweep=True,
+        kv=str(dtype),
+        page=page,
+        batch=batch,
+        length=length,
+        q_len=q_len,
+        block_n=block_n,
+        warps=warps,
+        stages=stages,
+        waves=wave,
+        splits=splits,
+        us=us,
+    )
 
 
 def page_moves(copy_gbps: float, rows: list) -> None:
