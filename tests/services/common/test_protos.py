@@ -10,7 +10,12 @@ from proto.tandem.v1 import (
     worker_pb2,
 )
 from tests.services.common.conftest import PROTO_DIR, protoc
-from tests.services.common.proto_samples import full_rank_info, full_usage
+from tests.services.common.proto_samples import (
+    full_rank_info,
+    full_reservation,
+    full_stats_response,
+    full_usage,
+)
 
 PB2_MODULES = (rank_info_pb2, registration_pb2, client_pb2, worker_pb2)
 
@@ -158,18 +163,7 @@ def test_usage_round_trip():
 
 
 def test_worker_messages_round_trip():
-    reservation = worker_pb2.Reservation(
-        request_id="r",
-        decode_instance_id="decode-0",
-        num_tokens=104,
-        groups=[
-            worker_pb2.GroupPages(group="target", page_ids=list(range(7))),
-            worker_pb2.GroupPages(group="draft", page_ids=[-1, -1, 5, 9, 2, 3, 4]),
-        ],
-        lease_deadline_unix_ms=1_900_000_000_000,
-        ucx=full_rank_info().ucx,
-        transfer_tag=2**63,
-    )
+    reservation = full_reservation()
     parsed = round_trip(worker_pb2.ReserveResponse(reservation=reservation))
     assert list(parsed.reservation.groups[1].page_ids) == [-1, -1, 5, 9, 2, 3, 4]
     round_trip(worker_pb2.ReserveRequest(request_id="r", prompt_len=100, headroom_tokens=4, lease_ms=2000))
@@ -195,22 +189,5 @@ def test_worker_messages_round_trip():
             complete=client_pb2.Complete(finish_reason=client_pb2.FINISH_REASON_ABORT, usage=full_usage())
         )
     )
-    stats = round_trip(
-        worker_pb2.StatsResponse(
-            instance_id="decode-0",
-            role=rank_info_pb2.ROLE_DECODE,
-            num_running=3,
-            num_waiting=1,
-            groups=[
-                worker_pb2.GroupStats(
-                    group="draft",
-                    num_pages_used=10,
-                    num_pages_total=64,
-                    prefix_cache=worker_pb2.PrefixCacheStats(
-                        num_queries=5, num_hits=2, num_query_tokens=500, num_hit_tokens=128
-                    ),
-                )
-            ],
-        )
-    )
+    stats = round_trip(full_stats_response())
     assert stats.groups[0].prefix_cache.num_hit_tokens == 128

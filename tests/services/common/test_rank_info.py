@@ -48,8 +48,9 @@ def build(config: CacheConfig | None = None, **overrides) -> pb.RankInfo:
     return build_rank_info(config or make_config(), **(kwargs | overrides))
 
 
-def test_target_and_windowed_fp8_draft():
-    expected_target = pb.LayerGroupInfo(
+def expected_target() -> pb.LayerGroupInfo:
+    """TARGET of make_config() at tp 2: 4 of 8 heads per rank, 500 pages."""
+    return pb.LayerGroupInfo(
         name="target",
         owner=pb.GROUP_OWNER_TARGET,
         layer_ids=[0, 1, 2, 3],
@@ -64,7 +65,11 @@ def test_target_and_windowed_fp8_draft():
         page_bytes=4 * 2 * 4 * 16 * 64 * 2,
         num_pages=500,
     )
-    expected_draft = pb.LayerGroupInfo(
+
+
+def expected_draft() -> pb.LayerGroupInfo:
+    """DRAFT of make_config() at tp 2: fp8, window 128, 40 pages."""
+    return pb.LayerGroupInfo(
         name="draft",
         owner=pb.GROUP_OWNER_DRAFT,
         layer_ids=[4],
@@ -79,6 +84,9 @@ def test_target_and_windowed_fp8_draft():
         page_bytes=1 * 2 * 4 * 16 * 64 * 1,
         num_pages=40,
     )
+
+
+def test_target_and_windowed_fp8_draft():
     assert build() == pb.RankInfo(
         schema_version=SCHEMA_VERSION,
         instance_id="decode-0",
@@ -92,7 +100,7 @@ def test_target_and_windowed_fp8_draft():
         pp_rank=0,
         tokens_per_page=16,
         kv_layout=pb.KV_LAYOUT_UNIFIED,
-        groups=[expected_target, expected_draft],
+        groups=[expected_target(), expected_draft()],
         num_draft_layers=1,
         num_spec_tokens=3,
         draft_block_width=2,
