@@ -30,30 +30,7 @@ def make_config(
     draft: bool = True,
 ) -> CacheConfig:
     """``target_window`` > 0 windows the target group too; ``draft=False`` leaves only it."""
-    groups = [
-        LayerGroupSpec(
-            "target",
-            Owner.TARGET,
-            num_layers=2,
-            num_kv_heads=2,
-            head_dim=4,
-            dtype="float32",
-            window=target_window,
-        )
-    ]
-    if draft:
-        groups.append(
-            LayerGroupSpec(
-                "draft",
-                Owner.DRAFT,
-                num_layers=draft_layers,
-                num_kv_heads=1,
-                head_dim=4,
-                dtype=draft_dtype,
-                window=window,
-                lifecycle=Lifecycle.OPTIONAL,
-            )
-        )
+    groups = [target_spec(target_window)] + ([draft_spec(window, draft_layers, draft_dtype)] if draft else [])
     return CacheConfig(
         groups=tuple(groups),
         tokens_per_page=page,
@@ -64,6 +41,33 @@ def make_config(
         host_num_pages=host_pages,
         host_write_policy=host_write,
         host_recall_min_pages=host_recall_min,
+    )
+
+
+def target_spec(window: int = 0) -> LayerGroupSpec:
+    """The target group: 2 layers of 2 float32 KV heads of dim 4, windowed when ``window`` > 0."""
+    return LayerGroupSpec(
+        "target",
+        Owner.TARGET,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype="float32",
+        window=window,
+    )
+
+
+def draft_spec(window: int, num_layers: int, dtype: str) -> LayerGroupSpec:
+    """The draft group: one KV head of dim 4 per layer, windowed, optional."""
+    return LayerGroupSpec(
+        "draft",
+        Owner.DRAFT,
+        num_layers=num_layers,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype=dtype,
+        window=window,
+        lifecycle=Lifecycle.OPTIONAL,
     )
 
 

@@ -7,6 +7,7 @@ returns NaN and fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,17 @@ class Case:
     scale: float
     window: int
     key_start: int = 0
+
+    def to(self, device: str) -> Case:
+        """The same case with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            query=self.query.to(device),
+            kv_pool=self.kv_pool.to(device),
+            block_table=self.block_table.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+        )
 
     def args(self) -> tuple:
         return (
@@ -77,30 +89,31 @@ def make_case(
     table = torch.full((len(seq_lens), max(pages_per_seq, default=0) + 1), NULL_PAGE, dtype=torch.int32)
     poisoned = ids[sum(pages_per_seq) :]
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        lo = first_visible(seq_len, q_len, window)
-        for k in range(pages_per_seq[b]):
-            page = ids.pop(0)
-            released = (k + 1) * tokens_per_page <= lo
-            table[b, k] = NULL_PAGE if released else page
-            if released:
-                poisoned.append(page)
-            for pos in range(k * tokens_per_page, min(key_start, (k + 1) * tokens_per_page)):
-                pool[page, :, :, :, pos % tokens_per_page] = math.nan
+        pages, ids = ids[: pages_per_seq[b]], ids[pages_per_seq[b] :]
+        poisoned += place_pages(pool, table[b], pages, first_visible(seq_len, q_len, window), key_start)
     pool[poisoned] = to_pool_dtype(torch.full(shape[1:], math.nan), pool_dtype)
-    num_tokens = sum(q_lens)
-    query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(query_dtype)
+    query = torch.randn((sum(q_lens), num_q_heads, head_dim), generator=gen).to(query_dtype)
     starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return Case(
-        query.to(device),
-        pool.to(device),
-        layer,
-        table.to(device),
-        starts.to(device),
-        torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        head_dim**-0.5,
-        window,
-        key_start,
-    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return Case(query, pool, layer, table, starts, lens, head_dim**-0.5, window, key_start).to(device)
+
+
+def place_pages(
+    pool: torch.Tensor, row: torch.Tensor, pages: list[int], lo: int, key_start: int
+) -> list[int]:
+    """Write one sequence's ``pages`` into its block-table ``row`` in order, NULL for the
+    pages wholly below key position ``lo`` (released: returned, to be poisoned), and NaN
+    into the pool slots of key positions below ``key_start``."""
+    size = pool.shape[4]  # tokens per page
+    released = []
+    for k, page in enumerate(pages):
+        out_of_window = (k + 1) * size <= lo
+        row[k] = NULL_PAGE if out_of_window else page
+        if out_of_window:
+            released.append(page)
+        for pos in range(k * size, min(key_start, (k + 1) * size)):
+            pool[page, :, :, :, pos % size] = math.nan
+    return released
 
 
 def dense_attention(case: Case) -> torch.Tensor:
