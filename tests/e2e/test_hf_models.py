@@ -51,7 +51,17 @@ def published_drafter(
 ) -> None:
     """A random EAGLE-3 drafter as SpecForge saves one: no eagle_config, ``midlayer.*``, a
     reduced draft vocabulary with d2t/t2d, no embed_tokens."""
-    g = torch.Generator().manual_seed(seed)
+    tensors = drafter_tensors(config, draft_vocab, torch.Generator().manual_seed(seed))
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(drafter_config(config, draft_vocab)))
+
+
+def drafter_tensors(
+    config: transformers.PretrainedConfig, draft_vocab: int, g: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """The drafter's weights, drawn from ``g``: the covered draft vocabulary first, then each
+    tensor in the order listed."""
     h, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd, inter, vocab = h // heads, config.intermediate_size, config.vocab_size
     rand = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
@@ -60,7 +70,7 @@ def published_drafter(
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[covered] = True
     attn = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
-    tensors = {
+    return {
         "fc.weight": rand(h, 3 * h),
         "norm.weight": norm(),
         "lm_head.weight": rand(draft_vocab, h),
@@ -76,29 +86,28 @@ def published_drafter(
         },
         **{f"midlayer.self_attn.{n}.weight": rand(rows, 2 * h) for n, rows in attn.items()},
     }
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLMEagle3"],
-                "model_type": "llama",
-                "vocab_size": vocab,
-                "draft_vocab_size": draft_vocab,
-                "hidden_size": h,
-                "intermediate_size": inter,
-                "num_attention_heads": heads,
-                "num_key_value_heads": kv,
-                "num_hidden_layers": 1,
-                "head_dim": hd,
-                "hidden_act": "silu",
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 10000.0,
-                "max_position_embeddings": 512,
-                "tie_word_embeddings": False,
-            }
-        )
-    )
+
+
+def drafter_config(config: transformers.PretrainedConfig, draft_vocab: int) -> dict:
+    """config.json of a one-layer EAGLE-3 drafter over ``config``'s target."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "hidden_size": h,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "head_dim": h // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -122,7 +131,17 @@ def served(request, tmp_path_factory):
     write_folder(root / "target", tok, template)
     published_drafter(root / "drafter", model.config, draft_vocab=96, seed=8)
     hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
-    worker = [
+    worker = worker_args(root)
+    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
+    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
+    cluster.start()
+    yield family, model, hf_tok, template, cluster
+    cluster.stop()
+
+
+def worker_args(root: Path) -> list[str]:
+    """Each worker of the cluster: the pair in ``root``, K = 3, unified, 4-token pages."""
+    return [
         "--model",
         str(root / "target"),
         "--drafter",
@@ -138,11 +157,6 @@ def served(request, tmp_path_factory):
         "--max-num-seqs",
         "8",
     ]
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
-    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
-    cluster.start()
-    yield family, model, hf_tok, template, cluster
-    cluster.stop()
 
 
 def reference(model, hf_tok, ids: list[int]) -> tuple[list[int], str]:
