@@ -8,6 +8,8 @@ from dataclasses import dataclass
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI takes 4; each is matched per step)
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 @dataclass(slots=True)
@@ -58,8 +60,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        _check_stop(self.stop)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         _number("min_p", self.min_p, 0, 1)
@@ -84,6 +85,16 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _check_stop(stop: tuple) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop: must be non-empty strings, got {stop!r}")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise ValueError(f"stop: at most {MAX_STOP_CHARS} characters a string, got {len(longest)}")
 
 
 def _is_int(value) -> bool:

@@ -8,6 +8,8 @@ from proto.tandem.v1 import client_pb2 as cpb
 
 MAX_LOGPROBS = 20  # top alternatives per token: the engine's bound (vLLM's default max_logprobs)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI), as in the engine
+MAX_STOP_STRINGS = 16  # stop strings per request, as the engine allows (OpenAI takes 4)
+MAX_STOP_CHARS = 256  # characters per stop string, as the engine allows
 
 
 class RequestError(ValueError):
@@ -71,9 +73,7 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens:
         raise RequestError(f"sampling.temperature: must be >= 0, got {sampling.temperature}")
     if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
         raise RequestError(f"sampling.top_p: must be in (0, 1] (0 reads as 1), got {sampling.top_p}")
-    for i, stop in enumerate(sampling.stop):
-        if not stop:
-            raise RequestError(f"sampling.stop[{i}]: empty stop string")
+    _check_stop(sampling.stop)
     if not math.isfinite(sampling.min_p) or not 0 <= sampling.min_p <= 1:
         raise RequestError(f"sampling.min_p: must be in [0, 1], got {sampling.min_p}")
     r = sampling.repetition_penalty
@@ -88,3 +88,14 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens:
         raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens ({max_tokens})")
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")
+
+
+def _check_stop(stop) -> None:
+    """At most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS characters."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s:
+            raise RequestError(f"sampling.stop[{i}]: empty stop string")
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"sampling.stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")

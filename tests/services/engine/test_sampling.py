@@ -80,6 +80,8 @@ def test_speculative_sampling_follows_the_target_distribution():
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ("",)}, "stop"),
+        ({"stop": ("x",) * 17}, "stop"),
+        ({"stop": ("x" * 257,)}, "stop"),
         ({"seed": 1.5}, "seed"),
     ],
 )

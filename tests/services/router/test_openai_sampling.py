@@ -4,6 +4,7 @@ refusals naming the field, router validation, and the response shapes)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -120,10 +121,12 @@ def _validate(**sampling) -> None:
         ({"min_tokens": 9}, "sampling.min_tokens"),  # past the default max_tokens of 8
         ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
         ({"logprobs": 21}, "sampling.logprobs"),
+        ({"stop": ["x"] * 17}, "sampling.stop"),
+        ({"stop": ["x", "y" * 257]}, "sampling.stop[1]"),
     ],
 )
 def test_the_router_validates_the_new_fields_by_name(sampling, field):
-    with pytest.raises(RequestError, match=f"^{field}: "):
+    with pytest.raises(RequestError, match=f"^{re.escape(field)}: "):
         _validate(**sampling)
 
 
@@ -136,6 +139,7 @@ def test_the_router_accepts_their_neutral_and_edge_values():
         frequency_penalty=2,
         min_tokens=8,
         logprobs=20,
+        stop=["s" * 256] * 16,
     )
 
 
@@ -256,3 +260,7 @@ def test_without_logprobs_the_field_stays_null():
 
 def test_the_routers_sampling_bounds_are_the_engines():
     assert (validation.MAX_LOGPROBS, validation.MAX_PENALTY) == (sampling.MAX_LOGPROBS, sampling.MAX_PENALTY)
+    assert (validation.MAX_STOP_STRINGS, validation.MAX_STOP_CHARS) == (
+        sampling.MAX_STOP_STRINGS,
+        sampling.MAX_STOP_CHARS,
+    )
