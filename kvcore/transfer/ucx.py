@@ -17,30 +17,23 @@ its data has not landed by the deadline (the sender stalled or died mid-message)
 the receive raises ``TransferTimeout`` and UCX may still write the buffer later.
 
 A send that times out or fails aborts the endpoint (which cancels its in-flight
-sends, so the source buffers are free again) and forgets the peer; ``connect`` again
-to reuse it.
+sends, so the source buffers are free again) but keeps the peer's ``EndpointInfo``:
+the next send to that peer connects again first. Only ``disconnect`` forgets a peer.
 
-One transport per process: ``ucxx`` keeps a single UCX worker per process. It progresses
-in the "blocking" mode (docs/transfer.md, "Progress and the event loop"):
-
-- the event loop progresses the worker when its epoll descriptor fires, and
-  :mod:`kvcore.transfer.ucx_progress` arms it again afterwards, so an idle process sleeps;
-- a send or receive in flight progresses the worker on every loop turn itself, since
-  shared-memory transports raise no wakeup events;
-- so long compute belongs off the loop's thread, or transfers stall.
-  ``UCXPY_PROGRESS_MODE`` overrides the mode.
+One transport per process (``ucxx`` keeps one UCX worker per process), progressed in
+ucxx's "blocking" mode by the event loop, and by every send or receive in flight each loop
+turn (docs/transfer.md, "Progress and the event loop"): long compute belongs off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from kvcore.transfer.buffers import as_ucx_array
 from kvcore.transfer.ucx_progress import install as install_progress
+from kvcore.transfer.ucx_types import EndpointInfo, TransferError, TransferTimeout, TransportClosed, UcxPath
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 """Environment that pins UCX to loopback (tests, benchmarks); set it before ``import ucxx``."""
@@ -50,37 +43,13 @@ SPIN_S = 2e-4  # seconds a receive re-probes every loop turn before backing off
 POLL_S = 1e-3  # seconds between probes after that
 
 
-class UcxPath(enum.Enum):
-    WORKER_ADDRESS = "worker_address"  # any transport (shm, cma, cuda_ipc); no failure reports
-    LISTENER = "listener"  # TCP only; a dead peer raises
-
-
-class TransferError(RuntimeError):
-    """A message could not be moved."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A message did not complete before its deadline."""
-
-
-class TransportClosed(TransferError):
-    """The transport is closed (or was never started)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointInfo:
-    """How peers reach a transport; mirrors the ``UcxEndpoint`` proto message."""
-
-    worker_address: bytes  # UCX worker address, as published in RankInfo
-    host: str = ""  # listener host
-    port: int = 0  # listener port; 0 = no listener
-
-
 class UcxTransport:
     """Tagged, timed send/recv of contiguous buffers to named peers.
 
     Invariants: ``connect(peer_id)`` opens the send direction to that peer only
-    (receives need no connection); a peer id maps to at most one endpoint; after
+    (receives need no connection); a peer id maps to at most one endpoint; a peer
+    stays known (its ``EndpointInfo`` and path) from ``connect`` to ``disconnect``, so a
+    send to a known peer whose endpoint a failure dropped reconnects first; after
     ``close()`` every call raises ``TransportClosed``.
     """
 
@@ -97,6 +66,7 @@ class UcxTransport:
         self._context: Any = None  # ucxx ApplicationContext
         self._listener: Any = None
         self._endpoints: dict[str, Any] = {}  # peer id -> ucxx Endpoint (send direction)
+        self._known: dict[str, tuple[EndpointInfo, UcxPath]] = {}  # peer id -> how to reach it
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
         self._started = self._closed = False
 
@@ -136,6 +106,7 @@ class UcxTransport:
         for endpoint in [*self._endpoints.values(), *self._accepted]:
             endpoint.abort()
         self._endpoints.clear()
+        self._known.clear()
         self._accepted.clear()
         if self._listener is not None:
             self._listener.close()
@@ -148,22 +119,53 @@ class UcxTransport:
             raise ValueError("peer_id: must be non-empty")
         if peer_id in self._endpoints:
             raise ValueError(f"peer_id: {peer_id!r} is already connected")
+        if not isinstance(path, UcxPath):
+            raise ValueError(f"path: must be a UcxPath, got {path!r}")
+        await self._open(peer_id, info, path)
+        self._known[peer_id] = (info, path)
+
+    async def _open(self, peer_id: str, info: EndpointInfo, path: UcxPath) -> None:
         if path == UcxPath.WORKER_ADDRESS:
             endpoint = await self._connect_by_address(info)
-        elif path == UcxPath.LISTENER:
-            endpoint = await self._connect_by_listener(info)
         else:
-            raise ValueError(f"path: must be a UcxPath, got {path!r}")
+            endpoint = await self._connect_by_listener(info)
         if self._closed:  # closed while connecting
             endpoint.abort()
             raise TransportClosed("transport: closed while connecting")
         self._endpoints[peer_id] = endpoint
 
+    async def _endpoint(self, peer_id: str) -> Any:
+        """The endpoint to ``peer_id``, reconnected first if a failed send dropped it.
+        ValueError for a peer never connected; TransferError if reconnecting fails."""
+        endpoint = self._endpoints.get(peer_id)
+        if endpoint is not None:
+            return endpoint
+        if peer_id not in self._known:
+            raise ValueError(f"peer_id: {peer_id!r} is not connected")
+        try:
+            await self._open(peer_id, *self._known[peer_id])
+        except (ValueError, TransferError) as e:
+            raise TransferError(f"reconnect to {peer_id!r} failed: {e}") from e
+        except Exception as e:  # ucxx raises its own error types
+            self._check_open()
+            raise TransferError(f"reconnect to {peer_id!r} failed: {e}") from e
+        return self._endpoints[peer_id]
+
     def is_connected(self, peer_id: str) -> bool:
         return peer_id in self._endpoints
 
+    def is_known(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` was connected and not disconnected since (its endpoint may
+        be dropped, to be reopened by the next send)."""
+        return peer_id in self._known
+
     async def disconnect(self, peer_id: str) -> None:
-        """Abort the endpoint to ``peer_id`` (cancels its in-flight sends); no-op if absent."""
+        """Forget ``peer_id``: abort its endpoint (cancels its in-flight sends); no-op if absent."""
+        self._known.pop(peer_id, None)
+        self._drop(peer_id)
+
+    def _drop(self, peer_id: str) -> None:
+        """Abort the endpoint to ``peer_id`` but keep knowing how to reach it."""
         endpoint = self._endpoints.pop(peer_id, None)
         if endpoint is not None:
             endpoint.abort()
@@ -197,24 +199,24 @@ class UcxTransport:
 
         Returns once the buffer may be reused. On timeout (``timeout_s`` seconds, None =
         wait forever) raises ``TransferTimeout``, on a UCX error ``TransferError``; either
-        way the peer's endpoint is aborted and forgotten.
+        way the peer's endpoint is aborted, and the next send to it reconnects (a failed
+        reconnect is a ``TransferError`` too). ValueError for a peer never connected.
         """
         self._check_open()
-        endpoint = self._endpoints.get(peer_id)
-        if endpoint is None:
-            raise ValueError(f"peer_id: {peer_id!r} is not connected")
         array = as_ucx_array(buffer, writable=False)
-        request = _background(endpoint.send(array, tag=_check_tag(tag), force_tag=True))
+        tag = _check_tag(tag)
+        endpoint = await self._endpoint(peer_id)
+        request = _background(endpoint.send(array, tag=tag, force_tag=True))
         try:
             await self._drive(request, timeout_s)
         except TimeoutError:
-            await self.disconnect(peer_id)
+            self._drop(peer_id)
             raise TransferTimeout(
                 f"send of tag {tag:#x} to {peer_id!r} not done after {timeout_s} s; endpoint aborted"
             ) from None
         except Exception as e:
             self._check_open()
-            await self.disconnect(peer_id)
+            self._drop(peer_id)
             raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {e}") from e
 
     async def recv(self, buffer: Any, tag: int, timeout_s: float) -> None:

@@ -23,6 +23,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
 from services.common.outputs import OutputStream
+from services.common.transfer_failure import describe_landing
 from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 from services.engine.checks import RequestExists
 
@@ -161,10 +162,10 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     async def _landed(self, res: _Reservation, request, context) -> AuxState:
         try:
             aux, _ = await res.receive
-        except (TransferError, asyncio.CancelledError) as e:
+        except (TransferError, ValueError, asyncio.CancelledError) as e:
             if isinstance(e, TransferTimeout):
                 self.worker.metrics.timeouts.labels("transfer").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pages did not land: {e!r}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, describe_landing(e))
         if aux.first_token_id != request.first_token_id or aux.prompt_len != len(request.prompt_token_ids):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "first_token_id: differs from the transferred aux state"

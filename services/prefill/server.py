@@ -21,6 +21,7 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import delay
 from services.common.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
 from services.common.peering import PeerRegistry
+from services.common.transfer_failure import describe
 from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
 
@@ -96,15 +97,15 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             moved = await w.agent.send_request(
                 request.request_id, n, decode_id, aux, w.config.transfer_timeout_s, dest, held
             )
-        except TransferError as e:
+        except (TransferError, ValueError) as e:  # every transfer failure is retryable elsewhere
             self._count_failure(e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer to {decode_id}: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, describe(decode_id, e))
         w.metrics.transfer_seconds.observe(time.monotonic() - start)
         self._count_moved(moved)
         usage.transfers.extend(_transfers(moved))
         return usage
 
-    def _count_failure(self, error: TransferError) -> None:
+    def _count_failure(self, error: Exception) -> None:
         m = self.worker.metrics
         for group in self.worker.engine.manager.groups:
             m.transfer_failures.labels(group).inc()

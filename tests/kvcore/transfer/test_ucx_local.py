@@ -84,17 +84,24 @@ def test_size_mismatch_is_refused_and_drained():
     run(body())
 
 
-def test_send_nobody_receives_times_out_and_drops_the_peer():
+def test_send_nobody_receives_times_out_and_drops_the_endpoint_then_reconnects():
+    """A timed-out send aborts the endpoint; the next send to the known peer reconnects."""
+
     async def body():
         transport = await started()
         big = torch.zeros(16 << 20, dtype=torch.uint8)  # rendezvous: waits for the receiver
         with pytest.raises(TransferTimeout, match="aborted"):
             await transport.send("self", big, make_tag("local-unreceived", 0, 0), 0.2)
-        connected = transport.is_connected("self")
+        dropped = (transport.is_connected("self"), transport.is_known("self"))
+        tag, got = make_tag("local-reconnected", 0, 0), bytearray(5)
+        await asyncio.gather(transport.send("self", b"again", tag, 5), transport.recv(got, tag, 5))
+        await transport.disconnect("self")
+        with pytest.raises(ValueError, match="not connected"):  # forgotten: no reconnect
+            await transport.send("self", b"x", tag, 1)
         await transport.close()
-        return connected
+        return dropped, bytes(got)
 
-    assert run(body()) is False
+    assert run(body()) == ((False, True), b"again")
 
 
 def test_close_wakes_a_waiting_receive_and_refuses_later_calls():
