@@ -17,14 +17,22 @@ class RequestError(ValueError):
 
 
 def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
-    """Check a GenerateRequest against the model's limits; returns the prompt's token ids."""
+    """Check a GenerateRequest against the model's limits; returns the prompt's token ids.
+
+    An unset ``sampling.max_tokens`` (0) is filled in with the server default clamped to
+    the room the prompt leaves in the context, so the workers always get an explicit value
+    that fits (they never apply a default of their own to the router's requests)."""
     token_ids = _prompt_ids(request, limits, tokenizer)
     if len(token_ids) >= limits.max_model_len:
         raise RequestError(
             f"prompt: {len(token_ids)} tokens leave no room in the model's "
             f"{limits.max_model_len}-token context"
         )
-    _check_sampling(request.sampling, limits.max_model_len - len(token_ids), limits.default_max_tokens)
+    room = limits.max_model_len - len(token_ids)
+    _check_sampling(request.sampling, room)
+    if not request.sampling.max_tokens:
+        request.sampling.max_tokens = min(limits.default_max_tokens, room)
+    _check_min_tokens(request.sampling, request.sampling.max_tokens)
     spec = request.speculative
     if spec.HasField("num_spec_tokens") and spec.num_spec_tokens > limits.num_spec_tokens:
         raise RequestError(
@@ -63,7 +71,7 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     return ids
 
 
-def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens: int) -> None:
+def _check_sampling(sampling: cpb.SamplingParams, room: int) -> None:
     if sampling.max_tokens > room:
         raise RequestError(
             f"sampling.max_tokens: {sampling.max_tokens} exceeds the {room} "
@@ -83,11 +91,13 @@ def _check_sampling(sampling: cpb.SamplingParams, room: int, default_max_tokens:
         value = getattr(sampling, name)
         if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise RequestError(f"sampling.{name}: must be in [-2, 2], got {value}")
-    max_tokens = sampling.max_tokens or default_max_tokens
-    if sampling.min_tokens > max_tokens:
-        raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens ({max_tokens})")
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")
+
+
+def _check_min_tokens(sampling: cpb.SamplingParams, max_tokens: int) -> None:
+    if sampling.min_tokens > max_tokens:
+        raise RequestError(f"sampling.min_tokens: {sampling.min_tokens} exceeds max_tokens ({max_tokens})")
 
 
 def _check_stop(stop) -> None:
