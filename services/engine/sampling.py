@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
 MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI takes 4; each is matched per step)
@@ -23,7 +24,8 @@ class SamplingParams:
        tokens (a positive logit is divided by it, a negative one multiplied), then
        ``frequency_penalty`` (times each output token's count) and ``presence_penalty``
        (once per distinct output token) subtracted, OpenAI's semantics;
-    3. ``temperature`` (0 = greedy: the argmax of the penalized logits);
+    3. ``temperature`` (0 = greedy: the argmax of the penalized logits; a temperature below
+       MIN_TEMPERATURE is stored as 0, so every entry point treats it as greedy);
     4. ``top_k`` (0 or -1 = off), ``min_p`` (0 = off: drop tokens below min_p times the
        most likely one's probability), ``top_p`` (the smallest set of most likely tokens
        whose mass reaches it).
@@ -53,6 +55,8 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
         _number("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         p = self.top_p
         if not _is_number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {p!r}")

@@ -7,7 +7,7 @@ import torch
 
 from services.engine.rejection import rejection_sample
 from services.engine.sampler import probs_from_logits, sample, top_p_filter
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
 CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
 
@@ -88,3 +88,12 @@ def test_speculative_sampling_follows_the_target_distribution():
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_below_the_floor_is_greedy_and_the_floor_itself_samples_finite_probs():
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=9e-6).temperature == 0
+    floor = SamplingParams(temperature=MIN_TEMPERATURE)
+    assert not floor.greedy
+    logits = torch.tensor([[30.0, 29.99, -5.0, 0.0]])
+    probs = probs_from_logits(logits, torch.tensor([floor.temperature]), torch.tensor([1.0]))
+    assert bool(torch.isfinite(probs).all()) and float(probs.sum()) == pytest.approx(1.0)

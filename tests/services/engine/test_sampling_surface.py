@@ -186,3 +186,13 @@ def test_speculative_sampling_with_every_transform_follows_the_target(pair, targ
     assert 0 < stats.num_accepted < stats.num_draft_tokens
     assert chi_square_passes(torch.bincount(tokens[:, 1], minlength=vocab).float(), second)
     assert chi_square_passes(torch.bincount(tokens[:, 2], minlength=vocab).float(), third)
+
+
+def test_a_temperature_below_the_floor_decodes_as_greedy(pair, prompts):
+    """1e-38 overflowed logits / temperature to NaN, which sampled token 0 (a NUL byte)."""
+    engine = make_engine(pair, k=2)
+    tiny = SamplingParams(temperature=1e-38, max_tokens=12, ignore_eos=True, seed=3)
+    got = [o.token_ids for o in engine.generate(prompts[:2], tiny)]
+    greedy = dataclasses.replace(tiny, temperature=0.0)
+    assert got == [o.token_ids for o in make_engine(pair, k=2).generate(prompts[:2], greedy)]
+    assert_pools_empty(engine)
