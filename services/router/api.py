@@ -76,7 +76,7 @@ class RouterAPI:
         self.registration = Registration(self.cluster, metrics)
         self.flows: dict[str, RequestFlow] = {}  # the requests in flight, by id
         self.health_monitor = HealthMonitor(
-            self.cluster, self.flows, options.health_timeout_s, options.health_misses
+            self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )
 
     async def generate(self, request: cpb.GenerateRequest) -> AsyncIterator[cpb.GenerateResponse]:

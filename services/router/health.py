@@ -8,6 +8,8 @@ Invariants:
 - Losing a worker marks it unhealthy (its pairs get no traffic) and cancels every call
   that depends on it: requests that emitted nothing are retried elsewhere, the others fail
   UNAVAILABLE (dispatch.py).
+- A DEGRADED pair (a transfer on it failed) of healthy workers is re-paired in the
+  background (``heal``), one attempt per pair at a time, each round until it is READY.
 - The readiness service (``READY_SERVICE``) is SERVING exactly while a request can be
   served: a READY pair of healthy workers, or a healthy aggregated worker.
 """
@@ -15,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health
@@ -40,12 +42,16 @@ class HealthMonitor:
         flows: Mapping[str, RequestFlow],
         timeout_s: float = STATS_TIMEOUT_S,
         misses: int = STATS_MISSES,
+        heal: Callable[[str, str], Awaitable[bool]] | None = None,
     ) -> None:
-        """``flows``: the requests in flight, by id; ``timeout_s``: each poll's deadline."""
+        """``flows``: the requests in flight, by id; ``timeout_s``: each poll's deadline;
+        ``heal``: re-runs a degraded pair's pairing (Registration.heal)."""
         self.cluster = cluster
         self.flows = flows
         self.timeout_s = timeout_s
         self.misses = misses
+        self.heal = heal
+        self.healing: set[tuple[str, str]] = set()  # degraded pairs being re-paired now
         self.readiness: health.aio.HealthServicer | None = None  # grpc.health.v1, if served
 
     async def poll_forever(self) -> None:
@@ -59,9 +65,26 @@ class HealthMonitor:
         for worker in list(self.cluster.registry.workers.values()):
             if worker.id in self.cluster.channels:
                 await self._poll(worker)
+        self._heal_degraded()
         if self.readiness is not None:
             serving = self.cluster.registry.is_serving()
             await self.readiness.set(READY_SERVICE, SERVING if serving else NOT_SERVING)
+
+    def _heal_degraded(self) -> None:
+        """Start re-pairing every degraded pair of healthy workers not being re-paired."""
+        registry = self.cluster.registry
+        for key in registry.degraded_pairs():
+            if self.heal is None or key in self.healing:
+                continue
+            if all(registry.workers[w].healthy for w in key):
+                self.healing.add(key)
+                self.cluster.spawn(self._heal(key))
+
+    async def _heal(self, key: tuple[str, str]) -> None:
+        try:
+            await self.heal(*key)
+        finally:
+            self.healing.discard(key)
 
     def lose(self, worker_id: str) -> None:
         """``worker_id`` failed its health poll: cancel every call that depends on it."""
@@ -94,14 +117,14 @@ class HealthMonitor:
 
 
 def health_response(registry: Registry) -> cpb.HealthResponse:
-    """The router's Health: serving or not, the workers and ready pairs, and every refused
-    or failed pair with its reason."""
+    """The router's Health: serving or not, the workers and ready pairs (degraded ones not
+    counted), and every refused, failed or degraded pair with its reason."""
     serving = registry.is_serving()
     both = len(registry.ids(rpb.ROLE_BOTH))
     refused = [
-        f"{p}->{d}: {pair.reason}"
+        f"{p}->{d}: " + ("degraded: " if pair.state == PairState.DEGRADED else "") + pair.reason
         for (p, d), pair in registry.pairs.items()
-        if pair.state in (PairState.REFUSED, PairState.FAILED)
+        if pair.state in (PairState.REFUSED, PairState.FAILED, PairState.DEGRADED)
     ]
     return cpb.HealthResponse(
         status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,

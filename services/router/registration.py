@@ -72,6 +72,27 @@ class Registration:
         self.registry.set_pair(prefill_id, decode_id, state, reason)
         self.metrics.registrations.labels("accepted" if state == PairState.READY else "refused").inc()
 
+    async def heal(self, prefill_id: str, decode_id: str) -> bool:
+        """Re-run a DEGRADED pair's pairing (both workers reconnect and test the transfer
+        again): READY if it passes; else it stays DEGRADED, the new failure its reason."""
+        workers, key = self.registry.workers, (prefill_id, decode_id)
+        if prefill_id not in workers or decode_id not in workers:
+            return False
+        pair = self.registry.pairs.get(key)
+        first = pair.reason.split("; re-pairing: ")[0] if pair is not None else ""  # the transfer's failure
+        prefill, decode = workers[prefill_id].info, workers[decode_id].info
+        state, reason = await pair_workers(self.cluster.channels, prefill, decode, self.cluster.token)
+        pair = self.registry.pairs.get(key)
+        if pair is None or pair.state != PairState.DEGRADED:  # re-registered or removed meanwhile
+            return False
+        healed = state == PairState.READY
+        again = f"{first}; re-pairing: {reason}" if first else f"re-pairing: {reason}"
+        self.registry.set_pair(
+            prefill_id, decode_id, state if healed else PairState.DEGRADED, "" if healed else again
+        )
+        self.metrics.registrations.labels("healed" if healed else "refused").inc()
+        return healed
+
 
 def _check_registration(request: reg.RegisterRequest, token: str) -> None:
     info = request.rank_info

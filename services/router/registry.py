@@ -2,7 +2,9 @@
 
 Invariants: a request goes only to a pair in state READY (both sides accepted each other's
 RankInfo and the test transfer between them succeeded) whose workers are healthy; a
-refused pair keeps its mismatches for Health/ModelInfo and gets no traffic.
+refused pair keeps its mismatches for Health/ModelInfo and gets no traffic. A READY pair
+whose transfer failed is DEGRADED, with the failure as its reason: it gets no traffic until
+a new pairing test passes (``HealthMonitor`` re-runs it) and makes it READY again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class PairState(enum.Enum):
     READY = "ready"
     REFUSED = "refused"  # RankInfo mismatch
     FAILED = "failed"  # the test transfer or an RPC failed
+    DEGRADED = "degraded"  # was READY; a transfer failed; re-tested until it passes again
 
 
 @dataclass(slots=True)
@@ -81,6 +84,17 @@ class Registry:
     def set_pair(self, prefill_id: str, decode_id: str, state: PairState, reason: str = "") -> None:
         if (prefill_id, decode_id) in self.pairs:
             self.pairs[(prefill_id, decode_id)] = Pair(state, reason)
+
+    def degrade(self, prefill_id: str, decode_id: str, reason: str) -> bool:
+        """Mark a READY pair DEGRADED for ``reason``; True if it was READY."""
+        pair = self.pairs.get((prefill_id, decode_id))
+        if pair is None or pair.state != PairState.READY:
+            return False
+        self.pairs[(prefill_id, decode_id)] = Pair(PairState.DEGRADED, reason)
+        return True
+
+    def degraded_pairs(self) -> list[tuple[str, str]]:
+        return [k for k, p in self.pairs.items() if p.state == PairState.DEGRADED]
 
     def ready_pairs(self) -> list[tuple[str, str]]:
         return [

@@ -1,0 +1,134 @@
+"""Degraded pairs: a failed transfer takes its pair out of service, Health says so, the
+request is retried on another pair, and re-pairing brings the pair back or keeps it out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from services.router.health import health_response
+from services.router.registry import PairState, Registry
+from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
+
+PROMPT = [5, 6, 7, 8, 9]
+TRANSFER_FAILED = "transfer failed to d0: send of tag 0x1 to 'd0' not done after 1.0 s; endpoint aborted"
+
+
+def _registry(*pairs: tuple[str, str]) -> Registry:
+    registry = Registry(4)
+    for p, d in pairs:
+        for worker_id, role in ((d, rpb.ROLE_DECODE), (p, rpb.ROLE_PREFILL)):
+            if worker_id not in registry.workers:
+                registry.add(rank_info(worker_id, role, "127.0.0.1:1"))
+    for p, d in pairs:
+        registry.set_pair(p, d, PairState.READY)
+    return registry
+
+
+def test_a_degraded_pair_is_not_ready_and_health_names_its_reason():
+    registry = _registry(("p0", "d0"), ("p1", "d0"))
+    assert registry.degrade("p0", "d0", "p0: transfer failed") is True
+    assert registry.degrade("p0", "d0", "again") is False  # only a READY pair degrades
+    health = health_response(registry)
+    assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_SERVING, 1)
+    assert health.message == "p0->d0: degraded: p0: transfer failed"
+    assert registry.ready_pairs() == [("p1", "d0")]
+    registry.degrade("p1", "d0", "p1: transfer failed")
+    health = health_response(registry)
+    assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_NOT_SERVING, 0)
+    assert health.message.startswith("no ready prefill/decode pair. p0->d0: degraded: ")
+
+
+class _Call:
+    """An awaitable stand-in for a unary gRPC call."""
+
+    def __init__(self, result=None, error: grpc.aio.AioRpcError | None = None) -> None:
+        self.result, self.error = result, error
+
+    def cancel(self) -> None:
+        pass
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+        yield  # a generator, so the call can be awaited
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+class _Stubs:
+    """Decode stubs that reserve; prefill stubs whose first Prefill fails its transfer."""
+
+    def __init__(self) -> None:
+        self.prefills: list[str] = []
+
+    def decode(self, worker_id: str):
+        reservation = wpb.Reservation(request_id="r", decode_instance_id=worker_id)
+        stub = type("Decode", (), {})()
+        stub.Reserve = lambda request: _Call(wpb.ReserveResponse(reservation=reservation))
+        stub.Release = lambda request, timeout: _Call(wpb.ReleaseResponse(released=True))
+        return stub
+
+    def prefill(self, worker_id: str):
+        stub = type("Prefill", (), {})()
+        stub.Prefill = lambda request: self._prefill(worker_id)
+        return stub
+
+    def _prefill(self, worker_id: str) -> _Call:
+        self.prefills.append(worker_id)
+        if len(self.prefills) == 1:
+            return _Call(error=_unavailable(TRANSFER_FAILED))
+        done = wpb.PrefillResponse(first_token_id=7, finish_reason=cpb.FINISH_REASON_LENGTH)
+        return _Call(done)
+
+
+def _request() -> cpb.GenerateRequest:
+    sampling = cpb.SamplingParams(max_tokens=1)
+    return cpb.GenerateRequest(request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=sampling)
+
+
+def test_a_failed_transfer_degrades_its_pair_and_the_request_completes_on_another():
+    api, stubs = router(), _Stubs()
+
+    async def scenario():
+        await unreachable_ready_pairs(api, ["p0", "p1"], ["d0"])
+        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+        messages = [m async for m in api.generate(_request())]
+        await api.close()
+        return messages
+
+    messages = asyncio.run(scenario())
+    first, other = stubs.prefills
+    assert first != other
+    assert [m.WhichOneof("payload") for m in messages] == ["chunk", "complete"]
+    assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
+    pair = api.cluster.registry.pairs[(first, "d0")]
+    assert (pair.state, pair.reason) == (PairState.DEGRADED, f"{first}: {TRANSFER_FAILED}")
+    assert api.cluster.registry.pairs[(other, "d0")].state == PairState.READY
+
+
+def test_re_pairing_that_fails_keeps_the_pair_degraded_with_both_reasons():
+    api = router()
+
+    async def scenario():
+        await unreachable_ready_pairs(api, ["p0"], ["d0"])
+        api.cluster.registry.degrade("p0", "d0", "p0: transfer failed")
+        healed = await api.registration.heal("p0", "d0")
+        again = await api.registration.heal("p0", "d0")
+        await api.close()
+        return healed, again
+
+    assert asyncio.run(scenario()) == (False, False)
+    pair = api.cluster.registry.pairs[("p0", "d0")]
+    assert pair.state == PairState.DEGRADED
+    assert pair.reason.startswith("p0: transfer failed; re-pairing: d0: UNAVAILABLE: ")
+    assert pair.reason.count("re-pairing") == 1  # the failure and the latest attempt only
