@@ -1,7 +1,8 @@
 """A small asyncio HTTP/1.1 server: keep-alive, JSON bodies, chunked streaming responses.
 
 Just enough for the router's OpenAI-compatible API and ``/metrics``: requests are read
-whole (``Content-Length`` or chunked bodies, at most ``MAX_BODY_BYTES``); a handler
+whole and strictly (http_read.py: ``Content-Length`` or chunked bodies of at most
+``MAX_BODY_BYTES``; a malformed one is answered 4xx and the connection closed); a handler
 returns a ``Response`` (sent with ``Content-Length``) or a ``StreamingResponse`` (sent
 with ``Transfer-Encoding: chunked``, one HTTP chunk per item, e.g. one SSE event).
 Connections stay open between requests unless the client asks to close them.
@@ -14,46 +15,19 @@ import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from urllib.parse import urlsplit
 
-MAX_BODY_BYTES = 16 << 20
-MAX_HEADERS = 100
+from services.router.http_read import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    HttpError,
+    Request,
+    read_line,
+    read_request,
+)
+
+__all__ = ["MAX_BODY_BYTES", "HttpError", "HttpServer", "Request", "Response", "StreamingResponse"]
+
 IDLE_TIMEOUT_S = 75.0  # a keep-alive connection with no new request is closed after this
-
-
-class HttpError(Exception):
-    """Ends a request with ``status``; ``body`` is sent as JSON."""
-
-    def __init__(self, status: int, body: dict) -> None:
-        super().__init__(body)
-        self.status = status
-        self.body = body
-
-
-@dataclass(slots=True)
-class Request:
-    method: str
-    path: str  # without the query string
-    query: str
-    headers: dict[str, str]  # names lower-cased
-    body: bytes = b""
-
-    def json(self):
-        """The body parsed as JSON; raises HttpError(400) when it is not."""
-        try:
-            return json.loads(self.body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HttpError(
-                400,
-                {
-                    "error": {
-                        "message": f"body: not valid JSON ({e})",
-                        "type": "invalid_request_error",
-                        "param": "body",
-                        "code": None,
-                    }
-                },
-            ) from None
 
 
 @dataclass(slots=True)
@@ -77,14 +51,6 @@ class StreamingResponse:
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
-
-
-class _BadRequest(Exception):
-    """The bytes on the wire are not an HTTP/1.1 request we accept: answer and close."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class HttpServer:
@@ -115,7 +81,7 @@ class HttpServer:
             while True:
                 try:
                     request = await _read_request(reader, writer)
-                except _BadRequest as e:
+                except BadRequest as e:
                     await _send(writer, _error_response(e.status, str(e)), keep_alive=False)
                     return
                 if request is None:
@@ -162,69 +128,10 @@ def _wants_keep_alive(request: Request) -> bool:
 
 async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Request | None:
     """The next request on the connection; None when the client closed it."""
-    try:
-        line = await asyncio.wait_for(reader.readline(), IDLE_TIMEOUT_S)
-    except ValueError:
-        raise _BadRequest(414, "request line: too long") from None
+    line = await asyncio.wait_for(read_line(reader, 414, "request line"), IDLE_TIMEOUT_S)
     if not line:
         return None
-    parts = line.decode("latin-1").strip().split()
-    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-        raise _BadRequest(400, "request line: expected 'METHOD /path HTTP/1.1'")
-    method, target, version = parts
-    headers = await _read_headers(reader)
-    headers[":version"] = version
-    url = urlsplit(target)
-    request = Request(method.upper(), url.path, url.query, headers)
-    if headers.get("expect", "").lower() == "100-continue":
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.body = await _read_body(reader, headers)
-    return request
-
-
-async def _read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for _ in range(MAX_HEADERS + 1):
-        try:
-            line = await reader.readline()
-        except ValueError:
-            raise _BadRequest(431, "headers: a header line is too long") from None
-        if line in (b"\r\n", b"\n", b""):
-            return headers
-        name, sep, value = line.decode("latin-1").partition(":")
-        if not sep:
-            raise _BadRequest(400, f"headers: malformed line {line[:40]!r}")
-        headers[name.strip().lower()] = value.strip()
-    raise _BadRequest(431, f"headers: more than {MAX_HEADERS}")
-
-
-async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        return await _read_chunked(reader)
-    try:
-        length = int(headers.get("content-length", "0"))
-    except ValueError:
-        raise _BadRequest(400, "content-length: not an integer") from None
-    if length < 0 or length > MAX_BODY_BYTES:
-        raise _BadRequest(413, f"content-length: must be in [0, {MAX_BODY_BYTES}]")
-    return await reader.readexactly(length)
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    body = bytearray()
-    while True:
-        size_line = (await reader.readline()).split(b";")[0].strip()
-        try:
-            size = int(size_line, 16)
-        except ValueError:
-            raise _BadRequest(400, "body: malformed chunk size") from None
-        if size == 0:
-            await _read_headers(reader)  # trailers
-            return bytes(body)
-        if len(body) + size > MAX_BODY_BYTES:
-            raise _BadRequest(413, f"body: larger than {MAX_BODY_BYTES} bytes")
-        body += await reader.readexactly(size)
-        await reader.readexactly(2)  # CRLF after the chunk
+    return await read_request(reader, writer, line)
 
 
 def _head(status: int, headers: dict[str, str]) -> bytes:

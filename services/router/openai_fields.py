@@ -7,6 +7,8 @@ import math
 
 from services.router.http import HttpError
 
+MAX_UINT32 = 2**32 - 1  # the protos' integer fields; an integer without its own bound stops here
+
 
 def invalid(param: str, message: str, status: int = 400, code: str | None = None) -> HttpError:
     """An OpenAI-style error naming ``param``; the message starts with it."""
@@ -44,16 +46,22 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     return float(value)
 
 
-def integer(body: dict, name: str, default, low: int, high: int | None = None):
+def integer(body: dict, name: str, default, low: int, high: int = MAX_UINT32):
+    """The integer field ``name`` in [low, high] (high: MAX_UINT32 unless given)."""
     value = body.get(name)
     if value is None:
         return default
     if not is_int(value):
-        raise invalid(name, f"must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(name, f"must be {bound}, got {value}")
+        raise invalid(name, f"must be an integer, got {_short(value)}")
+    if not low <= value <= high:
+        raise invalid(name, f"must be in [{low}, {high}], got {_short(value)}")
     return value
+
+
+def _short(value) -> str:
+    """A client's value for a message, cut to 40 characters (it may be 4,000 digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def boolean(body: dict, name: str, default: bool, param: str = "") -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import ChatTemplate, ChatTemplateError
-from services.router.openai_fields import as_object, boolean, integer, invalid, is_int, number
+from services.router.openai_fields import MAX_UINT32, as_object, boolean, integer, invalid, is_int, number
 from services.router.validation import MAX_LOGPROBS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -208,7 +208,7 @@ def _set_prompt(generate: cpb.GenerateRequest, body: dict) -> None:
         if not prompt:
             raise invalid("prompt", "empty")
         generate.text = prompt
-    elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) and 0 <= t <= MAX_UINT32 for t in prompt):
         generate.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", f"a batch of {len(prompt)} prompts; this server takes one prompt per request")
