@@ -20,14 +20,25 @@ from services.router.http_read import (
     MAX_BODY_BYTES,
     BadRequest,
     HttpError,
+    ReadTimeouts,
     Request,
     read_line,
     read_request,
 )
 
-__all__ = ["MAX_BODY_BYTES", "HttpError", "HttpServer", "Request", "Response", "StreamingResponse"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "HttpError",
+    "HttpLimits",
+    "HttpServer",
+    "ReadTimeouts",
+    "Request",
+    "Response",
+    "StreamingResponse",
+]
 
 IDLE_TIMEOUT_S = 75.0  # a keep-alive connection with no new request is closed after this
+DISCONNECT_POLL_S = 0.2  # how often a running request checks that its client is still there
 
 
 @dataclass(slots=True)
@@ -53,12 +64,24 @@ class StreamingResponse:
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may hold of the server: connections beyond ``max_connections`` are
+    answered 503 and closed at once; ``timeouts`` bound a request's headers and body."""
+
+    max_connections: int = 1024
+    timeouts: ReadTimeouts = ReadTimeouts()
+
+
 class HttpServer:
     """Serves ``routes``: path -> {method -> handler}. Unknown paths get 404, other
-    methods 405, a HttpError its status and body, any other exception 500."""
+    methods 405, a HttpError its status and body, any other exception 500. A handler
+    still running when its client closes the connection is cancelled (uvicorn's rule:
+    the client's EOF is its disconnect, so a client must not half-close)."""
 
-    def __init__(self, routes: dict[str, dict[str, Handler]]) -> None:
+    def __init__(self, routes: dict[str, dict[str, Handler]], limits: HttpLimits | None = None) -> None:
         self.routes = routes
+        self.limits = limits or HttpLimits()
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
 
@@ -76,25 +99,49 @@ class HttpServer:
             await self._server.wait_closed()
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        full = len(self._connections) >= self.limits.max_connections
         self._connections.add(writer)
         try:
-            while True:
-                try:
-                    request = await _read_request(reader, writer)
-                except BadRequest as e:
-                    await _send(writer, _error_response(e.status, str(e)), keep_alive=False)
-                    return
-                if request is None:
-                    return
-                keep_alive = _wants_keep_alive(request)
-                response = await self.handle(request)
-                if not await _send(writer, response, keep_alive) or not keep_alive:
-                    return
+            if full:
+                message = f"connections: the server holds its limit of {self.limits.max_connections}"
+                await _send(writer, _error_response(503, message), keep_alive=False)
+                return
+            await self._serve_requests(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    async def _serve_requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await _read_request(reader, writer, self.limits.timeouts)
+            except BadRequest as e:
+                await _send(writer, _error_response(e.status, str(e)), keep_alive=False)
+                return
+            if request is None:
+                return
+            keep_alive = _wants_keep_alive(request)
+            response = await self._answer(request, reader, writer)
+            if response is None or not await _send(writer, response, keep_alive) or not keep_alive:
+                return
+
+    async def _answer(self, request: Request, reader, writer) -> Response | StreamingResponse | None:
+        """``handle(request)``; None once the client closed the connection meanwhile, the
+        handler cancelled (its generation with it)."""
+        task = asyncio.ensure_future(self.handle(request))
+        gone = asyncio.ensure_future(_client_gone(reader, writer))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():  # the client left (or this connection is being closed)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+        if task.cancelled():
+            return None
+        return task.result()
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         """Answer one request (also usable without a socket, e.g. in tests)."""
@@ -126,12 +173,18 @@ def _wants_keep_alive(request: Request) -> bool:
     return connection != "close"
 
 
-async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Request | None:
+async def _read_request(reader, writer, timeouts: ReadTimeouts) -> Request | None:
     """The next request on the connection; None when the client closed it."""
     line = await asyncio.wait_for(read_line(reader, 414, "request line"), IDLE_TIMEOUT_S)
     if not line:
         return None
-    return await read_request(reader, writer, line)
+    return await read_request(reader, writer, line, timeouts)
+
+
+async def _client_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Returns once the client closed its side (EOF or a reset), polling the stream."""
+    while not (reader.at_eof() or reader.exception() is not None or writer.is_closing()):
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _head(status: int, headers: dict[str, str]) -> bytes:

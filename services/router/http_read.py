@@ -2,10 +2,12 @@
 server accepts is a ``BadRequest`` (status, message naming the part at fault), answered
 and the connection closed, never an exception that drops it.
 
-Limits: a request line or header line of at most 64 KiB (the stream's limit; 414 / 431),
-at most ``MAX_HEADERS`` headers (431), a body of at most ``MAX_BODY_BYTES`` (413), sent
-with a ``Content-Length`` of decimal digits or ``Transfer-Encoding: chunked`` with hex
-chunk sizes, each chunk ending in CRLF (400 otherwise); other transfer codings are 501.
+Limits: the headers within ``ReadTimeouts.headers_s`` of the request line, the body
+within ``body_s`` after them (408); a request line or header line of at most 64 KiB (the
+stream's limit; 414 / 431), at most ``MAX_HEADERS`` headers (431), a body of at most
+``MAX_BODY_BYTES`` (413), sent with a ``Content-Length`` of decimal digits or
+``Transfer-Encoding: chunked`` with hex chunk sizes, each chunk ending in CRLF (400
+otherwise); other transfer codings are 501.
 """
 
 from __future__ import annotations
@@ -66,20 +68,38 @@ async def read_line(reader: asyncio.StreamReader, status: int, what: str) -> byt
         raise BadRequest(status, f"{what}: too long") from None
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, line: bytes) -> Request:
-    """The request whose request line is ``line``, headers and body read."""
+@dataclass(frozen=True, slots=True)
+class ReadTimeouts:
+    """Seconds a client has, after its request line, to send all its headers, then its
+    whole body; past either the request is answered 408 and the connection closed."""
+
+    headers_s: float = 30.0
+    body_s: float = 60.0  # 16 MiB in 60 s: a client slower than 280 KB/s cannot send the cap
+
+
+async def read_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, line: bytes, timeouts: ReadTimeouts
+) -> Request:
+    """The request whose request line is ``line``, headers and body read in time."""
     parts = line.decode("latin-1").strip().split()
     if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
         raise BadRequest(400, "request line: expected 'METHOD /path HTTP/1.1'")
     method, target, version = parts
-    headers = await read_headers(reader)
+    headers = await _within(read_headers(reader), timeouts.headers_s, "headers")
     headers[":version"] = version
     url = urlsplit(target)
     request = Request(method.upper(), url.path, url.query, headers)
     if headers.get("expect", "").lower() == "100-continue":
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.body = await _read_body(reader, headers)
+    request.body = await _within(_read_body(reader, headers), timeouts.body_s, "body")
     return request
+
+
+async def _within(read, seconds: float, what: str):
+    try:
+        return await asyncio.wait_for(read, seconds)
+    except TimeoutError:
+        raise BadRequest(408, f"{what}: not received within {seconds:g} s") from None
 
 
 async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:

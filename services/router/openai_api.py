@@ -5,7 +5,8 @@ Requests are served on the router's own asyncio loop by calling the in-process
 Errors before the first token become HTTP errors (400 naming the field, 404 for an
 unknown model, 409 for a request id already running, 503 when no prefill/decode pair is
 ready or a worker died, 500 otherwise); an error after streaming started is sent as an SSE
-event ``{"error": {...}}``. A streaming client that disconnects aborts its request.
+event ``{"error": {...}}``. A streaming client that disconnects aborts its request; a
+non-streaming one's handler is cancelled by the HTTP server (http.py), and its request with it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
-from services.router.http import HttpError, HttpServer, Response, StreamingResponse
+from services.router.http import HttpError, HttpLimits, HttpServer, ReadTimeouts, Response, StreamingResponse
 
 
 async def _echo(request):
@@ -145,3 +146,76 @@ def test_a_malformed_request_line_is_answered_400_and_closed():
 def test_an_oversized_body_is_refused_413():
     raw = b"POST /echo HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n"
     assert _status_and_error(_run(raw))[0] == 413
+
+
+# ---------------------------------------------------------------------- limits
+
+
+async def _slow_client(limits: HttpLimits, raw: bytes) -> tuple[bytes, float]:
+    """Send ``raw`` and no more; the server's answer and how long it took."""
+    server = HttpServer(ROUTES, limits)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    start = time.monotonic()
+    try:
+        return await asyncio.wait_for(reader.read(65536), 10), time.monotonic() - start
+    finally:
+        writer.close()
+        await server.close()
+
+
+SHORT = HttpLimits(timeouts=ReadTimeouts(headers_s=0.3, body_s=0.3))
+
+
+def test_headers_not_sent_in_time_are_a_408_and_the_connection_closes():
+    reply, took = asyncio.run(_slow_client(SHORT, b"POST /echo HTTP/1.1\r\nHost: x\r\n"))
+    status, body = _status_and_error(reply)
+    assert (status, body["error"]["message"]) == (408, "headers: not received within 0.3 s")
+    assert b"Connection: close" in reply and 0.3 <= took < 2
+
+
+def test_a_body_not_sent_in_time_is_a_408():
+    reply, _ = asyncio.run(_slow_client(SHORT, _post("/echo", b"[1, 2]")[:-3]))
+    status, body = _status_and_error(reply)
+    assert (status, body["error"]["message"]) == (408, "body: not received within 0.3 s")
+
+
+def test_connections_over_the_cap_are_answered_503():
+    async def scenario():
+        server = HttpServer(ROUTES, HttpLimits(max_connections=1))
+        port = await server.start("127.0.0.1", 0)
+        held = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reply = await asyncio.wait_for(reader.read(65536), 10)
+        for w in (held[1], writer):
+            w.close()
+        await server.close()
+        return reply
+
+    status, body = _status_and_error(asyncio.run(scenario()))
+    assert (status, body["error"]["message"]) == (503, "connections: the server holds its limit of 1")
+
+
+def test_a_client_that_leaves_cancels_its_running_handler():
+    cancelled = asyncio.Event()
+
+    async def forever(request):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def scenario():
+        server = HttpServer({"/wait": {"GET": forever}})
+        port = await server.start("127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.2)
+        writer.close()
+        await asyncio.wait_for(cancelled.wait(), 2)
+        await server.close()
+
+    asyncio.run(scenario())

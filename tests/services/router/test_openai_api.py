@@ -9,7 +9,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
 from services.router.api import ModelLimits, RouterAPI
 from services.router.errors import ErrorCode, RouterError
-from services.router.http import Request, Response
+from services.router.http import HttpServer, Request, Response
 from services.router.openai_api import OpenAIServer
 from tests.services.router.scripted_router import (
     CHAT,
@@ -263,3 +263,25 @@ def test_a_router_refusal_maps_to_a_status():
     response = call(OpenAIServer(Refusing([])), "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert response.status == 503
     assert json.loads(response.body)["error"]["message"] == "decode worker d is unavailable"
+
+
+def test_a_non_streaming_client_that_disconnects_ends_its_generation():
+    router = ScriptedRouter([chunk_message("a"), chunk_message("b")], hold=True)
+
+    async def scenario():
+        server = HttpServer(OpenAIServer(router).routes())
+        port = await server.start("127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = request_body({"model": MODEL, "prompt": "x"})
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        while not router.inflight:
+            await asyncio.sleep(0.01)
+        writer.close()
+        for _ in range(200):
+            if not router.inflight:
+                break
+            await asyncio.sleep(0.01)
+        await server.close()
+
+    asyncio.run(scenario())
+    assert len(router.requests) == 1 and router.inflight == {}
