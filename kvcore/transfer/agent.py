@@ -1,7 +1,8 @@
 """TransferAgent: moves one request's pages of every layer group between two workers.
 
 The one agent the servers run, for any TP size on either side. Per request (tags from
-:mod:`kvcore.transfer.tags`, base = ``request_tag(request_id)``):
+:mod:`kvcore.transfer.tags`, base = the reservation's ``transfer_tag``, fresh per
+reservation from :meth:`TransferAgent.transfer_tag`):
 
     sender (prefill)                              receiver (decode)
     rank 0: aux state  -> send (AUX, 0)  ----->   rank 0: recv (AUX, 0): sender, tokens
@@ -22,12 +23,14 @@ The one agent the servers run, for any TP size on either side. Per request (tags
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import struct
 from collections.abc import Mapping
 
 from kvcore import AuxState, KVCacheManager, TransferPages
 from kvcore.transfer.fanout import Fanout, NoLinks, RankLinks
-from kvcore.transfer.jobs import PeerRank, TransferUsage
+from kvcore.transfer.jobs import PeerRank, TransferKey, TransferUsage
 from kvcore.transfer.rank import PagePools, RankTransfer
 from kvcore.transfer.tags import ACK_GROUP, AUX_GROUP, message_tag, request_tag
 from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
@@ -61,6 +64,8 @@ class TransferAgent:
         self.fanout = Fanout(self.rank0, links, heads)
         self.side_channel = self.rank0.side_channel
         self._peers: dict[str, list[PeerRank]] = {}
+        self._salt = secrets.token_hex(8)  # this agent's, so two workers' tags differ too
+        self._reserves = itertools.count()
 
     async def start(self) -> None:
         await self.rank0.start()
@@ -71,10 +76,11 @@ class TransferAgent:
     def endpoint(self) -> EndpointInfo:
         return self.rank0.endpoint()
 
-    @staticmethod
-    def transfer_tag(request_id: str) -> int:
-        """The base tag of ``request_id``'s messages, as a reservation publishes it."""
-        return request_tag(request_id)
+    def transfer_tag(self, request_id: str) -> int:
+        """A fresh base tag for one transfer of ``request_id``, as a reservation publishes
+        it: never the same twice from one agent (a per-agent salt and counter), so a
+        retried request's messages cannot match a stalled earlier attempt's."""
+        return request_tag(f"{request_id}\x00{self._salt}:{next(self._reserves)}")
 
     async def connect(self, peer_id: str, info: EndpointInfo) -> None:
         """Open the send direction to a peer worker's rank 0 (unless open already)."""
@@ -106,6 +112,7 @@ class TransferAgent:
         timeout_s: float,
         dest: dict[str, list[int]] | None = None,
         held: dict[str, int] | None = None,
+        tag: int = 0,
     ) -> TransferUsage:
         """Push the aux state, then the pages holding positions [0, num_tokens), to a
         paired peer, and wait for its acknowledgement.
@@ -113,33 +120,39 @@ class TransferAgent:
         - ``dest``: the receiver's block-table rows (from its reservation): runs contiguous
           on both sides move pool to pool; without it every group is packed.
         - ``held``: per group, leading entries the receiver holds already: not sent.
+        - ``tag``: the reservation's ``transfer_tag`` (0: ``request_tag(request_id)``).
         - Raises TransferError (TransferTimeout past ``timeout_s`` on any message).
         """
-        peer = self._peer(peer_id)
+        peer, key = self._peer(peer_id), TransferKey(request_id, tag or request_tag(request_id))
         pages = self.manager.transfer_pages(request_id, num_tokens, held)
-        await self.rank0.transport.send(peer_id, aux.to_bytes(), _aux_tag(request_id), timeout_s)
-        usage = await self.fanout.send(request_id, pages, peer, timeout_s, dest)
-        await self._wait_ack(request_id, num_tokens, timeout_s)
+        await self.rank0.transport.send(
+            peer_id, aux.to_bytes(), message_tag(key.tag, AUX_GROUP, 0), timeout_s
+        )
+        usage = await self.fanout.send(key, pages, peer, timeout_s, dest)
+        await self._wait_ack(key, num_tokens, timeout_s)
         return _counted(usage, pages, held)
 
     async def receive_request(
-        self, request_id: str, num_tokens: int, timeout_s: float
+        self, request_id: str, num_tokens: int, timeout_s: float, tag: int = 0
     ) -> tuple[AuxState, TransferUsage]:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
         match, num_computed=num_tokens)`` (all but its ``held_pages``) from the paired peer
-        the aux state names, then acknowledge. Raises TransferError / TransferTimeout."""
-        aux = await self._receive_aux(request_id, num_tokens, timeout_s)
+        the aux state names, then acknowledge; ``tag`` as in :meth:`send_request`.
+        Raises TransferError / TransferTimeout."""
+        key = TransferKey(request_id, tag or request_tag(request_id))
+        aux = await self._receive_aux(key, num_tokens, timeout_s)
         peer = self._peer(aux.sender_id)
         held = self.manager.held_pages(request_id)
         pages = self.manager.transfer_pages(request_id, num_tokens, held)
-        usage = await self.fanout.recv(request_id, pages, len(peer), timeout_s)
-        ack = message_tag(request_tag(request_id), ACK_GROUP, 0)
+        usage = await self.fanout.recv(key, pages, len(peer), timeout_s)
+        ack = message_tag(key.tag, ACK_GROUP, 0)
         await self.rank0.transport.send(aux.sender_id, _ACK.pack(num_tokens), ack, timeout_s)
         return aux, _counted(usage, pages, held)
 
-    async def _receive_aux(self, request_id: str, num_tokens: int, timeout_s: float) -> AuxState:
+    async def _receive_aux(self, key: TransferKey, num_tokens: int, timeout_s: float) -> AuxState:
+        request_id = key.request_id
         data = bytearray(AuxState.wire_size(self.hidden_size))
-        await self.rank0.transport.recv(data, _aux_tag(request_id), timeout_s)
+        await self.rank0.transport.recv(data, message_tag(key.tag, AUX_GROUP, 0), timeout_s)
         try:
             aux = AuxState.from_bytes(data)
         except ValueError as e:
@@ -150,13 +163,13 @@ class TransferAgent:
             )
         return aux
 
-    async def _wait_ack(self, request_id: str, num_tokens: int, timeout_s: float) -> None:
+    async def _wait_ack(self, key: TransferKey, num_tokens: int, timeout_s: float) -> None:
         ack = bytearray(_ACK.size)
-        await self.rank0.transport.recv(ack, message_tag(request_tag(request_id), ACK_GROUP, 0), timeout_s)
+        await self.rank0.transport.recv(ack, message_tag(key.tag, ACK_GROUP, 0), timeout_s)
         (acked,) = _ACK.unpack(ack)
         if acked != num_tokens:
             raise TransferError(
-                f"request {request_id!r}: peer acknowledged {acked} tokens, sent {num_tokens}"
+                f"request {key.request_id!r}: peer acknowledged {acked} tokens, sent {num_tokens}"
             )
 
     def _peer(self, peer_id: str) -> list[PeerRank]:
@@ -164,10 +177,6 @@ class TransferAgent:
         if peer is None:
             raise TransferError(f"peer {peer_id!r}: not paired (its ranks are unknown)")
         return peer
-
-
-def _aux_tag(request_id: str) -> int:
-    return message_tag(request_tag(request_id), AUX_GROUP, 0)
 
 
 def _counted(

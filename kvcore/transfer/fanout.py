@@ -21,7 +21,7 @@ from typing import Protocol
 
 from kvcore import TransferPages
 from kvcore.transfer.head_routes import HeadRoute, head_routes, routes_between
-from kvcore.transfer.jobs import LinkTest, PeerRank, RecvJob, SendJob, TransferUsage
+from kvcore.transfer.jobs import LinkTest, PeerRank, RecvJob, SendJob, TransferKey, TransferUsage
 from kvcore.transfer.rank import RankTransfer
 
 Routes = dict[str, list[HeadRoute]]  # per group, every route between two TP groups
@@ -80,7 +80,7 @@ class Fanout:
 
     async def send(
         self,
-        request_id: str,
+        key: TransferKey,
         pages: dict[str, TransferPages],
         peer: list[PeerRank],
         timeout_s: float,
@@ -93,12 +93,14 @@ class Fanout:
             for dst, info in enumerate(peer):
                 mine = between(routes, src, dst)
                 if mine:
-                    job = SendJob(request_id, info.instance_id, src, pages, mine, timeout_s, dest)
+                    job = SendJob(
+                        key.request_id, info.instance_id, src, pages, mine, timeout_s, dest, key.tag
+                    )
                     jobs.append(self.rank0.send(job) if src == 0 else self.links.send(src, job))
         return await run_all(jobs)
 
     async def recv(
-        self, request_id: str, pages: dict[str, TransferPages], src_tp: int, timeout_s: float
+        self, key: TransferKey, pages: dict[str, TransferPages], src_tp: int, timeout_s: float
     ) -> TransferUsage:
         """Every rank here gathers its heads from the ``src_tp`` peer ranks holding them."""
         routes = self.routes(src_tp, self.size, pages)
@@ -106,7 +108,7 @@ class Fanout:
         for dst in range(self.size):
             sources = {src: m for src in range(src_tp) if (m := between(routes, src, dst))}
             if sources:
-                job = RecvJob(request_id, pages, sources, timeout_s)
+                job = RecvJob(key.request_id, pages, sources, timeout_s, key.tag)
                 jobs.append(self.rank0.recv(job) if dst == 0 else self.links.recv(dst, job))
         return await run_all(jobs)
 

@@ -74,6 +74,7 @@ class SendJob:
     routes: dict[str, HeadRoute]
     timeout_s: float
     dest: dict[str, list[int]] | None = None
+    tag: int = 0  # the transfer's base tag (the reservation's); 0 = request_tag(request_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,16 @@ class RecvJob:
     pages: dict[str, TransferPages]
     sources: dict[int, dict[str, HeadRoute]]
     timeout_s: float
+    tag: int = 0  # the transfer's base tag (the reservation's); 0 = request_tag(request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferKey:
+    """One transfer of a request: its id (which pages) and its base tag (which messages),
+    fresh per reservation, so a retried request's messages never match an earlier attempt's."""
+
+    request_id: str
+    tag: int
 
 
 @dataclass(frozen=True, slots=True)

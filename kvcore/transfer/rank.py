@@ -68,7 +68,7 @@ class RankTransfer:
 
     async def send(self, job: SendJob) -> TransferUsage:
         """Every routed group of ``job``, one after the other."""
-        base, usage = request_tag(job.request_id), TransferUsage()
+        base, usage = job.tag or request_tag(job.request_id), TransferUsage()
         for group, sent in job.pages.items():
             route = job.routes.get(group)
             if route is None:
@@ -104,7 +104,7 @@ class RankTransfer:
         return index
 
     async def _recv_from(self, job: RecvJob, src_rank: int) -> TransferUsage:
-        base, usage = request_tag(job.request_id), TransferUsage()
+        base, usage = job.tag or request_tag(job.request_id), TransferUsage()
         routes = job.sources[src_rank]
         for group, landing in job.pages.items():
             route = routes.get(group)

@@ -228,13 +228,21 @@ def send_to_json(job: SendJob) -> dict[str, Any]:
         "routes": routes_to_json(job.routes),
         "timeout_s": job.timeout_s,
         "dest": job.dest,
+        "tag": job.tag,
     }
 
 
 def send_from_json(args: dict[str, Any]) -> SendJob:
     pages, routes = pages_from_json(args["pages"]), routes_from_json(args["routes"])
     return SendJob(
-        args["request_id"], args["peer"], args["src_rank"], pages, routes, args["timeout_s"], args["dest"]
+        args["request_id"],
+        args["peer"],
+        args["src_rank"],
+        pages,
+        routes,
+        args["timeout_s"],
+        args["dest"],
+        args.get("tag", 0),
     )
 
 
@@ -245,12 +253,14 @@ def recv_to_json(job: RecvJob) -> dict[str, Any]:
         "pages": pages_to_json(job.pages),
         "sources": sources,
         "timeout_s": job.timeout_s,
+        "tag": job.tag,
     }
 
 
 def recv_from_json(args: dict[str, Any]) -> RecvJob:
     sources = {src: routes_from_json(routes) for src, routes in args["sources"]}
-    return RecvJob(args["request_id"], pages_from_json(args["pages"]), sources, args["timeout_s"])
+    pages = pages_from_json(args["pages"])
+    return RecvJob(args["request_id"], pages, sources, args["timeout_s"], args.get("tag", 0))
 
 
 def test_to_json(job: LinkTest) -> dict[str, Any]:

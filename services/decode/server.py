@@ -21,6 +21,7 @@ from kvcore.transfer import AuxState, TransferError, TransferTimeout
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.faults import once
 from services.common.grpc_server import write_stream
 from services.common.outputs import OutputStream
 from services.common.transfer_failure import describe_landing
@@ -74,15 +75,22 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         reservation = await w.loop.call(w.engine.reserve, rid, n, prompt)
         if reservation is None:
             return None
-        receive = asyncio.ensure_future(
-            w.agent.receive_request(rid, n, min(lease_s, w.config.transfer_timeout_s))
-        )
+        tag = w.agent.transfer_tag(rid)  # fresh per Reserve: a retry never meets a stale message
+        timeout_s = min(lease_s, w.config.transfer_timeout_s)
+        receive = asyncio.ensure_future(self._receive(rid, n, timeout_s, tag))
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
-        return self._reservation_proto(reservation, lease_s)
+        return self._reservation_proto(reservation, lease_s, tag)
 
-    def _reservation_proto(self, res: Reservation, lease_s: float) -> wpb.Reservation:
+    async def _receive(self, rid: str, n: int, timeout_s: float, tag: int):
+        """The reservation's receive (under its tag); ``decode.before_receive_once`` stalls
+        the first one of this process, so a test can make one transfer time out."""
+        if stall := once("decode.before_receive_once"):
+            await asyncio.sleep(stall)
+        return await self.worker.agent.receive_request(rid, n, timeout_s, tag)
+
+    def _reservation_proto(self, res: Reservation, lease_s: float, tag: int) -> wpb.Reservation:
         w, rid = self.worker, res.request_id
         info = w.agent.endpoint()
         return wpb.Reservation(
@@ -95,7 +103,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             ],
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
             ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host, port=info.port),
-            transfer_tag=w.agent.transfer_tag(rid),
+            transfer_tag=tag,
         )
 
     def _expire(self, rid: str) -> None:

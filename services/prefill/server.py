@@ -25,6 +25,8 @@ from services.common.transfer_failure import describe
 from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
 
+TAG_LOW_BITS = (1 << 24) - 1  # a base tag's group and chunk bits, zero in a transfer_tag
+
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: WorkerBase, peers: PeerRegistry) -> None:
@@ -72,6 +74,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         for i, g in enumerate(reservation.groups):
             if g.num_held > len(g.page_ids):
                 return bad, f"reservation.groups[{i}].num_held: {g.num_held} of {len(g.page_ids)} pages"
+        if reservation.transfer_tag & TAG_LOW_BITS:
+            return bad, f"reservation.transfer_tag: {reservation.transfer_tag:#x} has its low 24 bits set"
         if reservation.decode_instance_id not in self.peers.peers:
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -95,7 +99,14 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         start = time.monotonic()
         try:
             moved = await w.agent.send_request(
-                request.request_id, n, decode_id, aux, w.config.transfer_timeout_s, dest, held
+                request.request_id,
+                n,
+                decode_id,
+                aux,
+                w.config.transfer_timeout_s,
+                dest,
+                held,
+                request.reservation.transfer_tag,
             )
         except (TransferError, ValueError) as e:  # every transfer failure is retryable elsewhere
             self._count_failure(e)

@@ -169,8 +169,8 @@ async def _transfer(side: str, scenario: tuple[int, int], agent: TransferAgent, 
     r = rid(*scenario)
     if side == "P":
         aux = AuxState(NUM_TOKENS, 42, torch.arange(HIDDEN, dtype=torch.float32), "P0")
-        return await agent.send_request(r, NUM_TOKENS, "D0", aux, TIMEOUT_S, dest[r])
-    aux, usage = await agent.receive_request(r, NUM_TOKENS, TIMEOUT_S)
+        return await agent.send_request(r, NUM_TOKENS, "D0", aux, TIMEOUT_S, dest[r], tag=attempt_tag(r))
+    aux, usage = await agent.receive_request(r, NUM_TOKENS, TIMEOUT_S, attempt_tag(r))
     assert (aux.first_token_id, aux.hidden.tolist()) == (42, list(range(HIDDEN)))
     return usage
 
@@ -184,3 +184,9 @@ async def _cancel_mid_receive(agent: TransferAgent, client: PipeClient) -> str:
     task.cancel()
     outcome = (await asyncio.gather(task, return_exceptions=True))[0]
     return type(outcome).__name__
+
+
+def attempt_tag(request_id: str) -> int:
+    """The base tag both sides use, as a reservation would carry it: not the request's own,
+    so every rank's messages must follow the given tag."""
+    return request_tag(f"{request_id}-attempt-2")

@@ -1,5 +1,6 @@
 import pytest
 
+from kvcore.transfer import TransferAgent
 from kvcore.transfer.tags import (
     MAX_CHUNKS,
     MAX_GROUPS,
@@ -8,6 +9,7 @@ from kvcore.transfer.tags import (
     request_tag,
     split_tag,
 )
+from tests.kvcore.conftest import make_cache
 
 
 def test_request_tag_is_stable_and_leaves_low_bits_free():
@@ -54,3 +56,12 @@ def test_bad_base_and_request_id():
         request_tag("")
     with pytest.raises(ValueError, match="tag"):
         split_tag(1 << 64)
+
+
+def test_each_reservation_gets_a_fresh_base_tag_from_its_agent():
+    """A retried request must not reuse its earlier attempt's tag, on one worker or two."""
+    manager, pools = make_cache()
+    first, second = (TransferAgent(manager, pools, hidden_size=8) for _ in range(2))
+    tags = [first.transfer_tag("r"), first.transfer_tag("r"), second.transfer_tag("r")]
+    assert len(set(tags)) == 3
+    assert all(t & 0xFFFFFF == 0 for t in tags)  # base tags: group and chunk bits free

@@ -78,9 +78,9 @@ def test_every_job_arrives_as_it_was_sent():
     rank = RecordingRank()
     group = group_with(JsonLink(rank))
     send = SendJob(
-        "r", "decode-1/rank1", 1, PAGES, ROUTES, 5.0, {"target": [0, 1, 2, 3], "draft": [-1, -1, 5]}
+        "r", "decode-1/rank1", 1, PAGES, ROUTES, 5.0, {"target": [0, 1, 2, 3], "draft": [-1, -1, 5]}, 7 << 24
     )
-    recv = RecvJob("r", PAGES, {0: ROUTES, 1: {"target": ROUTES["target"]}}, 5.0)
+    recv = RecvJob("r", PAGES, {0: ROUTES, 1: {"target": ROUTES["target"]}}, 5.0, 9 << 24)
     test = LinkTest(PeerRank("prefill-1/rank1", EndpointInfo(b"\x00\xffaddress")), "pair:a->b/1->0", True)
 
     async def run() -> list:
