@@ -29,7 +29,13 @@ from services.common.security import TlsConfig
 from services.router.cluster import Cluster
 from services.router.dispatch import QUEUE_TIMEOUT_S, RequestFlow
 from services.router.errors import ErrorCode, RouterError
-from services.router.health import STATS_MISSES, STATS_TIMEOUT_S, HealthMonitor, health_response
+from services.router.health import (
+    STATS_MISSES,
+    STATS_TIMEOUT_S,
+    HealthMonitor,
+    health_response,
+    pair_statuses,
+)
 from services.router.registration import Registration
 from services.router.registry import Registry
 from services.router.stream_text import StreamText
@@ -129,6 +135,7 @@ class RouterAPI:
             vocab_size=lim.vocab_size,
             default_max_tokens=lim.default_max_tokens,
             workers=workers,
+            pairs=pair_statuses(self.cluster.registry),
         )
 
     async def close(self) -> None:

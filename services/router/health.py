@@ -132,4 +132,15 @@ def health_response(registry: Registry) -> cpb.HealthResponse:
         num_decode_workers=len(registry.ids(rpb.ROLE_DECODE)) + both,
         num_ready_pairs=len(registry.ready_pairs()),
         message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused),
+        pairs=pair_statuses(registry),
     )
+
+
+def pair_statuses(registry: Registry) -> list[cpb.PairStatus]:
+    """Every prefill/decode pair with its state and reason, as Health and ModelInfo report."""
+    return [
+        cpb.PairStatus(
+            prefill_instance_id=p, decode_instance_id=d, state=pair.state.value, reason=pair.reason
+        )
+        for (p, d), pair in registry.pairs.items()
+    ]

@@ -37,6 +37,10 @@ def test_a_degraded_pair_is_not_ready_and_health_names_its_reason():
     assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_SERVING, 1)
     assert health.message == "p0->d0: degraded: p0: transfer failed"
     assert registry.ready_pairs() == [("p1", "d0")]
+    assert [(s.prefill_instance_id, s.state, s.reason) for s in health.pairs] == [
+        ("p0", "degraded", "p0: transfer failed"),
+        ("p1", "ready", ""),
+    ]
     registry.degrade("p1", "d0", "p1: transfer failed")
     health = health_response(registry)
     assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_NOT_SERVING, 0)
@@ -132,3 +136,5 @@ def test_re_pairing_that_fails_keeps_the_pair_degraded_with_both_reasons():
     assert pair.state == PairState.DEGRADED
     assert pair.reason.startswith("p0: transfer failed; re-pairing: d0: UNAVAILABLE: ")
     assert pair.reason.count("re-pairing") == 1  # the failure and the latest attempt only
+    (status,) = asyncio.run(api.model_info()).pairs
+    assert (status.decode_instance_id, status.state, status.reason) == ("d0", "degraded", pair.reason)
