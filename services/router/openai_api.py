@@ -82,7 +82,8 @@ class OpenAIServer:
         return await self._serve(parse_completion(http.json(), await self._model_id()))
 
     async def chat_completions(self, http: Request) -> Response | StreamingResponse:
-        return await self._serve(parse_chat(http.json(), await self._model_id(), self.chat))
+        info = await self.router.model_info()
+        return await self._serve(parse_chat(http.json(), info.model_id, self.chat, info.max_model_len))
 
     async def models(self, http: Request) -> Response:
         info = await self.router.model_info()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router.chat_template import ChatTemplate, ChatTemplateError
 from services.router.openai_fields import MAX_UINT32, as_object, boolean, integer, invalid, is_int, number
-from services.router.validation import MAX_LOGPROBS
+from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
@@ -82,7 +82,9 @@ def parse_completion(body, model_id: str) -> OpenAIRequest:
     return request
 
 
-def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
+def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: int = 0) -> OpenAIRequest:
+    """``max_model_len`` > 0 caps the rendered text before it is tokenized
+    (validation.check_text_length)."""
     body = as_object(body)
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
     request = _common(body, model_id, "chat")
@@ -95,6 +97,11 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None) -> OpenAIRequest:
             "--chat-template FILE, or use /v1/completions",
         )
     text = render_chat(messages, chat)
+    if max_model_len:
+        try:
+            check_text_length("messages", len(text), max_model_len)
+        except RequestError as e:
+            raise invalid("messages", str(e).partition(": ")[2]) from None
     request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request.generate.sampling.max_tokens = integer(body, limit, 0, low=1)

@@ -10,6 +10,9 @@ MAX_LOGPROBS = 20  # top alternatives per token: the engine's bound (vLLM's defa
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI), as in the engine
 MAX_STOP_STRINGS = 16  # stop strings per request, as the engine allows (OpenAI takes 4)
 MAX_STOP_CHARS = 256  # characters per stop string, as the engine allows
+# A text prompt is tokenized on the router's event loop, holding the GIL (16 MiB of text
+# took 37 s): text longer than the context times this many characters is refused untokenized.
+MAX_CHARS_PER_TOKEN = 32
 
 
 class RequestError(ValueError):
@@ -51,6 +54,7 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     if kind == "text":
         if not request.text:
             raise RequestError("prompt.text: empty")
+        check_text_length("prompt.text", len(request.text), limits.max_model_len)
         if tokenizer is None:
             raise RequestError("prompt.text: this router has no tokenizer; send token_ids")
         ids = tokenizer.encode(request.text)  # with the special tokens the model's adds
@@ -69,6 +73,16 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     if bad is not None:
         raise RequestError(f"prompt.token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     return ids
+
+
+def check_text_length(name: str, num_chars: int, max_model_len: int) -> None:
+    """Text to tokenize is at most max_model_len * MAX_CHARS_PER_TOKEN characters."""
+    cap = max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > cap:
+        raise RequestError(
+            f"{name}: {num_chars} characters are over the router's cap of {cap} "
+            f"({MAX_CHARS_PER_TOKEN} a token of the {max_model_len}-token context); send token ids"
+        )
 
 
 def _check_sampling(sampling: cpb.SamplingParams, room: int) -> None:

@@ -8,9 +8,19 @@ import json
 
 import pytest
 
+from services.common.metrics import Metrics
+from services.router.api import ModelLimits, RouterAPI
 from services.router.http import MAX_BODY_BYTES, HttpServer
 from services.router.openai_api import OpenAIServer
-from tests.services.router.scripted_router import MODEL, ScriptedRouter, chunk_message, complete_message
+from tests.services.router.scripted_router import (
+    CHAT,
+    MODEL,
+    TOKENIZER,
+    ScriptedRouter,
+    call,
+    chunk_message,
+    complete_message,
+)
 
 
 async def _exchange(raw: bytes) -> bytes:
@@ -129,3 +139,41 @@ def test_a_chunked_body_over_the_limit_is_a_413():
 def test_an_unknown_transfer_coding_is_a_501():
     raw = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
     assert _answer(raw)[0] == 501
+
+
+# ---------------------------------------------------------------------- the router's caps
+
+
+def _real_router() -> RouterAPI:
+    return RouterAPI(
+        ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32), Metrics("router"), tokenizer=TOKENIZER
+    )
+
+
+def test_too_many_or_too_long_stop_strings_are_a_400_naming_stop():
+    server = OpenAIServer(_real_router())
+    for stop, message in [
+        (["x"] * 17, "stop: at most 16 stop strings, got 17"),
+        (["x", "y" * 257], "stop: at most 256 characters, got 257"),
+    ]:
+        response = call(
+            server, "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 2, "stop": stop}
+        )
+        error = json.loads(response.body)["error"]
+        assert (response.status, error["param"], error["message"]) == (400, "stop", message)
+
+
+def test_text_too_long_to_tokenize_is_refused_untokenized_naming_the_prompt():
+    server = OpenAIServer(_real_router(), CHAT)
+    response = call(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 1025, "max_tokens": 1})
+    error = json.loads(response.body)["error"]
+    assert (response.status, error["param"]) == (400, "prompt")
+    assert error["message"] == (
+        "prompt: 1025 characters are over the router's cap of 1024 (32 a token of the "
+        "32-token context); send token ids"
+    )
+    messages = [{"role": "user", "content": "x" * 1024}]
+    response = call(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    error = json.loads(response.body)["error"]
+    assert (response.status, error["param"]) == (400, "messages")
+    assert error["message"].startswith("messages: 1047 characters are over the router's cap of 1024")

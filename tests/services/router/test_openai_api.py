@@ -223,19 +223,6 @@ def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
     assert error["message"] == "max_tokens: 100 exceeds the 29 tokens left in the context after the prompt"
 
 
-def test_too_many_or_too_long_stop_strings_are_a_400_naming_stop():
-    server = OpenAIServer(_real_router())
-    for stop, message in [
-        (["x"] * 17, "stop: at most 16 stop strings, got 17"),
-        (["x", "y" * 257], "stop: at most 256 characters, got 257"),
-    ]:
-        response = call(
-            server, "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 2, "stop": stop}
-        )
-        error = json.loads(response.body)["error"]
-        assert (response.status, error["param"], error["message"]) == (400, "stop", message)
-
-
 def test_chat_prompt_overflow_names_messages():
     response = call(
         OpenAIServer(_real_router(), CHAT),
