@@ -7,11 +7,9 @@ or forward() to an aggregated worker when no prefill/decode pair serves.
 2. A failed step before any token is classified (failures.py): Busy queues the request
    (backoff 20 ms doubling to 0.5 s) until pages free up, ``queue_timeout_s`` passes or it
    is aborted; Retry tries the next pair, at most MAX_ATTEMPTS workers excluded in all;
-   Abort and Fail end it. A failed transfer (the prefill answers UNAVAILABLE naming it)
-   marks its pair DEGRADED and is a Retry; while no pair is READY but one is DEGRADED (being
-   re-paired), the request waits for it as a queued one does. After tokens streamed, a
-   decode worker found dead ends the request with ``RouterError(UNAVAILABLE)``; pages that
-   did not land also degrade the pair; any other error is an error message.
+   Abort and Fail end it; a failed transfer degrades its pair (step_failures.py). After
+   tokens streamed, a decode worker found dead ends the request with
+   ``RouterError(UNAVAILABLE)``; any other error is an error message.
 
 Invariants:
 - The messages are chunks, at most one error, then one complete (unless RouterError is
@@ -36,19 +34,17 @@ import grpc
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
-from services.common.transfer_failure import is_transfer_failure
 from services.router import messages as msg
 from services.router.cluster import Cluster
-from services.router.errors import ErrorCode, RouterError
-from services.router.failures import RETRYABLE, Abort, Busy, Fail, Retry, classify
+from services.router.failures import Abort, Busy, Fail, Retry, classify
 from services.router.messages import Usage
 from services.router.registry import Worker
+from services.router.step_failures import decode_failure, ending_of, may_heal, prefill_failure
 from services.router.stream_text import StreamText
 
 MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
 QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
 QUEUE_BACKOFF_S, QUEUE_BACKOFF_MAX_S = 0.02, 0.5
-HEAL_WAIT_S = 10.0  # how long a request waits for a degraded pair when no pair is READY
 NO_PAIR = "no ready prefill/decode pair"
 
 Messages = AsyncIterator[cpb.GenerateResponse]
@@ -109,17 +105,12 @@ class RequestFlow:
         backoff = QUEUE_BACKOFF_S
         while len(excluded) < MAX_ATTEMPTS:
             pair = self.cluster.registry.choose_pair(self.token_ids, excluded)
-            if pair is None and self._may_heal(excluded):  # wait for a degraded pair
-                if ending := self._queue_ending():
-                    for message in ending:
-                        yield message
-                    return
-                backoff = await self._wait_queued(backoff)
-                continue
-            if pair is None:
+            if pair is None and not may_heal(self.cluster.registry, self.start, excluded):
                 break
-            prefill, decode = pair
             try:
+                if pair is None:  # only a degraded pair may serve it: wait for it as for pages
+                    raise Busy("")
+                prefill, decode = pair
                 await self.prefill(prefill, decode, await self.reserve(decode))
             except Busy:  # no free pages yet: queue, as an engine queues its admissions
                 if ending := self._queue_ending():
@@ -132,7 +123,7 @@ class RequestFlow:
                 excluded.add(e.worker_id)
                 continue
             except (Abort, Fail) as e:
-                for message in _ending(self.rid, e):
+                for message in ending_of(self.rid, e):
                     yield message
                 return
             async for message in self.decode(decode):
@@ -171,7 +162,7 @@ class RequestFlow:
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             await self.cluster.release(decode.id, self.rid)
             self.reserved_on = ""
-            raise self._prefill_failure(e, prefill.id, decode.id) from None
+            raise prefill_failure(self, e, prefill.id, decode.id) from None
         finally:
             self.call, self.workers = None, ()
             prefill.inflight -= 1
@@ -199,7 +190,7 @@ class RequestFlow:
             async for message in self._relay(call, decode):
                 yield message
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            for message in self._decode_failure(e, decode.id):
+            for message in decode_failure(self, e, decode.id):
                 yield message
         finally:
             self.call, self.workers = None, ()
@@ -257,45 +248,10 @@ class RequestFlow:
             waiting.dec()
         return min(2 * backoff, QUEUE_BACKOFF_MAX_S)
 
-    def _may_heal(self, excluded: set[str]) -> bool:
-        """Whether a DEGRADED pair of workers not excluded may come back for this request
-        (within HEAL_WAIT_S of its start)."""
-        if time.monotonic() - self.start > HEAL_WAIT_S:
-            return False
-        pairs = self.cluster.registry.degraded_pairs()
-        return any(p not in excluded and d not in excluded for p, d in pairs)
-
-    def _prefill_failure(self, error: BaseException, prefill_id: str, decode_id: str) -> BaseException:
-        if self.aborted:
-            return Abort()
-        if self.lost:
-            return Retry(self.lost)
-        if isinstance(error, asyncio.CancelledError):
-            return error
-        if error.code() in RETRYABLE and is_transfer_failure(error.details() or ""):
-            self.cluster.registry.degrade(prefill_id, decode_id, f"{prefill_id}: {error.details()}")
-            return Retry(f"{prefill_id}->{decode_id}")  # counts as an attempt; the pair is out
-        return classify(error, prefill_id)
-
     def _forward_failure(self, error: BaseException, worker_id: str) -> list[cpb.GenerateResponse]:
         if self.aborted:
             return msg.aborted(self.rid)
         return msg.failed(self.rid, f"worker {worker_id}: {error.code().name}: {error.details()}")
-
-    def _decode_failure(self, error: BaseException, decode_id: str) -> list[cpb.GenerateResponse]:
-        """The messages ending a Decode stream that broke; raises when the request cannot
-        end by a message (its decode worker died, or the router's own task was cancelled)."""
-        if self.aborted:
-            return msg.aborted(self.rid, self.usage.merged())
-        gone = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
-        if gone and is_transfer_failure(error.details() or ""):
-            self.cluster.registry.degrade(self.prefilled_by, decode_id, f"{decode_id}: {error.details()}")
-        if self.lost or gone:
-            raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} is unavailable")
-        if isinstance(error, asyncio.CancelledError):
-            raise error
-        message = f"decode worker {decode_id}: {error.code().name}: {error.details()}"
-        return msg.failed(self.rid, message, self.usage.merged())
 
     async def _relay(self, call, decode: Worker) -> Messages:
         """Decode's messages as this request's; at its complete, what decode now caches."""
@@ -338,9 +294,3 @@ class RequestFlow:
 
     def _text(self, token_ids) -> str:
         return self.text.push(list(token_ids)) if self.text is not None else ""
-
-
-def _ending(rid: str, outcome: Abort | Fail) -> list[cpb.GenerateResponse]:
-    if isinstance(outcome, Abort):
-        return msg.aborted(rid)
-    return msg.failed(rid, outcome.message)

@@ -1,0 +1,78 @@
+"""How a failed Prefill or Decode step ends a request's attempt (or the request), and
+whether a request with no READY pair may wait for a degraded one.
+
+- A prefill that answers UNAVAILABLE naming a failed transfer (services/common/
+  transfer_failure.py) marks its pair DEGRADED and is a Retry that excludes no worker:
+  the pair is out of service until it is re-paired, its workers may serve other pairs.
+- A Decode whose pages did not land degrades its pair too; after the first token it still
+  ends the request UNAVAILABLE.
+- A request with no READY pair waits, as a queued one, for a DEGRADED pair of workers it
+  has not excluded, for at most HEAL_WAIT_S from its start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from proto.tandem.v1 import client_pb2 as cpb
+from services.common.transfer_failure import is_transfer_failure
+from services.router import messages as msg
+from services.router.errors import ErrorCode, RouterError
+from services.router.failures import RETRYABLE, Abort, Fail, Retry, classify
+from services.router.registry import Registry
+
+if TYPE_CHECKING:  # annotations only: dispatch imports this module
+    from services.router.dispatch import RequestFlow
+
+HEAL_WAIT_S = 10.0  # how long a request waits for a degraded pair when no pair is READY
+
+
+def may_heal(registry: Registry, start: float, excluded: set[str]) -> bool:
+    """Whether a DEGRADED pair of workers not in ``excluded`` may come back for a request
+    that started at ``start`` (monotonic seconds)."""
+    if time.monotonic() - start > HEAL_WAIT_S:
+        return False
+    return any(p not in excluded and d not in excluded for p, d in registry.degraded_pairs())
+
+
+def prefill_failure(
+    flow: RequestFlow, error: BaseException, prefill_id: str, decode_id: str
+) -> BaseException:
+    """The outcome of ``flow``'s failed Prefill on ``prefill_id`` into ``decode_id``."""
+    if flow.aborted:
+        return Abort()
+    if flow.lost:
+        return Retry(flow.lost)
+    if isinstance(error, asyncio.CancelledError):
+        return error
+    if error.code() in RETRYABLE and is_transfer_failure(error.details() or ""):
+        flow.cluster.registry.degrade(prefill_id, decode_id, f"{prefill_id}: {error.details()}")
+        return Retry(f"{prefill_id}->{decode_id}")  # counts as an attempt; the pair is out
+    return classify(error, prefill_id)
+
+
+def decode_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> list[cpb.GenerateResponse]:
+    """The messages ending a Decode stream that broke; raises when the request cannot
+    end by a message (its decode worker died, or the router's own task was cancelled)."""
+    if flow.aborted:
+        return msg.aborted(flow.rid, flow.usage.merged())
+    gone = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+    if gone and is_transfer_failure(error.details() or ""):
+        flow.cluster.registry.degrade(flow.prefilled_by, decode_id, f"{decode_id}: {error.details()}")
+    if flow.lost or gone:
+        raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} is unavailable")
+    if isinstance(error, asyncio.CancelledError):
+        raise error
+    message = f"decode worker {decode_id}: {error.code().name}: {error.details()}"
+    return msg.failed(flow.rid, message, flow.usage.merged())
+
+
+def ending_of(rid: str, outcome: Abort | Fail) -> list[cpb.GenerateResponse]:
+    """The messages ending a request that was aborted or failed before its first token."""
+    if isinstance(outcome, Abort):
+        return msg.aborted(rid)
+    return msg.failed(rid, outcome.message)
