@@ -4,7 +4,8 @@
 Invariants:
 - A servicer holds no state of its own: every answer comes from the RouterAPI.
 - A ``RouterError`` ends the RPC with the gRPC status of its code and its message as the
-  details; nothing else is translated.
+  details; a client request that does not decode ends with INVALID_ARGUMENT
+  (grpc_decode.py); nothing else is translated.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.grpc_server import write_stream
 from services.router.api import RouterAPI
 from services.router.errors import ErrorCode, RouterError
+from services.router.grpc_decode import add_checked
 from services.router.registration import Registration
 
 STATUS = {code: grpc.StatusCode[code.name] for code in ErrorCode}
@@ -71,7 +73,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
 
 def add_router_servicers(server: grpc.aio.Server, api: RouterAPI) -> None:
     """Serve ``api`` as tandem.v1.Tandem and tandem.v1.Registration on ``server``."""
-    cpb_grpc.add_TandemServicer_to_server(TandemServicer(api), server)
+    add_checked(cpb_grpc.add_TandemServicer_to_server, TandemServicer(api), server)
     reg_grpc.add_RegistrationServicer_to_server(RegistrationServicer(api.registration), server)
 
 
