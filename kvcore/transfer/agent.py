@@ -133,14 +133,17 @@ class TransferAgent:
         return _counted(usage, pages, held)
 
     async def receive_request(
-        self, request_id: str, num_tokens: int, timeout_s: float, tag: int = 0
+        self, request_id: str, num_tokens: int, timeout_s: float, tag: int = 0, wait_s: float | None = None
     ) -> tuple[AuxState, TransferUsage]:
         """Receive into the pages reserved by ``manager.allocate(request_id, num_tokens,
         match, num_computed=num_tokens)`` (all but its ``held_pages``) from the paired peer
         the aux state names, then acknowledge; ``tag`` as in :meth:`send_request`.
-        Raises TransferError / TransferTimeout."""
+
+        The aux state may take ``wait_s`` (default ``timeout_s``): the sender starts only
+        once its prefill is done. Every message after it has ``timeout_s``, counted from
+        when the transfer started. Raises TransferError / TransferTimeout."""
         key = TransferKey(request_id, tag or request_tag(request_id))
-        aux = await self._receive_aux(key, num_tokens, timeout_s)
+        aux = await self._receive_aux(key, num_tokens, wait_s or timeout_s)
         peer = self._peer(aux.sender_id)
         held = self.manager.held_pages(request_id)
         pages = self.manager.transfer_pages(request_id, num_tokens, held)

@@ -76,19 +76,21 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if reservation is None:
             return None
         tag = w.agent.transfer_tag(rid)  # fresh per Reserve: a retry never meets a stale message
-        timeout_s = min(lease_s, w.config.transfer_timeout_s)
-        receive = asyncio.ensure_future(self._receive(rid, n, timeout_s, tag))
+        receive = asyncio.ensure_future(self._receive(rid, n, lease_s, tag))
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
         return self._reservation_proto(reservation, lease_s, tag)
 
-    async def _receive(self, rid: str, n: int, timeout_s: float, tag: int):
-        """The reservation's receive (under its tag); ``decode.before_receive_once`` stalls
-        the first one of this process, so a test can make one transfer time out."""
+    async def _receive(self, rid: str, n: int, lease_s: float, tag: int):
+        """The reservation's receive (under its tag): the transfer may start any time in the
+        lease (the prefill runs first); from its start, ``transfer_timeout_s`` per message.
+        ``decode.before_receive_once`` stalls the first one of this process, so a test can
+        make one transfer time out."""
         if stall := once("decode.before_receive_once"):
             await asyncio.sleep(stall)
-        return await self.worker.agent.receive_request(rid, n, timeout_s, tag)
+        timeout_s = min(lease_s, self.worker.config.transfer_timeout_s)
+        return await self.worker.agent.receive_request(rid, n, timeout_s, tag, wait_s=lease_s)
 
     def _reservation_proto(self, res: Reservation, lease_s: float, tag: int) -> wpb.Reservation:
         w, rid = self.worker, res.request_id

@@ -1,6 +1,7 @@
 """A poisoned transfer: one page transfer forced to time out (a 1 s transfer timeout, the
 decode worker's first receive stalled 3 s). The pair is degraded, re-paired and serves again
-within seconds; the request that met it is retried and completes; no page stays held."""
+within seconds; the request that met it is retried and completes; no page stays held. And a
+transfer that starts late (a slow prefill) is timed from its start, not from Reserve."""
 
 from __future__ import annotations
 
@@ -33,13 +34,19 @@ def _metric(process, name: str, **labels: str) -> float:
     return metric_sample(text, name, **labels)
 
 
-@pytest.fixture
-def poisoned(tiny_pair):
-    worker, router = cluster_args(tiny_pair)
+def _cluster(pair, faults: str) -> LocalCluster:
+    """One prefill and one decode worker with a 1 s transfer timeout and ``faults``."""
+    worker, router = cluster_args(pair)
     worker += ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
-    env = {"TANDEM_FAULTS": f"decode.before_receive_once={STALL_S}"}
+    env = {"TANDEM_FAULTS": faults}
     cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90, env=env)
     cluster.start()
+    return cluster
+
+
+@pytest.fixture
+def poisoned(tiny_pair):
+    cluster = _cluster(tiny_pair, f"decode.before_receive_once={STALL_S}")
     yield cluster
     cluster.stop()
 
@@ -61,3 +68,18 @@ def test_a_poisoned_transfer_degrades_the_pair_which_heals_and_serves_again(pois
         tokens, _ = generate(poisoned.router_address, PROMPT[:40], 4, ignore_eos=True)
         assert len(tokens) == 4
     wait_no_request_holds_pages(poisoned)
+
+
+def test_the_transfer_timeout_counts_from_when_the_transfer_starts_not_from_reserve(tiny_pair):
+    """The prefill starts sending 1.5 s after Reserve, past the 1 s transfer timeout: the
+    decode worker waits for it within the lease, then times each message from its start."""
+    cluster = _cluster(tiny_pair, f"prefill.before_send={TRANSFER_TIMEOUT_S * 1.5}")
+    try:
+        tokens, _ = generate(cluster.router_address, PROMPT, 4, ignore_eos=True)
+        assert len(tokens) == 4
+        for process in cluster.processes[1:]:  # no transfer timed out (no sample at all)
+            text = urllib.request.urlopen(process.metrics, timeout=5).read().decode()
+            assert 'kind="transfer"' not in text
+        wait_no_request_holds_pages(cluster)
+    finally:
+        cluster.stop()
