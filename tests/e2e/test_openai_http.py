@@ -4,6 +4,8 @@ against a running local cluster (router, one prefill and one decode worker)."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -13,7 +15,7 @@ import pytest
 from models.byte_tokenizer import byte_ids
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from tests.e2e.conftest import start_cluster
+from tests.e2e.conftest import assert_no_request_holds_pages, metric_sample, start_cluster
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.slow
@@ -243,3 +245,29 @@ def test_health_and_metrics_are_served_over_http(cluster, client, model):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(cluster.http_address + "/v1/nothing", timeout=5)
     assert e.value.code == 404
+
+
+def _running(cluster) -> float:
+    with urllib.request.urlopen(cluster.http_address + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return metric_sample(text, "tandem_requests_running", role="router")
+
+
+def test_a_non_streaming_client_that_disconnects_ends_its_generation(cluster, client, model):
+    body = json.dumps({"model": model, "prompt": "x", "max_tokens": 200, "ignore_eos": True}).encode()
+    start = time.monotonic()
+    client.completions.create(model=model, prompt="x", max_tokens=200, **GREEDY)
+    whole = time.monotonic() - start
+    host, port = cluster.http_address.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sent = time.monotonic()
+        while not _running(cluster) and time.monotonic() - sent < 30:
+            time.sleep(0.005)
+        assert _running(cluster) == 1
+    left = time.monotonic()
+    while _running(cluster) and time.monotonic() - left < whole:
+        time.sleep(0.02)
+    took = time.monotonic() - left
+    assert _running(cluster) == 0 and took < whole / 2, (whole, took)
+    assert_no_request_holds_pages(cluster)
