@@ -28,6 +28,7 @@ from deploy.options import (
 from services.common.security import TlsConfig, tls_from
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterOptions
+from services.router.http import HttpLimits, ReadTimeouts
 from services.router.main import RouterConfig, model_limits, router_text, run_router
 
 
@@ -103,6 +104,29 @@ def add_router_parser(sub) -> None:
     )
     add_security_args(router)
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
+    add_http_limit_args(router)
+
+
+def add_http_limit_args(parser) -> None:
+    defaults = HttpLimits()
+    parser.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        default=defaults.max_connections,
+        help="open HTTP connections at most; the next is answered 503 and closed",
+    )
+    parser.add_argument(
+        "--http-header-timeout-s",
+        type=positive_float,
+        default=defaults.timeouts.headers_s,
+        help="seconds after its request line for a request's headers (else 408)",
+    )
+    parser.add_argument(
+        "--http-body-timeout-s",
+        type=positive_float,
+        default=defaults.timeouts.body_s,
+        help="seconds after its headers for a request's whole body (else 408)",
+    )
 
 
 def add_worker_parser(sub) -> None:
@@ -193,9 +217,16 @@ def run_router_command(args: argparse.Namespace) -> int:
         None if args.http_port < 0 else args.http_port,
         tokenizer,
         chat,
+        http_limits(args),
     )
     asyncio.run(run_router(config))
     return 0
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The router's HTTP limits from its ``--http-*`` flags."""
+    timeouts = ReadTimeouts(args.http_header_timeout_s, args.http_body_timeout_s)
+    return HttpLimits(args.http_max_connections, timeouts)
 
 
 def run_worker_command(args: argparse.Namespace) -> int:

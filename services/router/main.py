@@ -11,7 +11,7 @@ from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
 from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.chat_template import ChatTemplate, load_chat_template
-from services.router.http import HttpServer
+from services.router.http import HttpLimits, HttpServer
 from services.router.openai_api import OpenAIServer
 from services.router.server import add_router_servicers
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
@@ -62,6 +62,7 @@ class RouterConfig:
     http_port: int | None = None
     tokenizer: Tokenizer | None = None
     chat: ChatTemplate | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # connections, read timeouts
 
 
 async def run_router(
@@ -80,7 +81,7 @@ async def run_router(
         lambda s: add_router_servicers(s, router), host, c.port, opts.tls, opts.token
     )
     metrics_port = serve_metrics(metrics, host, c.metrics_port)
-    http, http_port = await _start_http(router, c.chat, host, c.http_port)
+    http, http_port = await _start_http(router, c, host)
     await health.set("", SERVING)
     router.health_monitor.readiness = health
     http_url = f" http=http://{host}:{http_port}" if http else ""
@@ -99,10 +100,10 @@ async def run_router(
 
 
 async def _start_http(
-    router: RouterAPI, chat: ChatTemplate | None, host: str, port: int | None
+    router: RouterAPI, config: RouterConfig, host: str
 ) -> tuple[HttpServer | None, int | None]:
-    """The OpenAI-compatible HTTP server and its port; (None, None) when ``port`` is None."""
-    if port is None:
+    """The OpenAI-compatible HTTP server and its port; (None, None) without ``http_port``."""
+    if config.http_port is None:
         return None, None
-    http = HttpServer(OpenAIServer(router, chat).routes())
-    return http, await http.start(host, port)
+    http = HttpServer(OpenAIServer(router, config.chat).routes(), config.http_limits)
+    return http, await http.start(host, config.http_port)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from deploy.cli import build_parser
+from deploy.cli import build_parser, http_limits
 from deploy.local import LocalCluster
 from deploy.options import served_model_name
 from deploy.ray_launcher.config import parse_config
 from services.common.metrics import Metrics
 from services.router.api import RouterAPI
+from services.router.http import HttpLimits, ReadTimeouts
 from services.router.main import model_limits, router_text
 from services.router.openai_api import OpenAIServer
 
@@ -84,3 +85,11 @@ def test_the_ray_config_takes_the_serving_options():
     default = parse_config({}).model
     name = served_model_name(default.engine_options().model, default.served_model_name)
     assert (default.engine_options().tokenizer, default.chat_template_path, name) == ("", "", "tiny-target")
+
+
+def test_the_routers_http_limits_default_to_the_servers_and_take_their_flags():
+    plain = build_parser().parse_args(["router", "--model", str(TINY)])
+    assert http_limits(plain) == HttpLimits()
+    flags = ["--http-max-connections", "8", "--http-header-timeout-s", "2", "--http-body-timeout-s", "5.5"]
+    args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
+    assert http_limits(args) == HttpLimits(8, ReadTimeouts(2.0, 5.5))
