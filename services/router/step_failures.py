@@ -14,19 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.transfer_failure import is_transfer_failure
 from services.router import messages as msg
+from services.router.cluster import Cluster
 from services.router.errors import ErrorCode, RouterError
 from services.router.failures import RETRYABLE, Abort, Fail, Retry, classify
+from services.router.messages import Usage
 from services.router.registry import Registry
 
-if TYPE_CHECKING:  # annotations only: dispatch imports this module
-    from services.router.dispatch import RequestFlow
+
+class RequestFlow(Protocol):
+    """What the failure handlers read of a request's state (dispatch.RequestFlow)."""
+
+    rid: str
+    aborted: bool
+    lost: str  # the worker the health check lost mid-call, or ""
+    prefilled_by: str
+    cluster: Cluster
+    usage: Usage
+
 
 HEAL_WAIT_S = 10.0  # how long a request waits for a degraded pair when no pair is READY
 
