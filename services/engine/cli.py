@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=str(BUNDLED / "tiny-drafter"))
     gen.add_argument("-k", "--num-spec-tokens", type=int, default=4)
     gen.add_argument("--device", default="cpu")
+    gen.add_argument(
+        "--unsafe-forced-acceptance",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="BENCHMARKS ONLY: the verifier keeps exactly N drafts per step whatever the target "
+        "says, so outputs are NOT lossless (not the target's own); default off",
+    )
     add_generate_args(gen)
     return parser
 
@@ -85,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = EngineConfig(
-            model=args.model, drafter=args.drafter, num_spec_tokens=args.num_spec_tokens, device=args.device
+            model=args.model,
+            drafter=args.drafter,
+            num_spec_tokens=args.num_spec_tokens,
+            device=args.device,
+            forced_acceptance=args.unsafe_forced_acceptance,
+            unsafe_forced_acceptance=args.unsafe_forced_acceptance >= 0,
         )
     except ValueError as e:
         print(f"generate: {e}", file=sys.stderr)

@@ -41,6 +41,11 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
+    # Benchmarks only, NOT lossless: the verifier keeps exactly this many drafts per step
+    # (at most a request's K), whatever the models say; -1 = off. Refused unless
+    # ``unsafe_forced_acceptance`` is True too; serving (deploy/options.py) sets neither.
+    forced_acceptance: int = -1
+    unsafe_forced_acceptance: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -71,6 +76,7 @@ class EngineConfig:
             raise ValueError(f"layout: must be a KVLayout, got {self.layout!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        check_forced_acceptance(self.forced_acceptance, self.unsafe_forced_acceptance)
         if self.tp_size > 1 and self.host_kv_cache_bytes:
             raise ValueError(
                 "host_kv_cache_bytes: the host KV tier's page copies are not "
@@ -91,3 +97,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
+
+
+def check_forced_acceptance(accept: int, unsafe: bool) -> None:
+    """Forced acceptance (``accept`` >= 0) is a benchmark switch whose outputs are not
+    lossless: ValueError unless ``unsafe`` says the caller asked for exactly that."""
+    if accept < -1:
+        raise ValueError(f"forced_acceptance: must be >= 0, or -1 for off, got {accept}")
+    if accept >= 0 and not unsafe:
+        raise ValueError(
+            f"forced_acceptance: {accept} keeps drafts whatever the target says, so outputs are "
+            "not lossless; benchmarks only, refused unless unsafe_forced_acceptance is set "
+            "(--unsafe-forced-acceptance N)"
+        )

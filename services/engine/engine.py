@@ -238,7 +238,9 @@ class Engine:
         spans = verify_spans(decode, drafts)
         run = self.runner.run_target(spans)
         offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
-        emitted, logprobs = verify(self.runner, decode, drafts, run, offsets, self.out.eos_ids)
+        emitted, logprobs = verify(
+            self.runner, decode, drafts, run, offsets, self.out.eos_ids, self.config.forced_acceptance
+        )
         for i, req in enumerate(decode):
             self.progress.advance_decode(req, emitted[i], logprobs[i], run, offsets[i])
 

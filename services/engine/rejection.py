@@ -56,3 +56,20 @@ def rejection_sample(
     # p == q leaves no residual: the rejection had probability 0, fall back to p
     final = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
     return Verdict(num_accepted, sample(final, generators))
+
+
+def forced_verdict(
+    target_probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    generators: list[torch.Generator | None],
+    accept: int,
+    num_drafts: torch.Tensor | None = None,
+) -> Verdict:
+    """Benchmarks only, NOT lossless: keep exactly min(accept, k_i) drafts whatever p and q
+    say, then draw one token from the target's p at the next position. Shapes as
+    :func:`rejection_sample`; ``accept`` >= 0."""
+    batch, k = draft_ids.shape
+    limit = num_drafts if num_drafts is not None else torch.full((batch,), k, device=draft_ids.device)
+    num_accepted = limit.clamp(max=accept).long()  # [batch]
+    rows = torch.arange(batch, device=draft_ids.device)
+    return Verdict(num_accepted, sample(target_probs[rows, num_accepted], generators))

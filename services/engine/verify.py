@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.batch import TargetRun
-from services.engine.rejection import rejection_sample
+from services.engine.rejection import forced_verdict, rejection_sample
 from services.engine.request import Request, TokenLogprob
 from services.engine.row_sampling import row_params, token_logprobs
 from services.engine.runner import ModelRunner
@@ -37,9 +37,12 @@ def verify(
     run: TargetRun,
     offsets: list[int],
     eos_ids: frozenset[int],
+    forced_acceptance: int = -1,
 ) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
     """Per request, the tokens a verify step emits (accepted drafts, then one more) and
-    their logprobs; request i's rows are ``run.hidden[offsets[i]:offsets[i + 1]]``."""
+    their logprobs; request i's rows are ``run.hidden[offsets[i]:offsets[i + 1]]``.
+    ``forced_acceptance`` >= 0 (benchmarks only, not lossless): keep exactly that many
+    drafts (at most k_i), see :func:`~services.engine.rejection.forced_verdict`."""
     device = runner.device
     rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
     logits = runner.target_logits(run.hidden[rows.to(device)])  # [sum(k_i + 1), V]
@@ -55,7 +58,11 @@ def verify(
     probs = by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
     draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
     num_drafts = torch.tensor(ks, device=device) if min(ks) < draft_ids.shape[1] else None
-    verdict = rejection_sample(probs, draft_probs, draft_ids, [r.generator for r in decode], num_drafts)
+    generators = [r.generator for r in decode]
+    if forced_acceptance >= 0:
+        verdict = forced_verdict(probs, draft_ids, generators, forced_acceptance, num_drafts)
+    else:
+        verdict = rejection_sample(probs, draft_probs, draft_ids, generators, num_drafts)
     accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
     emitted = [ids[i][: accepted[i]] + [nexts[i]] for i in range(len(decode))]
     return emitted, emitted_logprobs(logits, emitted, decode, offsets)
