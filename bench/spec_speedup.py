@@ -3,13 +3,15 @@ the target alone, with the acceptance length (AL), so speedup >= 0.8 x AL can be
 
     python bench/spec_speedup.py [--batches 1,16] [--k 4] [--prompt-len 256]
                                  [--max-tokens 256] [--device cuda] [--modes graphs,eager]
-                                 [--json FILE]
+                                 [--kernels on,off] [--json FILE]
 
 Prompts: held-out standard-library code (bench/al_ladder.py's windows), one batch of
 ``B`` prompts run to completion, greedy, EOS ignored, prefix cache off. Tokens/s and
 ms/step count only the engine steps where every request of the batch decodes. ``graphs`` mode replays
 CUDA graphs for the decode step (the engine's default on CUDA); ``eager`` sets
-``enforce_eager``. A second, synchronized pass splits the decode step's time into the
+``enforce_eager``. ``--kernels off`` builds the engines with the fused Triton decoder
+ops switched off (``services.engine.kernels.use_kernels(False)``: the torch reference
+everywhere), for an A/B against ``on``. A second, synchronized pass splits the decode step's time into the
 runner's phases (drafter forwards, target forwards, LM heads) and the rest (sampling,
 acceptance, scheduling and bookkeeping on the host).
 """
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
+from services.engine.kernels import use_kernels  # noqa: E402
 from services.engine.request import Status  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 
@@ -139,13 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="graphs,eager")
+    p.add_argument("--kernels", default="on", help="on, off or on,off: fused Triton decoder ops")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
     code = held_out_corpora()["code"]
     rows = []
-    for mode in a.modes.split(","):
+    for mode, kernels in [(m, kn) for m in a.modes.split(",") for kn in a.kernels.split(",")]:
+        use_kernels(kernels == "on")
         engines = {k: make_engine(k, max(batches), a.device, mode == "eager") for k in (0, a.k)}
         for batch in batches:
             prompts = windows(code, a.prompt_len, batch, a.seed)
@@ -153,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             spec = measure(engines[a.k], prompts, a.max_tokens, a.device)
             row = {
                 "mode": mode,
+                "kernels": kernels,
                 "batch": batch,
                 "k": a.k,
                 "al": spec["al"],
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             row["speedup"] = row["spec_tok_s"] / row["base_tok_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del engines
+    use_kernels(True)
     print_table(rows)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
@@ -174,13 +182,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "\n| mode | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
+        "\n| mode | kernels | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
         "| ms/step target-only | ms/step spec | outputs equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['batch']} | {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
+            f"| {r['mode']} | {r['kernels']} | {r['batch']} | {r['k']} | {r['al']:.2f} "
+            f"| {r['base_tok_s']:,.0f} "
             f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
             f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
             f"| {'yes' if r['outputs_equal'] else 'no'} |"
@@ -190,7 +199,8 @@ def print_table(rows: list[dict]) -> None:
         for who in ("base", "spec"):
             ph = r[f"{who}_phases_ms"]
             print(
-                f"  {r['mode']} B{r['batch']} {who}: " + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
+                f"  {r['mode']} kernels {r['kernels']} B{r['batch']} {who}: "
+                + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
             )
 
 
