@@ -28,6 +28,7 @@ from deploy.options import (
 from services.common.security import TlsConfig, tls_from
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterOptions
+from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, ReadTimeouts
 from services.router.main import RouterConfig, model_limits, router_text, run_router
 
@@ -102,9 +103,26 @@ def add_router_parser(sub) -> None:
         help="timed-out polls in a row after which a worker gets no traffic "
         "(a refused connection counts at once)",
     )
+    add_deadline_args(router)
     add_security_args(router)
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_http_limit_args(router)
+
+
+def add_deadline_args(parser) -> None:
+    defaults = Deadlines()
+    parser.add_argument(
+        "--worker-call-timeout-s",
+        type=positive_float,
+        default=defaults.call_s,
+        help="deadline of each Reserve and Release call to a decode worker (then: another pair)",
+    )
+    parser.add_argument(
+        "--prefill-timeout-s",
+        type=positive_float,
+        default=defaults.prefill_s,
+        help="deadline of each Prefill call: its queue, the prompt's run and the page transfer",
+    )
 
 
 def add_http_limit_args(parser) -> None:
@@ -218,9 +236,15 @@ def run_router_command(args: argparse.Namespace) -> int:
         tokenizer,
         chat,
         http_limits(args),
+        deadlines(args),
     )
     asyncio.run(run_router(config))
     return 0
+
+
+def deadlines(args: argparse.Namespace) -> Deadlines:
+    """The deadlines of the router's calls to workers, from its ``--*-timeout-s`` flags."""
+    return Deadlines(args.worker_call_timeout_s, args.prefill_timeout_s)
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:

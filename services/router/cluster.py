@@ -5,12 +5,16 @@ Invariants:
   older one, ``disconnect`` closes it); a worker absent from ``channels`` gets no calls.
 - Background work (pair tests, releases) runs as tasks ``spawn`` keeps alive until they
   end; ``close`` cancels them and closes every channel.
+- Every unary call to a worker has a deadline from ``deadlines`` (set from the router's
+  flags); streams (Decode, an aggregated worker's Generate) end with the health check
+  losing their worker or the client's cancel, not by a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import dataclass
 
 import grpc
 
@@ -21,12 +25,22 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.security import TlsConfig, aio_channel
 from services.router.registry import Registry
 
-RELEASE_TIMEOUT_S = 5.0
+CALL_TIMEOUT_S = 10.0
+PREFILL_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Seconds the router waits on each call to a worker before it retries elsewhere."""
+
+    call_s: float = CALL_TIMEOUT_S  # Reserve, Release: a live worker answers between two engine steps
+    prefill_s: float = PREFILL_TIMEOUT_S  # Prefill: its queue, the prompt's run and the page transfer
 
 
 class Cluster:
     def __init__(self, registry: Registry, tls: TlsConfig | None = None, token: str = "") -> None:
         self.registry = registry
+        self.deadlines = Deadlines()  # replaced by the router's flags (services/router/main.py)
         self.tls = tls
         self.token = token  # the bearer token every call to a worker carries
         self.channels: dict[str, grpc.aio.Channel] = {}
@@ -53,20 +67,20 @@ class Cluster:
         return cpb_grpc.TandemStub(self.channels[worker_id])
 
     async def release(self, decode_id: str, request_id: str) -> None:
-        """Free a reservation on a decode worker; a gone worker or lease holds nothing."""
+        """Free a reservation on a decode worker; a gone worker or lease holds nothing.
+        Shielded: a caller cancelled meanwhile does not cancel the Release it sent."""
         if decode_id not in self.channels:
             return
-        try:
-            release = wpb.ReleaseRequest(request_id=request_id)
-            await self.decode_stub(decode_id).Release(release, timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            pass  # the worker is gone or the lease already expired: nothing is held
+        release = wpb.ReleaseRequest(request_id=request_id)
+        call = self.decode_stub(decode_id).Release(release, timeout=self.deadlines.call_s)
+        await asyncio.shield(self.spawn(_quietly(call)))
 
-    def spawn(self, coro: Coroutine) -> None:
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run ``coro`` in the background, kept alive until it ends or ``close``."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -74,3 +88,12 @@ class Cluster:
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()
+
+
+async def _quietly(call: grpc.aio.UnaryUnaryCall) -> None:
+    """Await a Release. On an error (the worker gone, stalled past the deadline, or its
+    lease already expired) the worker's lease frees whatever it still holds."""
+    try:
+        await call
+    except grpc.aio.AioRpcError:
+        pass

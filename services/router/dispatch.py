@@ -18,8 +18,9 @@ Invariants:
 - ``reserved_on`` names the decode worker holding a reservation that no completed Decode
   owns, set before Reserve is sent (a cancel may land after it reserved); ``finish``
   releases it.
-- ``call`` is the RPC in flight and ``workers`` the workers it depends on: ``abort`` and
-  ``lose`` cancel it.
+- ``call`` is the RPC in flight (Reserve, Prefill, Decode or Generate) and ``workers`` the
+  workers it depends on: ``abort`` and ``lose`` cancel it. Reserve and Prefill have the
+  deadlines of ``Cluster.deadlines``; a stream ends with its worker lost or the client.
 """
 
 from __future__ import annotations
@@ -36,10 +37,17 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
 from services.router import messages as msg
 from services.router.cluster import Cluster
-from services.router.failures import Abort, Busy, Fail, Retry, classify
+from services.router.failures import Abort, Busy, Fail, Retry
 from services.router.messages import Usage
 from services.router.registry import Worker
-from services.router.step_failures import decode_failure, ending_of, may_heal, prefill_failure
+from services.router.step_failures import (
+    decode_failure,
+    ending_of,
+    forward_failure,
+    may_heal,
+    prefill_failure,
+    reserve_failure,
+)
 from services.router.stream_text import StreamText
 
 MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
@@ -133,14 +141,19 @@ class RequestFlow:
             yield message
 
     async def reserve(self, decode: Worker) -> wpb.Reservation:
-        """Reserve pages for the prompt (plus headroom) on ``decode``."""
+        """Reserve pages for the prompt (plus headroom) on ``decode``, within the call
+        deadline; ``lose`` and ``abort`` cancel it (reserve_failure says what follows)."""
         self.reserved_on = decode.id  # before the call: a cancel may land after it reserved
-        reserve = msg.reserve_request(self.rid, self.token_ids)
+        stub, self.workers, self.lost = self.cluster.decode_stub(decode.id), (decode.id,), ""
         try:
-            reserved = await self.cluster.decode_stub(decode.id).Reserve(reserve)
-        except grpc.aio.AioRpcError as e:
-            self.reserved_on = ""
-            raise classify(e, decode.id) from None
+            self.call = stub.Reserve(
+                msg.reserve_request(self.rid, self.token_ids), timeout=self.cluster.deadlines.call_s
+            )
+            reserved = await self.call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            raise reserve_failure(self, e, decode.id) from None
+        finally:
+            self.call, self.workers = None, ()
         if reserved.reservation.groups:  # until the next poll says better
             decode.busy_pages += len(reserved.reservation.groups[0].page_ids)
         return reserved.reservation
@@ -153,7 +166,8 @@ class RequestFlow:
         self.workers, self.lost = (prefill.id, decode.id), ""
         try:
             self.call = self.cluster.prefill_stub(prefill.id).Prefill(
-                msg.prefill_request(self.rid, self.token_ids, self.request, reservation)
+                msg.prefill_request(self.rid, self.token_ids, self.request, reservation),
+                timeout=self.cluster.deadlines.prefill_s,
             )
             self.first = await self.call
             self.usage.prefill = self.first.usage
@@ -203,19 +217,17 @@ class RequestFlow:
         call = self.cluster.tandem_stub(worker.id).Generate(
             msg.forward_request(self.rid, self.token_ids, self.request)
         )
-        self.call = call
+        self.call, self.workers, self.lost = call, (worker.id,), ""
         worker.inflight += 1
         try:
             async for message in self._forwarded(call):
                 yield message
             self.cluster.registry.index.record(worker.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            if isinstance(e, asyncio.CancelledError) and not self.aborted:
-                raise
-            for message in self._forward_failure(e, worker.id):
+            for message in forward_failure(self, e, worker.id):
                 yield message
         finally:
-            self.call = None
+            self.call, self.workers = None, ()
             worker.inflight -= 1
 
     # ------------------------------------------------------------------ helpers
@@ -247,11 +259,6 @@ class RequestFlow:
         finally:
             waiting.dec()
         return min(2 * backoff, QUEUE_BACKOFF_MAX_S)
-
-    def _forward_failure(self, error: BaseException, worker_id: str) -> list[cpb.GenerateResponse]:
-        if self.aborted:
-            return msg.aborted(self.rid)
-        return msg.failed(self.rid, f"worker {worker_id}: {error.code().name}: {error.details()}")
 
     async def _relay(self, call, decode: Worker) -> Messages:
         """Decode's messages as this request's; at its complete, what decode now caches."""

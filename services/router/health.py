@@ -1,8 +1,8 @@
 """The workers' health as the router sees it: Stats polls, losing a worker, readiness.
 
 Invariants:
-- Every registered worker is polled every STATS_INTERVAL_S; an answer refreshes its free
-  and busy target-group pages and marks it healthy.
+- Every registered worker is polled every STATS_INTERVAL_S, all of them concurrently; an
+  answer refreshes its free and busy target-group pages and marks it healthy.
 - A refused connection (UNAVAILABLE) is a dead process: the worker is lost at once; a
   slow answer may be a busy one: only ``misses`` timed-out polls in a row lose it.
 - Losing a worker marks it unhealthy (its pairs get no traffic) and cancels every call
@@ -61,10 +61,10 @@ class HealthMonitor:
             await asyncio.sleep(STATS_INTERVAL_S)
 
     async def poll(self) -> None:
-        """One round: every registered worker's Stats, then readiness."""
-        for worker in list(self.cluster.registry.workers.values()):
-            if worker.id in self.cluster.channels:
-                await self._poll(worker)
+        """One round: every registered worker's Stats, all at once (a stalled worker delays
+        no other's poll), then readiness."""
+        workers = [w for w in self.cluster.registry.workers.values() if w.id in self.cluster.channels]
+        await asyncio.gather(*(self._poll(w) for w in workers))
         self._heal_degraded()
         if self.readiness is not None:
             serving = self.cluster.registry.is_serving()

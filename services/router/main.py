@@ -11,6 +11,7 @@ from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
 from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.chat_template import ChatTemplate, load_chat_template
+from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, HttpServer
 from services.router.openai_api import OpenAIServer
 from services.router.server import add_router_servicers
@@ -63,6 +64,7 @@ class RouterConfig:
     tokenizer: Tokenizer | None = None
     chat: ChatTemplate | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # connections, read timeouts
+    deadlines: Deadlines = field(default_factory=Deadlines)  # of the calls to workers
 
 
 async def run_router(
@@ -76,6 +78,7 @@ async def run_router(
     c, host = config, config.host
     metrics = Metrics("router", c.limits.model_id)
     router = RouterAPI(c.limits, metrics, c.options, c.tokenizer)
+    router.cluster.deadlines = c.deadlines
     opts = c.options
     server, health, port = await start_server(
         lambda s: add_router_servicers(s, router), host, c.port, opts.tls, opts.token

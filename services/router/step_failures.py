@@ -1,5 +1,9 @@
-"""How a failed Prefill or Decode step ends a request's attempt (or the request), and
-whether a request with no READY pair may wait for a degraded one.
+"""How a failed Reserve, Prefill or Decode step (or an aggregated worker's stream) ends a
+request's attempt (or the request), and whether a request with no READY pair may wait for
+a degraded one.
+
+- A Reserve cancelled because the health check lost its decode worker, or past its
+  deadline, is a Retry on another pair; what it may have reserved is released.
 
 - A prefill that answers UNAVAILABLE naming a failed transfer (services/common/
   transfer_failure.py) marks its pair DEGRADED and is a Retry that excludes no worker:
@@ -34,6 +38,7 @@ class RequestFlow(Protocol):
     rid: str
     aborted: bool
     lost: str  # the worker the health check lost mid-call, or ""
+    reserved_on: str  # the decode worker holding a reservation no Decode owns, or ""
     prefilled_by: str
     cluster: Cluster
     usage: Usage
@@ -64,6 +69,35 @@ def prefill_failure(
         flow.cluster.registry.degrade(prefill_id, decode_id, f"{prefill_id}: {error.details()}")
         return Retry(f"{prefill_id}->{decode_id}")  # counts as an attempt; the pair is out
     return classify(error, prefill_id)
+
+
+def reserve_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> BaseException:
+    """The outcome of ``flow``'s failed or cancelled Reserve on ``decode_id``. A Reserve
+    that may have taken pages (cancelled, or past its deadline) is released in the
+    background, else the worker's lease frees them; one the client aborted stays
+    ``reserved_on``, for the flow's end to release."""
+    if flow.aborted:
+        return Abort()
+    timed_out = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(error, asyncio.CancelledError) and not flow.lost:
+        return error  # the router's own task was cancelled: the flow's end releases
+    flow.reserved_on = ""
+    if flow.lost or timed_out:
+        flow.cluster.spawn(flow.cluster.release(decode_id, flow.rid))
+        return Retry(decode_id)
+    return classify(error, decode_id)
+
+
+def forward_failure(flow: RequestFlow, error: BaseException, worker_id: str) -> list[cpb.GenerateResponse]:
+    """The messages ending an aggregated worker's broken stream; raises as decode_failure
+    does when its worker was lost or the router's own task was cancelled."""
+    if flow.aborted:
+        return msg.aborted(flow.rid)
+    if flow.lost:
+        raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker_id} is unavailable")
+    if isinstance(error, asyncio.CancelledError):
+        raise error
+    return msg.failed(flow.rid, f"worker {worker_id}: {error.code().name}: {error.details()}")
 
 
 def decode_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> list[cpb.GenerateResponse]:

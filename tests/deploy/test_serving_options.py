@@ -9,12 +9,13 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from deploy.cli import build_parser, http_limits
+from deploy.cli import build_parser, deadlines, http_limits
 from deploy.local import LocalCluster
 from deploy.options import served_model_name
 from deploy.ray_launcher.config import parse_config
 from services.common.metrics import Metrics
 from services.router.api import RouterAPI
+from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, ReadTimeouts
 from services.router.main import model_limits, router_text
 from services.router.openai_api import OpenAIServer
@@ -93,3 +94,11 @@ def test_the_routers_http_limits_default_to_the_servers_and_take_their_flags():
     flags = ["--http-max-connections", "8", "--http-header-timeout-s", "2", "--http-body-timeout-s", "5.5"]
     args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
     assert http_limits(args) == HttpLimits(8, ReadTimeouts(2.0, 5.5))
+
+
+def test_the_routers_deadlines_default_to_the_clusters_and_take_their_flags():
+    plain = build_parser().parse_args(["router", "--model", str(TINY)])
+    assert deadlines(plain) == Deadlines()
+    flags = ["--worker-call-timeout-s", "3", "--prefill-timeout-s", "40"]
+    args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
+    assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0)

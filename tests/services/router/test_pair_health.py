@@ -78,13 +78,13 @@ class _Stubs:
     def decode(self, worker_id: str):
         reservation = wpb.Reservation(request_id="r", decode_instance_id=worker_id)
         stub = type("Decode", (), {})()
-        stub.Reserve = lambda request: _Call(wpb.ReserveResponse(reservation=reservation))
+        stub.Reserve = lambda request, timeout: _Call(wpb.ReserveResponse(reservation=reservation))
         stub.Release = lambda request, timeout: _Call(wpb.ReleaseResponse(released=True))
         return stub
 
     def prefill(self, worker_id: str):
         stub = type("Prefill", (), {})()
-        stub.Prefill = lambda request: self._prefill(worker_id)
+        stub.Prefill = lambda request, timeout: self._prefill(worker_id)
         return stub
 
     def _prefill(self, worker_id: str) -> _Call:
