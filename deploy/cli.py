@@ -25,7 +25,7 @@ from deploy.options import (
     positive_int,
     served_model_name,
 )
-from services.common.security import TlsConfig, tls_from
+from services.common.security import TlsConfig, tls_from, worker_token
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterOptions
 from services.router.cluster import Deadlines
@@ -33,13 +33,34 @@ from services.router.http import HttpLimits, ReadTimeouts
 from services.router.main import RouterConfig, model_limits, router_text, run_router
 
 
-def add_security_args(p: argparse.ArgumentParser) -> None:
+def add_security_args(p: argparse.ArgumentParser, role: str) -> None:
+    """Credentials (docs/reliability.md, "Who holds what"): ``role`` "router" or "worker"."""
+    if role == "router":
+        p.add_argument(
+            "--token",
+            default=os.environ.get("TANDEM_TOKEN", ""),
+            help="client token: every client call (gRPC and HTTP) must carry it as a bearer token; "
+            "it cannot call workers or register one (default: $TANDEM_TOKEN; empty = none)",
+        )
     p.add_argument(
-        "--token",
-        default=os.environ.get("TANDEM_TOKEN", ""),
-        help="bearer token every client and service call must carry (default: $TANDEM_TOKEN; empty = none)",
+        "--service-token",
+        default=os.environ.get("TANDEM_SERVICE_TOKEN", ""),
+        help="the cluster's service secret: each worker's token derives from it and its instance id "
+        "(default: $TANDEM_SERVICE_TOKEN; empty = none)",
     )
-    p.add_argument("--tls-cert", default="", help="PEM certificate: turns on mutual TLS")
+    if role == "worker":
+        p.add_argument(
+            "--worker-token",
+            default=os.environ.get("TANDEM_WORKER_TOKEN", ""),
+            help="this worker's own token instead of the service secret (`tandem worker-token ID`); "
+            "it names the instance id (default: $TANDEM_WORKER_TOKEN)",
+        )
+    p.add_argument(
+        "--tls-cert",
+        default="",
+        help="PEM certificate: turns on mutual TLS; its OU is its role (OU=service for the router "
+        "and workers, OU=client for clients)",
+    )
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default="", help="PEM CA that signs every peer's certificate")
 
@@ -104,7 +125,7 @@ def add_router_parser(sub) -> None:
         "(a refused connection counts at once)",
     )
     add_deadline_args(router)
-    add_security_args(router)
+    add_security_args(router, "router")
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
     add_http_limit_args(router)
 
@@ -158,7 +179,17 @@ def add_worker_parser(sub) -> None:
     worker.add_argument("--metrics-port", type=int, default=0)
     worker.add_argument("--instance-id", default="")
     add_args(worker, TransferOptions)
-    add_security_args(worker)
+    add_security_args(worker, "worker")
+
+
+def add_worker_token_parser(sub) -> None:
+    p = sub.add_parser(
+        "worker-token",
+        help="print the token of one worker instance id under the service secret (give it to that "
+        "worker as --worker-token: it proves that identity and no other)",
+    )
+    p.add_argument("instance_id")
+    p.add_argument("--service-token", default=os.environ.get("TANDEM_SERVICE_TOKEN", ""))
 
 
 def add_generate_parser(sub) -> None:
@@ -192,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
         "unified target+draft KV cache",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_up_parser, add_router_parser, add_ray_parser, add_generate_parser, add_worker_parser):
+    for add in (
+        add_up_parser,
+        add_router_parser,
+        add_ray_parser,
+        add_generate_parser,
+        add_worker_parser,
+        add_worker_token_parser,
+    ):
         add(sub)
     return parser
 
@@ -200,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"up": run_up, "router": run_router_command, "worker": run_worker_command}
-    commands |= {"generate": run_generate_command, "ray": run_ray_command}
+    commands |= {"generate": run_generate_command, "ray": run_ray_command, "worker-token": run_worker_token}
     return commands[args.command](args)
 
 
@@ -223,9 +261,18 @@ def run_router_command(args: argparse.Namespace) -> int:
     name = served_model_name(args.model, args.served_model_name)
     limits = model_limits(args.model, args.num_spec_tokens, served_model_name=name)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
-    options = RouterOptions(
-        args.tokens_per_page, args.token, tls_config(args), args.health_timeout_s, args.health_misses
-    )
+    try:
+        options = RouterOptions(
+            tokens_per_page=args.tokens_per_page,
+            token=args.token,
+            service_secret=args.service_token,
+            tls=tls_config(args),
+            model_id=os.path.basename(os.path.normpath(args.model)),
+            health_timeout_s=args.health_timeout_s,
+            health_misses=args.health_misses,
+        )
+    except ValueError as e:
+        raise SystemExit(f"tandem: {e}") from None
     config = RouterConfig(
         limits,
         options,
@@ -259,21 +306,33 @@ def run_worker_command(args: argparse.Namespace) -> int:
     from services.common.worker import WorkerConfig  # noqa: PLC0415
     from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
-    config = WorkerConfig(
-        role=args.role,
-        engine=checked_engine_config(args),
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        router=args.router,
-        instance_id=args.instance_id,
-        token=args.token,
-        tls=tls_config(args),
-        transfer_timeout_s=args.transfer_timeout_s,
-        lease_s=args.lease_s,
-    )
+    engine = checked_engine_config(args)
+    try:
+        config = WorkerConfig(
+            role=args.role,
+            engine=engine,
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            router=args.router,
+            instance_id=args.instance_id,
+            service_secret=args.service_token,
+            worker_token=args.worker_token,
+            tls=tls_config(args),
+            transfer_timeout_s=args.transfer_timeout_s,
+            lease_s=args.lease_s,
+        )
+    except ValueError as e:
+        raise SystemExit(f"tandem: {e}") from None
     name = served_model_name(args.model, args.served_model_name)
     asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=name))
+    return 0
+
+
+def run_worker_token(args: argparse.Namespace) -> int:
+    if not args.service_token:
+        raise SystemExit("tandem: service_token: give --service-token or $TANDEM_SERVICE_TOKEN")
+    print(worker_token(args.service_token, args.instance_id))
     return 0
 
 

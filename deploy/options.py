@@ -123,7 +123,10 @@ class TransferOptions:
 
     transfer_timeout_s: float = _option(30.0, "deadline of a page transfer and its acknowledgement", positive)
     lease_s: float = _option(
-        60.0, "reserved pages are freed if their transfer and Decode have not come by then", positive
+        60.0,
+        "reserved pages are freed if their transfer and Decode have not come by then; also the cap on a "
+        "Reserve's lease_ms",
+        positive,
     )
 
 

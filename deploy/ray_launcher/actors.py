@@ -8,6 +8,7 @@ Inside the actor the service is exactly what the CLI runs (``run_router`` /
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from collections.abc import Callable, Coroutine
@@ -97,7 +98,10 @@ class ServiceActor:
         def serve(ready: asyncio.Event, stop: asyncio.Event):
             config = RouterConfig(
                 limits,
-                RouterAPIOptions(tokens_per_page=engine.tokens_per_page),
+                RouterAPIOptions(
+                    tokens_per_page=engine.tokens_per_page,
+                    model_id=os.path.basename(os.path.normpath(engine.model)),
+                ),
                 self.host,
                 options.port,
                 options.metrics_port,

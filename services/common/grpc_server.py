@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.security import TlsConfig, TokenCheck
+from services.common.access import AccessCheck, AccessPolicy
+from services.common.security import TlsConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,13 +25,14 @@ async def start_server(
     host: str,
     port: int,
     tls: TlsConfig | None = None,
-    token: str = "",
+    policy: AccessPolicy | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a server on ``host:port`` (0 = any free port) with ``grpc.health.v1``, whose
-    overall status starts NOT_SERVING, mutual TLS and the bearer-token check when given.
+    overall status starts NOT_SERVING, with mutual TLS and ``policy`` (who may call what)
+    when given.
     Returns the server, its health servicer and the port."""
     server = grpc.aio.server(
-        interceptors=[TokenCheck(token)] if token else None,
+        interceptors=[AccessCheck(policy)] if policy else None,
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
     )
     add_servicers(server)

@@ -46,6 +46,9 @@ _GROUP_FIELDS = (
 )
 """LayerGroupInfo fields that must be equal, per group name."""
 
+_CONTRACT_FIELDS = ("schema_version", "model_id", "tokens_per_page")
+"""RankInfo fields a router's model contract may set: every worker, of any role, must match."""
+
 _PREFILL_SIDES = (rank_info_pb2.ROLE_PREFILL, rank_info_pb2.ROLE_BOTH)
 _DECODE_SIDES = (rank_info_pb2.ROLE_DECODE, rank_info_pb2.ROLE_BOTH)
 
@@ -80,6 +83,11 @@ def check_peer(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> l
     mismatches += _diff(local, peer, _FIELDS, prefix="")
     mismatches += _check_groups(local, peer)
     return mismatches
+
+
+def check_contract(contract: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
+    """Every field the router's ``contract`` sets (non-zero) that ``peer`` differs in; [] = accept."""
+    return [m for m in _diff(contract, peer, _CONTRACT_FIELDS, prefix="") if _value(contract, m.field)]
 
 
 def format_mismatches(mismatches: list[Mismatch]) -> str:

@@ -47,20 +47,16 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         local_info: Callable[[], rpb.RankInfo],
         agent: TransferAgent,
         metrics: Metrics,
-        token: str = "",
         local_ranks: Callable[[], list[rpb.RankInfo]] | None = None,
     ) -> None:
         self.local_info = local_info
         self.local_ranks = local_ranks or (lambda: [local_info()])
         self.agent = agent
         self.metrics = metrics
-        self.token = token
         self.peers: dict[str, rpb.RankInfo] = {}
         self._pongs: set[asyncio.Task] = set()
 
     async def Register(self, request: reg.RegisterRequest, context) -> reg.RegisterResponse:
-        if self.token and request.token != self.token:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token: does not match")
         local, peer = self.local_info(), request.rank_info
         if not peer.instance_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")

@@ -1,13 +1,18 @@
-"""Security of every gRPC hop: optional mutual TLS, and an optional bearer token.
+"""Credentials of every gRPC hop: optional mutual TLS, and bearer tokens.
 
 With ``TlsConfig`` set, servers require client certificates signed by the CA and channels
 present theirs; without it everything is plaintext on the bound address (127.0.0.1 locally).
-With a token set, every RPC but the health checks must carry ``authorization: Bearer
-<token>`` (UNAUTHENTICATED otherwise), and services send it on their own calls.
+Tokens ride as ``authorization: Bearer <token>`` (what each server accepts: access.py):
+- the client token, which clients send to the router;
+- worker tokens, one per worker instance id, derived from the cluster's service secret
+  (``worker_token``): a worker sends its own to the router, and the router sends worker X's
+  token on its calls to X. Holding one worker's token proves that identity and no other.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +52,23 @@ def tls_from(cert: str = "", key: str = "", ca: str = "") -> TlsConfig | None:
     return TlsConfig(cert, key, ca)
 
 
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/tandem.v1.Tandem/Health")
-"""Methods callable without the token: probes and the cluster's health summary."""
+def worker_token(service_secret: str, instance_id: str) -> str:
+    """The token of worker ``instance_id`` under ``service_secret``: ``<id>.<40 hex digits>``."""
+    mac = hmac.new(service_secret.encode(), f"tandem-worker:{instance_id}".encode(), hashlib.sha256)
+    return f"{instance_id}.{mac.hexdigest()[:40]}"
+
+
+def token_worker(service_secret: str, token: str) -> str | None:
+    """The instance id whose worker token ``token`` is under ``service_secret``, or None."""
+    instance_id, _, _ = token.rpartition(".")
+    if not instance_id or not service_secret:
+        return None
+    return instance_id if same_token(token, worker_token(service_secret, instance_id)) else None
+
+
+def same_token(a: str, b: str) -> bool:
+    """Constant-time equality of two tokens."""
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def aio_channel(address: str, tls: TlsConfig | None = None, token: str = "") -> grpc.aio.Channel:
@@ -65,44 +85,6 @@ def bearer_token(metadata) -> str:
         if key == "authorization" and value.startswith("Bearer "):
             return value[len("Bearer ") :]
     return ""
-
-
-class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses every RPC outside OPEN_METHODS that lacks the bearer token."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(OPEN_METHODS) or bearer_token(details.invocation_metadata) == self.token:
-            return await continuation(details)
-        handler = await continuation(details)
-        return _refusal(handler)
-
-
-def _refusal(handler):
-    """A handler of the same kind that ends the RPC with UNAUTHENTICATED."""
-
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
-
-    async def refuse_stream(request, context):
-        await refuse(request, context)
-        yield  # pragma: no cover - abort raises first
-
-    if handler is None:
-        return None
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(
-            refuse_stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        refuse,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
 
 
 def _with_token(details, token: str):

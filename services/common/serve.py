@@ -14,6 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from services.common.access import worker_policy
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server, wait_for_stop
 from services.common.metrics import serve_metrics
 from services.common.peering import PeerRegistry
@@ -37,14 +38,16 @@ async def run_worker(
     worker = WorkerBase(config)
     worker.metrics.model_name = model_name or os.path.basename(os.path.normpath(config.engine.model))
     await worker.start()
-    peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, config.token, worker.rank_infos)
+    peers = PeerRegistry(worker.rank_info, worker.agent, worker.metrics, worker.rank_infos)
     worker.peers = peers
 
     def add(server: grpc.aio.Server) -> None:
         reg_grpc.add_RegistrationServicer_to_server(peers, server)
         add_servicers(server, worker, peers)
 
-    server, health, port = await start_server(add, config.host, config.port, config.tls, config.token)
+    server, health, port = await start_server(
+        add, config.host, config.port, config.tls, worker_policy(config.own_token, config.tls is not None)
+    )
     worker.grpc_address = f"{config.host}:{port}"
     metrics_port = serve_metrics(worker.metrics, config.host, config.metrics_port)
     await health.set("", SERVING)

@@ -29,6 +29,13 @@ from services.engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
 HEARTBEAT_S = 1.0
+REFUSALS = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
+"""Registration answers that a retry alone will not change: printed for the operator."""
 
 
 class WorkerBase:
@@ -109,27 +116,30 @@ class WorkerBase:
     async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
         """Register with the router, then heartbeat; register again whenever it forgets us.
         ``ready(flag)`` reports whether this worker is registered and, unless aggregated, in
-        at least one pair that passed its test transfer (``paired``)."""
+        at least one pair that passed its test transfer (``paired``). A refusal (the router's
+        contract, or a credential) is printed once per distinct reason, and retried."""
         if not self.config.router:
             return
-        async with aio_channel(self.config.router, self.config.tls, self.config.token) as channel:
+        async with aio_channel(self.config.router, self.config.tls, self.config.own_token) as channel:
             stub = reg_grpc.RegistrationStub(channel)
-            registered = False
+            registered, refusal = False, ""
             while True:
                 try:
                     if not registered:
-                        await stub.Register(
-                            reg.RegisterRequest(rank_info=self.rank_info(), token=self.config.token),
-                            timeout=5,
+                        request = reg.RegisterRequest(rank_info=self.rank_info())
+                        answer = await stub.Register(request, timeout=5)
+                        registered = answer.accepted
+                        if not registered:
+                            refusal = _note_refusal(refusal, describe_refusal(answer))
+                    if registered:
+                        beat = await stub.Heartbeat(
+                            reg.HeartbeatRequest(instance_id=self.config.instance_id), timeout=5
                         )
-                        registered = True
-                    beat = await stub.Heartbeat(
-                        reg.HeartbeatRequest(instance_id=self.config.instance_id, token=self.config.token),
-                        timeout=5,
-                    )
-                    registered = beat.registered
-                except grpc.aio.AioRpcError:
+                        registered = beat.registered
+                except grpc.aio.AioRpcError as e:
                     registered = False
+                    if e.code() in REFUSALS:
+                        refusal = _note_refusal(refusal, f"{e.code().name}: {e.details()}")
                 if ready is not None:
                     await ready(registered and (self.config.role == "both" or self.paired()))
                 await asyncio.sleep(HEARTBEAT_S)
@@ -225,3 +235,16 @@ def layout_of(name: str) -> KVLayout:
         return KVLayout(name)
     except ValueError:
         raise ValueError(f"layout: must be 'unified' or 'separate', got {name!r}") from None
+
+
+def describe_refusal(answer: reg.RegisterResponse) -> str:
+    return "refused: " + "; ".join(
+        f"{m.field}: router {m.local_value}, this worker {m.peer_value}" for m in answer.mismatches
+    )
+
+
+def _note_refusal(last: str, reason: str) -> str:
+    """Print ``reason`` unless it is ``last``; returns it."""
+    if reason != last:
+        print(f"tandem: the router did not register this worker: {reason}", file=sys.stderr, flush=True)
+    return reason

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
-from services.common.security import TlsConfig
+from services.common.security import TlsConfig, worker_token
 from services.engine.config import EngineConfig
 
 ROLES = {"prefill": rpb.ROLE_PREFILL, "decode": rpb.ROLE_DECODE, "both": rpb.ROLE_BOTH}
@@ -27,17 +27,39 @@ class WorkerConfig:
     instance_id: str = ""  # "" = <role>-<random>
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0  # reserved pages are freed if Decode has not started by then
-    token: str = ""  # bearer token every RPC must carry; "" = none
+    service_secret: str = ""  # the cluster's service secret; this worker derives its token from it
+    worker_token: str = ""  # or this worker's own token (``tandem worker-token``); "" = none
     tls: TlsConfig | None = None  # mutual TLS on every gRPC hop; None = plaintext
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role: must be one of {sorted(ROLES)}, got {self.role!r}")
+        self._check_worker_token()
         if not self.instance_id:
             self.instance_id = f"{self.role}-{uuid.uuid4().hex[:8]}"
         for name in ("transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+    def _check_worker_token(self) -> None:
+        """A worker token names its instance id: it sets an empty one, and must match a given one."""
+        if not self.worker_token:
+            return
+        if self.service_secret:
+            raise ValueError("worker_token: give the service secret or a worker token, not both")
+        named = self.worker_token.rpartition(".")[0]
+        if not named:
+            raise ValueError("worker_token: not <instance id>.<digits> (see `tandem worker-token`)")
+        if self.instance_id and self.instance_id != named:
+            raise ValueError(f"worker_token: is {named!r}'s, but instance_id is {self.instance_id!r}")
+        self.instance_id = named
+
+    @property
+    def own_token(self) -> str:
+        """The token this worker sends to the router and accepts from it; "" = none."""
+        if self.service_secret:
+            return worker_token(self.service_secret, self.instance_id)
+        return self.worker_token
 
     @property
     def moves_pages(self) -> bool:

@@ -57,6 +57,12 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.reserved:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
+        cap_ms = int(w.config.lease_s * 1000)
+        if request.lease_ms > cap_ms:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ms: {request.lease_ms} is over this worker's cap of {cap_ms} ms (--lease-s)",
+            )
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         # shielded: once pages are taken they are registered (and so releasable), even if
         # the caller gives up mid-call; a Release arriving meanwhile waits for it
@@ -115,12 +121,14 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             asyncio.ensure_future(self._drop(rid))
 
     async def _drop(self, rid: str) -> bool:
+        """Free a reservation no Decode took; shielded: once it is out of ``reserved`` no
+        lease would free its pages, so a cancelled Release must not skip the freeing."""
         res = self.reserved.pop(rid, None)
         if res is None:
             return False
         res.receive.cancel()
         if self.worker.engine.holds_reservation(rid):
-            await self.worker.loop.call(self.worker.engine.release_reservation, rid)
+            await asyncio.shield(self.worker.loop.call(self.worker.engine.release_reservation, rid))
         return True
 
     async def Release(self, request: wpb.ReleaseRequest, context) -> wpb.ReleaseResponse:

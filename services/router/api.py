@@ -55,11 +55,20 @@ class ModelLimits:
 @dataclass(slots=True)
 class RouterOptions:
     tokens_per_page: int = 16  # the workers' page size: the prefix index hashes whole pages
-    token: str = ""  # what workers must register with (and calls to them carry); "" = none
+    token: str = ""  # the client token: what client calls carry; "" = none
+    service_secret: str = ""  # workers' tokens derive from it (services/common/security.py); "" = none
     tls: TlsConfig | None = None  # mutual TLS on the channels to workers
+    model_id: str = ""  # the target folder's name every worker must publish; "" = any
     health_timeout_s: float = STATS_TIMEOUT_S  # each Stats poll's deadline
     health_misses: int = STATS_MISSES  # timed-out polls in a row before a worker is lost
     queue_timeout_s: float = QUEUE_TIMEOUT_S  # how long a request waits for free pages
+
+    def __post_init__(self) -> None:
+        if self.token and not (self.service_secret or self.tls):
+            raise ValueError(
+                "service_secret: required with a client token (clients and workers hold separate "
+                "credentials): give --service-token, or mutual TLS"
+            )
 
 
 class RouterAPI:
@@ -78,18 +87,21 @@ class RouterAPI:
         self.token = options.token
         self.tokenizer = tokenizer
         self.queue_timeout_s = options.queue_timeout_s
-        self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.token)
-        self.registration = Registration(self.cluster, metrics)
+        self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.service_secret)
+        self.registration = Registration(self.cluster, metrics, model_contract(options))
         self.flows: dict[str, RequestFlow] = {}  # the requests in flight, by id
+        self.owners: dict[str, str] = {}  # who each request in flight runs for, by id
         self.health_monitor = HealthMonitor(
             self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )
 
-    async def generate(self, request: cpb.GenerateRequest) -> AsyncIterator[cpb.GenerateResponse]:
+    async def generate(
+        self, request: cpb.GenerateRequest, owner: str = ""
+    ) -> AsyncIterator[cpb.GenerateResponse]:
         """One request's messages: chunks (text trimmed of stop strings), maybe an error,
-        then its complete."""
+        then its complete. ``owner``: the client it runs for; only it may ``abort`` it."""
         flow = self._admit(request)
-        self.flows[flow.rid] = flow
+        self.flows[flow.rid], self.owners[flow.rid] = flow, owner
         self.metrics.running.labels("router").inc()
         status = "error"
         try:
@@ -103,14 +115,16 @@ class RouterAPI:
         finally:
             flow.finish()
             self.flows.pop(flow.rid, None)
+            self.owners.pop(flow.rid, None)
             self.metrics.running.labels("router").dec()
             self.metrics.requests.labels("router", status.lower()).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - flow.start)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a running request (it ends with FINISH_REASON_ABORT); False if none runs."""
+    async def abort(self, request_id: str, owner: str = "") -> bool:
+        """Abort a running request of ``owner`` (it ends with FINISH_REASON_ABORT); False if
+        none of its requests runs under that id (another client's is not told apart)."""
         flow = self.flows.get(request_id)
-        if flow is None:
+        if flow is None or self.owners.get(request_id) != owner:
             return False
         flow.abort()
         return True
@@ -155,3 +169,8 @@ class RouterAPI:
             sampling = request.sampling
             text = StreamText(self.tokenizer, list(sampling.stop), sampling.min_tokens)
         return RequestFlow(rid, token_ids, request, text, self.cluster, self.metrics, self.queue_timeout_s)
+
+
+def model_contract(options: RouterOptions) -> rpb.RankInfo:
+    """What every worker's RankInfo must say: this schema, the router's page size and model."""
+    return rpb.RankInfo(schema_version=1, tokens_per_page=options.tokens_per_page, model_id=options.model_id)

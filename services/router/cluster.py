@@ -22,7 +22,7 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.security import TlsConfig, aio_channel
+from services.common.security import TlsConfig, aio_channel, worker_token
 from services.router.registry import Registry
 
 CALL_TIMEOUT_S = 10.0
@@ -38,18 +38,19 @@ class Deadlines:
 
 
 class Cluster:
-    def __init__(self, registry: Registry, tls: TlsConfig | None = None, token: str = "") -> None:
+    def __init__(self, registry: Registry, tls: TlsConfig | None = None, service_secret: str = "") -> None:
         self.registry = registry
         self.deadlines = Deadlines()  # replaced by the router's flags (services/router/main.py)
         self.tls = tls
-        self.token = token  # the bearer token every call to a worker carries
+        self.service_secret = service_secret  # calls to worker X carry X's worker token
         self.channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
 
     async def connect(self, info: rpb.RankInfo) -> None:
         """Open the channel to a (re-)registering worker, closing the one it had."""
         await self.disconnect(info.instance_id)
-        self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, self.token)
+        token = worker_token(self.service_secret, info.instance_id) if self.service_secret else ""
+        self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, token)
 
     async def disconnect(self, worker_id: str) -> None:
         channel = self.channels.pop(worker_id, None)

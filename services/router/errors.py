@@ -15,8 +15,8 @@ class ErrorCode(enum.Enum):
     """Named as the gRPC status each one becomes."""
 
     INVALID_ARGUMENT = "invalid_argument"  # a request field is wrong; nothing ran
-    ALREADY_EXISTS = "already_exists"  # a request with this id is running
-    UNAUTHENTICATED = "unauthenticated"  # a worker registered without the cluster's token
+    ALREADY_EXISTS = "already_exists"  # a request (or a live worker) with this id is running
+    PERMISSION_DENIED = "permission_denied"  # the caller's credential may not act on this id
     UNAVAILABLE = "unavailable"  # a worker died under a request that had streamed tokens
 
 

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from services.common.access import router_policy
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.metrics import Metrics, serve_metrics
 from services.router.api import ModelLimits, RouterAPI, RouterOptions
@@ -81,7 +82,11 @@ async def run_router(
     router.cluster.deadlines = c.deadlines
     opts = c.options
     server, health, port = await start_server(
-        lambda s: add_router_servicers(s, router), host, c.port, opts.tls, opts.token
+        lambda s: add_router_servicers(s, router),
+        host,
+        c.port,
+        opts.tls,
+        router_policy(opts.token, opts.service_secret, opts.tls is not None),
     )
     metrics_port = serve_metrics(metrics, host, c.metrics_port)
     http, http_port = await _start_http(router, c, host)

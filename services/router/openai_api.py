@@ -224,7 +224,12 @@ async def _drain(messages: AsyncGenerator) -> None:
         pass
 
 
-HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.ALREADY_EXISTS: 409, ErrorCode.UNAVAILABLE: 503}
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.UNAVAILABLE: 503,
+}
 
 
 def _rejection(request: OpenAIRequest, e: RouterError) -> HttpError:

@@ -7,8 +7,13 @@ A pair is tested in the background as soon as both of its workers are registered
    transfer (a 64 KiB buffer sent and echoed over UCX).
 
 Invariants:
-- A registration is refused (RouterError) before anything changes: wrong token first,
-  then an empty instance id, role or gRPC address, in that order.
+- A registration is refused (RouterError) before anything changes: an empty instance id,
+  role or gRPC address, in that order; then an identity that may not take the instance id
+  (``check_identity``). Credentials were checked before (services/common/access.py).
+- A worker whose RankInfo breaks the router's model contract (``check_contract``: model,
+  page size, schema) is answered ``accepted: false`` naming each field, the router's value
+  as ``local_value``; it is not registered. ROLE_BOTH workers are checked alike.
+- Heartbeat and Deregister of a registered instance id need the identity it registered with.
 - A mismatch on either side refuses the pair, naming the field and both values; the pair
   is READY only when both accepted and the test transfer came back intact.
 - ``tandem_registrations_total{result}`` counts each accepted worker and each pair's
@@ -23,31 +28,42 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.metrics import Metrics
+from services.common.peer_check import check_contract, mismatches_to_proto
 from services.router.cluster import Cluster
 from services.router.errors import ErrorCode, RouterError
-from services.router.registry import PairState
+from services.router.registry import PairState, Worker
 
 PAIR_TIMEOUT_S = 30.0
 HEARTBEAT_INTERVAL_MS = 1000
 
 
 class Registration:
-    def __init__(self, cluster: Cluster, metrics: Metrics) -> None:
+    def __init__(self, cluster: Cluster, metrics: Metrics, contract: rpb.RankInfo | None = None) -> None:
+        """``contract``: the RankInfo fields every worker must match (unset ones: any)."""
         self.cluster = cluster
         self.registry = cluster.registry
         self.metrics = metrics
+        self.contract = contract or rpb.RankInfo()
 
-    async def register(self, request: reg.RegisterRequest) -> reg.RegisterResponse:
-        """Accept a worker (again, if it was known) and start testing its new pairs."""
-        _check_registration(request, self.cluster.token)
-        await self.cluster.connect(request.rank_info)
-        for prefill_id, decode_id in self.registry.add(request.rank_info):
+    async def register(self, request: reg.RegisterRequest, identity: str = "") -> reg.RegisterResponse:
+        """Accept a worker (again, if it was known) and start testing its new pairs;
+        ``identity``: the caller's (services/common/access.py)."""
+        info = request.rank_info
+        _check_registration(request)
+        check_identity(info, identity, self.registry.workers.get(info.instance_id))
+        mismatches = check_contract(self.contract, info)
+        if mismatches:
+            self.metrics.registrations.labels("refused").inc()
+            return reg.RegisterResponse(accepted=False, mismatches=mismatches_to_proto(mismatches))
+        await self.cluster.connect(info)
+        for prefill_id, decode_id in self.registry.add(info, identity):
             self.cluster.spawn(self.pair(prefill_id, decode_id))
         self.metrics.registrations.labels("accepted").inc()
         return reg.RegisterResponse(accepted=True)
 
-    async def deregister(self, instance_id: str) -> bool:
+    async def deregister(self, instance_id: str, identity: str = "") -> bool:
         """Forget a worker and its pairs; True if it was registered."""
+        self._check_caller(instance_id, identity)
         removed = self.registry.remove(instance_id)
         await self.cluster.disconnect(instance_id)
         return removed
@@ -57,10 +73,18 @@ class Registration:
         workers = self.registry.workers.values()
         return [w.info for w in workers if role in (rpb.ROLE_UNSPECIFIED, w.role)]
 
-    def heartbeat(self, instance_id: str) -> reg.HeartbeatResponse:
+    def heartbeat(self, instance_id: str, identity: str = "") -> reg.HeartbeatResponse:
         """``registered`` False tells a forgotten worker to register again."""
+        self._check_caller(instance_id, identity)
         known = instance_id in self.registry.workers
         return reg.HeartbeatResponse(registered=known, interval_ms=HEARTBEAT_INTERVAL_MS)
+
+    def _check_caller(self, instance_id: str, identity: str) -> None:
+        worker = self.registry.workers.get(instance_id)
+        if worker is not None and worker.identity != identity:
+            raise RouterError(
+                ErrorCode.PERMISSION_DENIED, f"instance_id: {instance_id!r} has another credential"
+            )
 
     async def pair(self, prefill_id: str, decode_id: str) -> None:
         """Test one pair and record its state (if both workers are still registered)."""
@@ -68,7 +92,7 @@ class Registration:
         if prefill_id not in workers or decode_id not in workers:
             return
         prefill, decode = workers[prefill_id].info, workers[decode_id].info
-        state, reason = await pair_workers(self.cluster.channels, prefill, decode, self.cluster.token)
+        state, reason = await pair_workers(self.cluster.channels, prefill, decode)
         self.registry.set_pair(prefill_id, decode_id, state, reason)
         self.metrics.registrations.labels("accepted" if state == PairState.READY else "refused").inc()
 
@@ -81,7 +105,7 @@ class Registration:
         pair = self.registry.pairs.get(key)
         first = pair.reason.split("; re-pairing: ")[0] if pair is not None else ""  # the transfer's failure
         prefill, decode = workers[prefill_id].info, workers[decode_id].info
-        state, reason = await pair_workers(self.cluster.channels, prefill, decode, self.cluster.token)
+        state, reason = await pair_workers(self.cluster.channels, prefill, decode)
         pair = self.registry.pairs.get(key)
         if pair is None or pair.state != PairState.DEGRADED:  # re-registered or removed meanwhile
             return False
@@ -94,10 +118,8 @@ class Registration:
         return healed
 
 
-def _check_registration(request: reg.RegisterRequest, token: str) -> None:
+def _check_registration(request: reg.RegisterRequest) -> None:
     info = request.rank_info
-    if token and request.token != token:
-        raise RouterError(ErrorCode.UNAUTHENTICATED, "token: does not match")
     if not info.instance_id:
         raise RouterError(ErrorCode.INVALID_ARGUMENT, "rank_info.instance_id: empty")
     if info.role == rpb.ROLE_UNSPECIFIED:
@@ -106,17 +128,40 @@ def _check_registration(request: reg.RegisterRequest, token: str) -> None:
         raise RouterError(ErrorCode.INVALID_ARGUMENT, "rank_info.grpc_address: empty")
 
 
+def check_identity(info: rpb.RankInfo, identity: str, registered: Worker | None) -> None:
+    """May ``identity`` register ``info``? A worker token names its one instance id; a live
+    worker is replaced only by its own identity at its own address (a restart): another
+    identity, or a second process under the same id, waits until the old one is lost."""
+    named = identity.removeprefix("worker:") if identity.startswith("worker:") else None
+    if named is not None and named != info.instance_id:
+        raise RouterError(
+            ErrorCode.PERMISSION_DENIED,
+            f"rank_info.instance_id: {info.instance_id!r} is not this credential's ({named!r})",
+        )
+    if registered is None or not registered.healthy:
+        return
+    if registered.identity != identity:
+        raise RouterError(
+            ErrorCode.PERMISSION_DENIED,
+            f"rank_info.instance_id: {info.instance_id!r} is a live worker's with another credential",
+        )
+    if registered.info.grpc_address != info.grpc_address:
+        raise RouterError(
+            ErrorCode.ALREADY_EXISTS,
+            f"rank_info.instance_id: {info.instance_id!r} is registered to a live worker at "
+            f"{registered.info.grpc_address} (this one: {info.grpc_address}); give each worker its own id",
+        )
+
+
 async def pair_workers(
-    channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo, decode: rpb.RankInfo, token: str = ""
+    channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo, decode: rpb.RankInfo
 ) -> tuple[PairState, str]:
     """Run both registrations, decode side first. Returns the pair's state and why."""
     steps = ((decode, prefill), (prefill, decode))  # (who checks, whose info)
     for checker, peer in steps:
         stub = reg_grpc.RegistrationStub(channels[checker.instance_id])
         try:
-            response = await stub.Register(
-                reg.RegisterRequest(rank_info=peer, token=token), timeout=PAIR_TIMEOUT_S
-            )
+            response = await stub.Register(reg.RegisterRequest(rank_info=peer), timeout=PAIR_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             return PairState.FAILED, f"{checker.instance_id}: {e.code().name}: {e.details()}"
         if not response.accepted:

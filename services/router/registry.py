@@ -32,6 +32,7 @@ class Worker:
     busy_pages: int = 0  # target-group pages requests hold: the last poll's, plus reservations since
     healthy: bool = True
     missed: int = 0  # consecutive Stats polls without an answer
+    identity: str = ""  # the credential it registered with (services/common/access.py); "" = none
 
     @property
     def id(self) -> str:
@@ -58,10 +59,10 @@ class Registry:
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.tokens_per_page)
 
-    def add(self, info: rpb.RankInfo) -> list[tuple[str, str]]:
+    def add(self, info: rpb.RankInfo, identity: str = "") -> list[tuple[str, str]]:
         """Register (or re-register) a worker; returns the pairs it must now be tested in."""
         self.remove(info.instance_id)
-        self.workers[info.instance_id] = Worker(info)
+        self.workers[info.instance_id] = Worker(info, identity=identity)
         if info.role == rpb.ROLE_PREFILL:
             new = [(info.instance_id, d) for d in self.ids(rpb.ROLE_DECODE)]
         elif info.role == rpb.ROLE_DECODE:

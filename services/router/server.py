@@ -16,6 +16,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from services.common.access import caller_identity, client_owner
 from services.common.grpc_server import write_stream
 from services.router.api import RouterAPI
 from services.router.errors import ErrorCode, RouterError
@@ -35,12 +36,13 @@ class TandemServicer(cpb_grpc.TandemServicer):
         """Messages are written, not yielded, so a client's cancel lands inside this
         coroutine and the request's cleanup runs at once."""
         try:
-            await write_stream(self.api.generate(request), context)
+            await write_stream(self.api.generate(request, client_owner(context)), context)
         except RouterError as e:
             await _abort(context, e)
 
     async def Abort(self, request: cpb.AbortRequest, context) -> cpb.AbortResponse:
-        return cpb.AbortResponse(found=await self.api.abort(request.request_id))
+        """Only the client that started a request may abort it (``client_owner``)."""
+        return cpb.AbortResponse(found=await self.api.abort(request.request_id, client_owner(context)))
 
     async def Health(self, request: cpb.HealthRequest, context) -> cpb.HealthResponse:
         return await self.api.health()
@@ -57,18 +59,25 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
 
     async def Register(self, request: reg.RegisterRequest, context) -> reg.RegisterResponse:
         try:
-            return await self.registration.register(request)
+            return await self.registration.register(request, caller_identity())
         except RouterError as e:
             await _abort(context, e)
 
     async def Deregister(self, request: reg.DeregisterRequest, context) -> reg.DeregisterResponse:
-        return reg.DeregisterResponse(removed=await self.registration.deregister(request.instance_id))
+        try:
+            removed = await self.registration.deregister(request.instance_id, caller_identity())
+        except RouterError as e:
+            await _abort(context, e)
+        return reg.DeregisterResponse(removed=removed)
 
     async def ListPeers(self, request: reg.ListPeersRequest, context) -> reg.ListPeersResponse:
         return reg.ListPeersResponse(peers=self.registration.list_peers(request.role))
 
     async def Heartbeat(self, request: reg.HeartbeatRequest, context) -> reg.HeartbeatResponse:
-        return self.registration.heartbeat(request.instance_id)
+        try:
+            return self.registration.heartbeat(request.instance_id, caller_identity())
+        except RouterError as e:
+            await _abort(context, e)
 
 
 def add_router_servicers(server: grpc.aio.Server, api: RouterAPI) -> None:

@@ -73,7 +73,7 @@ def test_client_cancel_during_prefill_frees_pages_everywhere(slow):
     assert len(tokens) == 4
 
 
-def test_abort_mid_decode_completes_with_abort(slow):
+def test_abort_mid_decode_completes_with_abort_and_only_from_its_client(slow):
     channel, call = stream(slow.router_address, PROMPT, 200, rid="to-abort")
     reasons = []
 
@@ -85,11 +85,15 @@ def test_abort_mid_decode_completes_with_abort(slow):
     consumer = threading.Thread(target=consume)
     consumer.start()
     time.sleep(0.5)
-    with grpc.insecure_channel(slow.router_address) as control:
-        found = cpb_grpc.TandemStub(control).Abort(cpb.AbortRequest(request_id="to-abort")).found
+    abort = cpb.AbortRequest(request_id="to-abort")
+    # another client (its own connection: channels of one process share theirs by default)
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(slow.router_address, options=own_connection) as other:
+        foreign = cpb_grpc.TandemStub(other).Abort(abort, timeout=10).found
+    found = cpb_grpc.TandemStub(channel).Abort(abort, timeout=10).found
     consumer.join(timeout=10)
     channel.close()
-    assert found
+    assert (foreign, found) == (False, True)
     assert reasons == [cpb.FINISH_REASON_ABORT]
     wait_no_request_holds_pages(slow)
 

@@ -1,8 +1,11 @@
-"""Mutual TLS between every service and a bearer token on every API.
+"""Mutual TLS between every service, a client token and workers' own tokens.
 
-A cluster runs with certificates from a test CA and a token. A client with its certificate
-and the token is served; without the token it is refused (gRPC UNAUTHENTICATED, HTTP 401);
-a client or a worker whose certificate another CA signed cannot connect at all."""
+A cluster runs with certificates from a test CA (OU=client for clients, OU=service for the
+router and workers), a client token and a service secret. A client with its certificate and
+the token is served; without the token it is refused (gRPC UNAUTHENTICATED, HTTP 401); a
+client or a worker whose certificate another CA signed cannot connect at all. A client's
+credentials call no worker and register nothing; a worker's token takes no other worker's
+instance id, nor a live one from another address; a peer off the model contract is refused."""
 
 from __future__ import annotations
 
@@ -17,10 +20,17 @@ import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.security import worker_token
 from tests.e2e.conftest import start_cluster
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
+SECRET = "service-s3cret"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -32,6 +42,7 @@ def make_certs(folder: Path, *names: str) -> Path:
 
 
 def tls_args(folder: Path, name: str) -> list[str]:
+    """A worker's (a router's: with ``+ ["--token", TOKEN]``) certificate and service secret."""
     return [
         "--tls-cert",
         str(folder / f"{name}.crt"),
@@ -39,8 +50,8 @@ def tls_args(folder: Path, name: str) -> list[str]:
         str(folder / f"{name}.key"),
         "--tls-ca",
         str(folder / "ca.crt"),
-        "--token",
-        TOKEN,
+        "--service-token",
+        SECRET,
     ]
 
 
@@ -70,7 +81,7 @@ def secure(tiny_pair, certs):
     cluster = start_cluster(
         tiny_pair,
         roles,
-        router_extra=tls_args(good, "router"),
+        router_extra=tls_args(good, "router") + ["--token", TOKEN],
         expected_pairs=1,
         credentials=credentials(good, "client"),
     )
@@ -132,3 +143,112 @@ def test_the_http_api_needs_the_token(secure):
     assert raised.value.code == 401
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
     assert urllib.request.urlopen(request, timeout=10).status == 200
+
+
+def _code(call) -> tuple[str, str]:
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+    return "OK", ""
+
+
+def _bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def test_a_client_cannot_call_a_worker_or_register_one(secure, certs):
+    good, _ = certs
+    decode = next(p for p in secure.processes if p.name == "decode-1")
+    reserve = wpb.ReserveRequest(request_id="pin", prompt_len=8, lease_ms=2**32 - 1)
+    with grpc.secure_channel(decode.grpc, credentials(good, "client")) as channel:
+        worker = wpb_grpc.DecodeWorkerStub(channel)
+        as_client = _code(lambda: worker.Reserve(reserve, metadata=_bearer(TOKEN), timeout=10))
+        forged = worker_token(SECRET, "decode-1")  # even a worker's token: the certificate is a client's
+        as_client_cert = _code(lambda: worker.Reserve(reserve, metadata=_bearer(forged), timeout=10))
+    with secure.channel() as channel:
+        registry = reg_grpc.RegistrationStub(channel)
+        info = rpb.RankInfo(instance_id="decode-1", role=rpb.ROLE_DECODE, grpc_address="127.0.0.1:1")
+        register = _code(
+            lambda: registry.Register(reg.RegisterRequest(rank_info=info), metadata=_bearer(TOKEN))
+        )
+    assert as_client[0] == as_client_cert[0] == register[0] == "PERMISSION_DENIED"
+    assert "certificate: OU=client cannot call /tandem.v1.DecodeWorker/Reserve" in as_client[1]
+    assert "/tandem.v1.Registration/Register (needs OU=service)" in register[1]
+
+
+def test_a_service_certificate_cannot_call_the_client_api(secure, certs):
+    good, _ = certs
+    with grpc.secure_channel(secure.router_address, credentials(good, "prefill")) as channel:
+        code, details = _code(lambda: generate(channel, _bearer(TOKEN)))
+    assert code == "PERMISSION_DENIED" and "(needs OU=client)" in details
+
+
+def test_a_worker_token_takes_no_other_id_nor_a_live_one_from_another_address(secure, certs):
+    good, _ = certs
+    takeover = rpb.RankInfo(
+        schema_version=1, instance_id="decode-1", role=rpb.ROLE_DECODE, grpc_address="127.0.0.1:1"
+    )
+    with grpc.secure_channel(secure.router_address, credentials(good, "decode")) as channel:
+        registry = reg_grpc.RegistrationStub(channel)
+        request = reg.RegisterRequest(rank_info=takeover)
+        others = _code(lambda: registry.Register(request, metadata=_bearer(worker_token(SECRET, "proxy"))))
+        own = _code(lambda: registry.Register(request, metadata=_bearer(worker_token(SECRET, "decode-1"))))
+        forget = reg.DeregisterRequest(instance_id="decode-1")
+        deregister = _code(
+            lambda: registry.Deregister(forget, metadata=_bearer(worker_token(SECRET, "proxy")))
+        )
+    assert others == (
+        "PERMISSION_DENIED",
+        "rank_info.instance_id: 'decode-1' is not this credential's ('proxy')",
+    )
+    assert own[0] == "ALREADY_EXISTS" and "is registered to a live worker at" in own[1]
+    assert deregister == ("PERMISSION_DENIED", "instance_id: 'decode-1' has another credential")
+    with secure.channel() as channel:
+        health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
+    assert (health.num_decode_workers, health.num_ready_pairs) == (1, 1)
+
+
+def test_an_aggregated_peer_of_another_model_and_page_size_is_refused(secure, certs):
+    good, _ = certs
+    rogue = rpb.RankInfo(
+        schema_version=1,
+        instance_id="both-rogue",
+        role=rpb.ROLE_BOTH,
+        grpc_address="127.0.0.1:1",
+        model_id="another-model",
+        tokens_per_page=16,
+    )
+    with grpc.secure_channel(secure.router_address, credentials(good, "decode")) as channel:
+        registry = reg_grpc.RegistrationStub(channel)
+        answer = registry.Register(
+            reg.RegisterRequest(rank_info=rogue),
+            metadata=_bearer(worker_token(SECRET, "both-rogue")),
+            timeout=10,
+        )
+    target = Path(secure.worker_args[secure.worker_args.index("--model") + 1]).name
+    assert not answer.accepted
+    assert [(m.field, m.local_value, m.peer_value) for m in answer.mismatches] == [
+        ("model_id", repr(target), "'another-model'"),
+        ("tokens_per_page", "4", "16"),
+    ]
+    with secure.channel() as channel:
+        info = cpb_grpc.TandemStub(channel).ModelInfo(
+            cpb.ModelInfoRequest(), metadata=_bearer(TOKEN), timeout=5
+        )
+    assert "both-rogue" not in [w.instance_id for w in info.workers]
+
+
+def test_a_reserve_lease_over_the_workers_cap_is_refused(secure, certs):
+    good, _ = certs
+    decode = next(p for p in secure.processes if p.name == "decode-1")
+    reserve = wpb.ReserveRequest(request_id="pin", prompt_len=8, lease_ms=2**32 - 1)
+    with grpc.secure_channel(decode.grpc, credentials(good, "router")) as channel:
+        stub = wpb_grpc.DecodeWorkerStub(channel)
+        code = _code(
+            lambda: stub.Reserve(reserve, metadata=_bearer(worker_token(SECRET, "decode-1")), timeout=10)
+        )
+    assert code == (
+        "INVALID_ARGUMENT",
+        "lease_ms: 4294967295 is over this worker's cap of 60000 ms (--lease-s)",
+    )

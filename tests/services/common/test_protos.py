@@ -63,7 +63,7 @@ def test_rank_info_round_trip():
 
 
 def test_registration_round_trip():
-    request = round_trip(registration_pb2.RegisterRequest(rank_info=full_rank_info(), token="s3cret"))
+    request = round_trip(registration_pb2.RegisterRequest(rank_info=full_rank_info()))
     assert request.rank_info.drafter_kind == "eagle3"
     response = round_trip(
         registration_pb2.RegisterResponse(
@@ -77,7 +77,7 @@ def test_registration_round_trip():
         )
     )
     assert (response.mismatches[0].field, response.mismatches[0].peer_value) == ("groups[draft].window", "0")
-    round_trip(registration_pb2.DeregisterRequest(instance_id="decode-0", token="t"))
+    round_trip(registration_pb2.DeregisterRequest(instance_id="decode-0"))
     round_trip(registration_pb2.ListPeersRequest(role=rank_info_pb2.ROLE_PREFILL))
     round_trip(registration_pb2.ListPeersResponse(peers=[full_rank_info()]))
     round_trip(registration_pb2.HeartbeatResponse(registered=True, interval_ms=500))

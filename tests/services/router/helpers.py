@@ -24,7 +24,14 @@ def dead_address() -> str:
 
 
 def rank_info(instance_id: str, role: int, address: str = "") -> rpb.RankInfo:
-    return rpb.RankInfo(instance_id=instance_id, role=role, grpc_address=address or dead_address())
+    """A RankInfo the helpers' router's contract accepts (schema 1, PAGE tokens per page)."""
+    return rpb.RankInfo(
+        schema_version=1,
+        instance_id=instance_id,
+        role=role,
+        grpc_address=address or dead_address(),
+        tokens_per_page=PAGE,
+    )
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -35,11 +42,9 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def router(token: str = "", **limits) -> RouterAPI:
-    options = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
-    return RouterAPI(
-        ModelLimits(**options), Metrics("router"), RouterOptions(tokens_per_page=PAGE, token=token)
-    )
+def router(options: RouterOptions | None = None, **limits) -> RouterAPI:
+    model = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
+    return RouterAPI(ModelLimits(**model), Metrics("router"), options or RouterOptions(tokens_per_page=PAGE))
 
 
 async def unreachable_ready_pairs(api: RouterAPI, prefills: list[str], decodes: list[str]) -> None:

@@ -9,11 +9,12 @@ import pytest
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
+from services.router.api import RouterOptions
 from services.router.errors import ErrorCode, RouterError
 from services.router.health import health_response
 from services.router.registration import describe_mismatches
 from services.router.registry import PairState
-from tests.services.router.helpers import rank_info, router, until
+from tests.services.router.helpers import PAGE, rank_info, router, until
 
 
 def _registrations(api, result: str) -> float:
@@ -21,42 +22,103 @@ def _registrations(api, result: str) -> float:
 
 
 def test_a_registration_is_refused_naming_the_first_bad_field():
-    api = router(token="secret")
+    api = router()
     good = rank_info("d0", rpb.ROLE_DECODE)
     cases = [
-        (reg.RegisterRequest(rank_info=rpb.RankInfo(), token="wrong"), "token: does not match"),
-        (
-            reg.RegisterRequest(rank_info=rpb.RankInfo(role=rpb.ROLE_DECODE), token="secret"),
-            "rank_info.instance_id: empty",
-        ),
-        (
-            reg.RegisterRequest(rank_info=rpb.RankInfo(instance_id="d0"), token="secret"),
-            "rank_info.role: unspecified",
-        ),
-        (
-            reg.RegisterRequest(
-                rank_info=rpb.RankInfo(instance_id="d0", role=rpb.ROLE_DECODE), token="secret"
-            ),
-            "rank_info.grpc_address: empty",
-        ),
+        (rpb.RankInfo(role=rpb.ROLE_DECODE), "rank_info.instance_id: empty"),
+        (rpb.RankInfo(instance_id="d0"), "rank_info.role: unspecified"),
+        (rpb.RankInfo(instance_id="d0", role=rpb.ROLE_DECODE), "rank_info.grpc_address: empty"),
     ]
 
     async def scenario():
         refusals = []
-        for request, _ in cases:
+        for info, _ in cases:
             with pytest.raises(RouterError) as e:
-                await api.registration.register(request)
+                await api.registration.register(reg.RegisterRequest(rank_info=info))
             refusals.append((e.value.code, e.value.message))
-        accepted = await api.registration.register(reg.RegisterRequest(rank_info=good, token="secret"))
+        accepted = await api.registration.register(reg.RegisterRequest(rank_info=good))
         await api.close()
         return refusals, accepted
 
     refusals, accepted = asyncio.run(scenario())
-    assert refusals == [(ErrorCode.UNAUTHENTICATED, cases[0][1])] + [
-        (ErrorCode.INVALID_ARGUMENT, message) for _, message in cases[1:]
-    ]
+    assert refusals == [(ErrorCode.INVALID_ARGUMENT, message) for _, message in cases]
     assert accepted.accepted and list(api.cluster.registry.workers) == ["d0"]
     assert _registrations(api, "accepted") == 1
+
+
+def test_a_worker_off_the_routers_model_contract_is_refused_naming_each_field():
+    api = router(RouterOptions(tokens_per_page=PAGE, model_id="tiny-target"))
+    rogue = rank_info("both-0", rpb.ROLE_BOTH)  # aggregated workers are checked alike
+    rogue.model_id, rogue.tokens_per_page = "other-model", 16
+    good = rank_info("d0", rpb.ROLE_DECODE)
+    good.model_id = "tiny-target"
+
+    async def scenario():
+        refused = await api.registration.register(reg.RegisterRequest(rank_info=rogue))
+        accepted = await api.registration.register(reg.RegisterRequest(rank_info=good))
+        await api.close()
+        return refused, accepted
+
+    refused, accepted = asyncio.run(scenario())
+    assert not refused.accepted
+    assert [(m.field, m.local_value, m.peer_value) for m in refused.mismatches] == [
+        ("model_id", "'tiny-target'", "'other-model'"),
+        ("tokens_per_page", str(PAGE), "16"),
+    ]
+    assert accepted.accepted
+    assert list(api.cluster.registry.workers) == ["d0"]
+    assert _registrations(api, "refused") == 1
+
+
+def test_a_live_instance_id_is_not_taken_over_by_another_identity_or_process():
+    api = router()
+    first = rank_info("d0", rpb.ROLE_DECODE)
+    moved = rank_info("d0", rpb.ROLE_DECODE)  # same id, another address
+
+    async def refusal(info, identity):
+        with pytest.raises(RouterError) as e:
+            await api.registration.register(reg.RegisterRequest(rank_info=info), identity)
+        return e.value.code
+
+    async def scenario():
+        await api.registration.register(reg.RegisterRequest(rank_info=first), "worker:d0")
+        codes = [
+            await refusal(rank_info("d0", rpb.ROLE_DECODE), "worker:d1"),  # d1's token names d1
+            await refusal(moved, "cert:proxy"),
+            await refusal(moved, "worker:d0"),  # a second process under a live id
+        ]
+        restart = await api.registration.register(reg.RegisterRequest(rank_info=first), "worker:d0")
+        api.cluster.registry.workers["d0"].healthy = False  # the health check lost it
+        replaced = await api.registration.register(reg.RegisterRequest(rank_info=moved), "worker:d0")
+        await api.close()
+        return codes, restart, replaced
+
+    codes, restart, replaced = asyncio.run(scenario())
+    assert codes == [ErrorCode.PERMISSION_DENIED, ErrorCode.PERMISSION_DENIED, ErrorCode.ALREADY_EXISTS]
+    assert restart.accepted and replaced.accepted
+    assert api.cluster.registry.workers["d0"].info.grpc_address == moved.grpc_address
+
+
+def test_heartbeat_and_deregister_need_the_identity_a_worker_registered_with():
+    api = router()
+
+    async def scenario():
+        await api.registration.register(
+            reg.RegisterRequest(rank_info=rank_info("d0", rpb.ROLE_DECODE)), "cert:d0"
+        )
+        with pytest.raises(RouterError) as beat_refused:
+            api.registration.heartbeat("d0", "cert:rogue")
+        with pytest.raises(RouterError) as deregister_refused:
+            await api.registration.deregister("d0", "cert:rogue")
+        refused = [beat_refused.value.code, deregister_refused.value.code]
+        beat = api.registration.heartbeat("d0", "cert:d0")
+        removed = await api.registration.deregister("d0", "cert:d0")
+        await api.close()
+        return refused, beat, removed
+
+    refused, beat, removed = asyncio.run(scenario())
+    assert refused == [ErrorCode.PERMISSION_DENIED, ErrorCode.PERMISSION_DENIED]
+    assert beat.registered and removed
 
 
 def test_a_worker_registers_heartbeats_lists_and_deregisters():
@@ -109,12 +171,14 @@ def test_registering_again_replaces_the_workers_channel_and_retests_its_pairs():
     api = router()
     registry = api.cluster.registry
 
+    decode = rank_info("d0", rpb.ROLE_DECODE)
+
     async def scenario():
-        for info in (rank_info("d0", rpb.ROLE_DECODE), rank_info("p0", rpb.ROLE_PREFILL)):
+        for info in (decode, rank_info("p0", rpb.ROLE_PREFILL)):
             await api.registration.register(reg.RegisterRequest(rank_info=info))
         await until(lambda: registry.pairs[("p0", "d0")].state == PairState.FAILED)
         first = api.cluster.channels["d0"]
-        await api.registration.register(reg.RegisterRequest(rank_info=rank_info("d0", rpb.ROLE_DECODE)))
+        await api.registration.register(reg.RegisterRequest(rank_info=decode))  # restarted, same address
         states = [registry.pairs[("p0", "d0")].state]
         await until(lambda: registry.pairs[("p0", "d0")].state != PairState.PENDING)
         states.append(registry.pairs[("p0", "d0")].state)
