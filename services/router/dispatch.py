@@ -160,7 +160,8 @@ class RequestFlow:
 
     async def prefill(self, prefill: Worker, decode: Worker, reservation: wpb.Reservation) -> None:
         """Prefill the prompt on ``prefill`` into ``decode``'s reservation; sets ``first``.
-        On failure the reservation is released before the failure is classified."""
+        On failure the reservation is released before the failure is classified (in the
+        background when ``decode`` was lost)."""
         prefill.inflight += 1
         decode.inflight += 1
         self.workers, self.lost = (prefill.id, decode.id), ""
@@ -174,7 +175,11 @@ class RequestFlow:
             self.prefilled_by = prefill.id
             self.cluster.registry.index.record(prefill.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            await self.cluster.release(decode.id, self.rid)
+            release = self.cluster.release(decode.id, self.rid)
+            if self.lost == decode.id:  # a stalled worker's Release would hold up the retry
+                self.cluster.spawn(release)
+            else:
+                await release
             self.reserved_on = ""
             raise prefill_failure(self, e, prefill.id, decode.id) from None
         finally:
