@@ -3,7 +3,8 @@ worker that reserved them, and returns the first token.
 
 Prefill(request, reservation): prefill-only run in the engine (pages parked) -> transfer
 of target and draft pages plus aux state over UCX, acknowledged -> pages released to the
-prefix cache, whatever happened.
+prefix cache, whatever happened: a cancel mid-run aborts the request in the engine, one
+mid-transfer releases it; both shielded, so a cancel landing again cannot skip them.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
             usage = await self._transfer(request, final, context)
-        finally:
+        finally:  # shielded: a second cancel (the router gone) must not drop the release
             if final is not None and final.finish_reason == "prefilled":
-                await w.loop.call(w.engine.release, rid)
+                await asyncio.shield(w.loop.call(w.engine.release, rid))
         w.metrics.requests.labels("prefill", "ok").inc()
         return _response(final, usage)
 
