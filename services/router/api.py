@@ -48,7 +48,7 @@ class ModelLimits:
     model_id: str = ""  # the served model name (--served-model-name; default the folder's)
     vocab_size: int = 264
     max_model_len: int = 2048  # tokens, prompt plus completion
-    default_max_tokens: int = 128
+    default_max_tokens: int = 0  # what max_tokens = 0 means; 0 = the room the prompt leaves (as vLLM)
     num_spec_tokens: int = 0
 
 

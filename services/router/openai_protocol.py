@@ -2,8 +2,8 @@
 
 Defaults follow OpenAI's API reference: ``temperature`` 1, ``top_p`` 1, and for
 ``/v1/completions`` ``max_tokens`` 16. Chat without ``max_completion_tokens`` /
-``max_tokens`` gets the server's default (ModelInfo.default_max_tokens, clamped by the
-router to the room the prompt leaves in the context). Only ``n`` = 1
+``max_tokens`` gets the room the prompt leaves in the context, as vLLM (ModelInfo's
+``default_max_tokens``, 0 = that room). Only ``n`` = 1
 is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
 ``num_spec_tokens`` (draft tokens per step, at most the server's K; 0 = no speculation).
 Sampling: OpenAI's ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]) and vLLM's extra

@@ -22,9 +22,10 @@ class RequestError(ValueError):
 def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
     """Check a GenerateRequest against the model's limits; returns the prompt's token ids.
 
-    An unset ``sampling.max_tokens`` (0) is filled in with the server default clamped to
-    the room the prompt leaves in the context, so the workers always get an explicit value
-    that fits (they never apply a default of their own to the router's requests)."""
+    An unset ``sampling.max_tokens`` (0) is filled in with the room the prompt leaves in the
+    context (vLLM's default), or the server's ``default_max_tokens`` when that is smaller, so
+    the workers always get an explicit value that fits (they never apply a default of their
+    own to the router's requests); an explicit one over the room is refused."""
     token_ids = _prompt_ids(request, limits, tokenizer)
     if len(token_ids) >= limits.max_model_len:
         raise RequestError(
@@ -34,7 +35,7 @@ def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[i
     room = limits.max_model_len - len(token_ids)
     _check_sampling(request.sampling, room)
     if not request.sampling.max_tokens:
-        request.sampling.max_tokens = min(limits.default_max_tokens, room)
+        request.sampling.max_tokens = min(limits.default_max_tokens or room, room)
     _check_min_tokens(request.sampling, request.sampling.max_tokens)
     spec = request.speculative
     if spec.HasField("num_spec_tokens") and spec.num_spec_tokens > limits.num_spec_tokens:

@@ -23,6 +23,12 @@ def test_an_unset_max_tokens_becomes_the_default_where_it_fits():
     assert request.sampling.max_tokens == 8
 
 
+def test_by_default_an_unset_max_tokens_is_the_room_left_in_the_context_as_vllm():
+    request = _request(10)
+    validate_generate(request, ModelLimits(max_model_len=64), None)
+    assert request.sampling.max_tokens == 54
+
+
 def test_an_unset_max_tokens_is_clamped_to_the_room_left_in_the_context():
     request = _request(61)
     validate_generate(request, LIMITS, None)
