@@ -57,6 +57,12 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.reserved:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is reserved")
+        cap_ms = int(w.config.lease_s * 1000)
+        if request.lease_ms > cap_ms:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ms: {request.lease_ms} is over this worker's cap of {cap_ms} ms (--lease-s)",
+            )
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         # shielded: once pages are taken they are registered (and so releasable), even if
         # the caller gives up mid-call; a Release arriving meanwhile waits for it
