@@ -9,7 +9,9 @@ their own labels.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics_http import serve_registry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
@@ -164,5 +166,4 @@ class Metrics:
 
 def serve_metrics(metrics: Metrics, host: str, port: int) -> int:
     """Serve ``/metrics`` over HTTP on ``host:port`` (0 = any free port); returns the port."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return server.server_address[1]
+    return serve_registry(metrics.registry, host, port)

@@ -124,7 +124,8 @@ class HttpServer:
                 return
             keep_alive = _wants_keep_alive(request)
             response = await self._answer(request, reader, writer)
-            if response is None or not await _send(writer, response, keep_alive) or not keep_alive:
+            head_only = request.method == "HEAD"
+            if response is None or not await _send(writer, response, keep_alive, head_only) or not keep_alive:
                 return
 
     async def _answer(self, request: Request, reader, writer) -> Response | StreamingResponse | None:
@@ -148,10 +149,11 @@ class HttpServer:
         methods = self.routes.get(request.path)
         if methods is None:
             return _error_response(404, f"path: no route {request.path}")
-        handler = methods.get(request.method)
+        handler = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
         if handler is None:
             response = _error_response(405, f"method: {request.method} not allowed on {request.path}")
-            response.headers["Allow"] = ", ".join(sorted(methods))
+            allowed = set(methods) | ({"HEAD"} if "GET" in methods else set())
+            response.headers["Allow"] = ", ".join(sorted(allowed))
             return response
         try:
             return await handler(request)
@@ -194,9 +196,14 @@ def _head(status: int, headers: dict[str, str]) -> bytes:
 
 
 async def _send(
-    writer: asyncio.StreamWriter, response: Response | StreamingResponse, keep_alive: bool
+    writer: asyncio.StreamWriter,
+    response: Response | StreamingResponse,
+    keep_alive: bool,
+    head_only: bool = False,
 ) -> bool:
-    """Write the response; returns False when the client went away meanwhile."""
+    """Write the response (``head_only``: its status and headers, as a HEAD request gets
+    them, the framing headers still those of the body); returns False when the client went
+    away meanwhile."""
     headers = {
         "Content-Type": response.content_type,
         **response.headers,
@@ -204,11 +211,15 @@ async def _send(
     }
     if isinstance(response, Response):
         headers["Content-Length"] = str(len(response.body))
-        writer.write(_head(response.status, headers) + response.body)
+        writer.write(_head(response.status, headers) + (b"" if head_only else response.body))
         await writer.drain()
         return True
     headers["Transfer-Encoding"] = "chunked"
     writer.write(_head(response.status, headers))
+    if head_only:
+        await response.chunks.aclose()
+        await writer.drain()
+        return True
     try:
         async for chunk in response.chunks:
             if chunk:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 
@@ -219,3 +220,54 @@ def test_a_client_that_leaves_cancels_its_running_handler():
         await server.close()
 
     asyncio.run(scenario())
+
+
+def _keep_alive_exchanges(requests: list[tuple[str, str]]) -> list[tuple[int, dict, bytes]]:
+    """Run ``requests`` (method, path) in order over one keep-alive connection of
+    http.client, a real client that frames each answer by the request's method."""
+    server = HttpServer(ROUTES | {"/metrics": {"GET": _metrics}})
+    answers = []
+
+    async def scenario():
+        port = await server.start("127.0.0.1", 0)
+
+        def client():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            for method, path in requests:
+                connection.request(method, path)
+                response = connection.getresponse()
+                answers.append((response.status, dict(response.getheaders()), response.read()))
+            connection.close()
+
+        try:
+            await asyncio.to_thread(client)
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+    return answers
+
+
+async def _metrics(request):
+    return Response(200, b"tandem_up 1\n", "text/plain; version=0.0.4")
+
+
+def test_head_answers_a_gets_headers_without_its_body_and_the_connection_stays_usable():
+    answers = _keep_alive_exchanges(
+        [
+            ("HEAD", "/metrics"),
+            ("GET", "/metrics"),
+            ("HEAD", "/nowhere"),
+            ("HEAD", "/echo"),
+            ("GET", "/metrics"),
+        ]
+    )
+    (head, head_headers, head_body), (get, get_headers, get_body) = answers[:2]
+    assert (head, head_body, head_headers["Content-Length"]) == (200, b"", "12")
+    assert (get, get_body, get_headers["Content-Length"]) == (200, b"tandem_up 1\n", "12")
+    assert [(status, body) for status, _, body in answers[2:]] == [
+        (404, b""),
+        (405, b""),
+        (200, b"tandem_up 1\n"),
+    ]
+    assert answers[3][1]["Allow"] == "POST"
