@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
+from deploy.cli_parser import TandemParser
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
@@ -101,6 +103,12 @@ def add_up_parser(sub) -> None:
         "prefill workers': transfers re-slice KV heads",
     )
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
+    up.add_argument(
+        "--token",
+        default=os.environ.get("TANDEM_TOKEN", ""),
+        help="client token the router requires (the processes get a fresh service secret with it; "
+        "default: $TANDEM_TOKEN; empty = none)",
+    )
     add_http_port_arg(up, None)
 
 
@@ -108,9 +116,11 @@ def add_router_parser(sub) -> None:
     router = sub.add_parser("router", help="run the router")
     add_engine_args(router, ROUTER_ENGINE_OPTIONS)
     add_args(router, ServingOptions)
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=50051)
-    router.add_argument("--metrics-port", type=int, default=0)
+    router.add_argument("--host", default="127.0.0.1", help="address the gRPC, HTTP and metrics ports bind")
+    router.add_argument(
+        "--port", type=int, default=50051, help="gRPC port (clients and workers); 0 = any free"
+    )
+    router.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = any free")
     router.add_argument(
         "--health-timeout-s",
         type=positive_float,
@@ -170,14 +180,20 @@ def add_http_limit_args(parser) -> None:
 
 def add_worker_parser(sub) -> None:
     worker = sub.add_parser("worker", help="run one worker")
-    worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    worker.add_argument(
+        "--role", choices=["prefill", "decode", "both"], required=True, help="both = aggregated (no transfer)"
+    )
     add_engine_args(worker)
     add_args(worker, ServingOptions, ("served_model_name",))
     worker.add_argument("--router", default="", help="router host:port to register with")
-    worker.add_argument("--host", default="127.0.0.1")
-    worker.add_argument("--port", type=int, default=0)
-    worker.add_argument("--metrics-port", type=int, default=0)
-    worker.add_argument("--instance-id", default="")
+    worker.add_argument("--host", default="127.0.0.1", help="address the gRPC, metrics and UCX ports bind")
+    worker.add_argument("--port", type=int, default=0, help="gRPC port; 0 = any free")
+    worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = any free")
+    worker.add_argument(
+        "--instance-id",
+        default="",
+        help="unique in the cluster; empty = <role>-<random>, or --worker-token's",
+    )
     add_args(worker, TransferOptions)
     add_security_args(worker, "worker")
 
@@ -217,12 +233,13 @@ def add_ray_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = TandemParser(
         prog="tandem",
         description="Tandem: disaggregated LLM serving with speculative decoding over a "
         "unified target+draft KV cache",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"tandem {version('tandem')}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=TandemParser)
     for add in (
         add_up_parser,
         add_router_parser,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -83,7 +84,9 @@ class LocalCluster:
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
-        return cls(worker, router, roles, port=args.port, http_port=http_port)
+        return cls(
+            worker, router, roles, port=args.port, http_port=http_port, env=credentials_env(args.token)
+        )
 
     @property
     def router_address(self) -> str:
@@ -249,3 +252,11 @@ def _pump(process: Process) -> None:
             process.grpc, process.metrics = match.group(1), match.group(2)
         if os.environ.get("TANDEM_ECHO_LOGS"):
             sys.stderr.write(f"[{process.name}] {line}")
+
+
+def credentials_env(client_token: str) -> dict[str, str]:
+    """The processes' environment for a client token: the router reads it, and every process a
+    fresh service secret (in the environment, not the command line)."""
+    if not client_token:
+        return {}
+    return {"TANDEM_TOKEN": client_token, "TANDEM_SERVICE_TOKEN": secrets.token_hex(16)}

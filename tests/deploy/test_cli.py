@@ -1,0 +1,49 @@
+"""The ``tandem`` command line as a user types it: whole flag names only, defaults in
+``--help`` (never a secret's), ``--version``, and ``up --token``'s credentials."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.local import LocalCluster
+
+
+def _help(*command: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *command, "--help"], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["up", "--tok", "x"], ["router", "--tokens", "8"], ["worker", "--role", "decode", "--instance", "x"]],
+)
+def test_an_abbreviated_flag_is_refused_not_matched_to_a_longer_one(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_help_shows_defaults_but_not_secrets(monkeypatch):
+    monkeypatch.setenv("TANDEM_SERVICE_TOKEN", "do-not-print")
+    text = " ".join(_help("router").split())
+    assert "(default: 16)" in text and "(default: 50051)" in text
+    assert "do-not-print" not in text and "do-not-print" not in _help("worker")
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "tandem 0.1.0"
+
+
+def test_up_with_a_client_token_gives_the_router_it_and_every_process_a_fresh_service_secret():
+    args = build_parser().parse_args(["up", "--token", "client-secret"])
+    first, second = LocalCluster.from_args(args), LocalCluster.from_args(args)
+    assert first.env["TANDEM_TOKEN"] == "client-secret"
+    assert len(first.env["TANDEM_SERVICE_TOKEN"]) == 32
+    assert first.env["TANDEM_SERVICE_TOKEN"] != second.env["TANDEM_SERVICE_TOKEN"]
+    assert "client-secret" not in first.router_args + first.worker_args
