@@ -6,11 +6,16 @@
    completes, and until the prefill worker holds no request's pages.
 3. SIGKILL of a prefill worker: seconds for the next request (retried around it).
 4. A reservation whose transfer never comes: seconds until its lease frees it (lease 1 s).
+5. The router SIGKILLed and restarted on its port after ``down`` seconds: seconds from its
+   restart until it prints its endpoint, until every worker has registered again, and until
+   every pair is READY (the workers' next heartbeat finds it; their channel's reconnect
+   backoff grows while it is down).
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import threading
 import time
 
@@ -27,11 +32,12 @@ MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 PROMPT = "def parse(self, text):\n    "
 
 
-def cluster(roles, faults: str = "") -> LocalCluster:
+def cluster(roles, faults: str = "", port: int = 0) -> LocalCluster:
     c = LocalCluster(
         ["--model", MODEL, "--drafter", DRAFTER, "-k", "4"],
         ["--model", MODEL, "-k", "4"],
         roles,
+        port=port,
         env={"TANDEM_FAULTS": faults} if faults else None,
     )
     c.start()
@@ -120,8 +126,43 @@ def lease_expiry() -> float:
         c.stop()
 
 
+def router_restarted(down_s: float) -> tuple[float, float, float]:
+    c = cluster(["prefill", "decode"], port=free_port())
+    try:
+        c.kill("router")
+        time.sleep(down_s)
+        start = time.monotonic()
+        c.restart("router")
+        printed = time.monotonic() - start
+        with grpc.insecure_channel(c.router_address) as channel:
+            stub = cpb_grpc.TandemStub(channel)
+
+            def workers() -> int:
+                health = stub.Health(cpb.HealthRequest(), timeout=5)
+                return health.num_prefill_workers + health.num_decode_workers
+
+            def pairs() -> int:
+                return stub.Health(cpb.HealthRequest(), timeout=5).num_ready_pairs
+
+            joined = printed + wait_until(lambda: workers() == 2, 120)
+            serving = joined + wait_until(lambda: pairs() == 1, 120)
+            list(stub.Generate(request(8), timeout=60))
+        return printed, joined, serving
+    finally:
+        c.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--router-restart-only", action="store_true", help="case 5 only")
+    if parser.parse_args().router_restart_only:
+        return router_restarts()
     print("| fault | measured |")
     print("|---|---|")
     print(
@@ -136,6 +177,17 @@ def main() -> None:
     )
     print(f"| prefill SIGKILL | next request served in {prefill_killed():.2f} s |", flush=True)
     print(f"| transfer never comes (lease 1 s) | pages free after {lease_expiry():.2f} s |", flush=True)
+    router_restarts()
+
+
+def router_restarts() -> None:
+    for down_s in (2.0, 30.0):
+        printed, joined, serving = router_restarted(down_s)
+        print(
+            f"| router SIGKILL, restarted {down_s:.0f} s later | endpoint after {printed:.2f} s, workers "
+            f"registered after {joined:.2f} s, serving after {serving:.2f} s |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
