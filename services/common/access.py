@@ -25,8 +25,9 @@ import grpc
 
 from services.common.security import bearer_token, same_token, token_worker
 
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/tandem.v1.Tandem/Health")
-"""Methods callable without credentials: probes and the cluster's health summary."""
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/tandem.v1.Tandem/Health")
+"""Methods callable without credentials: probes, the schema (server reflection) and the
+cluster's health summary."""
 
 ROUTER_CLIENT_METHODS = ("/tandem.v1.Tandem/",)
 """The router's client API; all its other methods are service calls."""

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from services.common.access import AccessCheck, AccessPolicy
 from services.common.security import TlsConfig
@@ -20,26 +21,61 @@ READY_SERVICE = "tandem.ready"
 registered and paired; the router: at least one ready pair). "" is liveness."""
 
 
+class ServiceHealth:
+    """The server's grpc.health.v1 statuses: "" is liveness and READY_SERVICE readiness;
+    each served service answers by its own name too: ``tandem.v1.Registration`` as
+    liveness, every other one (what clients or the router call to get work done) as
+    readiness. Set only "" and READY_SERVICE; the names follow."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, services: list[str]) -> None:
+        self.servicer = servicer
+        self.live = [n for n in services if n.endswith(".Registration")]
+        self.ready = [n for n in services if n not in self.live]
+
+    async def set(self, name: str, status) -> None:
+        await self.servicer.set(name, status)
+        for follower in {"": self.live, READY_SERVICE: self.ready}.get(name, []):
+            await self.servicer.set(follower, status)
+
+
+class _Recording:
+    """Stands in for the server while servicers are added, to learn their service names."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server, self.names = server, []
+
+    def add_registered_method_handlers(self, name: str, handlers) -> None:
+        self.names.append(name)
+        self.server.add_registered_method_handlers(name, handlers)
+
+    def __getattr__(self, attribute: str):
+        return getattr(self.server, attribute)
+
+
 async def start_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     host: str,
     port: int,
     tls: TlsConfig | None = None,
     policy: AccessPolicy | None = None,
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Start a server on ``host:port`` (0 = any free port) with ``grpc.health.v1``, whose
-    overall status starts NOT_SERVING, with mutual TLS and ``policy`` (who may call what)
-    when given.
-    Returns the server, its health servicer and the port."""
+) -> tuple[grpc.aio.Server, ServiceHealth, int]:
+    """Start a server on ``host:port`` (0 = any free port) with ``grpc.health.v1`` (every
+    status NOT_SERVING at first) and server reflection, with mutual TLS and ``policy`` (who
+    may call what) when given. Returns the server, its health statuses and the port."""
     server = grpc.aio.server(
         interceptors=[AccessCheck(policy)] if policy else None,
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
     )
-    add_servicers(server)
+    recording = _Recording(server)
+    add_servicers(recording)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("", NOT_SERVING)
-    await health_servicer.set(READY_SERVICE, NOT_SERVING)
+    reflection.enable_server_reflection(
+        (*recording.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    statuses = ServiceHealth(health_servicer, recording.names)
+    await statuses.set("", NOT_SERVING)
+    await statuses.set(READY_SERVICE, NOT_SERVING)
     address = f"{host}:{port}"
     bound = (
         server.add_secure_port(address, tls.server_credentials())
@@ -49,7 +85,7 @@ async def start_server(
     if bound == 0:
         raise OSError(f"port: cannot bind {host}:{port}")
     await server.start()
-    return server, health_servicer, bound
+    return server, statuses, bound
 
 
 async def write_stream(messages: AsyncIterator, context: grpc.aio.ServicerContext) -> None:

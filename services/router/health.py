@@ -20,12 +20,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
-from grpc_health.v1 import health
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
-from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING
+from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, ServiceHealth
 from services.router.cluster import Cluster
 from services.router.dispatch import RequestFlow
 from services.router.registry import PairState, Registry, Worker
@@ -52,7 +51,7 @@ class HealthMonitor:
         self.misses = misses
         self.heal = heal
         self.healing: set[tuple[str, str]] = set()  # degraded pairs being re-paired now
-        self.readiness: health.aio.HealthServicer | None = None  # grpc.health.v1, if served
+        self.readiness: ServiceHealth | None = None  # grpc.health.v1, if served
 
     async def poll_forever(self) -> None:
         """Poll every worker, then report readiness, every STATS_INTERVAL_S, forever."""
