@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import helm_python
 import kubernetes_validate
 import pytest
 
 from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
+from tests.helm.test_credentials import TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
+from tests.helm.test_pod_values import EXISTING_ACCOUNT, EXTRAS, PDBS
 from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
 
 # The chart's kubeVersion floor (gRPC probes are GA in 1.27) and the newest schemas we have.
@@ -27,20 +30,35 @@ VALUE_SETS = {
     "separate layout": SEPARATE,
     "model image": IMAGE_MODEL,
     "monitors": MONITORS,
+    "tokens": TOKENS,
+    "worker token": WORKER_TOKEN,
+    "TLS": TLS,
+    "TLS from CSI": TLS_CSI,
+    "token over TLS": TOKEN_OVER_TLS,
+    "extra env and volumes": EXTRAS,
+    "disruption budgets": PDBS,
+    "existing service account": EXISTING_ACCOUNT,
+}
+# ConfigMap x2 (config, dashboard), Deployment x3, Service x4, the ServiceAccount, the test Pod
+KINDS = Counter({"ConfigMap": 2, "Deployment": 3, "Service": 4, "ServiceAccount": 1, "Pod": 1})
+EXPECTED_KINDS = {
+    "disruption budgets": KINDS + Counter({"PodDisruptionBudget": 3}),
+    "existing service account": KINDS - Counter({"ServiceAccount": 1}),
 }
 
 
 _validated: set[str] = set()  # manifests already validated under another value set
 
 
-@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
-def test_every_manifest_validates_strictly(values):
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_manifest_validates_strictly(name):
+    values = VALUE_SETS[name]
     manifests = render(values)
-    checked = 0
+    checked = Counter()
     for manifest in manifests:
         if (manifest["apiVersion"], manifest["kind"]) in CUSTOM_KINDS:
             continue
-        checked += 1
+        checked[manifest["kind"]] += 1
         key = json.dumps(manifest, sort_keys=True)
         if key in _validated:
             continue
@@ -53,12 +71,15 @@ def test_every_manifest_validates_strictly(values):
                     f"{manifest['kind']}/{manifest['metadata']['name']} on {version}: {path}: {e.message}"
                 )
         _validated.add(key)
-    # ConfigMap x2, Deployment x3, Service x4, the test Pod
-    assert checked == 10
-    assert len(manifests) - checked == (2 if values is MONITORS else 0)
+    assert checked == EXPECTED_KINDS.get(name, KINDS)
+    assert len(manifests) - checked.total() == (2 if values is MONITORS else 0)
 
 
-@pytest.mark.parametrize("values", [{}, TP_2, MONITORS], ids=["defaults", "TP 2", "monitors"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, TP_2, MONITORS, TOKEN_OVER_TLS, {**TOKENS, **EXTRAS, **PDBS}],
+    ids=["defaults", "TP 2", "monitors", "token over TLS", "tokens, extras, budgets"],
+)
 def test_helm_lint_strict_finds_nothing_above_info(values):
     report = helm_python.lint(CHART, values, strict=True, kube_version="v1.27.0")
     assert report["errors"] == []
@@ -69,7 +90,23 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
     "values, where, problem",
     [
         ({"engine": {"layout": "fused"}}, "/engine/layout", "value must be one of"),
-        ({"router": {"replicas": 2}}, "/router/replicas", "maximum: got 2, want 1"),
+        ({"router": {"replicas": -1}}, "/router/replicas", "minimum: got -1, want 0"),
+        (
+            {"auth": {"clientToken": {"secret": "x"}}},
+            "/auth/clientToken",
+            "additional properties 'secret' not allowed",
+        ),
+        ({"auth": {"serviceToken": {"key": ""}}}, "/auth/serviceToken/key", "minLength: got 0, want 1"),
+        ({"tls": {"enabled": "yes"}}, "/tls/enabled", "got string, want boolean"),
+        ({"router": {"extraEnv": {"A": "b"}}}, "/router/extraEnv", "got object, want array"),
+        ({"decode": {"extraVolumes": ["cache"]}}, "/decode/extraVolumes/0", "got string, want object"),
+        (
+            {"prefill": {"podDisruptionBudget": {"minAvailable": "half"}}},
+            "/prefill/podDisruptionBudget/minAvailable",
+            "'half' does not match pattern '^[0-9]+%$'",
+        ),
+        ({"router": {"strategy": {"type": "Blue"}}}, "/router/strategy/type", "value must be one of"),
+        ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create", "got string, want boolean"),
         ({"engine": {"tp": 0}}, "/engine/tp", "minimum: got 0, want 1"),
         ({"decode": {"replica": 4}}, "/decode", "additional properties 'replica' not allowed"),
         ({"model": {"source": "s3"}}, "/model/source", "value must be one of"),

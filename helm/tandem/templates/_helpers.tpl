@@ -66,6 +66,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.model.source "image") (not .Values.model.image.repository) }}
 {{- fail "model.image.repository: required when model.source is image" }}
 {{- end }}
+{{- include "tandem.validateCredentials" . }}
 {{- range $role := list "prefill" "decode" }}
 {{- $host := (index $.Values $role).hostKvCache | default dict }}
 {{- $tp := include "tandem.tp" (dict "root" $ "role" $role) | int }}
@@ -75,8 +76,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* Environment every Tandem container gets: its pod's IP and name, then the ConfigMap. */}}
+{{/* Environment of a component's container (dict "root" $ "component" "router|prefill|decode"):
+     its pod's IP and name, the credentials from their Secrets, extraEnv, then the ConfigMap. */}}
 {{- define "tandem.env" -}}
+{{- $v := .root.Values }}
+{{- $c := index $v .component -}}
 env:
   - name: POD_IP
     valueFrom:
@@ -84,31 +88,83 @@ env:
   - name: POD_NAME
     valueFrom:
       fieldRef: {fieldPath: metadata.name}
+  {{- if and (eq .component "router") $v.auth.clientToken.existingSecret }}
+  - name: TANDEM_TOKEN
+    valueFrom:
+      secretKeyRef: {name: {{ $v.auth.clientToken.existingSecret }}, key: {{ $v.auth.clientToken.key }}}
+  {{- end }}
+  {{- $own := dig "workerToken" "existingSecret" "" $c }}
+  {{- if $own }}
+  - name: TANDEM_WORKER_TOKEN
+    valueFrom:
+      secretKeyRef: {name: {{ $own }}, key: {{ $c.workerToken.key }}}
+  {{- else if $v.auth.serviceToken.existingSecret }}
+  - name: TANDEM_SERVICE_TOKEN
+    valueFrom:
+      secretKeyRef: {name: {{ $v.auth.serviceToken.existingSecret }}, key: {{ $v.auth.serviceToken.key }}}
+  {{- end }}
+  {{- with $c.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 envFrom:
   - configMapRef:
-      name: {{ include "tandem.configName" . }}
+      name: {{ include "tandem.configName" .root }}
 {{- end }}
 
-{{/* gRPC health probes on a port; readiness asks for probes.readiness.service. */}}
+{{/* A component's volumes and mounts: model, TLS, then its extraVolumes / extraVolumeMounts. */}}
+{{- define "tandem.volumes" -}}
+{{- $c := index .root.Values .component }}
+{{- include "tandem.modelVolume" .root }}
+{{- include "tandem.tlsVolume" .root }}
+{{- with $c.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.volumeMounts" -}}
+{{- $c := index .root.Values .component }}
+{{- include "tandem.modelMount" .root }}
+{{- include "tandem.tlsMount" .root }}
+{{- with $c.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Health probes on a port; readiness asks for probes.readiness.service. Kubernetes' gRPC
+     probes speak plaintext, so under mutual TLS each probe is an exec of tandem.tlsProbe. */}}
 {{- define "tandem.probes" -}}
 {{- $p := .root.Values.probes -}}
+{{- $t := .root.Values.tls -}}
 startupProbe:
-  grpc: {port: {{ .port }}}
+  {{- include "tandem.probeCheck" (dict "root" .root "port" .port "service" "") | nindent 2 }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-    {{- with $p.readiness.service }}
-    service: {{ . | quote }}
-    {{- end }}
+  {{- include "tandem.probeCheck" (dict "root" .root "port" .port "service" $p.readiness.service) | nindent 2 }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
 livenessProbe:
-  grpc: {port: {{ .port }}}
+  {{- include "tandem.probeCheck" (dict "root" .root "port" .port "service" "") | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
+  {{- if not $t.enabled }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  {{- end }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
+{{- end }}
+
+{{- define "tandem.probeCheck" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled -}}
+exec:
+  command: ["python", "-c", {{ include "tandem.tlsProbe" .root | quote }}, {{ .port | quote }}, {{ .service | quote }}]
+timeoutSeconds: {{ $t.probeTimeoutSeconds }}
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  {{- with .service }}
+  service: {{ . | quote }}
+  {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* An initContainer running `script` in the model image, with the model volume at

@@ -34,6 +34,7 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
     spec:
+      {{- include "tandem.podIdentity" $root | nindent 6 }}
       {{- with $v.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -68,8 +69,10 @@ spec:
             - {{ $w.port | quote }}
             - --metrics-port
             - {{ $w.metricsPort | quote }}
-            - --instance-id
+            {{- if not (dig "workerToken" "existingSecret" "" $w) }}
+            - --instance-id  # a worker token names the instance id itself
             - $(POD_NAME)
+            {{- end }}
             - --model
             - $(TANDEM_MODEL)
             - --drafter
@@ -113,10 +116,13 @@ spec:
             - --tp
             - {{ $tp | quote }}
             {{- end }}
+            {{- with (include "tandem.tlsArgs" $root) }}
+            {{- . | trim | nindent 12 }}
+            {{- end }}
             {{- range $w.extraArgs }}
             - {{ . | quote }}
             {{- end }}
-          {{- include "tandem.env" $root | nindent 10 }}
+          {{- include "tandem.env" (dict "root" $root "component" .role) | nindent 10 }}
           ports:
             - {name: grpc, containerPort: {{ $w.port }}}
             - {name: metrics, containerPort: {{ $w.metricsPort }}}
@@ -130,13 +136,13 @@ spec:
             {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             - {name: shm, mountPath: /dev/shm}
-            {{- with (include "tandem.modelMount" $root) }}
+            {{- with (include "tandem.volumeMounts" (dict "root" $root "component" .role)) }}
             {{- . | trim | nindent 12 }}
             {{- end }}
       volumes:
         - name: shm
           emptyDir: {medium: Memory, sizeLimit: {{ $v.shmSizeLimit }}}
-        {{- with (include "tandem.modelVolume" $root) }}
+        {{- with (include "tandem.volumes" (dict "root" $root "component" .role)) }}
         {{- . | trim | nindent 8 }}
         {{- end }}
       {{- with $w.nodeSelector }}
