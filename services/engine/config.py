@@ -39,6 +39,8 @@ class EngineConfig:
     host_kv_write_policy: str = "evict"  # kvcore.spec.HOST_WRITE_POLICIES
     host_kv_recall_min_pages: int = 1  # shorter host hits are recomputed, not recalled
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
+    device_draft_chain: bool = True  # plain-greedy batches draft and verify with one host read
+    adaptive_k: bool = True  # with CUDA graphs: a step drafts only when it pays (adaptive_k.py)
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
     # Benchmarks only, NOT lossless: the verifier keeps exactly this many drafts per step

@@ -21,6 +21,7 @@ import torch
 from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
+from services.engine.draft_chain import ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import (
     BATCH_BUCKETS,
     GraphedForward,
@@ -67,8 +68,9 @@ def pad_front(spans: Sequence[Span], q_len: int) -> tuple[list[Span], torch.Tens
 
 class DecodeGraphs:
     """The engine's graphed forwards: the target over ``verify_len`` tokens per request
-    (K + 1; 1 without a drafter), the drafter over ``verify_len`` (catch-up) and over one
-    token per request (chain steps)."""
+    (K + 1; 1 without a drafter) and, with a drafter, over one (``plain``: a step that
+    drafts nothing, see adaptive_k.py), the drafter over ``verify_len`` (catch-up) and over
+    one token per request (chain steps), and the greedy draft chain (draft_chain.py)."""
 
     def __init__(
         self, runner: ModelRunner, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
@@ -78,16 +80,19 @@ class DecodeGraphs:
         buckets = batch_buckets(max_batch)
         max_pages = cdiv(max_model_len + manager.config.headroom_tokens, manager.tokens_per_page) + 1
         dtype = runner.target.head_weight.dtype
-        self.target = GraphedForward(
+        target_graph = lambda q_len: GraphedForward(
             self._target_forward,
             runner.kv_pools.tensor(TARGET_GROUP),
-            verify_len,
+            q_len,
             runner.target_window,
             buckets,
             max_pages,
             capture=capture,
         )
+        self.target = target_graph(verify_len)
+        self.plain = target_graph(1) if verify_len > 1 else None  # steps without drafts
         self.drafter = self.catch_up = None
+        self.chain: GraphedDraftChain | None = None  # greedy drafts on the device, K >= 1
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
                 self._drafter_forward,
@@ -104,6 +109,7 @@ class DecodeGraphs:
             self.drafter = drafter_graph(1)
             if verify_len > 1:
                 self.catch_up = drafter_graph(verify_len)
+                self.chain = self._draft_chain(verify_len - 1, buckets, max_pages, capture)
         self._capture = capture
 
     def capture(self) -> None:
@@ -111,17 +117,19 @@ class DecodeGraphs:
         if not self._capture:
             return
         pool = torch.cuda.graph_pool_handle()
-        for graphed in (self.target, self.catch_up, self.drafter):
+        for graphed in (self.target, self.plain, self.catch_up, self.drafter, self.chain):
             if graphed is not None:
                 graphed.capture(pool)
 
     def run_target(self, spans: list[Span]) -> TargetRun | None:
-        """The target's forward through a graph, or None when the spans do not fit one."""
-        batch = self._batch(self.target, spans, TARGET_GROUP)
-        if batch is None:
-            return None
-        outs = self.target.run(batch)
-        return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
+        """The target's forward through a graph (K + 1 tokens per span, or one: a step
+        without drafts), or None when the spans do not fit one."""
+        for graphed in (self.target, self.plain):
+            batch = self._batch(graphed, spans, TARGET_GROUP) if graphed is not None else None
+            if batch is not None:
+                outs = graphed.run(batch)
+                return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
+        return None
 
     def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor | None:
         """The drafter's forward through a graph, or None when the spans do not fit one.
@@ -140,6 +148,49 @@ class DecodeGraphs:
         padded_hidden[rows] = hidden
         batch = self._batch(self.catch_up, padded_spans, DRAFT_GROUP, padded_hidden)
         return self.catch_up.run(batch)[0][rows] if batch is not None else None
+
+    def run_verify(self, spans: list[Span], drafts: torch.Tensor) -> TargetRun | None:
+        """The target's verify forward over spans [t_n, K placeholders] whose drafts are
+        ``drafts`` [batch, K] int64 on the device: they are copied into the graph's input ids
+        after the host upload (stream order), so no draft is read back. None when the
+        spans do not fit the target's graph."""
+        batch = self._batch(self.target, spans, TARGET_GROUP)
+        if batch is None:
+            return None
+        target = self.target
+        bucket = target.load(batch)
+        ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
+        ids[:, 1:].copy_(drafts)
+        target.replay(bucket)
+        outs = tuple(o[: batch.num_tokens].clone() for o in target.outputs)
+        return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
+
+    def fits_verify(self, batch: int, target_width: int, draft_width: int) -> bool:
+        """Whether a greedy step of ``batch`` requests fits the chain and verify graphs
+        (block tables ``target_width`` and ``draft_width`` pages wide)."""
+        return (
+            self.chain is not None
+            and self.target.fits(batch, self.target.q_len, target_width)
+            and self.chain.bucket_for(batch) is not None
+            and draft_width <= self.chain.shape.max_pages
+        )
+
+    def _draft_chain(
+        self, k: int, buckets: tuple[int, ...], max_pages: int, capture: bool
+    ) -> GraphedDraftChain:
+        r = self.runner
+        shape = ChainShape(
+            tuple(buckets),
+            max_pages,
+            r.drafter.config.hidden_size,
+            r.target.head_weight.dtype,
+            r.draft_window,
+            DRAFT_KEY_START,
+            r.manager.tokens_per_page,
+            capture,
+        )
+        drafter = lambda ids, hidden, positions, ctx: r.drafter(ids, hidden, positions, ctx, r.target)
+        return GraphedDraftChain(drafter, r.draft_logits, r.kv_pools.tensor(DRAFT_GROUP), k, shape)
 
     def _batch(
         self, graphed: GraphedForward, spans: list[Span], group: str, hidden: torch.Tensor | None = None

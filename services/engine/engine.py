@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Sequence
 
 import torch
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
+from services.engine.adaptive_k import AdaptiveK
 from services.engine.batch import Span
 from services.engine.checks import (
     RequestExists,
@@ -33,6 +35,7 @@ from services.engine.checks import (
 )
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import capture_decode_graphs
+from services.engine.greedy_step import StepResult, greedy_step, greedy_step_fits
 from services.engine.lockstep import attach_lockstep
 from services.engine.models import load_drafter, load_target
 from services.engine.parallel import rank_device, tensor_parallel
@@ -64,10 +67,13 @@ class Engine:
         self.manager, self.kv_pools = build_cache(cache, self.target, self.drafter, self.device, self.tp)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.kv_pools, self.device)
         attach_lockstep(self.runner, self.tp)
+        self.adaptive: AdaptiveK | None = None  # the per-step K rule, with graphs and K > 0
         if config.cuda_graphs:
             self.runner.graphs = capture_decode_graphs(
                 self.runner, self.k + 1, config.max_num_seqs, self.max_model_len
             )
+            if config.adaptive_k and self.k:
+                self.adaptive = AdaptiveK(self.k, config.max_num_seqs)
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,
@@ -234,6 +240,22 @@ class Engine:
 
     def _decode(self, decode: list[Request]) -> None:
         k = max(r.num_spec_tokens for r in decode)
+        if self.adaptive is not None and k:
+            k = min(k, self.adaptive.choose(len(decode)))
+        start = time.perf_counter()
+        graphs = greedy_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
+        step = greedy_step(self.runner, graphs, decode, self.config.forced_acceptance) if graphs else None
+        if step is None:
+            step = self._general_decode(decode, k)
+        emitted, logprobs, run, offsets = step
+        if self.adaptive is not None:  # the step ended with its host read: this is its cost
+            self.adaptive.record(len(decode), k, time.perf_counter() - start, sum(map(len, emitted)))
+        for i, req in enumerate(decode):
+            rows = range(offsets[i], offsets[i + 1])
+            self.progress.advance_decode(req, emitted[i], logprobs[i], run, rows)
+
+    def _general_decode(self, decode: list[Request], k: int) -> StepResult:
+        """Any batch: the eager draft chain, the verify forward, rejection sampling."""
         drafts = draft(self.runner, decode, k, self.out.eos_ids) if self.drafter is not None else None
         spans = verify_spans(decode, drafts)
         run = self.runner.run_target(spans)
@@ -241,8 +263,7 @@ class Engine:
         emitted, logprobs = verify(
             self.runner, decode, drafts, run, offsets, self.out.eos_ids, self.config.forced_acceptance
         )
-        for i, req in enumerate(decode):
-            self.progress.advance_decode(req, emitted[i], logprobs[i], run, offsets[i])
+        return emitted, logprobs, run, offsets
 
     def _prefill(self, prefill: list[tuple[Request, PrefillSpan]]) -> None:
         spans = [

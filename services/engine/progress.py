@@ -86,13 +86,13 @@ class RequestProgress:
         self.scheduler.add_running(req)
 
     def advance_decode(
-        self, req: Request, emitted: list[int], logprobs: list[TokenLogprob], run: TargetRun, row: int
+        self, req: Request, emitted: list[int], logprobs: list[TokenLogprob], run: TargetRun, rows: range
     ) -> None:
         """A verify step emitted ``emitted`` (accepted drafts, then one more); the
-        request's target rows start at ``row``."""
-        n, a = req.num_computed, len(emitted) - 1
-        req.spec.record(req.num_spec_tokens, a)
-        self.stats.setdefault(req.origin, SpecStats()).record(req.num_spec_tokens, a)
+        request's target rows are ``rows`` (its drafts verified, + 1)."""
+        n, a, row = req.num_computed, len(emitted) - 1, rows.start
+        req.spec.record(len(rows) - 1, a)
+        self.stats.setdefault(req.origin, SpecStats()).record(len(rows) - 1, a)
         self.append(req, emitted, logprobs)
         req.num_computed = n + a + 1
         req.pending_start, req.pending_tokens = n + 1, emitted

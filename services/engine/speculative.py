@@ -34,11 +34,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozens
     transforms with d_1..d_s counted (row_sampling.py). K = 0 runs the catch-up forward
     alone, so the drafter's KV stays exact for later steps."""
     device = runner.device
-    spans = [Span(r.request_id, r.pending_start, r.pending_tokens) for r in requests]
-    hidden = torch.cat([r.pending_features for r in requests]).to(device)
-    g = runner.run_drafter(spans, hidden)  # [num_pending, hidden]
-    last_rows = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
-    g = g[last_rows.to(device)]  # [batch, hidden]
+    g = catch_up(runner, requests)  # [batch, hidden]
     generators = [r.generator for r in requests]
     drafted: list[list[int]] = [[] for _ in requests]
     tokens, probs = [], []
@@ -58,6 +54,15 @@ def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozens
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=device)
         return Drafts(empty, torch.zeros(len(requests), 0, 0, device=device))
     return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1))
+
+
+def catch_up(runner: ModelRunner, requests: list[Request]) -> torch.Tensor:
+    """The drafter's forward over each request's pending slots (the last is slot n);
+    returns g at slot n, [batch, hidden_size] on the device."""
+    spans = [Span(r.request_id, r.pending_start, r.pending_tokens) for r in requests]
+    last_rows = (torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1).to(runner.device)
+    hidden = torch.cat([r.pending_features for r in requests]).to(runner.device)
+    return runner.run_drafter(spans, hidden)[last_rows]  # [num_pending, hidden] -> [batch, hidden]
 
 
 def verify_spans(requests: list[Request], drafts: Drafts | None) -> list[Span]:

@@ -46,12 +46,12 @@ def verify(
     device = runner.device
     rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
     logits = runner.target_logits(run.hidden[rows.to(device)])  # [sum(k_i + 1), V]
-    ks = [r.num_spec_tokens for r in decode]
     draft_ids = (
         drafts.token_ids
         if drafts is not None
         else torch.zeros(len(decode), 0, dtype=torch.long, device=device)
     )
+    ks = [min(r.num_spec_tokens, draft_ids.shape[1]) for r in decode]  # the step's K may be lower
     ids = draft_ids.tolist()
     extras = [[ids[i][:j] for j in range(ks[i] + 1)] for i in range(len(decode))]
     params = row_params(decode, extras, logits.shape[-1], eos_ids, device)

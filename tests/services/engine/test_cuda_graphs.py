@@ -40,20 +40,24 @@ def test_batch_buckets():
         batch_buckets(0)
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize(("k", "chain"), [(0, False), (1, True), (3, True), (3, False)])
 @pytest.mark.parametrize("count", [3, 8])
-def test_static_path_equals_eager(pair, k, count):
+def test_static_path_equals_eager(pair, k, chain, count):
+    """``chain``: greedy steps take the device-resident chain (greedy_step.py), else the
+    general path's eager chain over the one-token drafter graph."""
     prompts = random_prompts(count, seed=11 + count, max_len=30)
     eager = make_engine(pair, k=k)
-    graphed = with_static_path(make_engine(pair, k=k))
+    graphed = with_static_path(make_engine(pair, k=k, device_draft_chain=chain))
     assert [o.token_ids for o in graphed.generate(prompts, GREEDY)] == [
         o.token_ids for o in eager.generate(prompts, GREEDY)
     ]
     graphs = graphed.runner.graphs
     assert sum(graphs.target.replays.values()) > 0  # verify forwards took the graph path
     assert max(graphs.target.replays) == (4 if count == 3 else 8)  # 3 requests pad to 4
-    if k > 1:
-        assert sum(graphs.drafter.replays.values()) > 0  # chain steps too
+    if k and chain:
+        assert graphs.chain.replays > 0  # (one-token catch-ups still replay the drafter graph)
+    elif k > 1:
+        assert sum(graphs.drafter.replays.values()) > 0 and not graphs.chain.replays
 
 
 def test_sampled_outputs_equal_eager(pair):

@@ -1,0 +1,79 @@
+"""When drafting pays: each decode step runs either the engine's K drafts or none.
+
+The rule, from measured step costs and the running acceptance:
+- per batch bucket b the engine keeps t_spec(b) and t_plain(b), the mean wall time
+  (seconds; exponential moving averages) of its steps with K drafts and with none. A step
+  ends with its host read of the emitted tokens, so its wall time is its whole cost;
+- AL is the running mean of tokens emitted per request in a speculative step (accepted
+  drafts + 1), over all buckets;
+- a speculative step makes AL tokens per request in t_spec(b), a plain one 1 in t_plain(b):
+  draft iff AL * t_plain(b) >= t_spec(b).
+Until both costs of a bucket are measured the step drafts; after ``probe_every`` steps of
+one kind in a bucket, one step of the other kind refreshes its cost (and AL), so the choice
+follows the context length and the acceptance as they move.
+
+Either choice keeps the output lossless: a plain step is the target's own sampling, and
+the drafter's catch-up forward still runs on it, so its KV stays exact. Greedy output is
+token-for-token the same whatever the rule picks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.graphed_forward import batch_buckets
+
+
+@dataclass(slots=True)
+class BucketCosts:
+    spec_s: float = 0.0  # mean seconds of a step with K drafts, 0 = not measured yet
+    plain_s: float = 0.0  # mean seconds of a step without drafts, 0 = not measured yet
+    run: int = 0  # steps of the current kind in a row
+    spec: bool = True  # the current kind
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    """The per-step choice of K (``k`` or 0) for the engine's decode batches."""
+
+    k: int
+    max_batch: int
+    probe_every: int = 32
+    smoothing: float = 0.2  # weight of the newest step in each moving average
+    al: float = 0.0  # running tokens per request per speculative step, 0 = none yet
+    costs: dict[int, BucketCosts] = field(default_factory=dict)
+    spec_steps: int = 0
+    plain_steps: int = 0
+
+    def choose(self, batch: int) -> int:
+        """The drafts per request for the next step of ``batch`` requests: k or 0."""
+        c = self.costs.setdefault(self.bucket(batch), BucketCosts())
+        if not c.spec_s or not self.al:
+            return self.k
+        if not c.plain_s:
+            return 0
+        spec = self.al * c.plain_s >= c.spec_s  # drafting pays
+        if c.run >= self.probe_every and spec == c.spec:
+            spec = not spec  # probe the other kind
+        return self.k if spec else 0
+
+    def record(self, batch: int, k: int, seconds: float, tokens: int) -> None:
+        """A decode step of ``batch`` requests with ``k`` drafts each took ``seconds`` of
+        wall time and emitted ``tokens`` tokens."""
+        c = self.costs.setdefault(self.bucket(batch), BucketCosts())
+        spec = k > 0
+        c.run = c.run + 1 if spec == c.spec else 1
+        c.spec = spec
+        if spec:
+            self.spec_steps += 1
+            c.spec_s = self._mean(c.spec_s, seconds)
+            self.al = self._mean(self.al, tokens / batch)
+        else:
+            self.plain_steps += 1
+            c.plain_s = self._mean(c.plain_s, seconds)
+
+    def bucket(self, batch: int) -> int:
+        return next((b for b in batch_buckets(self.max_batch) if b >= batch), batch)
+
+    def _mean(self, mean: float, value: float) -> float:
+        return value if not mean else (1 - self.smoothing) * mean + self.smoothing * value

@@ -1,0 +1,64 @@
+"""The device-resident greedy step (greedy_step.py, draft_chain.py) through its static
+path on the CPU: the same drafts as the eager chain, the same tokens as target-only, and
+the general path for every batch it does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.greedy_step import greedy_accepted, greedy_step_fits
+from services.engine.sampling import SamplingParams
+from tests.services.engine.chain_helpers import compare_chains
+from tests.services.engine.helpers import make_engine, random_prompts
+from tests.services.engine.test_cuda_graphs import GREEDY, with_static_path
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_chain_drafts_equal_the_eager_chain(pair, k):
+    engine = with_static_path(make_engine(pair, k=k))
+    prompts = random_prompts(3, seed=30 + k, min_len=5, max_len=30)
+    assert compare_chains(engine, prompts, GREEDY) > 5
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_chain_equals_target_only(pair, k):
+    prompts = random_prompts(5, seed=40 + k, max_len=30)
+    plain = make_engine(pair, k=0).generate(prompts, GREEDY)
+    engine = with_static_path(make_engine(pair, k=k))
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    assert engine.runner.graphs.chain.replays > 0
+
+
+def test_other_batches_take_the_general_path(pair):
+    engine = with_static_path(make_engine(pair, k=2))
+    sampled = SamplingParams(temperature=0.7, max_tokens=12, seed=3, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)
+    late_min = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    engine.generate([[1, 2, 3], [4, 5]], [sampled, penalized])
+    engine.generate([[1, 2, 3]], late_min)
+    assert engine.runner.graphs.chain.replays == 0
+    greedy, sampled_id = engine.add_request([1, 2, 3], GREEDY), engine.add_request([4, 5], sampled)
+    engine.step()  # both prefill
+    reqs = [engine.requests[greedy], engine.requests[sampled_id]]
+    assert greedy_step_fits(engine.runner, reqs, 2) is None  # one sampled row: all general
+    assert greedy_step_fits(engine.runner, reqs[:1], 2) is engine.runner.graphs
+    assert greedy_step_fits(engine.runner, reqs[:1], 1) is None  # not the chain's K
+
+
+def test_forced_acceptance_through_the_chain(pair):
+    engine = with_static_path(make_engine(pair, k=3, forced_acceptance=2, unsafe_forced_acceptance=True))
+    engine.generate(
+        random_prompts(4, seed=5), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    )
+    stats = engine.stats["local"]
+    assert engine.runner.graphs.chain.replays > 0
+    assert stats.num_accepted == 2 * stats.num_steps
+
+
+def test_greedy_accepted():
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    best = torch.tensor([[1, 2, 3, 9], [1, 5, 3, 9], [0, 2, 3, 9]])
+    assert greedy_accepted(drafts, best).tolist() == [3, 1, 0]
+    assert greedy_accepted(drafts, best, forced=2).tolist() == [2, 2, 2]
+    assert greedy_accepted(drafts, best, forced=7).tolist() == [3, 3, 3]

@@ -1,0 +1,39 @@
+"""On the GPU: the graphed greedy draft chain gives the eager chain's drafts token for
+token at K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), and greedy
+speculation through it gives target-only's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.services.engine.chain_helpers import compare_chains
+from tests.services.engine.helpers import make_engine, random_prompts
+from tests.services.engine.test_cuda_graphs_gpu import GREEDY, PROMPTS, tiny_engine, tokens
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_graphed_chain_equals_eager_chain(k):
+    engine = tiny_engine(k, "bfloat16", enforce_eager=False)
+    assert sorted(engine.runner.graphs.chain.graphs) == [1, 2, 4, 8]
+    for count in (1, 3, 6):
+        assert compare_chains(engine, PROMPTS[:count], GREEDY, steps=30) > 10
+    assert engine.runner.graphs.chain.replays > 0
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_greedy_speculation_through_the_chain_equals_target_only(k):
+    plain = tokens(tiny_engine(0, "bfloat16", enforce_eager=False), PROMPTS)
+    engine = tiny_engine(k, "bfloat16", enforce_eager=False)
+    assert tokens(engine, PROMPTS) == plain
+    assert engine.runner.graphs.chain.replays > 0
+
+
+@pytest.mark.parametrize("k,count", [(2, 3), (3, 8)])
+def test_random_pair_chain_equals_eager_chain(pair, k, count):
+    options = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)
+    engine = make_engine(pair, k=k, **options)
+    prompts = random_prompts(count, seed=51 + count, min_len=5, max_len=40)
+    assert compare_chains(engine, prompts, GREEDY, steps=30) > 5
