@@ -7,11 +7,13 @@ the target alone, with the acceptance length (AL), so speedup >= 0.8 x AL can be
 
 Prompts: held-out standard-library code (bench/al_ladder.py's windows), one batch of
 ``B`` prompts run to completion, greedy, EOS ignored, prefix cache off. Tokens/s and
-ms/step count only the engine steps where every request of the batch decodes. ``graphs`` mode replays
-CUDA graphs for the decode step (the engine's default on CUDA); ``eager`` sets
-``enforce_eager``. ``--kernels off`` builds the engines with the fused Triton decoder
-ops switched off (``services.engine.kernels.use_kernels(False)``: the torch reference
-everywhere), for an A/B against ``on``. A second, synchronized pass splits the decode step's time into the
+ms/step count only the engine steps where every request of the batch decodes. ``graphs``
+mode replays CUDA graphs for the decode step (the engine's default on CUDA); ``eager``
+sets ``enforce_eager``. ``--chain off`` turns off the device-resident greedy step
+(``EngineConfig.device_draft_chain``): every step takes the eager draft chain.
+``--kernels off`` builds the engines with the fused Triton decoder ops switched off
+(``services.engine.kernels.use_kernels(False)``: the torch reference everywhere), for an
+A/B against ``on``. A second, synchronized pass splits the decode step's time into the
 runner's phases (drafter forwards, target forwards, LM heads) and the rest (sampling,
 acceptance, scheduling and bookkeeping on the host).
 """
@@ -31,16 +33,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
+from bench.spec_shapes import main_8b  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import use_kernels  # noqa: E402
 from services.engine.request import Status  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 
-PHASES = ("run_drafter", "draft_logits", "run_target", "target_logits")
+PHASES = ("run_drafter", "draft_logits", "draft_chain", "run_target", "target_logits")
 
 
-def make_engine(k: int, max_batch: int, device: str, eager: bool) -> Engine:
+def make_engine(k: int, max_batch: int, device: str, **options) -> Engine:
+    """The bundled pair (K = 0: the target alone); ``options``: more EngineConfig fields."""
     return Engine(
         EngineConfig(
             model=MODEL,
@@ -50,7 +54,7 @@ def make_engine(k: int, max_batch: int, device: str, eager: bool) -> Engine:
             enable_prefix_cache=False,
             max_num_seqs=max_batch,
             kv_cache_bytes=1 << 30,
-            enforce_eager=eager,
+            **options,
         )
     )
 
@@ -105,12 +109,17 @@ def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callabl
 
         return call
 
-    for name in PHASES:
-        setattr(runner, name, timed(name, getattr(runner, name)))
+    graphs = runner.graphs
+    chain = getattr(graphs, "chain", None)
+    places = [(runner, n, n) for n in ("run_drafter", "draft_logits", "run_target", "target_logits")]
+    if chain is not None:  # the device-resident greedy step's own phases
+        places += [(chain, "run", "draft_chain"), (graphs, "run_verify", "run_target")]
+    for obj, attr, name in places:
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
 
     def undo() -> None:
-        for name in PHASES:
-            delattr(runner, name)  # back to the class's methods
+        for obj, attr, _ in places:
+            delattr(obj, attr)  # back to the class's methods
 
     return spent, undo
 
@@ -122,7 +131,9 @@ def synchronize(device: str) -> None:
 
 def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str) -> dict:
     decode_run(engine, prompts, max_tokens)  # warm-up: every kernel shape compiles here
+    plain_before = plain_steps(engine)
     r = decode_run(engine, prompts, max_tokens)
+    r["plain_steps"] = plain_steps(engine) - plain_before  # steps the K rule ran without drafts
     spent, undo = timed_phases(engine, device)
     try:
         split = decode_run(engine, prompts, max_tokens, spent)
@@ -134,6 +145,10 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, device: s
     return r
 
 
+def plain_steps(engine: Engine) -> int:
+    return engine.adaptive.plain_steps if engine.adaptive is not None else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,16")
@@ -143,15 +158,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="graphs,eager")
     p.add_argument("--kernels", default="on", help="on, off or on,off: fused Triton decoder ops")
+    p.add_argument("--chain", default="on", help="on, off or on,off: the device-resident greedy step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
+    p.add_argument("--adaptive", default="on", choices=("on", "off"), help="the per-step K rule")
+    p.add_argument("--forced-al", type=int, default=0, help="forced acceptance length; 0 = natural")
+    p.add_argument("--shape", default="tiny", choices=("tiny", "8b"), help="8b: see bench/spec_shapes.py")
+    p.add_argument("--als", default="2,3,4", help="--shape 8b: forced acceptance lengths")
+    p.add_argument("--ks", default="3,5", help="--shape 8b: K values")
     a = p.parse_args(argv)
+    if a.shape == "8b":
+        ints = lambda text: [int(x) for x in text.split(",")]
+        batches = ints(a.batches if a.batches != "1,16" else "1,8,32,64")
+        rows = main_8b(batches, ints(a.ks), ints(a.als), (a.prompt_len, a.max_tokens))
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+        return
     batches = [int(b) for b in a.batches.split(",")]
     code = held_out_corpora()["code"]
     rows = []
-    for mode, kernels in [(m, kn) for m in a.modes.split(",") for kn in a.kernels.split(",")]:
+    variants = [
+        (m, kn, c) for m in a.modes.split(",") for kn in a.kernels.split(",") for c in a.chain.split(",")
+    ]
+    for mode, kernels, chain in variants:
         use_kernels(kernels == "on")
-        engines = {k: make_engine(k, max(batches), a.device, mode == "eager") for k in (0, a.k)}
+        eager = mode == "eager"
+        options = dict(enforce_eager=eager, device_draft_chain=chain == "on", adaptive_k=a.adaptive == "on")
+        if a.forced_al:  # benchmarks only: the verifier keeps exactly AL - 1 drafts
+            options.update(forced_acceptance=a.forced_al - 1, unsafe_forced_acceptance=True)
+        base_options = dict(enforce_eager=eager)
+        engines = {
+            k: make_engine(k, max(batches), a.device, **(options if k else base_options)) for k in (0, a.k)
+        }
         for batch in batches:
             prompts = windows(code, a.prompt_len, batch, a.seed)
             base = measure(engines[0], prompts, a.max_tokens, a.device)
@@ -159,6 +197,11 @@ def main(argv: list[str] | None = None) -> None:
             row = {
                 "mode": mode,
                 "kernels": kernels,
+                "chain": chain,
+                "adaptive": a.adaptive,
+                "forced_al": a.forced_al,
+                "plain_steps": spec["plain_steps"],
+                "spec_steps": spec["steps"],
                 "batch": batch,
                 "k": a.k,
                 "al": spec["al"],
@@ -182,13 +225,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "\n| mode | kernels | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
+        "\n| mode | kernels | chain | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
         "| ms/step target-only | ms/step spec | outputs equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['kernels']} | {r['batch']} | {r['k']} | {r['al']:.2f} "
+            f"| {r['mode']} | {r['kernels']} | {r['chain']} | {r['batch']} | {r['k']} | {r['al']:.2f} "
             f"| {r['base_tok_s']:,.0f} "
             f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
             f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
@@ -199,8 +242,9 @@ def print_table(rows: list[dict]) -> None:
         for who in ("base", "spec"):
             ph = r[f"{who}_phases_ms"]
             print(
-                f"  {r['mode']} kernels {r['kernels']} B{r['batch']} {who}: "
+                f"  {r['mode']} kernels {r['kernels']} chain {r['chain']} B{r['batch']} {who}: "
                 + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
+                + (f" (no-draft steps: {r['plain_steps']} of {r['spec_steps']})" if who == "spec" else "")
             )
 
 

@@ -1,0 +1,219 @@
+"""Speculative step cost at Llama-3.1-8B shapes: ``python -m bench.spec_speedup --shape 8b``.
+
+Target: Llama-3.1-8B-shaped (32 layers, hidden 4096, 32/8 heads, MLP 14336, vocab 128256,
+untied head). Drafter: EAGLE-3-shaped (1 layer over [embedding, hidden] 8192 wide, hidden
+4096, draft vocabulary 32,000 mapped by ``d2t``, aux layers 1, 15, 28 of the target). Random
+weights made on the GPU, bf16; the loader is bypassed (nothing is read from disk but a
+byte tokenizer: token ids only). Every request decodes ``--max-tokens`` after a random
+prompt of ``--prompt-len`` tokens; the verifier keeps exactly AL - 1 drafts per step
+(``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL. Adaptive
+K is off, so every step drafts.
+
+Roofline of a step: bytes it must read (every weight matrix it multiplies by, once per
+forward: the target once, the drafter's layer K times and its head K times, ``fc`` once;
+KV of the context, target and drafter) over the copy rate measured in the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+import services.engine.engine as engine_module
+from bench.decode_inputs import build_target, llama_8b
+from models.byte_tokenizer import write_byte_tokenizer
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM
+from services.engine.models.config import write_config_json
+from services.engine.request import Status
+from services.engine.sampling import SamplingParams
+
+VOCAB, DRAFT_VOCAB = 128256, 32000
+
+
+def eagle3_8b() -> EagleConfig:
+    return EagleConfig(
+        vocab_size=VOCAB,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_layer_ids=(1, 15, 28),
+    )
+
+
+def random_target(config: LlamaConfig) -> LlamaForCausalLM:
+    model = build_target(config, torch.device("cuda"), torch.bfloat16)
+    model.merge_projections()
+    return model
+
+
+def random_drafter(config: EagleConfig) -> Eagle3Drafter:
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        drafter = Eagle3Drafter(config)
+    drafter = drafter.to(torch.bfloat16).eval()
+    drafter.d2t.copy_(torch.randint(0, VOCAB - DRAFT_VOCAB, (DRAFT_VOCAB,)).sort().values)
+    drafter.merge_projections()
+    return drafter
+
+
+@contextlib.contextmanager
+def random_models() -> Iterator[str]:
+    """A model folder name whose loads build the random 8B target and drafter."""
+    saved = engine_module.load_target, engine_module.load_drafter
+    engine_module.load_target = lambda folder, device, dtype, tp: random_target(llama_8b(VOCAB))
+    engine_module.load_drafter = lambda folder, device, dtype, tp: random_drafter(eagle3_8b())
+    with tempfile.TemporaryDirectory() as folder:
+        write_config_json(folder, llama_8b(VOCAB))
+        write_byte_tokenizer(Path(folder))
+        try:
+            yield folder
+        finally:
+            engine_module.load_target, engine_module.load_drafter = saved
+
+
+def make_engine(folder: str, k: int, max_batch: int, kv_bytes: int) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=folder,
+            drafter=folder if k else None,
+            num_spec_tokens=k,
+            device="cuda",
+            enable_prefix_cache=False,
+            max_num_seqs=max_batch,
+            kv_cache_bytes=kv_bytes,
+            max_num_batched_tokens=4096,
+            max_prefill_chunk=4096,
+            adaptive_k=False,
+            forced_acceptance=0 if k else -1,
+            unsafe_forced_acceptance=bool(k),
+        )
+    )
+
+
+def copy_rate_gbs() -> float:
+    """Device-to-device copy rate, bytes read + written, GB/s (median of 10)."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * src.numel() / (sorted(times[2:])[5] * 1e-3) / 1e9
+
+
+def matrix_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of the module's 2-D weights (what its matmuls stream), skipped names aside."""
+    return sum(
+        p.numel() * p.element_size()
+        for n, p in module.named_parameters()
+        if p.dim() == 2 and not any(s in n for s in skip)
+    )
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int = 8, head_dim: int = 128) -> int:
+    return layers * 2 * kv_heads * head_dim * 2  # K and V, bf16
+
+
+def decode_steps(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, int, int]:
+    """(seconds, steps, tokens) over the steps where every request decodes."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 32000, (prompt_len,), generator=g).tolist(), params)
+    seconds, steps, tokens = 0.0, 0, 0
+    while engine.has_unfinished():
+        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
+        start = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - start
+        if decoding:
+            seconds, steps = seconds + took, steps + 1
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+    return seconds, steps, tokens
+
+
+def step_rooflines(engine: Engine, batch: int, context: int, rate_gbs: float) -> tuple[float, float]:
+    """(target-only ms, speculative ms) a step must take at ``rate_gbs`` (see the module
+    docstring); ``context`` is the mean context length over the run."""
+    target = matrix_bytes(engine.target, skip=("embed_tokens",))
+    target_kv = batch * context * kv_bytes_per_token(engine.target.config.num_hidden_layers)
+    base = target + target_kv
+    spec = base
+    if engine.drafter is not None:
+        d, k = engine.drafter, engine.k
+        layer = matrix_bytes(d, skip=("lm_head", "fc.", "embed_tokens"))
+        spec += matrix_bytes(d.fc) + k * (layer + matrix_bytes(d.lm_head))
+        spec += k * batch * context * kv_bytes_per_token(1)
+    return 1e3 * base / (rate_gbs * 1e9), 1e3 * spec / (rate_gbs * 1e9)
+
+
+def measure_engine(engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int]) -> dict:
+    """{(batch, al): (ms per step, tokens/s)}; al 0 is the engine without forcing."""
+    out = {}
+    for batch in batches:
+        decode_steps(engine, batch, *lengths)  # warm-up: eager shapes compile here
+        for al in als:
+            engine.config.forced_acceptance = al - 1 if al else -1
+            seconds, steps, tokens = decode_steps(engine, batch, *lengths)
+            out[batch, al] = (1e3 * seconds / max(steps, 1), tokens / max(seconds, 1e-9))
+    return out
+
+
+def main_8b(batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int]) -> list[dict]:
+    """Target-only, then each K at each forced AL; prints the table, returns its rows."""
+    rate = copy_rate_gbs()
+    context = lengths[0] + lengths[1] // 2
+    kv, rows = 16 << 30, []
+    with random_models() as folder:
+        engine = make_engine(folder, 0, max(batches), kv)
+        base = measure_engine(engine, batches, [0], lengths)
+        base_roof = {b: step_rooflines(engine, b, context, rate)[0] for b in batches}
+        del engine
+        torch.cuda.empty_cache()
+        for k in ks:
+            engine = make_engine(folder, k, max(batches), kv)
+            spec = measure_engine(engine, batches, als, lengths)
+            for (b, al), (ms, tok_s) in spec.items():
+                base_ms, base_tok_s = base[b, 0]
+                roof = step_rooflines(engine, b, context, rate)[1]
+                rows.append(
+                    dict(k=k, al=al, batch=b, base_ms=base_ms, spec_ms=ms, base_roof=base_roof[b],
+                         spec_roof=roof, base_tok_s=base_tok_s, spec_tok_s=tok_s)
+                )  # fmt: skip
+            del engine
+            torch.cuda.empty_cache()
+    print_8b(rows, rate)
+    return rows
+
+
+def print_8b(rows: list[dict], rate: float) -> None:
+    print(f"\ncopy rate {rate:,.0f} GB/s")
+    print(
+        "| K | AL | B | target-only ms | x roofline | spec ms | x roofline | spec / target-only "
+        "| target-only tok/s | spec tok/s | speedup | speedup roofline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ideal = r["al"] * r["base_roof"] / r["spec_roof"]
+        print(
+            f"| {r['k']} | {r['al']} | {r['batch']} "
+            f"| {r['base_ms']:.2f} | {r['base_ms'] / r['base_roof']:.2f} "
+            f"| {r['spec_ms']:.2f} | {r['spec_ms'] / r['spec_roof']:.2f} | {r['spec_ms'] / r['base_ms']:.2f} "
+            f"| {r['base_tok_s']:,.0f} | {r['spec_tok_s']:,.0f} | {r['spec_tok_s'] / r['base_tok_s']:.2f} "
+            f"| {ideal:.2f} |"
+        )
