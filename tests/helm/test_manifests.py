@@ -181,8 +181,14 @@ def test_helm_test_pod_sends_a_request_to_the_router_service():
     compile(c["command"][2], "helm-test", "exec")
 
 
-def test_notes_name_the_router_service_and_warn_about_tp():
+def test_notes_name_the_router_service_and_the_client_tokens_secret():
     notes = render_files()["tandem/templates/NOTES.txt"]
+    assert notes.startswith("Tandem 0.1.0: 1 router(s), 1 prefill and 1 decode worker(s)\n")
     assert f"port-forward svc/{FULLNAME}-router 50051 8000" in notes
-    assert "--tp" not in notes
-    assert "does not accept --tp yet" in render_files(TP_2)["tandem/templates/NOTES.txt"]
+    assert "--tp" not in render_files(TP_2)["tandem/templates/NOTES.txt"]  # tandem worker takes it
+    assert "client token" not in notes
+    with_token = render_files(TOKENS)["tandem/templates/NOTES.txt"]
+    assert (
+        'Clients send the client token (Secret tandem-client, key api-token) as "authorization: Bearer'
+        in with_token
+    )
