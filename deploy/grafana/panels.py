@@ -47,6 +47,14 @@ ROWS = (
                 unit="reqps",
             ),
             Panel(
+                "Tokens/s at the router",
+                "Prompt and generated tokens of finished client requests per second.",
+                (
+                    (rate("tandem_prompt_tokens_total", "role", 'role="router"'), "prompt"),
+                    (rate("tandem_generation_tokens_total", "role", 'role="router"'), "generated"),
+                ),
+            ),
+            Panel(
                 "Peer registrations",
                 "Registrations accepted and refused. A refused pair gets no traffic: the router's "
                 "Health message names the field that differs.",
@@ -66,8 +74,15 @@ ROWS = (
             ),
             Panel(
                 "Inter-token latency",
-                "At the router: time between streamed tokens.",
+                "At the router: time per output token after the first (a chunk's gap over its tokens).",
                 quantiles("tandem_inter_token_latency_seconds", selector='role="router"'),
+                unit="s",
+            ),
+            Panel(
+                "Inter-chunk latency",
+                "At the router: time between streamed chunks; a chunk carries one verify step's "
+                "tokens (about the acceptance length).",
+                quantiles("tandem_inter_chunk_latency_seconds", selector='role="router"'),
                 unit="s",
             ),
             Panel(
@@ -136,20 +151,19 @@ ROWS = (
         "KV cache pages",
         (
             Panel(
-                "KV pages used by group",
-                "Pages held across workers, target and draft groups.",
-                ((f"sum by (group) (tandem_kv_pages_used{{{JOB}}})", "{{group}}"),),
+                "KV pages by state",
+                "Pages held by requests, cached by the prefix cache (unlocked, evictable) and free, "
+                "across workers, per group. Pages held with no request running are a leak.",
+                (
+                    (f"sum by (group, state) (tandem_kv_pages{{{JOB}}})", "{{group}} {{state}}"),
+                    (f"sum by (group) (tandem_kv_pages_total{{{JOB}}})", "{{group}} pool"),
+                ),
                 width=12,
             ),
             Panel(
-                "KV page utilization per worker and group",
-                "Used / total pages of each worker's pools.",
-                (
-                    (
-                        f"tandem_kv_pages_used{{{JOB}}} / tandem_kv_pages_total{{{JOB}}}",
-                        "{{instance}} {{group}}",
-                    ),
-                ),
+                "KV cache usage per worker and group",
+                "Fraction of each worker's pool held by requests (as vLLM's kv_cache_usage_perc).",
+                ((f"tandem_kv_cache_usage_ratio{{{JOB}}}", "{{instance}} {{group}}"),),
                 unit="percentunit",
                 width=12,
             ),

@@ -49,7 +49,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.record_spec_metrics()
-        w.metrics.requests.labels("both", stream.last.finish_reason or "stop").inc()
+        w.record_finished(stream.last, stream.last.finish_reason or "stop", len(stream.last.token_ids))
         yield cpb.GenerateResponse(request_id=rid, complete=stream.complete(stream.last.usage.prompt_tokens))
 
     async def Abort(self, request, context) -> cpb.AbortResponse:

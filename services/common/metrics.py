@@ -9,6 +9,8 @@ their own labels.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics_http import serve_registry
@@ -49,47 +51,59 @@ class Metrics:
         self._declare_cluster(self.registry)
 
     def _declare_requests(self, r: CollectorRegistry) -> None:
-        """Finished requests, their latencies and the queues, by role."""
+        """Finished requests, their tokens, latencies and the queues, by role."""
         self.requests = Counter("tandem_requests", "Finished requests", ["role", "status"], registry=r)
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Time to first token",
-            ["role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of finished requests", ["role"], registry=r
         )
-        self.itl = Histogram(
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Tokens generated for finished requests", ["role"], registry=r
+        )
+        self.ttft = self._latency(r, "tandem_time_to_first_token_seconds", "Time to first token")
+        self.itl = self._latency(
+            r,
             "tandem_inter_token_latency_seconds",
-            "Time between streamed tokens",
-            ["role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "Time per output token after the first: a chunk's gap over its tokens, once per token",
         )
-        self.e2e = Histogram(
-            "tandem_e2e_request_latency_seconds",
-            "Request latency",
-            ["role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.inter_chunk = self._latency(
+            r,
+            "tandem_inter_chunk_latency_seconds",
+            "Time between streamed chunks (a chunk carries one verify step's tokens)",
         )
-        self.queue = Histogram(
+        self.e2e = self._latency(r, "tandem_e2e_request_latency_seconds", "Request latency")
+        self.queue = self._latency(
+            r,
             "tandem_request_queue_seconds",
-            "Time before a request is scheduled",
-            ["role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "Time from arrival to being scheduled: the router's wait for KV pages, a worker's engine queue",
         )
         self.running = Gauge("tandem_requests_running", "Requests running", ["role"], registry=r)
         self.waiting = Gauge("tandem_requests_waiting", "Requests waiting", ["role"], registry=r)
 
+    @staticmethod
+    def _latency(r: CollectorRegistry, name: str, text: str) -> Histogram:
+        return Histogram(name, text, ["role"], buckets=LATENCY_BUCKETS, registry=r)
+
     def _declare_kv_cache(self, r: CollectorRegistry) -> None:
-        """KV pages held and in the pool, and prompt tokens looked up and reused, by group."""
-        self.pages_used = Gauge("tandem_kv_pages_used", "KV pages held", ["group"], registry=r)
-        self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"], registry=r)
-        self.prefix_queries = Counter(
-            "tandem_prefix_cache_queries", "Prompt tokens looked up", ["group"], registry=r
+        """KV pages by who holds them, and prompt tokens looked up and reused, by group."""
+        self.pages = Gauge(
+            "tandem_kv_pages",
+            "KV pages by state: held by requests, cached (the prefix cache's, unlocked), free",
+            ["group", "state"],
+            registry=r,
         )
-        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens reused", ["group"], registry=r)
+        self.pages_total = Gauge("tandem_kv_pages_total", "KV pages in the pool", ["group"], registry=r)
+        self.kv_usage = Gauge(
+            "tandem_kv_cache_usage_ratio", "Fraction of the pool held by requests", ["group"], registry=r
+        )
+        self.prefix_queries = Counter(
+            "tandem_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            ["group"],
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "tandem_prefix_cache_hits", "Prompt tokens reused from the prefix cache", ["group"], registry=r
+        )
 
     def _declare_transfer(self, r: CollectorRegistry) -> None:
         """KV transfers from prefill to decode workers: bytes, pages, failures, wall time."""
@@ -157,11 +171,22 @@ class Metrics:
     def model_name(self, name: str) -> None:
         self.registry.model_name = name
 
-    def set_pages(self, usage: dict) -> None:
-        """``usage``: group -> object with ``used`` and ``total`` (kvcore.GroupUsage)."""
+    def set_pages(self, usage: Mapping) -> None:
+        """``usage``: group -> kvcore.GroupUsage. Held by requests: used pages less the
+        prefix cache's unlocked ones; 0 on an idle worker, whatever it has cached."""
         for group, u in usage.items():
-            self.pages_used.labels(group).set(u.used)
+            held = u.used - u.evictable
+            for state, n in (("request", held), ("cached", u.evictable), ("free", u.total - u.used)):
+                self.pages.labels(group, state).set(n)
             self.pages_total.labels(group).set(u.total)
+            self.kv_usage.labels(group).set(held / u.total if u.total else 0.0)
+
+    def observe_chunk(self, role: str, gap_s: float, num_tokens: int) -> None:
+        """A streamed chunk of ``num_tokens`` that came ``gap_s`` after the previous one."""
+        self.inter_chunk.labels(role).observe(gap_s)
+        per_token = self.itl.labels(role)
+        for _ in range(num_tokens):
+            per_token.observe(gap_s / num_tokens)
 
 
 def serve_metrics(metrics: Metrics, host: str, port: int) -> int:

@@ -62,6 +62,7 @@ class WorkerBase:
         self.grpc_address = ""
         self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
+        self._prefix_seen: dict[str, tuple[int, int]] = {}  # group -> (query, hit) tokens exported
 
     async def start(self) -> None:
         if self.config.moves_pages:
@@ -98,13 +99,11 @@ class WorkerBase:
         return self.stats()
 
     def stats(self) -> wpb.StatsResponse:
+        """The Stats answer; refreshes the page, queue and prefix-cache metrics too."""
         cache = self.engine.cache_stats()
-        groups = []
-        for name, usage in cache.usage.items():
-            groups.append(_group_stats(name, usage, cache.prefix[name]))
-            self.metrics.pages_used.labels(name).set(usage.used)
-            self.metrics.pages_total.labels(name).set(usage.total)
+        groups = [_group_stats(name, usage, cache.prefix[name]) for name, usage in cache.usage.items()]
         running, waiting = self.engine.num_requests()
+        self._export_cache(cache, running, waiting)
         return wpb.StatsResponse(
             instance_id=self.config.instance_id,
             role=ROLES[self.config.role],
@@ -146,6 +145,34 @@ class WorkerBase:
 
     def paired(self) -> bool:
         return bool(self.peers is not None and self.peers.peers)
+
+    def refresh_metrics(self) -> None:
+        cache = self.engine.cache_stats()
+        self._export_cache(cache, *self.engine.num_requests())
+
+    def _export_cache(self, cache, running: int, waiting: int) -> None:
+        """Pages by state, running/waiting, and the prefix cache's token counters (totals
+        exported as the growth since the last export)."""
+        m, role = self.metrics, self.config.role
+        m.set_pages(cache.usage)
+        m.running.labels(role).set(running)
+        m.waiting.labels(role).set(waiting)
+        for name, prefix in cache.prefix.items():
+            queried, hit = self._prefix_seen.get(name, (0, 0))
+            m.prefix_queries.labels(name).inc(max(prefix.query_tokens - queried, 0))
+            m.prefix_hits.labels(name).inc(max(prefix.hit_tokens - hit, 0))
+            self._prefix_seen[name] = (prefix.query_tokens, prefix.hit_tokens)
+
+    def record_finished(self, out, status: str, generated: int) -> None:
+        """A finished request: its count by status, prompt tokens, the ``generated`` tokens
+        this worker produced, and its engine queue time; then the cache metrics."""
+        m, role = self.metrics, self.config.role
+        m.requests.labels(role, status).inc()
+        if out is not None:
+            m.prompt_tokens.labels(role).inc(out.usage.prompt_tokens)
+            m.queue.labels(role).observe(out.usage.queue_s)
+        m.generation_tokens.labels(role).inc(generated)
+        self.refresh_metrics()
 
     def record_spec_metrics(self) -> None:
         """Export the engine's speculative counters (per origin) as Prometheus totals."""

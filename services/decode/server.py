@@ -170,7 +170,9 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
-            w.metrics.requests.labels("decode", stream.last.finish_reason or "stop").inc()
+            w.record_finished(
+                stream.last, stream.last.finish_reason or "stop", len(stream.last.token_ids) - 1
+            )
             yield wpb.DecodeResponse(complete=stream.complete(len(prompt), skipped=1, cached=False))
         finally:
             self.reserved.pop(rid, None)

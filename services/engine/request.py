@@ -10,6 +10,7 @@ computed by the next draft forward from ``pending_tokens`` and ``pending_feature
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,8 @@ class Request:
         self.stop_search_floor = 0  # a stop string must begin here or later (min_tokens)
         self.spec = SpecStats()
         self.cached_tokens: dict[str, int] = {}  # prompt tokens reused per layer group
+        self.arrival_s = time.monotonic()
+        self.queue_s = 0.0  # arrival to first scheduled; stays 0 when admitted directly
         self.reset_kv_state()
 
     def reset_kv_state(self) -> None:
@@ -129,6 +132,7 @@ class Request:
             self.spec.num_steps,
             self.spec.num_draft_tokens,
             self.spec.num_accepted,
+            self.queue_s,
         )
 
 

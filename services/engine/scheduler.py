@@ -12,6 +12,7 @@ time by the engine.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from kvcore import DRAFT_GROUP, KVCacheManager
@@ -79,6 +80,8 @@ class Scheduler:
             if span is None:
                 break
             req = self.waiting.popleft()
+            if not req.queue_s:  # the first admission; a preempted request waits again
+                req.queue_s = time.monotonic() - req.arrival_s
             self.running.append(req)
             plan.prefill.append((req, span))
             budget -= span.end - span.start

@@ -57,3 +57,4 @@ class Usage:
     num_steps: int = 0  # verify steps
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    queue_s: float = 0.0  # from arrival to first being scheduled (0: admitted directly)

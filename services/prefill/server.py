@@ -58,7 +58,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         finally:  # shielded: a second cancel (the router gone) must not drop the release
             if final is not None and final.finish_reason == "prefilled":
                 await asyncio.shield(w.loop.call(w.engine.release, rid))
-        w.metrics.requests.labels("prefill", "ok").inc()
+        w.record_finished(final, "ok", generated=1)  # the first token
         return _response(final, usage)
 
     def _refusal(self, request: wpb.PrefillRequest) -> tuple[grpc.StatusCode, str] | None:

@@ -109,6 +109,7 @@ class RouterAPI:
                 yield message
                 if message.WhichOneof("payload") == "complete":
                     status = cpb.FinishReason.Name(message.complete.finish_reason).split("_")[-1]
+                    self._count_tokens(message.complete.usage)
         except RouterError:
             status = "unavailable"
             raise
@@ -119,6 +120,10 @@ class RouterAPI:
             self.metrics.running.labels("router").dec()
             self.metrics.requests.labels("router", status.lower()).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - flow.start)
+
+    def _count_tokens(self, usage: cpb.Usage) -> None:
+        self.metrics.prompt_tokens.labels("router").inc(usage.prompt_tokens)
+        self.metrics.generation_tokens.labels("router").inc(usage.completion_tokens)
 
     async def abort(self, request_id: str, owner: str = "") -> bool:
         """Abort a running request of ``owner`` (it ends with FINISH_REASON_ABORT); False if

@@ -76,6 +76,7 @@ class RequestFlow:
     workers: tuple[str, ...] = ()  # the workers ``call`` depends on
     lost: str = ""  # a worker of ``workers`` found dead; its call was cancelled
     aborted: bool = False
+    scheduled: bool = False  # a Reserve succeeded: its wait is in tandem_request_queue_seconds
     reserved_on: str = ""
     prefilled_by: str = ""  # the prefill worker whose transfer fed the decode worker
 
@@ -156,6 +157,7 @@ class RequestFlow:
             self.call, self.workers = None, ()
         if reserved.reservation.groups:  # until the next poll says better
             decode.busy_pages += len(reserved.reservation.groups[0].page_ids)
+        self._mark_scheduled()
         return reserved.reservation
 
     async def prefill(self, prefill: Worker, decode: Worker, reservation: wpb.Reservation) -> None:
@@ -219,6 +221,7 @@ class RequestFlow:
 
     async def forward(self, worker: Worker) -> Messages:
         """Aggregated serving: the worker runs the whole request behind its own client API."""
+        self._mark_scheduled()  # the worker's engine queues it from here
         call = self.cluster.tandem_stub(worker.id).Generate(
             msg.forward_request(self.rid, self.token_ids, self.request)
         )
@@ -246,6 +249,12 @@ class RequestFlow:
             return
         for message in msg.failed(self.rid, NO_PAIR + (f" (tried {sorted(excluded)})" if excluded else "")):
             yield message
+
+    def _mark_scheduled(self) -> None:
+        """Observe the router's queue time once: from admission to its first placement."""
+        if not self.scheduled:
+            self.scheduled = True
+            self.metrics.queue.labels("router").observe(time.monotonic() - self.start)
 
     def _queue_ending(self) -> list[cpb.GenerateResponse]:
         """How a queued request ends now (aborted, or waited too long); [] = keep waiting."""
@@ -275,7 +284,7 @@ class RequestFlow:
                 ids = list(message.chunk.token_ids)
                 tokens += ids
                 now = time.monotonic()
-                self.metrics.itl.labels("router").observe(now - last)
+                self.metrics.observe_chunk("router", now - last, len(ids))
                 last = now
                 yield msg.chunk(self.rid, ids, self._text(ids), message.chunk.logprobs)
             elif kind == "error":
@@ -289,12 +298,16 @@ class RequestFlow:
 
     async def _forwarded(self, call) -> Messages:
         """An aggregated worker's messages, their chunks given text."""
-        first = True
+        first, last = True, time.monotonic()
         async for message in call:
             if message.WhichOneof("payload") == "chunk":
+                now = time.monotonic()
                 if first:
-                    self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
+                    self.metrics.ttft.labels("router").observe(now - self.start)
                     first = False
+                elif n := len(message.chunk.token_ids):
+                    self.metrics.observe_chunk("router", now - last, n)
+                last = now
                 message.chunk.text = self._text(message.chunk.token_ids)
             yield message
 
