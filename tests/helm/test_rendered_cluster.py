@@ -1,0 +1,162 @@
+"""The chart's own command lines, run: the rendered router and worker args and environment
+(ConfigMap, credentials from their Secrets, mounted TLS files) start a cluster on 127.0.0.1,
+the rendered readiness probe reports it ready, and the `helm test` pod's request is served
+with the client token and a client certificate. Only what a cluster supplies is replaced:
+pod IPs and names, the router Service's address, ports (each pod has its own), the image's
+/opt/tandem (this checkout). Every process holds the one certificate a Secret would give; it
+names 127.0.0.1, which is what lets the router reach the workers here (in a cluster it would
+have to name each pod's IP: docs/deploy.md, Credentials)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helm.chart import FULLNAME, ROOT, config, container, one, render
+from tests.helm.test_credentials import TOKENS
+from tests.helm.test_pod_scripts import cert_folder
+
+pytestmark = pytest.mark.slow
+SECRETS = {
+    ("tandem-client", "api-token"): "client-t0ken",
+    ("tandem-service", "service-token"): "service-s3cret",
+}
+TANDEM = os.path.join(os.path.dirname(sys.executable), "tandem")
+_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def values(tls_dir: Path) -> dict:
+    """TOKENS and TLS from Secrets, on CPU with small caches and UCX over loopback."""
+    small = {"kvCacheMb": 8}
+    return {
+        **TOKENS,
+        "tls": {
+            "enabled": True,
+            "existingSecret": "tandem-tls",
+            "clientSecret": "c",
+            "mountPath": str(tls_dir),
+        },
+        "engine": {"device": "cpu", "maxNumSeqs": 8},
+        "ucx": {"env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}},
+        "prefill": small,
+        "decode": small,
+    }
+
+
+def pod_env(manifests: list[dict], component: str, pod: dict[str, str]) -> dict[str, str]:
+    """What the kubelet gives the container: the ConfigMap, then its env (Secrets resolved)."""
+    env = {k: v.replace("/opt/tandem/", f"{ROOT}/") for k, v in config(manifests).items()}
+    for e in container(manifests, component)["env"]:
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "secretKeyRef" in ref:
+            env[e["name"]] = SECRETS[(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])]
+        else:
+            env[e["name"]] = pod[ref["fieldRef"]["fieldPath"]]
+    return env
+
+
+def pod_args(manifests: list[dict], component: str, env: dict[str, str], ports: dict[str, int]) -> list[str]:
+    args = [_REFERENCE.sub(lambda m: env[m.group(1)], a) for a in container(manifests, component)["args"]]
+    for i, a in enumerate(args[:-1]):
+        if a in ports:
+            args[i + 1] = str(ports[a])
+    return args
+
+
+class Cluster:
+    def __init__(self, manifests: list[dict], logs: Path, client_tls: Path) -> None:
+        self.manifests, self.logs, self.client_tls = manifests, logs, client_tls
+        self.processes: list[subprocess.Popen] = []
+        self.port = free_port()
+
+    def start(self, component: str, name: str) -> None:
+        pod = {"status.podIP": "127.0.0.1", "metadata.name": name}
+        env = pod_env(self.manifests, component, pod)
+        env["TANDEM_ROUTER"] = f"127.0.0.1:{self.port}"  # what <fullname>-router-internal resolves to
+        ports = {"--metrics-port": free_port(), "--http-port": -1}
+        ports["--port"] = self.port if component == "router" else free_port()
+        args = pod_args(self.manifests, component, env, ports)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        with open(self.logs / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            self.processes.append(
+                subprocess.Popen([TANDEM, *args], env={**base, **env}, stdout=log, stderr=log)
+            )
+
+    def probe(self, probe: str, component: str = "router") -> subprocess.CompletedProcess:
+        command = container(self.manifests, component)[probe]["exec"]["command"]
+        env = {"POD_IP": "127.0.0.1", "PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
+        argv = [sys.executable, *command[1:3], str(self.port), command[4]]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            p.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.logs.iterdir()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ca = tmp_path_factory.mktemp("ca")
+    script = os.path.join(ROOT, "deploy", "tls", "make_certs.sh")
+    subprocess.run(["bash", script, str(ca), "service", "client"], check=True, capture_output=True)
+    tls = cert_folder(ca, "service", tmp_path_factory.mktemp("mount") / "tls")
+    client = cert_folder(ca, "client", tmp_path_factory.mktemp("client") / "tls")
+    c = Cluster(render(values(tls)), tmp_path_factory.mktemp("logs"), client)
+    c.start("router", f"{FULLNAME}-router-5d8c-r1")
+    c.start("prefill", f"{FULLNAME}-prefill-6f7b-p1")
+    c.start("decode", f"{FULLNAME}-decode-7d9f-d1")
+    try:
+        deadline = time.monotonic() + 180
+        while c.probe("readinessProbe").returncode != 0:
+            assert time.monotonic() < deadline, f"the router never became ready\n{c.log_text()}"
+            assert all(p.poll() is None for p in c.processes), f"a process exited\n{c.log_text()}"
+            time.sleep(1)
+        yield c
+    finally:
+        c.stop()
+
+
+def helm_test(c: Cluster, token: str) -> subprocess.CompletedProcess:
+    (pod,) = one(c.manifests, "Pod", f"{FULLNAME}-test-generate")["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in pod["env"] if "value" in e}
+    env |= {"ROUTER": f"localhost:{c.port}", "TLS_DIR": str(c.client_tls), "TANDEM_TOKEN": token}
+    env |= {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, *pod["command"][1:]], env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_the_rendered_probes_pass_on_the_running_router(cluster):
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        done = cluster.probe(probe)
+        assert done.returncode == 0, done.stderr
+
+
+def test_helm_test_is_served_with_the_token_from_the_secret(cluster):
+    done = helm_test(cluster, SECRETS[("tandem-client", "api-token")])
+    assert done.returncode == 0, f"{done.stderr}\n{cluster.log_text()}"
+    assert done.stdout.startswith("['chunk'") and done.stdout.endswith("'complete']\n")
+
+
+def test_helm_test_without_the_token_is_refused(cluster):
+    done = helm_test(cluster, "")
+    assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr
