@@ -13,6 +13,7 @@ import time
 from importlib.metadata import version
 
 from deploy.cli_parser import TandemParser
+from deploy.client import add_client_args, run_remote
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
@@ -26,6 +27,7 @@ from deploy.options import (
     positive_float,
     positive_int,
     served_model_name,
+    to_argv,
 )
 from services.common.security import TlsConfig, tls_from, worker_token
 from services.engine.cli import add_generate_args, run_generate
@@ -154,6 +156,12 @@ def add_deadline_args(parser) -> None:
         default=defaults.prefill_s,
         help="deadline of each Prefill call: its queue, the prompt's run and the page transfer",
     )
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=positive_float,
+        default=defaults.stream_idle_s,
+        help="longest wait between two messages of a Decode stream (then: UNAVAILABLE)",
+    )
 
 
 def add_http_limit_args(parser) -> None:
@@ -210,10 +218,13 @@ def add_worker_token_parser(sub) -> None:
 
 def add_generate_parser(sub) -> None:
     generate = sub.add_parser(
-        "generate", help="run prompts through one in-process engine (aggregated, no cluster)"
+        "generate",
+        help="one completion: from a running router (--endpoint HOST:PORT) or an in-process engine "
+        "(--offline)",
     )
     add_engine_args(generate)
     add_generate_args(generate)
+    add_client_args(generate)
 
 
 def add_ray_parser(sub) -> None:
@@ -308,7 +319,7 @@ def run_router_command(args: argparse.Namespace) -> int:
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
     """The deadlines of the router's calls to workers, from its ``--*-timeout-s`` flags."""
-    return Deadlines(args.worker_call_timeout_s, args.prefill_timeout_s)
+    return Deadlines(args.worker_call_timeout_s, args.prefill_timeout_s, args.stream_idle_timeout_s)
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:
@@ -354,7 +365,14 @@ def run_worker_token(args: argparse.Namespace) -> int:
 
 
 def run_generate_command(args: argparse.Namespace) -> int:
-    return run_generate(args, checked_engine_config(args))
+    if not args.endpoint:
+        return run_generate(args, checked_engine_config(args))
+    if args.offline:
+        raise SystemExit("tandem: endpoint: --offline runs the engine here; give one of them")
+    engine_flags = to_argv(from_args(EngineOptions, args))
+    if engine_flags:  # they would configure an engine this command does not run
+        raise SystemExit(f"tandem: {engine_flags[0]}: an engine option; the router at --endpoint has its own")
+    return run_remote(args, tls_config(args), args.token)
 
 
 def run_ray_command(args: argparse.Namespace) -> int:

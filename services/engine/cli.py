@@ -39,7 +39,7 @@ def run_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     from services.engine.engine import Engine  # noqa: PLC0415 (torch: only this subcommand needs it)
 
     if not args.offline:
-        print("generate: only --offline runs here; online requests go to the router", file=sys.stderr)
+        print("generate: give --offline (an engine in this process) or --endpoint HOST:PORT", file=sys.stderr)
         return 2
     if args.no_spec:
         config = dataclasses.replace(config, drafter=None, num_spec_tokens=0)

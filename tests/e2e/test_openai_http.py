@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -271,3 +273,36 @@ def test_a_non_streaming_client_that_disconnects_ends_its_generation(cluster, cl
     took = time.monotonic() - left
     assert _running(cluster) == 0 and took < whole / 2, (whole, took)
     assert_no_request_holds_pages(cluster)
+
+
+def _tandem_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "generate", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_cli_client_streams_what_the_grpc_api_gives(cluster):
+    request = cpb.GenerateRequest(text=PROMPT, sampling=cpb.SamplingParams(max_tokens=12))
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        messages = list(cpb_grpc.TandemStub(channel).Generate(request, timeout=60))
+    expected_ids = [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids]
+    expected_text = "".join(m.chunk.text for m in messages if m.HasField("chunk"))
+    common = ["--endpoint", cluster.router_address, "--prompt", PROMPT, "--max-tokens", "12"]
+    as_json = _tandem_generate(*common, "--json")
+    as_text = _tandem_generate(*common)
+    record = json.loads(as_json.stdout)
+    assert (as_json.returncode, as_text.returncode) == (0, 0)
+    assert record["token_ids"] == expected_ids and record["text"] == expected_text
+    assert record["finish_reason"] in ("length", "stop")
+    assert record["usage"]["completion_tokens"] == len(expected_ids)
+    assert as_text.stdout == expected_text + "\n"
+
+
+def test_the_cli_client_refuses_engine_flags_and_names_a_refused_request(cluster):
+    with_engine_flag = _tandem_generate("--endpoint", cluster.router_address, "--prompt", "x", "-k", "2")
+    assert with_engine_flag.returncode != 0
+    assert "--num-spec-tokens: an engine option" in with_engine_flag.stderr
+    too_long = _tandem_generate(
+        "--endpoint", cluster.router_address, "--prompt", "x", "--max-tokens", "99999"
+    )
+    assert too_long.returncode == 2 and "INVALID_ARGUMENT: sampling.max_tokens" in too_long.stderr
