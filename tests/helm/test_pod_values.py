@@ -143,6 +143,5 @@ def test_router_strategy_and_replicas_are_values():
         "type": "RollingUpdate",
         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
     }
-    assert deployment(
-        render({"router": {"strategy": {"type": "Recreate", "rollingUpdate": None}}}), "router"
-    )["spec"]["strategy"] == {"type": "Recreate"}
+    recreate = deployment(render({"router": {"strategy": {"type": "Recreate"}}}), "router")
+    assert recreate["spec"]["strategy"] == {"type": "Recreate"}  # the default rollingUpdate left out
