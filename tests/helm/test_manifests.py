@@ -77,8 +77,26 @@ def test_every_manifest_validates_strictly(name):
 
 @pytest.mark.parametrize(
     "values",
-    [{}, TP_2, MONITORS, TOKEN_OVER_TLS, {**TOKENS, **EXTRAS, **PDBS}],
-    ids=["defaults", "TP 2", "monitors", "token over TLS", "tokens, extras, budgets"],
+    [
+        {},
+        TP_2,
+        MONITORS,
+        TOKEN_OVER_TLS,
+        TLS_CSI,
+        WORKER_TOKEN,
+        {**TOKENS, **{c: {**EXTRAS[c], **PDBS[c]} for c in PDBS}},
+        EXISTING_ACCOUNT,
+    ],
+    ids=[
+        "defaults",
+        "TP 2",
+        "monitors",
+        "token over TLS",
+        "TLS from CSI",
+        "worker token",
+        "tokens, extras, budgets",
+        "existing service account",
+    ],
 )
 def test_helm_lint_strict_finds_nothing_above_info(values):
     report = helm_python.lint(CHART, values, strict=True, kube_version="v1.27.0")
