@@ -6,8 +6,9 @@ Invariants:
 - Background work (pair tests, releases) runs as tasks ``spawn`` keeps alive until they
   end; ``close`` cancels them and closes every channel.
 - Every unary call to a worker has a deadline from ``deadlines`` (set from the router's
-  flags); streams (Decode, an aggregated worker's Generate) end with the health check
-  losing their worker or the client's cancel, not by a deadline.
+  flags), and a Decode stream an idle deadline between its messages; an aggregated worker's
+  Generate (whose first message waits for that worker's own queue) ends with the health
+  check losing its worker or the client's cancel.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.router.registry import Registry
 
 CALL_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 120.0
+STREAM_IDLE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,7 @@ class Deadlines:
 
     call_s: float = CALL_TIMEOUT_S  # Reserve, Release: a live worker answers between two engine steps
     prefill_s: float = PREFILL_TIMEOUT_S  # Prefill: its queue, the prompt's run and the page transfer
+    stream_idle_s: float = STREAM_IDLE_TIMEOUT_S  # Decode: from one message to the next
 
 
 class Cluster:

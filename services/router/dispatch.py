@@ -20,7 +20,7 @@ Invariants:
   releases it.
 - ``call`` is the RPC in flight (Reserve, Prefill, Decode or Generate) and ``workers`` the
   workers it depends on: ``abort`` and ``lose`` cancel it. Reserve and Prefill have the
-  deadlines of ``Cluster.deadlines``; a stream ends with its worker lost or the client.
+  deadlines of ``Cluster.deadlines``, a Decode stream its idle deadline.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from services.router.step_failures import (
     reserve_failure,
 )
 from services.router.stream_text import StreamText
+from services.router.streams import StreamStalled, idle_bounded
 
 MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
 QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
@@ -210,7 +211,7 @@ class RequestFlow:
         try:
             async for message in self._relay(call, decode):
                 yield message
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError, StreamStalled) as e:
             for message in decode_failure(self, e, decode.id):
                 yield message
         finally:
@@ -278,7 +279,7 @@ class RequestFlow:
         """Decode's messages as this request's; at its complete, what decode now caches."""
         last = time.monotonic()
         tokens = [*self.token_ids, self.first.first_token_id]  # what decode's cache will hold
-        async for message in call:
+        async for message in idle_bounded(call, self.cluster.deadlines.stream_idle_s):
             kind = message.WhichOneof("payload")
             if kind == "chunk":
                 ids = list(message.chunk.token_ids)

@@ -9,7 +9,7 @@ a degraded one.
   transfer_failure.py) marks its pair DEGRADED and is a Retry that excludes no worker:
   the pair is out of service until it is re-paired, its workers may serve other pairs.
 - A Decode whose pages did not land degrades its pair too; after the first token it still
-  ends the request UNAVAILABLE.
+  ends the request UNAVAILABLE, as does a Decode stream past its idle deadline.
 - A request with no READY pair waits, as a queued one, for a DEGRADED pair of workers it
   has not excluded, for at most HEAL_WAIT_S from its start.
 """
@@ -30,6 +30,7 @@ from services.router.errors import ErrorCode, RouterError
 from services.router.failures import RETRYABLE, Abort, Fail, Retry, classify
 from services.router.messages import Usage
 from services.router.registry import Registry
+from services.router.streams import StreamStalled
 
 
 class RequestFlow(Protocol):
@@ -105,6 +106,8 @@ def decode_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> l
     end by a message (its decode worker died, or the router's own task was cancelled)."""
     if flow.aborted:
         return msg.aborted(flow.rid, flow.usage.merged())
+    if isinstance(error, StreamStalled):
+        raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} sent {error}")
     gone = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
     if gone and is_transfer_failure(error.details() or ""):
         flow.cluster.registry.degrade(flow.prefilled_by, decode_id, f"{decode_id}: {error.details()}")

@@ -99,6 +99,6 @@ def test_the_routers_http_limits_default_to_the_servers_and_take_their_flags():
 def test_the_routers_deadlines_default_to_the_clusters_and_take_their_flags():
     plain = build_parser().parse_args(["router", "--model", str(TINY)])
     assert deadlines(plain) == Deadlines()
-    flags = ["--worker-call-timeout-s", "3", "--prefill-timeout-s", "40"]
+    flags = ["--worker-call-timeout-s", "3", "--prefill-timeout-s", "40", "--stream-idle-timeout-s", "9"]
     args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
-    assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0)
+    assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0, stream_idle_s=9.0)

@@ -1,0 +1,109 @@
+"""A Decode stream's idle deadline: a stream that stops sending is cancelled, and the
+request, which has streamed tokens, ends UNAVAILABLE naming the decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import worker_pb2 as wpb
+from services.router.cluster import Deadlines
+from services.router.errors import ErrorCode, RouterError
+from services.router.streams import StreamStalled, idle_bounded
+from tests.services.router.helpers import router, unreachable_ready_pairs
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+class _Stream:
+    """A stream call that sends ``messages``, then ends (``end``) or sends nothing more."""
+
+    def __init__(self, messages: list, end: bool = False) -> None:
+        self.messages, self.end, self.cancelled = list(messages), end, False
+
+    async def read(self):
+        if self.messages:
+            return self.messages.pop(0)
+        if self.end:
+            return grpc.aio.EOF
+        await asyncio.sleep(60)
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def done(self) -> bool:
+        return self.cancelled
+
+
+async def _all(messages) -> list:
+    return [m async for m in messages]
+
+
+def test_a_stream_that_ends_yields_all_its_messages():
+    stream = _Stream(["a", "b"], end=True)
+    assert asyncio.run(_all(idle_bounded(stream, 0.2))) == ["a", "b"]
+    assert not stream.cancelled
+
+
+def test_a_stream_that_stops_sending_is_cancelled_at_its_idle_deadline():
+    stream, seen = _Stream(["a"]), []
+
+    async def read_all():
+        async for message in idle_bounded(stream, 0.2):
+            seen.append(message)
+
+    with pytest.raises(StreamStalled) as raised:
+        asyncio.run(read_all())
+    assert (seen, stream.cancelled, raised.value.idle_s) == (["a"], True, 0.2)
+
+
+class _Stubs:
+    """A decode worker that reserves and whose Decode sends one chunk, then nothing; a
+    prefill worker that answers the first token."""
+
+    def __init__(self) -> None:
+        self.stream = _Stream([wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=[8]))])
+
+    def decode(self, worker_id: str):
+        stub = type("Decode", (), {})()
+        reservation = wpb.Reservation(request_id="r", decode_instance_id=worker_id)
+        stub.Reserve = lambda request, timeout: _answer(wpb.ReserveResponse(reservation=reservation))
+        stub.Release = lambda request, timeout: _answer(wpb.ReleaseResponse(released=False))
+        stub.Decode = lambda request: self.stream
+        return stub
+
+    def prefill(self, worker_id: str):
+        stub = type("Prefill", (), {})()
+        stub.Prefill = lambda request, timeout: _answer(wpb.PrefillResponse(first_token_id=7))
+        return stub
+
+
+async def _answer(response):
+    return response
+
+
+def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
+    api, stubs, tokens = router(), _Stubs(), []
+
+    async def scenario():
+        await unreachable_ready_pairs(api, ["p0"], ["d0"])
+        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+        api.cluster.deadlines = Deadlines(stream_idle_s=0.2)
+        request = cpb.GenerateRequest(
+            request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=cpb.SamplingParams(max_tokens=8)
+        )
+        try:
+            async for message in api.generate(request):
+                tokens.extend(message.chunk.token_ids)
+        finally:
+            await api.close()
+
+    with pytest.raises(RouterError) as raised:
+        asyncio.run(scenario())
+    error = raised.value
+    assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "decode worker d0 sent nothing for 0.2 s")
+    assert tokens == [7, 8] and stubs.stream.cancelled
