@@ -8,7 +8,9 @@ The rule, from measured step costs and the running acceptance:
   drafts + 1), over all buckets;
 - a speculative step makes AL tokens per request in t_spec(b), a plain one 1 in t_plain(b):
   draft iff AL * t_plain(b) >= t_spec(b).
-Until both costs of a bucket are measured the step drafts; after ``probe_every`` steps of
+The first step of each kind in a bucket is not counted (a first replay or a first eager
+shape costs more than the steady state). Until both costs of a bucket are measured the
+step drafts, then it runs one step without drafts; after ``probe_every`` steps of
 one kind in a bucket, one step of the other kind refreshes its cost (and AL), so the choice
 follows the context length and the acceptance as they move.
 
@@ -30,6 +32,7 @@ class BucketCosts:
     plain_s: float = 0.0  # mean seconds of a step without drafts, 0 = not measured yet
     run: int = 0  # steps of the current kind in a row
     spec: bool = True  # the current kind
+    seen: set[bool] = field(default_factory=set)  # kinds whose first (uncounted) step ran
 
 
 @dataclass(slots=True)
@@ -42,8 +45,8 @@ class AdaptiveK:
     smoothing: float = 0.2  # weight of the newest step in each moving average
     al: float = 0.0  # running tokens per request per speculative step, 0 = none yet
     costs: dict[int, BucketCosts] = field(default_factory=dict)
-    spec_steps: int = 0
-    plain_steps: int = 0
+    spec_steps: int = 0  # steps recorded with drafts, all buckets
+    plain_steps: int = 0  # steps recorded without
 
     def choose(self, batch: int) -> int:
         """The drafts per request for the next step of ``batch`` requests: k or 0."""
@@ -64,12 +67,15 @@ class AdaptiveK:
         spec = k > 0
         c.run = c.run + 1 if spec == c.spec else 1
         c.spec = spec
+        self.spec_steps += spec
+        self.plain_steps += not spec
+        if spec not in c.seen:
+            c.seen.add(spec)
+            return
         if spec:
-            self.spec_steps += 1
             c.spec_s = self._mean(c.spec_s, seconds)
             self.al = self._mean(self.al, tokens / batch)
         else:
-            self.plain_steps += 1
             c.plain_s = self._mean(c.plain_s, seconds)
 
     def bucket(self, batch: int) -> int:

@@ -150,30 +150,34 @@ class DecodeGraphs:
         return self.catch_up.run(batch)[0][rows] if batch is not None else None
 
     def run_verify(self, spans: list[Span], drafts: torch.Tensor) -> TargetRun | None:
-        """The target's verify forward over spans [t_n, K placeholders] whose drafts are
-        ``drafts`` [batch, K] int64 on the device: they are copied into the graph's input ids
-        after the host upload (stream order), so no draft is read back. None when the
-        spans do not fit the target's graph."""
-        batch = self._batch(self.target, spans, TARGET_GROUP)
+        """The target's forward over spans [t_n, K placeholders] whose drafts are ``drafts``
+        [batch, K] int64 on the device (K = the chain's, or 0: the one-token graph): they are
+        copied into the graph's input ids after the host upload (stream order), so no draft
+        is read back. None when the spans do not fit the graph."""
+        target = self.target if drafts.shape[1] + 1 == self.target.q_len else self.plain
+        batch = self._batch(target, spans, TARGET_GROUP) if target is not None else None
         if batch is None:
             return None
-        target = self.target
         bucket = target.load(batch)
-        ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
-        ids[:, 1:].copy_(drafts)
+        if drafts.shape[1]:
+            ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
+            ids[:, 1:].copy_(drafts)
         target.replay(bucket)
         outs = tuple(o[: batch.num_tokens].clone() for o in target.outputs)
         return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
 
-    def fits_verify(self, batch: int, target_width: int, draft_width: int) -> bool:
-        """Whether a greedy step of ``batch`` requests fits the chain and verify graphs
-        (block tables ``target_width`` and ``draft_width`` pages wide)."""
-        return (
-            self.chain is not None
-            and self.target.fits(batch, self.target.q_len, target_width)
-            and self.chain.bucket_for(batch) is not None
-            and draft_width <= self.chain.shape.max_pages
-        )
+    def fits_verify(self, batch: int, k: int, widths: tuple[int, int]) -> bool:
+        """Whether a greedy step of ``batch`` requests with ``k`` drafts each (the chain's K
+        or 0) fits the chain and verify graphs; ``widths``: the (target, draft) block
+        tables' widths in pages."""
+        target_width, draft_width = widths
+        if self.chain is None or k not in (0, self.chain.k):
+            return False
+        target = self.target if k else self.plain
+        if target is None or not target.fits(batch, k + 1, target_width):
+            return False
+        chain_fits = self.chain.bucket_for(batch) is not None and draft_width <= self.chain.shape.max_pages
+        return not k or chain_fits
 
     def _draft_chain(
         self, k: int, buckets: tuple[int, ...], max_pages: int, capture: bool

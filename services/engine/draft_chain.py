@@ -94,6 +94,7 @@ class GraphedDraftChain:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._chain(bucket)
+            graph.replay()  # the first replay uploads the graph: not in a served step
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 

@@ -244,7 +244,7 @@ class Engine:
             k = min(k, self.adaptive.choose(len(decode)))
         start = time.perf_counter()
         graphs = greedy_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
-        step = greedy_step(self.runner, graphs, decode, self.config.forced_acceptance) if graphs else None
+        step = greedy_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
         if step is None:
             step = self._general_decode(decode, k)
         emitted, logprobs, run, offsets = step

@@ -226,8 +226,8 @@ class GraphedForward:
     def capture(self, pool: tuple[int, int] | None) -> None:
         """Capture every bucket, largest first, into ``pool``: the largest bucket's scratch
         memory then serves every smaller one. Each bucket runs once eagerly first (Triton
-        compiles there; the first run also allocates the outputs, outside the pool). All
-        rows are padding while capturing, so no page is read or written."""
+        compiles there; the first run also allocates the outputs, outside the pool), and is
+        replayed once. All rows are padding then, so no page is read or written."""
         for bucket in reversed(self.buckets):
             self.host_i32.zero_()
             self.host_i64[2 * self.max_tokens :] = -1
@@ -237,6 +237,7 @@ class GraphedForward:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.run_forward(bucket)
+            graph.replay()  # the first replay uploads the graph: not in a served step
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 

@@ -36,42 +36,45 @@ StepResult = tuple[list[list[int]], list[list[TokenLogprob]], TargetRun, list[in
 
 
 def plain_greedy(req: Request, k: int) -> bool:
-    """Whether the argmax of the raw logits alone picks ``req``'s tokens, with K = ``k``."""
+    """Whether the argmax of the raw logits alone picks ``req``'s tokens in a step of ``k``
+    drafts (the chain's K, which ``req`` must verify in full, or 0: a step without drafts)."""
     sp = req.sampling
-    return (
-        sp.greedy and not sp.penalized and len(req.output_ids) >= sp.min_tokens and req.num_spec_tokens == k
-    )
+    uniform = k == 0 or req.num_spec_tokens == k
+    return sp.greedy and not sp.penalized and len(req.output_ids) >= sp.min_tokens and uniform
 
 
 def greedy_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> DecodeGraphs | None:
-    """The graphs a device-resident step of ``decode`` runs through, or None when it must
-    take the general path (no graphs, K = 0, a request not plain greedy, a batch or block
-    table past the captured shapes)."""
+    """The graphs a device-resident step of ``decode`` with ``k`` drafts (the chain's K, or
+    0) runs through, or None when it must take the general path (no graphs or no drafter,
+    another K, a request not plain greedy, a batch or block table past the captured shapes)."""
     graphs = runner.graphs
-    if not isinstance(graphs, DecodeGraphs) or graphs.chain is None or graphs.chain.k != k:
+    if not isinstance(graphs, DecodeGraphs) or graphs.chain is None or k not in (0, graphs.chain.k):
         return None
     if not all(plain_greedy(r, k) for r in decode):
         return None
     ids = [r.request_id for r in decode]
     target_width = runner.manager.block_tables(ids, TARGET_GROUP).shape[1]
     draft_width = runner.manager.block_tables(ids, DRAFT_GROUP).shape[1]
-    return graphs if graphs.fits_verify(len(decode), target_width, draft_width) else None
+    return graphs if graphs.fits_verify(len(decode), k, (target_width, draft_width)) else None
 
 
 @torch.inference_mode()
 def greedy_step(
-    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], forced_acceptance: int = -1
+    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k_drafts: int, forced: int = -1
 ) -> StepResult | None:
     """(emitted tokens, their logprobs, the target's run, row offsets) per request, as
-    ``verify`` returns them; None when a graph refused the batch (nothing ran then but
-    the catch-up, which the general path repeats exactly)."""
-    chain = graphs.chain
-    k = chain.k
+    ``verify`` returns them, for a step of ``k_drafts`` drafts (the chain's K or 0);
+    ``forced``: forced acceptance (benchmarks only), -1 = off. None when a graph refused
+    the batch (nothing ran then but the catch-up, which the general path repeats exactly)."""
+    k = k_drafts
     g0 = catch_up(runner, decode)  # [batch, hidden]
-    table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
-    drafts = chain.run([r.num_computed for r in decode], table, g0)  # [batch, K] on the device
-    if drafts is None:
-        return None
+    if k:
+        table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
+        drafts = graphs.chain.run([r.num_computed for r in decode], table, g0)  # [batch, K] on the device
+        if drafts is None:
+            return None
+    else:  # a step without drafts: the catch-up keeps the drafter's KV exact
+        drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=g0.device)
     spans = [
         Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
     ]
@@ -80,7 +83,7 @@ def greedy_step(
         return None
     logits = runner.target_logits(run.hidden)  # [batch * (K + 1), V] float32
     best = logits.argmax(dim=-1).view(len(decode), k + 1)
-    accepted = greedy_accepted(drafts, best, forced_acceptance)  # [batch]
+    accepted = greedy_accepted(drafts, best, forced)  # [batch]
     nexts = best.gather(1, accepted[:, None])  # [batch, 1]
     packed = torch.cat([drafts, accepted[:, None], nexts], dim=1).tolist()  # the one host read
     emitted = [row[: row[k]] + [row[k + 1]] for row in packed]

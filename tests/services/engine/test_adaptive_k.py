@@ -11,8 +11,12 @@ from tests.services.engine.test_cuda_graphs import GREEDY, with_static_path
 def test_drafts_until_both_costs_are_known():
     rule = AdaptiveK(k=4, max_batch=16)
     assert rule.choose(3) == 4  # nothing measured: draft
+    rule.record(3, 4, 0.100, 3 * 3)  # the first step of a kind is not counted
+    assert rule.choose(3) == 4
     rule.record(3, 4, 0.006, 3 * 3)  # AL 3 at 6 ms
     assert rule.choose(3) == 0  # plain cost unknown in this bucket: measure it
+    rule.record(3, 0, 0.100, 3)
+    assert rule.choose(3) == 0
     rule.record(3, 0, 0.002, 3)
     assert rule.choose(4) == 4  # 3 * 2 ms >= 6 ms: drafting pays (ties draft)
     assert rule.choose(5) == 4  # bucket 8 is measured on its own
@@ -20,20 +24,24 @@ def test_drafts_until_both_costs_are_known():
 
 def test_stops_drafting_when_it_does_not_pay_and_probes_back():
     rule = AdaptiveK(k=4, max_batch=64, probe_every=4, smoothing=1.0)
-    rule.record(64, 4, 0.010, 64 * 1)  # AL 1: every draft rejected
-    rule.record(64, 0, 0.004, 64)
+    for _ in range(2):  # the first of each kind is not counted
+        rule.record(64, 4, 0.010, 64 * 1)  # AL 1: every draft rejected
+    for _ in range(2):
+        rule.record(64, 0, 0.004, 64)
     picks = []
     for _ in range(10):
         k = rule.choose(64)
         picks.append(k)
         rule.record(64, k, 0.010 if k else 0.004, 64)
-    assert picks == [0, 0, 0, 4, 0, 0, 0, 0, 4, 0]  # a probe after every 4 plain steps in a row
+    assert picks == [0, 0, 4, 0, 0, 0, 0, 4, 0, 0]  # a probe after every 4 plain steps in a row
 
 
 def test_a_probe_that_finds_drafting_pays_keeps_drafting():
-    rule = AdaptiveK(k=2, max_batch=8, probe_every=2, smoothing=1.0)
-    rule.record(8, 2, 0.006, 8 * 1)
-    rule.record(8, 0, 0.004, 8)  # run of one plain step
+    rule = AdaptiveK(k=2, max_batch=8, probe_every=3, smoothing=1.0)
+    for _ in range(2):
+        rule.record(8, 2, 0.006, 8 * 1)
+    rule.record(8, 0, 0.004, 8)
+    rule.record(8, 0, 0.004, 8)  # a run of two plain steps
     assert rule.choose(8) == 0
     rule.record(8, 0, 0.004, 8)
     assert rule.choose(8) == 2  # probe
@@ -47,10 +55,12 @@ def test_plain_steps_keep_greedy_output_and_count_no_drafts(pair):
     engine = with_static_path(make_engine(pair, k=3))
     engine.adaptive = rule = AdaptiveK(k=3, max_batch=8, probe_every=3)
     for bucket in (1, 2, 4):  # costs that make every drafting step lose
-        rule.record(bucket, 3, 1.0, bucket)
-        rule.record(bucket, 0, 1e-9, bucket)
+        for _ in range(2):
+            rule.record(bucket, 3, 1.0, bucket)
+            rule.record(bucket, 0, 1e-9, bucket)
     out = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     stats = engine.stats["local"]
-    assert rule.plain_steps > 3 and rule.spec_steps > 3 + 1  # probes drafted
+    assert rule.plain_steps > 3 + 6 and rule.spec_steps > 3 + 1  # probes drafted
+    assert engine.runner.graphs.plain.replays  # steps without drafts took the greedy path too
     assert stats.num_draft_tokens < 3 * stats.num_steps  # plain steps counted no drafts
