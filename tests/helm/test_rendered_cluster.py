@@ -1,5 +1,5 @@
 """The chart's own command lines, run: the rendered router and worker args and environment
-(ConfigMap, credentials from their Secrets, mounted TLS files) start a cluster on 127.0.0.1,
+(ConfigMap, credentials from their Secrets; then mounted TLS files too) start a cluster on 127.0.0.1,
 the rendered readiness probe reports it ready, and the `helm test` pod's request is served
 with the client token and a client certificate. Only what a cluster supplies is replaced:
 pod IPs and names, the router Service's address, ports (each pod has its own), the image's
@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helm.chart import FULLNAME, ROOT, config, container, one, render
 from tests.helm.test_credentials import TOKENS
@@ -38,22 +40,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def values(tls_dir: Path) -> dict:
-    """TOKENS and TLS from Secrets, on CPU with small caches and UCX over loopback."""
+def values(tls_dir: Path | None) -> dict:
+    """TOKENS from Secrets (and TLS, with ``tls_dir``), on CPU with small caches and UCX over
+    loopback."""
     small = {"kvCacheMb": 8}
-    return {
+    chosen = {
         **TOKENS,
-        "tls": {
-            "enabled": True,
-            "existingSecret": "tandem-tls",
-            "clientSecret": "c",
-            "mountPath": str(tls_dir),
-        },
         "engine": {"device": "cpu", "maxNumSeqs": 8},
         "ucx": {"env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}},
         "prefill": small,
         "decode": small,
     }
+    if tls_dir is not None:
+        chosen["tls"] = {
+            "enabled": True,
+            "existingSecret": "tls",
+            "clientSecret": "c",
+            "mountPath": str(tls_dir),
+        }
+    return chosen
 
 
 def pod_env(manifests: list[dict], component: str, pod: dict[str, str]) -> dict[str, str]:
@@ -79,7 +84,7 @@ def pod_args(manifests: list[dict], component: str, env: dict[str, str], ports: 
 
 
 class Cluster:
-    def __init__(self, manifests: list[dict], logs: Path, client_tls: Path) -> None:
+    def __init__(self, manifests: list[dict], logs: Path, client_tls: Path | None) -> None:
         self.manifests, self.logs, self.client_tls = manifests, logs, client_tls
         self.processes: list[subprocess.Popen] = []
         self.port = free_port()
@@ -97,11 +102,22 @@ class Cluster:
                 subprocess.Popen([TANDEM, *args], env={**base, **env}, stdout=log, stderr=log)
             )
 
-    def probe(self, probe: str, component: str = "router") -> subprocess.CompletedProcess:
-        command = container(self.manifests, component)[probe]["exec"]["command"]
+    def probe(self, probe: str) -> tuple[bool, str]:
+        """The router's rendered ``probe``, run as the kubelet would: (passed, why not)."""
+        spec = container(self.manifests, "router")[probe]
+        if "grpc" in spec:  # kubelet's own gRPC health check, plaintext
+            with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+                request = health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", ""))
+                try:
+                    status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+                except grpc.RpcError as e:
+                    return False, str(e)
+            return status == health_pb2.HealthCheckResponse.SERVING, f"status {status}"
+        command = spec["exec"]["command"]
         env = {"POD_IP": "127.0.0.1", "PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
         argv = [sys.executable, *command[1:3], str(self.port), command[4]]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        return done.returncode == 0, done.stderr
 
     def stop(self) -> None:
         for p in self.processes:
@@ -113,20 +129,22 @@ class Cluster:
         return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.logs.iterdir()))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ca = tmp_path_factory.mktemp("ca")
-    script = os.path.join(ROOT, "deploy", "tls", "make_certs.sh")
-    subprocess.run(["bash", script, str(ca), "service", "client"], check=True, capture_output=True)
-    tls = cert_folder(ca, "service", tmp_path_factory.mktemp("mount") / "tls")
-    client = cert_folder(ca, "client", tmp_path_factory.mktemp("client") / "tls")
+@pytest.fixture(scope="module", params=["tokens", "tokens over TLS"])
+def cluster(request, tmp_path_factory):
+    tls = client = None
+    if request.param == "tokens over TLS":
+        ca = tmp_path_factory.mktemp("ca")
+        script = os.path.join(ROOT, "deploy", "tls", "make_certs.sh")
+        subprocess.run(["bash", script, str(ca), "service", "client"], check=True, capture_output=True)
+        tls = cert_folder(ca, "service", tmp_path_factory.mktemp("mount") / "tls")
+        client = cert_folder(ca, "client", tmp_path_factory.mktemp("client") / "tls")
     c = Cluster(render(values(tls)), tmp_path_factory.mktemp("logs"), client)
     c.start("router", f"{FULLNAME}-router-5d8c-r1")
     c.start("prefill", f"{FULLNAME}-prefill-6f7b-p1")
     c.start("decode", f"{FULLNAME}-decode-7d9f-d1")
     try:
         deadline = time.monotonic() + 180
-        while c.probe("readinessProbe").returncode != 0:
+        while not c.probe("readinessProbe")[0]:
             assert time.monotonic() < deadline, f"the router never became ready\n{c.log_text()}"
             assert all(p.poll() is None for p in c.processes), f"a process exited\n{c.log_text()}"
             time.sleep(1)
@@ -138,7 +156,9 @@ def cluster(tmp_path_factory):
 def helm_test(c: Cluster, token: str) -> subprocess.CompletedProcess:
     (pod,) = one(c.manifests, "Pod", f"{FULLNAME}-test-generate")["spec"]["containers"]
     env = {e["name"]: e["value"] for e in pod["env"] if "value" in e}
-    env |= {"ROUTER": f"localhost:{c.port}", "TLS_DIR": str(c.client_tls), "TANDEM_TOKEN": token}
+    env |= {"ROUTER": f"localhost:{c.port}", "TANDEM_TOKEN": token}
+    if c.client_tls is not None:
+        env["TLS_DIR"] = str(c.client_tls)
     env |= {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
     return subprocess.run(
         [sys.executable, *pod["command"][1:]], env=env, capture_output=True, text=True, timeout=180
@@ -147,8 +167,8 @@ def helm_test(c: Cluster, token: str) -> subprocess.CompletedProcess:
 
 def test_the_rendered_probes_pass_on_the_running_router(cluster):
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        done = cluster.probe(probe)
-        assert done.returncode == 0, done.stderr
+        passed, why = cluster.probe(probe)
+        assert passed, why
 
 
 def test_helm_test_is_served_with_the_token_from_the_secret(cluster):
