@@ -21,14 +21,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.security import worker_token
 from tests.helm.chart import FULLNAME, ROOT, config, container, one, render
 from tests.helm.test_credentials import TOKENS
 from tests.helm.test_pod_scripts import cert_folder
 
 pytestmark = pytest.mark.slow
+SERVICE_SECRET = "service-s3cret"
 SECRETS = {
     ("tandem-client", "api-token"): "client-t0ken",
-    ("tandem-service", "service-token"): "service-s3cret",
+    ("tandem-service", "service-token"): SERVICE_SECRET,
+    ("decode-0-token", "token"): worker_token(SERVICE_SECRET, "decode-0"),  # `tandem worker-token decode-0`
 }
 TANDEM = os.path.join(os.path.dirname(sys.executable), "tandem")
 _REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -41,8 +44,8 @@ def free_port() -> int:
 
 
 def values(tls_dir: Path | None) -> dict:
-    """TOKENS from Secrets (and TLS, with ``tls_dir``), on CPU with small caches and UCX over
-    loopback."""
+    """TOKENS from Secrets and a worker token for the decode role (or, with ``tls_dir``, TLS),
+    on CPU with small caches and UCX over loopback."""
     small = {"kvCacheMb": 8}
     chosen = {
         **TOKENS,
@@ -51,7 +54,9 @@ def values(tls_dir: Path | None) -> dict:
         "prefill": small,
         "decode": small,
     }
-    if tls_dir is not None:
+    if tls_dir is None:  # the decode role with its own worker token, the prefill role the secret's
+        chosen["decode"] = {**small, "workerToken": {"existingSecret": "decode-0-token"}}
+    else:
         chosen["tls"] = {
             "enabled": True,
             "existingSecret": "tls",
@@ -180,3 +185,13 @@ def test_helm_test_is_served_with_the_token_from_the_secret(cluster):
 def test_helm_test_without_the_token_is_refused(cluster):
     done = helm_test(cluster, "")
     assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr
+
+
+def test_each_worker_registers_under_the_id_its_credential_names(cluster):
+    logs = {f.name: f.read_text() for f in cluster.logs.iterdir()}
+    assert re.search(
+        rf"^prefill {FULLNAME}-prefill-6f7b-p1 grpc=", logs[f"{FULLNAME}-prefill-6f7b-p1.log"], re.M
+    )
+    own_token = cluster.client_tls is None  # the tokens-only cluster's decode role has its own
+    decode_id = "decode-0" if own_token else f"{FULLNAME}-decode-7d9f-d1"
+    assert re.search(rf"^decode {decode_id} grpc=", logs[f"{FULLNAME}-decode-7d9f-d1.log"], re.M)
