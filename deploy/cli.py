@@ -106,6 +106,13 @@ def add_up_parser(sub) -> None:
     )
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
     up.add_argument(
+        "--routers",
+        type=positive_int,
+        default=1,
+        help="router replicas; every worker registers with each (the first takes --port and "
+        "--http-port, the others any free gRPC port and no HTTP)",
+    )
+    up.add_argument(
         "--token",
         default=os.environ.get("TANDEM_TOKEN", ""),
         help="client token the router requires (the processes get a fresh service secret with it; "

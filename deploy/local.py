@@ -50,11 +50,15 @@ class LocalCluster:
         expected_pairs: int | None = None,
         http_port: int = 0,
         credentials: grpc.ChannelCredentials | None = None,
+        routers: int = 1,
     ) -> None:
         """``roles``: one entry per worker, a role or (role, extra worker arguments).
         ``http_port``: the router's OpenAI-compatible HTTP port (0 = any free, -1 = off).
-        ``credentials``: how this process reaches the router when it runs mutual TLS."""
+        ``credentials``: how this process reaches the router when it runs mutual TLS.
+        ``routers``: router replicas; every worker registers with each (the first one takes
+        ``port`` and ``http_port``, the others any free gRPC port and no HTTP)."""
         self.credentials = credentials
+        self.num_routers = routers
         self.worker_args, self.router_args = worker_args, router_args
         self.extra = [r[1] if isinstance(r, tuple) else [] for r in roles]
         self.roles = [r[0] if isinstance(r, tuple) else r for r in roles]
@@ -85,7 +89,13 @@ class LocalCluster:
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
         return cls(
-            worker, router, roles, port=args.port, http_port=http_port, env=credentials_env(args.token)
+            worker,
+            router,
+            roles,
+            port=args.port,
+            http_port=http_port,
+            env=credentials_env(args.token),
+            routers=args.routers,
         )
 
     @property
@@ -108,11 +118,18 @@ class LocalCluster:
             raise
 
     def _start(self) -> None:
-        router = self._spawn(
-            "router",
-            ["router", "--port", str(self.port), "--http-port", str(self.http_port), *self.router_args],
-        )
-        self._wait_endpoint(router)
+        routers = []
+        for r in range(self.num_routers):
+            ports = (
+                ["--port", str(self.port), "--http-port", str(self.http_port)]
+                if r == 0
+                else ["--port", "0", "--http-port", "-1"]
+            )
+            routers.append(
+                self._spawn("router" if r == 0 else f"router-{r}", ["router", *ports, *self.router_args])
+            )
+        for router in routers:
+            self._wait_endpoint(router)
         for i, role in enumerate(self.roles):
             self._spawn(
                 f"{role}-{i}",
@@ -121,26 +138,28 @@ class LocalCluster:
                     "--role",
                     role,
                     "--router",
-                    router.grpc,
+                    ",".join(r.grpc for r in routers),
                     "--instance-id",
                     f"{role}-{i}",
                     *self.worker_args,
                     *self.extra[i],
                 ],
             )
-        for p in self.processes[1:]:
+        for p in self.processes[self.num_routers :]:
             self._wait_endpoint(p)
-        self.wait_serving()
+        for router in routers:
+            self.wait_serving(router.grpc)
 
-    def wait_serving(self) -> None:
-        """Wait until every prefill/decode pair is READY (or every aggregated worker joined)."""
+    def wait_serving(self, address: str = "") -> None:
+        """Wait until every prefill/decode pair is READY (or every aggregated worker joined)
+        at the router (or the one at ``address``)."""
         pairs = self.expected_pairs
         if pairs is None:
             pairs = self.roles.count("prefill") * self.roles.count("decode")
         aggregated = self.roles.count("both")
         deadline = time.monotonic() + self.start_timeout_s
         health = cpb.HealthResponse()
-        with self.channel() as channel:
+        with self.channel(address) as channel:
             stub = cpb_grpc.TandemStub(channel)
             while time.monotonic() < deadline:
                 health = stub.Health(cpb.HealthRequest(), timeout=5)

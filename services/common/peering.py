@@ -55,6 +55,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         self.metrics = metrics
         self.peers: dict[str, rpb.RankInfo] = {}
         self._pongs: set[asyncio.Task] = set()
+        self._turns: dict[str, asyncio.Lock] = {}  # per peer: one pairing test at a time
 
     async def Register(self, request: reg.RegisterRequest, context) -> reg.RegisterResponse:
         local, peer = self.local_info(), request.rank_info
@@ -83,11 +84,17 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         return reg.RegisterResponse(accepted=True, peer=local)
 
     async def _connect_and_test(self, local: rpb.RankInfo, peer: rpb.RankInfo) -> list[Mismatch]:
-        await self.agent.disconnect(peer.instance_id)  # a re-registering peer has a new address
-        await self.agent.connect(peer.instance_id, endpoint_of(peer))
+        """Connect anew and run the pairing test (the decode side: in the background, once
+        its turn comes). Tests of one peer run one at a time, each side in arrival order:
+        every router replica pairs the same two workers, under the same nonce."""
+        turn = self._turns.setdefault(peer.instance_id, asyncio.Lock())
         if local.role != rpb.ROLE_DECODE:
-            return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id))
-        task = asyncio.ensure_future(self._answer(peer, pair_nonce(peer.instance_id, local.instance_id)))
+            async with turn:
+                await self._connect(peer)
+                return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id))
+        task = asyncio.ensure_future(
+            self._answer_in_turn(turn, peer, pair_nonce(peer.instance_id, local.instance_id))
+        )
         self._pongs.add(task)
         task.add_done_callback(self._pongs.discard)
         return []
@@ -124,6 +131,21 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
             local = self.local_info().instance_id
             return [Mismatch("ucx", local, peer.instance_id, f"test transfer between ranks failed: {e}")]
         return []
+
+    async def _connect(self, peer: rpb.RankInfo) -> None:
+        """The send direction to ``peer``, opened anew: a restarted peer has a new address,
+        and a re-pairing after a failed transfer starts from a fresh endpoint."""
+        await self.agent.disconnect(peer.instance_id)
+        await self.agent.connect(peer.instance_id, endpoint_of(peer))
+
+    async def _answer_in_turn(self, turn: asyncio.Lock, peer: rpb.RankInfo, nonce: str) -> None:
+        async with turn:
+            try:
+                await self._connect(peer)
+            except (TransferError, ValueError):
+                self.peers.pop(peer.instance_id, None)
+                return
+            await self._answer(peer, nonce)
 
     async def _answer(self, peer: rpb.RankInfo, nonce: str) -> None:
         """Decode side: echo, check the prefill group, answer, echo every other rank pair,

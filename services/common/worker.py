@@ -8,34 +8,22 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 
-import grpc
-
 from kvcore import GroupStats, GroupUsage, KVLayout
 from kvcore.transfer import TransferAgent
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
-from proto.tandem.v1 import registration_pb2 as reg
-from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.engine_loop import EngineLoop
 from services.common.faults import delay
 from services.common.metrics import Metrics
 from services.common.rank_info import engine_kv_heads, engine_rank_info
-from services.common.security import aio_channel
+from services.common.router_links import RouterLinks
 from services.common.tp_group import RankGroup
 from services.common.worker_config import ROLES, WorkerConfig
 from services.engine.engine import Engine
 from services.engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
-HEARTBEAT_S = 1.0
-REFUSALS = (
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.INVALID_ARGUMENT,
-)
-"""Registration answers that a retry alone will not change: printed for the operator."""
 
 
 class WorkerBase:
@@ -113,35 +101,18 @@ class WorkerBase:
         )
 
     async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
-        """Register with the router, then heartbeat; register again whenever it forgets us.
-        ``ready(flag)`` reports whether this worker is registered and, unless aggregated, in
-        at least one pair that passed its test transfer (``paired``). A refusal (the router's
-        contract, or a credential) is printed once per distinct reason, and retried."""
+        """Register with every router (services/common/router_links.py), forever. ``ready(flag)``
+        reports whether some router knows this worker and, unless aggregated, it is in at
+        least one pair that passed its test transfer (``paired``)."""
         if not self.config.router:
             return
-        async with aio_channel(self.config.router, self.config.tls, self.config.own_token) as channel:
-            stub = reg_grpc.RegistrationStub(channel)
-            registered, refusal = False, ""
-            while True:
-                try:
-                    if not registered:
-                        request = reg.RegisterRequest(rank_info=self.rank_info())
-                        answer = await stub.Register(request, timeout=5)
-                        registered = answer.accepted
-                        if not registered:
-                            refusal = _note_refusal(refusal, describe_refusal(answer))
-                    if registered:
-                        beat = await stub.Heartbeat(
-                            reg.HeartbeatRequest(instance_id=self.config.instance_id), timeout=5
-                        )
-                        registered = beat.registered
-                except grpc.aio.AioRpcError as e:
-                    registered = False
-                    if e.code() in REFUSALS:
-                        refusal = _note_refusal(refusal, f"{e.code().name}: {e.details()}")
-                if ready is not None:
-                    await ready(registered and (self.config.role == "both" or self.paired()))
-                await asyncio.sleep(HEARTBEAT_S)
+        links = RouterLinks(self.config.router, self.rank_info, self.config.tls, self.config.own_token)
+
+        async def changed() -> None:
+            if ready is not None:
+                await ready(bool(links.registered) and (self.config.role == "both" or self.paired()))
+
+        await links.run(changed)
 
     def paired(self) -> bool:
         return bool(self.peers is not None and self.peers.peers)
@@ -262,16 +233,3 @@ def layout_of(name: str) -> KVLayout:
         return KVLayout(name)
     except ValueError:
         raise ValueError(f"layout: must be 'unified' or 'separate', got {name!r}") from None
-
-
-def describe_refusal(answer: reg.RegisterResponse) -> str:
-    return "refused: " + "; ".join(
-        f"{m.field}: router {m.local_value}, this worker {m.peer_value}" for m in answer.mismatches
-    )
-
-
-def _note_refusal(last: str, reason: str) -> str:
-    """Print ``reason`` unless it is ``last``; returns it."""
-    if reason != last:
-        print(f"tandem: the router did not register this worker: {reason}", file=sys.stderr, flush=True)
-    return reason

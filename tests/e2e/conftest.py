@@ -90,7 +90,7 @@ def metric_sample(text: str, name: str, **labels: str) -> float:
 def worker_pages(cluster: LocalCluster) -> dict[str, dict[str, tuple[int, int]]]:
     """Per worker and group: (pages used, of which only the prefix cache holds)."""
     out = {}
-    for p in cluster.living()[1:]:
+    for p in (p for p in cluster.living() if not p.name.startswith("router")):
         with grpc.insecure_channel(p.grpc) as channel:
             stub = (wpb_grpc.DecodeWorkerStub if p.name.startswith("decode") else wpb_grpc.PrefillWorkerStub)(
                 channel
