@@ -15,8 +15,10 @@ one kind in a bucket, one step of the other kind refreshes its cost (and AL), so
 follows the context length and the acceptance as they move.
 
 Either choice keeps the output lossless: a plain step is the target's own sampling, and
-the drafter's catch-up forward still runs on it, so its KV stays exact. Greedy output is
-token-for-token the same whatever the rule picks.
+the drafter's catch-up forward still runs on it, so its KV stays exact. The rule applies
+to batches of greedy requests only (``greedy_only``), whose output is token-for-token the
+same whatever it picks: a seeded sampled request must draw the same tokens whatever the
+step timings were, and a step with drafts consumes its generator differently.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.graphed_forward import batch_buckets
+from services.engine.request import Request
+
+
+def greedy_only(requests: list[Request]) -> bool:
+    """Whether no request of the batch samples (none has a generator): the K rule may
+    then choose, since greedy output does not depend on K."""
+    return all(r.generator is None for r in requests)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
-from services.engine.adaptive_k import AdaptiveK
+from services.engine.adaptive_k import AdaptiveK, greedy_only
 from services.engine.batch import Span
 from services.engine.checks import (
     RequestExists,
@@ -240,16 +240,17 @@ class Engine:
 
     def _decode(self, decode: list[Request]) -> None:
         k = max(r.num_spec_tokens for r in decode)
-        if self.adaptive is not None and k:
-            k = min(k, self.adaptive.choose(len(decode)))
+        rule = self.adaptive if self.adaptive is not None and k and greedy_only(decode) else None
+        if rule is not None:
+            k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
         graphs = greedy_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
         step = greedy_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
         if step is None:
             step = self._general_decode(decode, k)
         emitted, logprobs, run, offsets = step
-        if self.adaptive is not None:  # the step ended with its host read: this is its cost
-            self.adaptive.record(len(decode), k, time.perf_counter() - start, sum(map(len, emitted)))
+        if rule is not None:  # the step ended with its host read: this is its cost
+            rule.record(len(decode), k, time.perf_counter() - start, sum(map(len, emitted)))
         for i, req in enumerate(decode):
             rows = range(offsets[i], offsets[i + 1])
             self.progress.advance_decode(req, emitted[i], logprobs[i], run, rows)

@@ -4,6 +4,7 @@ other kind, and greedy output equal to target-only whatever it picks."""
 from __future__ import annotations
 
 from services.engine.adaptive_k import AdaptiveK
+from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import make_engine, random_prompts
 from tests.services.engine.test_cuda_graphs import GREEDY, with_static_path
 
@@ -64,3 +65,19 @@ def test_plain_steps_keep_greedy_output_and_count_no_drafts(pair):
     assert rule.plain_steps > 3 + 6 and rule.spec_steps > 3 + 1  # probes drafted
     assert engine.runner.graphs.plain.replays  # steps without drafts took the greedy path too
     assert stats.num_draft_tokens < 3 * stats.num_steps  # plain steps counted no drafts
+
+
+def test_sampled_batches_keep_k_so_seeded_outputs_do_not_depend_on_timings(pair):
+    sampled = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    prompts = random_prompts(3, seed=62, max_len=20)
+    fixed = with_static_path(make_engine(pair, k=3)).generate(prompts, sampled)
+    engine = with_static_path(make_engine(pair, k=3))
+    engine.adaptive = rule = AdaptiveK(k=3, max_batch=8)
+    for bucket in (1, 2, 4):  # costs that would stop drafting
+        for _ in range(2):
+            rule.record(bucket, 3, 1.0, bucket)
+            rule.record(bucket, 0, 1e-9, bucket)
+    before = rule.plain_steps
+    out = engine.generate(prompts, sampled)
+    assert [o.token_ids for o in out] == [o.token_ids for o in fixed]
+    assert rule.plain_steps == before  # the rule was never asked
