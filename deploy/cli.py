@@ -67,6 +67,12 @@ def add_security_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default="", help="PEM CA that signs every peer's certificate")
+    p.add_argument(
+        "--tls-server-name",
+        default="",
+        help="the name every server's certificate must carry, whatever address it is reached at "
+        "(pods: their IPs are in no certificate); empty = the address's host",
+    )
 
 
 def add_http_port_arg(p: argparse.ArgumentParser, default: int | None) -> None:
@@ -287,7 +293,7 @@ def checked_engine_config(args: argparse.Namespace):
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:
     try:
-        return tls_from(args.tls_cert, args.tls_key, args.tls_ca)
+        return tls_from(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
 

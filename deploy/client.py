@@ -31,6 +31,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default="", help="PEM CA that signs the router's certificate")
+    p.add_argument("--tls-server-name", default="", help="the name the router's certificate carries")
 
 
 def request_of(args: argparse.Namespace) -> cpb.GenerateRequest:
@@ -47,7 +48,7 @@ def request_of(args: argparse.Namespace) -> cpb.GenerateRequest:
 def channel_to(endpoint: str, tls: TlsConfig | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(endpoint)
-    return grpc.secure_channel(endpoint, tls.channel_credentials())
+    return grpc.secure_channel(endpoint, tls.channel_credentials(), tls.channel_options())
 
 
 def run_remote(args: argparse.Namespace, tls: TlsConfig | None, token: str) -> int:

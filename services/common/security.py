@@ -24,6 +24,7 @@ class TlsConfig:
     cert: str  # PEM certificate of this process
     key: str  # PEM private key
     ca: str  # PEM CA that signs every peer
+    server_name: str = ""  # the name servers' certificates are checked against; "" = the address's host
 
     def __post_init__(self) -> None:
         for name in ("cert", "key", "ca"):
@@ -37,19 +38,26 @@ class TlsConfig:
         key, cert, ca = self._read()
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Channel options: with ``server_name``, every server's certificate must name it
+        (one certificate for pods whose addresses no certificate can list)."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         key, cert, ca = self._read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def tls_from(cert: str = "", key: str = "", ca: str = "") -> TlsConfig | None:
+def tls_from(cert: str = "", key: str = "", ca: str = "", server_name: str = "") -> TlsConfig | None:
     """None when no file is given; all three or a ValueError naming the missing one."""
     if not (cert or key or ca):
+        if server_name:
+            raise ValueError("tls_server_name: needs mutual TLS (--tls-cert, --tls-key and --tls-ca)")
         return None
     for name, value in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
         if not value:
             raise ValueError(f"{name}: mutual TLS needs --tls-cert, --tls-key and --tls-ca")
-    return TlsConfig(cert, key, ca)
+    return TlsConfig(cert, key, ca, server_name)
 
 
 def worker_token(service_secret: str, instance_id: str) -> str:
@@ -76,7 +84,9 @@ def aio_channel(address: str, tls: TlsConfig | None = None, token: str = "") -> 
     interceptors = [_TokenUnary(token), _TokenStream(token)] if token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), tls.channel_options(), interceptors=interceptors
+    )
 
 
 def bearer_token(metadata) -> str:
