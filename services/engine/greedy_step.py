@@ -60,13 +60,14 @@ def greedy_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> Deco
 
 @torch.inference_mode()
 def greedy_step(
-    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k_drafts: int, forced: int = -1
+    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k: int, forced: int = -1
 ) -> StepResult | None:
     """(emitted tokens, their logprobs, the target's run, row offsets) per request, as
-    ``verify`` returns them, for a step of ``k_drafts`` drafts (the chain's K or 0);
+    ``verify`` returns them, for a step of ``k`` drafts each (the chain's K, or 0);
     ``forced``: forced acceptance (benchmarks only), -1 = off. None when a graph refused
-    the batch (nothing ran then but the catch-up, which the general path repeats exactly)."""
-    k = k_drafts
+    the batch (``greedy_step_fits`` said it would not): only drafter forwards ran then,
+    whose KV writes the general path repeats with the same values. Requests that ask for
+    logprobs add their own read of them."""
     g0 = catch_up(runner, decode)  # [batch, hidden]
     if k:
         table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
