@@ -29,6 +29,7 @@ from bench.agentic_cluster import (
 from bench.agentic_replay import ReplayResult, replay
 from bench.agentic_report import Summary, markdown_table, summarize
 from bench.agentic_workload import Workload, WorkloadConfig, generate
+from bench.progress import steps
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     configs, skipped = matrix(args, host_tier_supported())
     summaries, shapes = [], {}
-    for config in configs:
+    for config in steps(configs, len(configs), "agentic replay (layout x host tier)"):
         result, shapes[config.name] = run_config(config, workload, args)
         save_records(args.records, config.name, result)
         summary = summarize(config.name, config.origin, result, shapes[config.name].rebuild_tokens)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench.progress import steps
 from models.byte_tokenizer import BOS_ID
 from models.data import held_out_prose, split_files
 from services.engine.config import EngineConfig
@@ -97,17 +98,18 @@ def main(argv: list[str] | None = None) -> None:
         k: Engine(EngineConfig(drafter=DRAFTER if k else None, num_spec_tokens=k, **common)) for k in [0, *ks]
     }
     results = []
-    for domain, corpus in held_out_corpora().items():
-        for rung in rungs:
-            prompts = windows(corpus, rung, a.prompts, a.seed)
-            row = {"domain": domain, "rung": rung}
-            for k, engine in engines.items():
-                row[k] = run(engine, prompts, a.max_tokens)
-                assert row[k]["token_ids"] == row[0]["token_ids"], f"K={k} is not lossless"
-            for k in engines:
-                del row[k]["token_ids"]
-            results.append(row)
-            print(format_row(row, ks), flush=True)
+    corpora = held_out_corpora()
+    cells = [(domain, corpus, rung) for domain, corpus in corpora.items() for rung in rungs]
+    for domain, corpus, rung in steps(cells, len(cells), "AL ladder (domain x length)"):
+        prompts = windows(corpus, rung, a.prompts, a.seed)
+        row = {"domain": domain, "rung": rung}
+        for k, engine in engines.items():
+            row[k] = run(engine, prompts, a.max_tokens)
+            assert row[k]["token_ids"] == row[0]["token_ids"], f"K={k} is not lossless"
+        for k in engines:
+            del row[k]["token_ids"]
+        results.append(row)
+        print(format_row(row, ks), flush=True)
     print(summary(results, ks))
     if a.json:
         with open(a.json, "w") as f:

@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from bench.progress import steps
 from deploy.local import LocalCluster
 from models.byte_tokenizer import byte_ids
 from models.data import split_files
@@ -85,9 +86,12 @@ def main() -> None:
     args = parser.parse_args()
     prompts = ladder_prompts(args.lengths, args.per_length)
     start = time.time()
-    results = {"aggregated": run_aggregated(prompts, args.k, args.max_tokens)}
-    for layout in ("unified", "separate"):
-        results[layout] = run_cluster(layout, prompts, args.k, args.max_tokens)
+    results = {}
+    for layout in steps(("aggregated", "unified", "separate"), 3, "AL, aggregated vs disaggregated"):
+        if layout == "aggregated":
+            results[layout] = run_aggregated(prompts, args.k, args.max_tokens)
+        else:
+            results[layout] = run_cluster(layout, prompts, args.k, args.max_tokens)
     print(
         f"K = {args.k}, {args.per_length} held-out prompts per length, {args.max_tokens} "
         f"tokens each, greedy ({time.time() - start:.0f} s)"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench.progress import clock
 from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
@@ -70,8 +71,10 @@ async def one_stream(stub, rng: random.Random, tally: Tally, cancel_rate: float)
             tally.errors.append(f"{e.code().name}: {e.details()}")
 
 
-async def client(address: str, streams: int, seconds: float, cancel_rate: float, seed: int) -> Tally:
-    tally, deadline = Tally(), time.monotonic() + seconds
+async def client(address: str, streams: int, seconds: float, cancel_rate: float, tally: Tally) -> Tally:
+    """``streams`` concurrent request loops for ``seconds`` (stream i seeded i); counts into
+    ``tally``, so a caller can watch it grow."""
+    seed, deadline = 1, time.monotonic() + seconds
     async with grpc.aio.insecure_channel(address) as channel:
         stub = cpb_grpc.TandemStub(channel)
 
@@ -107,11 +110,21 @@ def held_pages(cluster: LocalCluster) -> dict[str, int]:
 async def soak(
     cluster: LocalCluster, streams: int, seconds: float, cancel_rate: float, sample_s: float
 ) -> tuple[Tally, list[tuple[float, dict[str, float]]]]:
-    samples, start = [], time.monotonic()
-    task = asyncio.ensure_future(client(cluster.router_address, streams, seconds, cancel_rate, 1))
+    samples, start, next_sample = [], time.monotonic(), 0.0
+    tally = Tally()
+    task = asyncio.ensure_future(client(cluster.router_address, streams, seconds, cancel_rate, tally))
+    bar = clock(seconds, f"soak, {streams} streams")
     while not task.done():
-        samples.append((time.monotonic() - start, {p.name: rss_mib(p.popen.pid) for p in cluster.processes}))
-        await asyncio.wait([task], timeout=sample_s)
+        elapsed = time.monotonic() - start
+        if elapsed >= next_sample:
+            samples.append((elapsed, {p.name: rss_mib(p.popen.pid) for p in cluster.processes}))
+            next_sample += sample_s
+        bar.update_to(elapsed)
+        bar.set_postfix(
+            done=tally.completed, cancelled=tally.cancelled, errors=len(tally.errors), refresh=False
+        )
+        await asyncio.wait([task], timeout=min(1.0, sample_s))
+    bar.close()
     return task.result(), samples
 
 

@@ -26,6 +26,8 @@ from services.common.security import TlsConfig, aio_channel
 HEARTBEAT_S = 1.0
 RESOLVE_INTERVAL_S = 5.0
 CALL_TIMEOUT_S = 5.0
+RECONNECT = [("grpc.max_reconnect_backoff_ms", 1000)]
+"""A router that comes back is found within a second (grpc's backoff would grow to 120 s)."""
 REFUSALS = (
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -92,7 +94,7 @@ class RouterLinks:
                 task.cancel()
 
     async def _register_forever(self, address: str, changed: Callable[[], Awaitable[None]]) -> None:
-        async with aio_channel(address, self.tls, self.token) as channel:
+        async with aio_channel(address, self.tls, self.token, RECONNECT) as channel:
             stub = reg_grpc.RegistrationStub(channel)
             known, refusal = False, ""
             while True:

@@ -79,13 +79,20 @@ def same_token(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def aio_channel(address: str, tls: TlsConfig | None = None, token: str = "") -> grpc.aio.Channel:
-    """A channel to a Tandem service, with TLS and the token when configured."""
+def aio_channel(
+    address: str,
+    tls: TlsConfig | None = None,
+    token: str = "",
+    options: list[tuple[str, object]] | None = None,
+) -> grpc.aio.Channel:
+    """A channel to a Tandem service, with TLS and the token when configured; ``options``:
+    more grpc channel options."""
     interceptors = [_TokenUnary(token), _TokenStream(token)] if token else None
+    options = list(options or [])
     if tls is None:
-        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
     return grpc.aio.secure_channel(
-        address, tls.channel_credentials(), tls.channel_options(), interceptors=interceptors
+        address, tls.channel_credentials(), tls.channel_options() + options, interceptors=interceptors
     )
 
 

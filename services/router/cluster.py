@@ -28,7 +28,7 @@ from services.router.registry import Registry
 
 CALL_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 120.0
-STREAM_IDLE_TIMEOUT_S = 60.0
+STREAM_IDLE_TIMEOUT_S = 300.0  # a queued or preempted request sends nothing meanwhile: generous
 
 
 @dataclass(frozen=True, slots=True)
