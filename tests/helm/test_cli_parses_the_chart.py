@@ -7,7 +7,7 @@ import pytest
 
 from deploy.cli import build_parser
 from tests.helm.chart import container, effective_args, render
-from tests.helm.test_credentials import TLS, TOKENS, WORKER_TOKEN
+from tests.helm.test_credentials import NAMED, TLS, TOKENS, WORKER_TOKEN
 
 CREDENTIALS = ("TANDEM_TOKEN", "TANDEM_SERVICE_TOKEN", "TANDEM_WORKER_TOKEN")
 POD = {"$(POD_IP)": "10.0.0.7", "$(POD_NAME)": "demo-tandem-decode-7d9f-x2x"}
@@ -53,6 +53,13 @@ def test_tls_flags_name_the_mounted_files(component, monkeypatch):
         "/etc/tandem/tls/tls.key",
         "/etc/tandem/tls/ca.crt",
     )
+    assert args.tls_server_name == ""
+
+
+@pytest.mark.parametrize("component", ["router", "prefill", "decode"])
+def test_the_server_name_is_the_tls_server_name_flag(component, monkeypatch):
+    args = parse(render(NAMED), component, monkeypatch)
+    assert (args.tls_ca, args.tls_server_name) == ("/etc/tandem/tls/ca.crt", "tandem.llm.svc")
 
 
 def test_without_credentials_nothing_is_set(monkeypatch):

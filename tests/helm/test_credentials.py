@@ -27,6 +27,7 @@ CSI = {
     "readOnly": True,
     "volumeAttributes": {"csi.cert-manager.io/issuer-name": "ca"},
 }
+NAMED = {"tls": {**TLS["tls"], "serverName": "tandem.llm.svc"}}
 TLS_CSI = {"tls": {"enabled": True, "volume": {"csi": CSI}, "clientSecret": "tandem-client-tls"}}
 WORKER_TOKEN = {
     "auth": {"serviceToken": {"existingSecret": "tandem-service"}},
@@ -124,6 +125,34 @@ def test_a_tls_volume_source_replaces_the_secret():
         assert container(m, component)["args"][-6:] == TLS_FLAGS
 
 
+def test_the_server_name_reaches_every_role_after_the_tls_files():
+    m = render(NAMED)
+    for component in COMPONENTS:
+        assert container(m, component)["args"][-8:] == [*TLS_FLAGS, "--tls-server-name", "tandem.llm.svc"]
+    for component in COMPONENTS:  # and only with it
+        assert "--tls-server-name" not in container(render(TLS), component)["args"]
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_the_tls_probes_check_the_server_name(component):
+    c = container(render(NAMED), component)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        script = c[probe]["exec"]["command"][2]
+        assert 'n = "tandem.llm.svc"\no = [("grpc.ssl_target_name_override", n)] if n else []' in script
+        assert "c, options=o) as ch:" in script
+    assert 'n = ""\n' in container(render(TLS), component)["readinessProbe"]["exec"]["command"][2]
+
+
+def test_the_helm_test_pod_checks_the_server_name():
+    (c,) = one(render(NAMED), "Pod", f"{FULLNAME}-test-generate")["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in c["env"] if "value" in e}["TLS_SERVER_NAME"] == "tandem.llm.svc"
+    script = c["command"][2]
+    assert 'options = [("grpc.ssl_target_name_override", name)] if name else []' in script
+    assert 'grpc.secure_channel(os.environ["ROUTER"], credentials, options=options)' in script
+    (c,) = one(render(TLS), "Pod", f"{FULLNAME}-test-generate")["spec"]["containers"]
+    assert "TLS_SERVER_NAME" not in [e["name"] for e in c["env"]]
+
+
 @pytest.mark.parametrize("component, port", [("router", 50051), ("decode", 50061)])
 def test_under_tls_the_probes_exec_a_health_check_over_mutual_tls(component, port):
     c = container(render(TLS), component)
@@ -178,6 +207,12 @@ def test_helm_test_pod_can_be_left_out():
             "needs an OU=client certificate: give a Secret holding one, or set test.enabled false",
         ),
         (
+            {"tls": {"serverName": "tandem.llm.svc"}},
+            "tls.serverName: names the certificate the mutual-TLS channels check, and the services "
+            "refuse --tls-server-name without mutual TLS (tls_server_name: needs mutual TLS): set "
+            "tls.enabled too, or leave tls.serverName empty",
+        ),
+        (
             {"decode": {"workerToken": {"existingSecret": "decode-0-token"}}},
             "decode.workerToken.existingSecret: the router checks worker tokens with the service "
             "secret: set auth.serviceToken.existingSecret too",
@@ -192,6 +227,7 @@ def test_helm_test_pod_can_be_left_out():
         "client token alone",
         "tls without files",
         "tls test without cert",
+        "server name without tls",
         "worker token alone",
         "2 replicas",
     ],

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
-from tests.helm.test_credentials import TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
+from tests.helm.test_credentials import NAMED, TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
 from tests.helm.test_pod_values import EXISTING_ACCOUNT, EXTRAS, PDBS
 from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
 
@@ -34,6 +34,7 @@ VALUE_SETS = {
     "worker token": WORKER_TOKEN,
     "TLS": TLS,
     "TLS from CSI": TLS_CSI,
+    "TLS by server name": NAMED,
     "token over TLS": TOKEN_OVER_TLS,
     "extra env and volumes": EXTRAS,
     "disruption budgets": PDBS,
@@ -116,6 +117,7 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
         ),
         ({"auth": {"serviceToken": {"key": ""}}}, "/auth/serviceToken/key", "minLength: got 0, want 1"),
         ({"tls": {"enabled": "yes"}}, "/tls/enabled", "got string, want boolean"),
+        ({"tls": {"serverName": "a b"}}, "/tls/serverName", "'a b' does not match pattern"),
         ({"router": {"extraEnv": {"A": "b"}}}, "/router/extraEnv", "got object, want array"),
         ({"decode": {"extraVolumes": ["cache"]}}, "/decode/extraVolumes/0", "got string, want object"),
         (

@@ -1,11 +1,12 @@
 """The chart's own command lines, run: the rendered router and worker args and environment
-(ConfigMap, credentials from their Secrets; then mounted TLS files too) start a cluster on 127.0.0.1,
+(ConfigMap, credentials from their Secrets; then mounted TLS files too) start a cluster on loopback,
 the rendered readiness probe reports it ready, and the `helm test` pod's request is served
 with the client token and a client certificate. Only what a cluster supplies is replaced:
 pod IPs and names, the router Service's address, ports (each pod has its own), the image's
-/opt/tandem (this checkout). Every process holds the one certificate a Secret would give; it
-names 127.0.0.1, which is what lets the router reach the workers here (in a cluster it would
-have to name each pod's IP: docs/deploy.md, Credentials)."""
+/opt/tandem (this checkout). Every process holds the one certificate a Secret would give, with
+SAN DNS:service, DNS:localhost and IP:127.0.0.1. At 127.0.0.1 that address lets the router reach
+the workers; the pods at 127.0.0.2 (an address the certificate does not name, as it names no pod
+IP in a cluster) connect only through tls.serverName: service (docs/deploy.md, Credentials)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def values(tls_dir: Path | None) -> dict:
-    """TOKENS from Secrets and a worker token for the decode role (or, with ``tls_dir``, TLS),
-    on CPU with small caches and UCX over loopback."""
+def values(tls_dir: Path | None, server_name: str = "") -> dict:
+    """TOKENS from Secrets and a worker token for the decode role (or, with ``tls_dir``, TLS,
+    checking ``server_name`` when given), on CPU with small caches and UCX over loopback."""
     small = {"kvCacheMb": 8}
     chosen = {
         **TOKENS,
@@ -62,6 +63,7 @@ def values(tls_dir: Path | None) -> dict:
             "existingSecret": "tls",
             "clientSecret": "c",
             "mountPath": str(tls_dir),
+            "serverName": server_name,
         }
     return chosen
 
@@ -89,15 +91,17 @@ def pod_args(manifests: list[dict], component: str, env: dict[str, str], ports: 
 
 
 class Cluster:
-    def __init__(self, manifests: list[dict], logs: Path, client_tls: Path | None) -> None:
-        self.manifests, self.logs, self.client_tls = manifests, logs, client_tls
+    def __init__(self, chosen: dict, logs: Path, client_tls: Path | None, host: str) -> None:
+        """The chart rendered with ``chosen`` values, every pod at IP ``host``."""
+        self.values, self.manifests = chosen, render(chosen)
+        self.logs, self.client_tls, self.host = logs, client_tls, host
         self.processes: list[subprocess.Popen] = []
         self.port = free_port()
 
     def start(self, component: str, name: str) -> None:
-        pod = {"status.podIP": "127.0.0.1", "metadata.name": name}
+        pod = {"status.podIP": self.host, "metadata.name": name}
         env = pod_env(self.manifests, component, pod)
-        env["TANDEM_ROUTER"] = f"127.0.0.1:{self.port}"  # what <fullname>-router-internal resolves to
+        env["TANDEM_ROUTER"] = f"{self.host}:{self.port}"  # what <fullname>-router-internal resolves to
         ports = {"--metrics-port": free_port(), "--http-port": -1}
         ports["--port"] = self.port if component == "router" else free_port()
         args = pod_args(self.manifests, component, env, ports)
@@ -107,11 +111,12 @@ class Cluster:
                 subprocess.Popen([TANDEM, *args], env={**base, **env}, stdout=log, stderr=log)
             )
 
-    def probe(self, probe: str) -> tuple[bool, str]:
-        """The router's rendered ``probe``, run as the kubelet would: (passed, why not)."""
-        spec = container(self.manifests, "router")[probe]
+    def probe(self, probe: str, manifests: list[dict] | None = None) -> tuple[bool, str]:
+        """The router's rendered ``probe`` (from ``manifests``, by default the cluster's own), run
+        as the kubelet would: (passed, why not)."""
+        spec = container(manifests or self.manifests, "router")[probe]
         if "grpc" in spec:  # kubelet's own gRPC health check, plaintext
-            with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            with grpc.insecure_channel(f"{self.host}:{self.port}") as channel:
                 request = health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", ""))
                 try:
                     status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
@@ -119,7 +124,7 @@ class Cluster:
                     return False, str(e)
             return status == health_pb2.HealthCheckResponse.SERVING, f"status {status}"
         command = spec["exec"]["command"]
-        env = {"POD_IP": "127.0.0.1", "PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
+        env = {"POD_IP": self.host, "PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
         argv = [sys.executable, *command[1:3], str(self.port), command[4]]
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         return done.returncode == 0, done.stderr
@@ -134,16 +139,25 @@ class Cluster:
         return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.logs.iterdir()))
 
 
-@pytest.fixture(scope="module", params=["tokens", "tokens over TLS"])
+CLUSTERS = {  # pod IP, TLS, tls.serverName
+    "tokens": ("127.0.0.1", False, ""),
+    "tokens over TLS": ("127.0.0.1", True, ""),
+    "TLS at 127.0.0.2 by serverName": ("127.0.0.2", True, "service"),
+}
+BY_NAME = "TLS at 127.0.0.2 by serverName"
+
+
+@pytest.fixture(scope="module", params=CLUSTERS.values(), ids=CLUSTERS.keys())
 def cluster(request, tmp_path_factory):
+    host, on, server_name = request.param
     tls = client = None
-    if request.param == "tokens over TLS":
+    if on:
         ca = tmp_path_factory.mktemp("ca")
         script = os.path.join(ROOT, "deploy", "tls", "make_certs.sh")
         subprocess.run(["bash", script, str(ca), "service", "client"], check=True, capture_output=True)
         tls = cert_folder(ca, "service", tmp_path_factory.mktemp("mount") / "tls")
         client = cert_folder(ca, "client", tmp_path_factory.mktemp("client") / "tls")
-    c = Cluster(render(values(tls)), tmp_path_factory.mktemp("logs"), client)
+    c = Cluster(values(tls, server_name), tmp_path_factory.mktemp("logs"), client, host)
     c.start("router", f"{FULLNAME}-router-5d8c-r1")
     c.start("prefill", f"{FULLNAME}-prefill-6f7b-p1")
     c.start("decode", f"{FULLNAME}-decode-7d9f-d1")
@@ -161,7 +175,9 @@ def cluster(request, tmp_path_factory):
 def helm_test(c: Cluster, token: str) -> subprocess.CompletedProcess:
     (pod,) = one(c.manifests, "Pod", f"{FULLNAME}-test-generate")["spec"]["containers"]
     env = {e["name"]: e["value"] for e in pod["env"] if "value" in e}
-    env |= {"ROUTER": f"localhost:{c.port}", "TANDEM_TOKEN": token}
+    # the router at localhost, a name the certificate carries, or at 127.0.0.2, which it does not
+    router = "localhost" if c.host == "127.0.0.1" else c.host
+    env |= {"ROUTER": f"{router}:{c.port}", "TANDEM_TOKEN": token}
     if c.client_tls is not None:
         env["TLS_DIR"] = str(c.client_tls)
     env |= {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT}
@@ -195,3 +211,13 @@ def test_each_worker_registers_under_the_id_its_credential_names(cluster):
     own_token = cluster.client_tls is None  # the tokens-only cluster's decode role has its own
     decode_id = "decode-0" if own_token else f"{FULLNAME}-decode-7d9f-d1"
     assert re.search(rf"^decode {decode_id} grpc=", logs[f"{FULLNAME}-decode-7d9f-d1.log"], re.M)
+
+
+@pytest.mark.parametrize("cluster", [CLUSTERS[BY_NAME]], ids=[BY_NAME], indirect=True)
+def test_at_an_address_the_certificate_does_not_name_only_the_server_name_connects(cluster):
+    """The same probe rendered without tls.serverName fails at 127.0.0.2, on the name."""
+    unnamed = {**cluster.values, "tls": {**cluster.values["tls"], "serverName": ""}}
+    passed, why = cluster.probe("readinessProbe", render(unnamed))
+    assert not passed and "Hostname Verification Check failed" in why, why
+    passed, why = cluster.probe("readinessProbe")
+    assert passed, why

@@ -15,7 +15,9 @@ serviceAccountName: {{ include "tandem.serviceAccountName" . }}
 automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
 {{- end }}
 
-{{/* Mutual TLS: the flags (file paths only), the volume and its mount. */}}
+{{/* Mutual TLS: the flags (file paths, and the name every server's certificate is checked
+     against instead of the dialled address: pod IPs are in no Secret's certificate), the volume
+     and its mount. */}}
 {{- define "tandem.tlsArgs" -}}
 {{- $t := .Values.tls }}
 {{- if $t.enabled }}
@@ -25,6 +27,10 @@ automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountT
 - {{ printf "%s/tls.key" $t.mountPath }}
 - --tls-ca
 - {{ printf "%s/ca.crt" $t.mountPath }}
+{{- with $t.serverName }}
+- --tls-server-name
+- {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -58,14 +64,17 @@ automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountT
 {{- end }}
 
 {{/* grpc.health.v1 Check of service argv[2] at $POD_IP:argv[1] over mutual TLS with the
-     pod's own certificate; exit 0 when SERVING. */}}
+     pod's own certificate, checking the server's against tls.serverName when set (as the
+     services do); exit 0 when SERVING. */}}
 {{- define "tandem.tlsProbe" -}}
 import os, sys, grpc
 from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as hg
 d = {{ .Values.tls.mountPath | quote }}
 r = lambda n: open(os.path.join(d, n), "rb").read()
 c = grpc.ssl_channel_credentials(r("ca.crt"), r("tls.key"), r("tls.crt"))
-with grpc.secure_channel(os.environ["POD_IP"] + ":" + sys.argv[1], c) as ch:
+n = {{ .Values.tls.serverName | quote }}
+o = [("grpc.ssl_target_name_override", n)] if n else []
+with grpc.secure_channel(os.environ["POD_IP"] + ":" + sys.argv[1], c, options=o) as ch:
     s = hg.HealthStub(ch).Check(h.HealthCheckRequest(service=sys.argv[2]), timeout={{ sub .Values.tls.probeTimeoutSeconds 1 | max 1 }}).status
 sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
 {{- end }}
@@ -76,6 +85,9 @@ sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
 {{- $t := .Values.tls }}
 {{- if and $a.clientToken.existingSecret (not $a.serviceToken.existingSecret) (not $t.enabled) }}
 {{- fail "auth.clientToken.existingSecret: the router refuses a client token without the service secret or mutual TLS (service_secret: required with a client token): set auth.serviceToken.existingSecret or tls.enabled too" }}
+{{- end }}
+{{- if and $t.serverName (not $t.enabled) }}
+{{- fail "tls.serverName: names the certificate the mutual-TLS channels check, and the services refuse --tls-server-name without mutual TLS (tls_server_name: needs mutual TLS): set tls.enabled too, or leave tls.serverName empty" }}
 {{- end }}
 {{- if and $t.enabled (not $t.existingSecret) (not $t.volume) }}
 {{- fail "tls.existingSecret: required when tls.enabled is true (a Secret holding the certificate, key and CA), unless tls.volume gives them" }}
