@@ -99,15 +99,19 @@ spec:
             - $(TANDEM_MAX_NUM_SEQS)
             - --kv-cache-mb
             - {{ $w.kvCacheMb | quote }}
-            {{- with $w.hostKvCache }}
-            {{- if gt (int .mb) 0 }}
+            {{- /* each host tier flag only off its default (deploy/options.py EngineOptions) */}}
+            {{- $host := $w.hostKvCache | default dict }}
+            {{- if gt (int ($host.mb | default 0)) 0 }}
             - --host-kv-cache-mb
-            - {{ .mb | quote }}
-            - --host-kv-write-policy
-            - {{ .writePolicy | quote }}
-            - --host-kv-recall-min-pages
-            - {{ .recallMinPages | quote }}
+            - {{ $host.mb | quote }}
             {{- end }}
+            {{- if ne ($host.writePolicy | default "evict") "evict" }}
+            - --host-kv-write-policy
+            - {{ $host.writePolicy | quote }}
+            {{- end }}
+            {{- if ne (int ($host.recallMinPages | default 1)) 1 }}
+            - --host-kv-recall-min-pages
+            - {{ $host.recallMinPages | quote }}
             {{- end }}
             {{- if not $v.engine.prefixCache }}
             - --no-prefix-cache
