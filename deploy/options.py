@@ -89,7 +89,9 @@ class EngineOptions:
         choices=HOST_WRITE_POLICIES,
     )
     host_kv_recall_min_pages: int = _option(
-        1, "recall a host-tier hit only if it is at least this many pages; shorter ones are recomputed"
+        1,
+        "recall a host-tier hit only if it is at least this many pages; shorter ones are recomputed",
+        at_least(1),
     )
     max_num_seqs: int = _option(64, "requests a worker batches at once", at_least(1))
     prefix_cache: bool = _option(True, "turn the radix prefix cache off", flags=("--no-prefix-cache",))
