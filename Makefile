@@ -10,7 +10,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup run test test-unit proto bench bench-al soak lint clean observe bench-agentic
+.PHONY: setup run test test-unit proto bench bench-al soak lint clean observe bench-agentic bench-serve
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ bench-agentic: proto
 # 64 concurrent streams with random cancellations for 10 minutes (SOAK_ARGS to change)
 soak: proto
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# aiperf (in its own .venv-aiperf) against a local cluster's OpenAI endpoint; prints its table
+bench-serve: proto
+	$(BIN)/python -m bench.serve $(SERVE_ARGS)
 
 # ruff over the whole tree (kvcore, tokenization, services, deploy, models, bench, tests),
 # then the layer contracts of pyproject.toml's [tool.importlinter]
