@@ -16,12 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local import LocalCluster
 
 AIPERF_VERSION = "0.13.0"
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
+ROUTER_LATENCIES = ("tandem_inter_token_latency_seconds", "tandem_inter_chunk_latency_seconds")
 METRICS = (
     ("time_to_first_token", "time to first token (ms)"),
     ("inter_token_latency", "inter-token latency (ms)"),
@@ -100,6 +104,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as artifacts:
             summary = profile(aiperf, cluster.http_address, args, Path(artifacts))
+        scraped = urllib.request.urlopen(cluster.processes[0].metrics, timeout=10).read().decode()
     finally:
         cluster.stop()
     count = metric(summary, "request_count").get("avg")
@@ -112,6 +117,20 @@ def main() -> None:
         f"({time.monotonic() - start:.0f} s)"
     )
     print(table(summary))
+    print(
+        "the router's own histograms, mean: "
+        + ", ".join(f"{name} {histogram_mean(scraped, name) * 1000:.1f} ms" for name in ROUTER_LATENCIES)
+    )
+
+
+def histogram_mean(text: str, name: str) -> float:
+    """sum / count of the router's (role="router") histogram ``name`` in a /metrics page."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (f"{name}_sum", f"{name}_count") and sample.labels.get("role") == "router":
+                values[sample.name.rsplit("_", 1)[1]] = sample.value
+    return values.get("sum", 0.0) / values["count"] if values.get("count") else float("nan")
 
 
 if __name__ == "__main__":
