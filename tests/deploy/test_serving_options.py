@@ -9,7 +9,8 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from deploy.cli import build_parser, deadlines, http_limits
+from deploy.cli import build_parser
+from deploy.cli_flags import deadlines, http_limits
 from deploy.local import LocalCluster
 from deploy.options import served_model_name
 from deploy.ray_launcher.config import parse_config
