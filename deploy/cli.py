@@ -1,6 +1,8 @@
-"""The ``tandem`` command line: ``up`` (a local cluster), ``router``, ``worker``, ``generate``
-and ``ray``. The engine and worker flags come from deploy/options.py; the worker's modules,
-which load the engine, are imported by the worker command alone."""
+"""The ``tandem`` command line: ``up`` (a local cluster), ``router``, ``worker``,
+``worker-token``, ``generate`` (in process, or against a router: deploy/client.py) and
+``ray``. The engine and worker flags come from deploy/options.py, the shared ones from
+deploy/cli_flags.py; the worker's modules, which load the engine, are imported by the
+worker command alone."""
 
 from __future__ import annotations
 
