@@ -15,6 +15,7 @@ import time
 from importlib.metadata import version
 
 from deploy.cli_flags import (
+    add_client_token_arg,
     add_deadline_args,
     add_http_limit_args,
     add_http_port_arg,
@@ -78,11 +79,9 @@ def add_up_parser(sub) -> None:
         help="router replicas; every worker registers with each (the first takes --port and "
         "--http-port, the others any free gRPC port and no HTTP)",
     )
-    up.add_argument(
-        "--token",
-        default=os.environ.get("TANDEM_TOKEN", ""),
-        help="client token the router requires (the processes get a fresh service secret with it; "
-        "default: $TANDEM_TOKEN; empty = none)",
+    add_client_token_arg(
+        up,
+        "client token the router requires (the processes get a fresh service secret with it); empty = none",
     )
     add_http_port_arg(up, None)
 

@@ -14,14 +14,20 @@ from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, ReadTimeouts
 
 
+def add_client_token_arg(p: argparse.ArgumentParser, meaning: str) -> None:
+    """``--token``, the client token (default: $TANDEM_TOKEN); ``meaning``: its role here."""
+    p.add_argument(
+        "--token", default=os.environ.get("TANDEM_TOKEN", ""), help=f"{meaning} (default: $TANDEM_TOKEN)"
+    )
+
+
 def add_security_args(p: argparse.ArgumentParser, role: str) -> None:
     """Credentials (docs/reliability.md, "Who holds what"): ``role`` "router" or "worker"."""
     if role == "router":
-        p.add_argument(
-            "--token",
-            default=os.environ.get("TANDEM_TOKEN", ""),
-            help="client token: every client call (gRPC and HTTP) must carry it as a bearer token; "
-            "it cannot call workers or register one (default: $TANDEM_TOKEN; empty = none)",
+        add_client_token_arg(
+            p,
+            "client token: every client call (gRPC and HTTP) must carry it as a bearer token; it "
+            "cannot call workers or register one; empty = none",
         )
     p.add_argument(
         "--service-token",

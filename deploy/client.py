@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from deploy.cli_flags import add_client_token_arg
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from services.common.security import TlsConfig
@@ -21,11 +21,7 @@ TIMEOUT_S = 600.0  # the whole request's deadline
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="", help="a running router's gRPC host:port (instead of --offline)")
-    p.add_argument(
-        "--token",
-        default=os.environ.get("TANDEM_TOKEN", ""),
-        help="the router's client token, if it takes one (default: $TANDEM_TOKEN)",
-    )
+    add_client_token_arg(p, "the router's client token, if it takes one")
     p.add_argument(
         "--tls-cert", default="", help="PEM client certificate (OU=client) for a mutual-TLS router"
     )
