@@ -71,6 +71,13 @@ def add_up_parser(sub) -> None:
         help="tensor-parallel ranks per decode worker (default: --tp); may differ from the "
         "prefill workers': transfers re-slice KV heads",
     )
+    up.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="GPUs to place workers on with --device cuda (each worker, or TP group, its own; "
+        "deploy/placement.py); 0 = the visible ones",
+    )
     up.add_argument("--port", type=int, default=50051, help="router gRPC port (0 = any)")
     up.add_argument(
         "--routers",

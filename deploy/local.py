@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from deploy.options import ROUTER_ENGINE_OPTIONS, EngineOptions, ServingOptions, from_args, to_argv
+from deploy.placement import on_gpus, visible_gpus
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 
@@ -85,6 +86,8 @@ class LocalCluster:
             else ["prefill"] * args.prefill + ["decode"] * args.decode
         )
         roles = [(role, ["--tp", str(tp[role])]) for role in names]
+        if engine.device == "cuda":  # one GPU (or TP group) per worker: deploy/placement.py
+            roles = on_gpus(roles, [tp[role] for role in names], args.gpus or visible_gpus())
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT

@@ -1,0 +1,58 @@
+"""Where `tandem up --device cuda` puts each worker: its own GPU, or TP group of GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.local import LocalCluster
+from deploy.placement import gpu_bases, visible_gpus
+
+
+@pytest.mark.parametrize(
+    "sizes, gpus, bases",
+    [
+        ([1, 1], 2, [0, 1]),  # prefill GPU 0, decode GPU 1
+        ([2, 1], 3, [0, 2]),  # prefill TP 2 on GPUs 0-1 -> decode on GPU 2
+        ([1, 2], 4, [0, 1]),  # decode TP 2 on GPUs 1-2
+        ([1, 1, 1], 2, [0, 1, 0]),  # more workers than GPUs: wrap and share
+        ([2, 2], 2, [0, 0]),  # a TP group never straddles the wrap
+        ([1, 1], 0, [0, 0]),  # no GPU count known: all on GPU 0
+    ],
+)
+def test_each_worker_takes_its_tp_size_of_gpus_in_start_order(sizes, gpus, bases):
+    assert gpu_bases(sizes, gpus) == bases
+
+
+def _worker_devices(argv: list[str]) -> list[tuple[str, str]]:
+    cluster = LocalCluster.from_args(build_parser().parse_args(["up", *argv]))
+    devices = []
+    for role, extra in zip(cluster.roles, cluster.extra, strict=True):
+        flags = [*cluster.worker_args, *extra]
+        last = max(i for i, f in enumerate(flags) if f == "--device") if "--device" in flags else None
+        devices.append((role, flags[last + 1] if last is not None else "cpu"))
+    return devices
+
+
+def test_up_places_workers_on_their_own_gpus_with_device_cuda():
+    assert _worker_devices(["--device", "cuda", "--gpus", "3", "--prefill-tp", "2"]) == [
+        ("prefill", "cuda:0"),
+        ("decode", "cuda:2"),
+    ]
+    assert _worker_devices(["--device", "cuda", "--gpus", "2", "--prefill", "2"]) == [
+        ("prefill", "cuda:0"),
+        ("prefill", "cuda:1"),
+        ("decode", "cuda:0"),
+    ]
+
+
+def test_an_explicit_gpu_or_the_cpu_is_left_as_given():
+    assert _worker_devices(["--device", "cuda:1"]) == [("prefill", "cuda:1"), ("decode", "cuda:1")]
+    assert _worker_devices([]) == [("prefill", "cpu"), ("decode", "cpu")]
+
+
+def test_the_visible_gpus_are_cuda_visible_devices_when_set(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == 0
