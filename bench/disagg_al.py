@@ -9,11 +9,11 @@ three must emit the same tokens; only the drafter's starting state differs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import grpc
 
+from bench.al_report import MODES, Record, markdown, rows, svg
 from bench.progress import steps
 from deploy.local import LocalCluster
 from models.byte_tokenizer import byte_ids
@@ -40,17 +40,22 @@ def ladder_prompts(lengths: list[int], per_length: int) -> dict[int, list[list[i
     return out
 
 
-def run_aggregated(prompts: dict[int, list[list[int]]], k: int, max_tokens: int) -> dict:
-    engine = Engine(EngineConfig(model=MODEL, drafter=DRAFTER, num_spec_tokens=k))
+def run_aggregated(prompts: dict[int, list[list[int]]], k: int, max_tokens: int, device: str) -> dict:
+    engine = Engine(EngineConfig(model=MODEL, drafter=DRAFTER, num_spec_tokens=k, device=device))
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return {
-        n: [(o.token_ids, o.usage.acceptance_length) for o in (engine.generate([p], greedy)[0] for p in ps)]
+        n: [
+            Record(o.token_ids, o.usage.acceptance_length)
+            for o in (engine.generate([p], greedy)[0] for p in ps)
+        ]
         for n, ps in prompts.items()
     }
 
 
-def run_cluster(layout: str, prompts: dict[int, list[list[int]]], k: int, max_tokens: int) -> dict:
-    worker = ["--model", MODEL, "--drafter", DRAFTER, "-k", str(k), "--layout", layout]
+def run_cluster(
+    layout: str, prompts: dict[int, list[list[int]]], k: int, max_tokens: int, device: str
+) -> dict:
+    worker = ["--model", MODEL, "--drafter", DRAFTER, "-k", str(k), "--layout", layout, "--device", device]
     cluster = LocalCluster(worker, ["--model", MODEL, "-k", str(k)], ["prefill", "decode"])
     cluster.start()
     try:
@@ -61,20 +66,24 @@ def run_cluster(layout: str, prompts: dict[int, list[list[int]]], k: int, max_to
         cluster.stop()
 
 
-def _generate(stub, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+def _generate(stub, prompt: list[int], max_tokens: int) -> Record:
     request = cpb.GenerateRequest(
         token_ids=cpb.TokenIds(ids=prompt),
         sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
     )
-    tokens, al = [], 0.0
+    record, start = Record([], 0.0), time.monotonic()
     for message in stub.Generate(request, timeout=600):
         if message.HasField("chunk"):
-            tokens += list(message.chunk.token_ids)
+            if not record.tokens:
+                record.ttft_s = time.monotonic() - start
+            record.tokens += list(message.chunk.token_ids)
         elif message.HasField("complete"):
-            al = message.complete.usage.acceptance_length
+            usage = message.complete.usage
+            record.al = usage.acceptance_length
+            record.transfer_bytes = {t.group: t.num_bytes for t in usage.transfers}
         else:
             raise RuntimeError(message.error.message)
-    return tokens, al
+    return record
 
 
 def main() -> None:
@@ -83,36 +92,26 @@ def main() -> None:
     parser.add_argument("--per-length", type=int, default=4, help="prompts per length")
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="every engine's (the cluster's workers' too)")
+    parser.add_argument("--svg", default="", help="also write the plot of AL against prompt length here")
     args = parser.parse_args()
     prompts = ladder_prompts(args.lengths, args.per_length)
-    start = time.time()
-    results = {}
-    for layout in steps(("aggregated", "unified", "separate"), 3, "AL, aggregated vs disaggregated"):
-        if layout == "aggregated":
-            results[layout] = run_aggregated(prompts, args.k, args.max_tokens)
+    start, run = time.time(), {}
+    for mode in steps(MODES, len(MODES), "AL, aggregated vs disaggregated"):
+        if mode == "aggregated":
+            run[mode] = run_aggregated(prompts, args.k, args.max_tokens, args.device)
         else:
-            results[layout] = run_cluster(layout, prompts, args.k, args.max_tokens)
+            run[mode] = run_cluster(mode, prompts, args.k, args.max_tokens, args.device)
+    summary = rows(run)
     print(
         f"K = {args.k}, {args.per_length} held-out prompts per length, {args.max_tokens} "
-        f"tokens each, greedy ({time.time() - start:.0f} s)"
+        f"tokens each, greedy, {args.device} ({time.time() - start:.0f} s)"
     )
-    print(
-        "| prompt tokens | AL aggregated | AL disaggregated, unified | AL disaggregated, "
-        "separate | outputs equal |"
-    )
-    print("|---|---|---|---|---|")
-    for n in args.lengths:
-        al = {name: statistics.mean(a for _, a in r[n]) for name, r in results.items()}
-        same = all(
-            results[x][n][i][0] == results["aggregated"][n][i][0]
-            for x in ("unified", "separate")
-            for i in range(len(prompts[n]))
-        )
-        print(
-            f"| {n} | {al['aggregated']:.2f} | {al['unified']:.2f} | {al['separate']:.2f} | "
-            f"{'yes' if same else 'NO'} |",
-            flush=True,
-        )
+    print(markdown(summary))
+    if args.svg:
+        with open(args.svg, "w") as f:
+            f.write(svg(summary, f"Acceptance length, K = {args.k} ({args.device})"))
+        print(f"plot: {args.svg}")
 
 
 if __name__ == "__main__":
