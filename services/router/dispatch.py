@@ -232,7 +232,7 @@ class RequestFlow:
             async for message in self._forwarded(call):
                 yield message
             self.cluster.registry.index.record(worker.id, self.token_ids)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError, StreamStalled) as e:
             for message in forward_failure(self, e, worker.id):
                 yield message
         finally:
@@ -300,7 +300,7 @@ class RequestFlow:
     async def _forwarded(self, call) -> Messages:
         """An aggregated worker's messages, their chunks given text."""
         first, last = True, time.monotonic()
-        async for message in call:
+        async for message in idle_bounded(call, self.cluster.deadlines.stream_idle_s):
             if message.WhichOneof("payload") == "chunk":
                 now = time.monotonic()
                 if first:

@@ -94,6 +94,8 @@ def forward_failure(flow: RequestFlow, error: BaseException, worker_id: str) -> 
     does when its worker was lost or the router's own task was cancelled."""
     if flow.aborted:
         return msg.aborted(flow.rid)
+    if isinstance(error, StreamStalled):
+        raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker_id} sent {error}")
     if flow.lost:
         raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker_id} is unavailable")
     if isinstance(error, asyncio.CancelledError):

@@ -9,11 +9,13 @@ import grpc
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Deadlines
 from services.router.errors import ErrorCode, RouterError
 from services.router.streams import StreamStalled, idle_bounded
-from tests.services.router.helpers import router, unreachable_ready_pairs
+from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -107,3 +109,29 @@ def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
     error = raised.value
     assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "decode worker d0 sent nothing for 0.2 s")
     assert tokens == [7, 8] and stubs.stream.cancelled
+
+
+def test_an_aggregated_workers_stream_past_its_idle_deadline_ends_unavailable():
+    api, tokens = router(), []
+    stream = _Stream([cpb.GenerateResponse(request_id="r", chunk=cpb.Chunk(token_ids=[7]))])
+
+    async def scenario():
+        await api.registration.register(reg.RegisterRequest(rank_info=rank_info("both-0", rpb.ROLE_BOTH)))
+        tandem = type("Tandem", (), {})()
+        tandem.Generate = lambda request: stream
+        api.cluster.tandem_stub = lambda worker_id: tandem
+        api.cluster.deadlines = Deadlines(stream_idle_s=0.2)
+        request = cpb.GenerateRequest(
+            request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=cpb.SamplingParams(max_tokens=8)
+        )
+        try:
+            async for message in api.generate(request):
+                tokens.extend(message.chunk.token_ids)
+        finally:
+            await api.close()
+
+    with pytest.raises(RouterError) as raised:
+        asyncio.run(scenario())
+    error = raised.value
+    assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "worker both-0 sent nothing for 0.2 s")
+    assert tokens == [7] and stream.cancelled
