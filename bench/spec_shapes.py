@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,13 +25,12 @@ import torch
 
 import services.engine.engine as engine_module
 from bench.decode_inputs import build_target, llama_8b
+from bench.decode_run import decode_run
 from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM
 from services.engine.models.config import write_config_json
-from services.engine.request import Status
-from services.engine.sampling import SamplingParams
 
 VOCAB, DRAFT_VOCAB = 128256, 32000
 
@@ -129,24 +127,6 @@ def kv_bytes_per_token(layers: int, kv_heads: int = 8, head_dim: int = 128) -> i
     return layers * 2 * kv_heads * head_dim * 2  # K and V, bf16
 
 
-def decode_steps(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, int, int]:
-    """(seconds, steps, tokens) over the steps where every request decodes."""
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, 32000, (prompt_len,), generator=g).tolist(), params)
-    seconds, steps, tokens = 0.0, 0, 0
-    while engine.has_unfinished():
-        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
-        start = time.perf_counter()
-        outputs = engine.step()
-        took = time.perf_counter() - start
-        if decoding:
-            seconds, steps = seconds + took, steps + 1
-            tokens += sum(len(o.new_token_ids) for o in outputs)
-    return seconds, steps, tokens
-
-
 def step_rooflines(engine: Engine, batch: int, context: int, rate_gbs: float) -> tuple[float, float]:
     """(target-only ms, speculative ms) a step must take at ``rate_gbs`` (see the module
     docstring); ``context`` is the mean context length over the run."""
@@ -162,15 +142,22 @@ def step_rooflines(engine: Engine, batch: int, context: int, rate_gbs: float) ->
     return 1e3 * base / (rate_gbs * 1e9), 1e3 * spec / (rate_gbs * 1e9)
 
 
+def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` random ids, seeded by the batch size."""
+    g = torch.Generator().manual_seed(batch)
+    return [torch.randint(0, 32000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+
+
 def measure_engine(engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int]) -> dict:
     """{(batch, al): (ms per step, tokens/s)}; al 0 is the engine without forcing."""
     out = {}
     for batch in batches:
-        decode_steps(engine, batch, *lengths)  # warm-up: eager shapes compile here
+        prompts = random_prompts(batch, lengths[0])
+        decode_run(engine, prompts, lengths[1])  # warm-up: eager shapes compile here
         for al in als:
             engine.config.forced_acceptance = al - 1 if al else -1
-            seconds, steps, tokens = decode_steps(engine, batch, *lengths)
-            out[batch, al] = (1e3 * seconds / max(steps, 1), tokens / max(seconds, 1e-9))
+            r = decode_run(engine, prompts, lengths[1])
+            out[batch, al] = (r["ms_per_step"], r["tok_s"])
     return out
 
 

@@ -33,12 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
+from bench.decode_run import decode_run  # noqa: E402
 from bench.spec_shapes import main_8b  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import use_kernels  # noqa: E402
-from services.engine.request import Status  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
 
 PHASES = ("run_drafter", "draft_logits", "draft_chain", "run_target", "target_logits")
 
@@ -57,40 +56,6 @@ def make_engine(k: int, max_batch: int, device: str, **options) -> Engine:
             **options,
         )
     )
-
-
-def decode_run(
-    engine: Engine, prompts: list[list[int]], max_tokens: int, spent: dict[str, float] | None = None
-) -> dict:
-    """One batch to completion. Time, steps and tokens count only the steps where every
-    request decodes (no prefill chunk in the step); so does ``spent`` (seconds per phase,
-    filled by :func:`timed_phases`) when given."""
-    engine.stats.clear()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    final, seconds, steps, tokens = {}, 0.0, 0, 0
-    while engine.has_unfinished():
-        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
-        before = dict(spent) if spent is not None else None
-        start = time.perf_counter()
-        outputs = engine.step()
-        took = time.perf_counter() - start
-        if decoding:
-            seconds, steps = seconds + took, steps + 1
-            tokens += sum(len(o.new_token_ids) for o in outputs)
-        elif spent is not None:
-            spent.clear()
-            spent.update(before)
-        final.update({o.request_id: o for o in outputs if o.finished})
-    stats = engine.stats.get("local")
-    return {
-        "al": stats.acceptance_length if stats else 1.0,
-        "seconds": seconds,
-        "steps": steps,
-        "tok_s": tokens / max(seconds, 1e-9),
-        "ms_per_step": 1e3 * seconds / max(steps, 1),
-        "token_ids": [final[i].token_ids for i in ids],
-    }
 
 
 def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callable[[], None]]:

@@ -1,0 +1,43 @@
+"""One batch of requests decoded to completion, timed over its decode-only steps."""
+
+from __future__ import annotations
+
+import time
+
+from services.engine.engine import Engine
+from services.engine.request import Status
+from services.engine.sampling import SamplingParams
+
+
+def decode_run(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, spent: dict[str, float] | None = None
+) -> dict:
+    """One batch to completion. Time, steps and tokens count only the steps where every
+    request decodes (no prefill chunk in the step); so does ``spent`` (seconds per phase,
+    filled by :func:`timed_phases`) when given."""
+    engine.stats.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final, seconds, steps, tokens = {}, 0.0, 0, 0
+    while engine.has_unfinished():
+        decoding = all(r.status is Status.DECODE for r in engine.requests.values())
+        before = dict(spent) if spent is not None else None
+        start = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - start
+        if decoding:
+            seconds, steps = seconds + took, steps + 1
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+        elif spent is not None:
+            spent.clear()
+            spent.update(before)
+        final.update({o.request_id: o for o in outputs if o.finished})
+    stats = engine.stats.get("local")
+    return {
+        "al": stats.acceptance_length if stats else 1.0,
+        "seconds": seconds,
+        "steps": steps,
+        "tok_s": tokens / max(seconds, 1e-9),
+        "ms_per_step": 1e3 * seconds / max(steps, 1),
+        "token_ids": [final[i].token_ids for i in ids],
+    }
