@@ -88,12 +88,13 @@ async def _answer(response):
     return response
 
 
-def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
-    api, stubs, tokens = router(), _Stubs(), []
+def _stalled(setup) -> tuple[RouterError, list[int]]:
+    """Run one request on a router that ``setup(api)`` wires to its stub workers, under a
+    0.2 s stream idle deadline; returns the RouterError it ends with and the tokens it got."""
+    api, tokens = router(), []
 
     async def scenario():
-        await unreachable_ready_pairs(api, ["p0"], ["d0"])
-        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+        await setup(api)
         api.cluster.deadlines = Deadlines(stream_idle_s=0.2)
         request = cpb.GenerateRequest(
             request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=cpb.SamplingParams(max_tokens=8)
@@ -106,32 +107,30 @@ def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
 
     with pytest.raises(RouterError) as raised:
         asyncio.run(scenario())
-    error = raised.value
+    return raised.value, tokens
+
+
+def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
+    stubs = _Stubs()
+
+    async def setup(api):
+        await unreachable_ready_pairs(api, ["p0"], ["d0"])
+        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+
+    error, tokens = _stalled(setup)
     assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "decode worker d0 sent nothing for 0.2 s")
     assert tokens == [7, 8] and stubs.stream.cancelled
 
 
 def test_an_aggregated_workers_stream_past_its_idle_deadline_ends_unavailable():
-    api, tokens = router(), []
     stream = _Stream([cpb.GenerateResponse(request_id="r", chunk=cpb.Chunk(token_ids=[7]))])
 
-    async def scenario():
+    async def setup(api):
         await api.registration.register(reg.RegisterRequest(rank_info=rank_info("both-0", rpb.ROLE_BOTH)))
         tandem = type("Tandem", (), {})()
         tandem.Generate = lambda request: stream
         api.cluster.tandem_stub = lambda worker_id: tandem
-        api.cluster.deadlines = Deadlines(stream_idle_s=0.2)
-        request = cpb.GenerateRequest(
-            request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=cpb.SamplingParams(max_tokens=8)
-        )
-        try:
-            async for message in api.generate(request):
-                tokens.extend(message.chunk.token_ids)
-        finally:
-            await api.close()
 
-    with pytest.raises(RouterError) as raised:
-        asyncio.run(scenario())
-    error = raised.value
+    error, tokens = _stalled(setup)
     assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "worker both-0 sent nothing for 0.2 s")
     assert tokens == [7] and stream.cancelled
