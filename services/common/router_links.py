@@ -37,26 +37,26 @@ REFUSALS = (
 """Registration answers that a retry alone will not change: printed for the operator."""
 
 
-def router_addresses(spec: str) -> list[str]:
+async def router_addresses(spec: str) -> list[str]:
     """Every ``host:port`` of ``spec`` (comma-separated), host names resolved to each of
-    their addresses; a name that does not resolve (yet) is kept as it is."""
+    their addresses (off the event loop); a name that does not resolve (yet) is kept as it is."""
     addresses: list[str] = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         host, _, port = item.rpartition(":")
-        for address in _resolved(host, port):
+        for address in await _resolved(host, port):
             if address not in addresses:
                 addresses.append(address)
     return addresses
 
 
-def _resolved(host: str, port: str) -> list[str]:
+async def _resolved(host: str, port: str) -> list[str]:
     try:
         ipaddress.ip_address(host.strip("[]"))
         return [f"{host}:{port}"]
     except ValueError:
         pass
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         return [f"{host}:{port}"]
     ips = sorted({info[4][0] for info in infos})
@@ -85,7 +85,7 @@ class RouterLinks:
         of heartbeats (the caller reports readiness from ``registered``)."""
         try:
             while True:
-                for address in router_addresses(self.spec):
+                for address in await router_addresses(self.spec):
                     if address not in self._loops:
                         self._loops[address] = asyncio.ensure_future(self._register_forever(address, changed))
                 await asyncio.sleep(RESOLVE_INTERVAL_S)
