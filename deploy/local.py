@@ -86,6 +86,8 @@ class LocalCluster:
             else ["prefill"] * args.prefill + ["decode"] * args.decode
         )
         roles = [(role, ["--tp", str(tp[role])]) for role in names]
+        if args.gpus and engine.device != "cuda":
+            raise SystemExit(f"tandem up: gpus: places workers with --device cuda, not {engine.device!r}")
         if engine.device == "cuda":  # one GPU (or TP group) per worker: deploy/placement.py
             roles = on_gpus(roles, [tp[role] for role in names], args.gpus or visible_gpus())
         http_port = args.http_port

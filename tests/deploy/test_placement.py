@@ -56,3 +56,8 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_set(monkeypatch):
     assert visible_gpus() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == 0
+
+
+def test_gpus_without_device_cuda_is_refused_naming_it():
+    with pytest.raises(SystemExit, match="gpus: places workers with --device cuda, not 'cuda:1'"):
+        _worker_devices(["--device", "cuda:1", "--gpus", "2"])
