@@ -283,6 +283,11 @@ def run_worker_token(args: argparse.Namespace) -> int:
 
 def run_generate_command(args: argparse.Namespace) -> int:
     if not args.endpoint:
+        client_flags = [f for f in ("tls_cert", "tls_key", "tls_ca", "tls_server_name") if getattr(args, f)]
+        if args.token != os.environ.get("TANDEM_TOKEN", ""):  # given on the command line
+            client_flags.insert(0, "token")
+        if client_flags:
+            raise SystemExit(f"tandem: {client_flags[0]}: a client option, for --endpoint only")
         return run_generate(args, checked_engine_config(args))
     if args.offline:
         raise SystemExit("tandem: endpoint: --offline runs the engine here; give one of them")

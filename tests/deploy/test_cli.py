@@ -47,3 +47,14 @@ def test_up_with_a_client_token_gives_the_router_it_and_every_process_a_fresh_se
     assert len(first.env["TANDEM_SERVICE_TOKEN"]) == 32
     assert first.env["TANDEM_SERVICE_TOKEN"] != second.env["TANDEM_SERVICE_TOKEN"]
     assert "client-secret" not in first.router_args + first.worker_args
+
+
+@pytest.mark.parametrize("flags, named", [(["--token", "t"], "token"), (["--tls-ca", "ca.pem"], "tls_ca")])
+def test_offline_generate_refuses_the_client_options(flags, named, monkeypatch):
+    monkeypatch.delenv("TANDEM_TOKEN", raising=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "generate", "--offline", "--prompt", "x", *flags],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and f"tandem: {named}: a client option, for --endpoint only" in out.stderr
