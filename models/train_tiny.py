@@ -32,6 +32,7 @@ from services.engine.models import (
     EagleConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    load_target,
     save_model,
 )
 
@@ -49,12 +50,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
+    p.add_argument("--context", type=int, default=32768, help="max_position_embeddings")
+    p.add_argument("--rope-theta", type=float, default=500000.0, help="RoPE base (config's rope_theta)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--long-seq-len", type=int, default=32768, help="target windows of the long phase")
+    p.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.3,
+        help="last fraction of the target's progress on --long-seq-len windows (same tokens a step)",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--target-steps", type=int, default=0, help="0 = time-bound only")
     p.add_argument("--target-seconds", type=float, default=170.0)
+    p.add_argument("--target-from", default="", help="train only a drafter, for the target folder given here")
+    p.add_argument("--drafter-name", default="tiny-drafter", help="the drafter's folder under --out")
     p.add_argument("--window", type=int, default=256, help="drafter sliding window")
     p.add_argument("--draft-seq-len", type=int, default=1024)
     p.add_argument("--draft-batch", type=int, default=32)
@@ -75,7 +86,7 @@ def target_config(a: argparse.Namespace) -> LlamaConfig:
         num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads,
         max_position_embeddings=a.context,
-        rope_theta=10000.0,
+        rope_theta=a.rope_theta,
         tie_word_embeddings=True,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -110,13 +121,23 @@ def target_loss(target: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits, windows[:, 1:].reshape(-1))
 
 
-def train_loop(model, loss_fn, stream, a, batch, length, lr, budget, label) -> dict:
+def window_shape(progress: float, batch: int, length: int, long_length: int, long_fraction: float):
+    """(windows, tokens a window) at ``progress``: the long phase keeps the tokens a step."""
+    if long_length <= length or progress < 1.0 - long_fraction:
+        return batch, length
+    return max(1, batch * length // long_length), long_length
+
+
+def train_loop(model, loss_fn, stream, a, shape, lr, budget, label) -> dict:
+    """``shape(progress)`` -> (windows, tokens a window) of each step's batch."""
     opt = make_optimizer(model, lr)
     gen = torch.Generator().manual_seed(a.seed + 1)
-    step, losses = 0, []
+    step, losses, tokens = 0, [], 0
     while (progress := budget.progress(step)) < 1.0:
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, lr)
+        batch, length = shape(progress)
+        tokens += batch * length
         windows = random_windows(stream, batch, length, gen).to(a.device)
         with autocast(a.device):
             loss = loss_fn(windows)
@@ -128,12 +149,14 @@ def train_loop(model, loss_fn, stream, a, batch, length, lr, budget, label) -> d
         if step % 50 == 0 or step == 1:
             losses.append((step, round(loss.item(), 4)))
             print(
-                f"{label} step {step} loss {loss.item():.4f} t {time.time() - budget.start:.0f}s", flush=True
+                f"{label} step {step} len {length} loss {loss.item():.4f} "
+                f"t {time.time() - budget.start:.0f}s",
+                flush=True,
             )
     return {
         "steps": step,
         "seconds": round(time.time() - budget.start, 1),
-        "tokens": step * batch * length,
+        "tokens": tokens,
         "loss_curve": losses,
         "final_loss": losses[-1][1] if losses else None,
     }
@@ -185,6 +208,25 @@ def eval_target(target: LlamaForCausalLM, stream: torch.Tensor, a) -> float:
 
 
 @torch.no_grad()
+def eval_target_by_position(target: LlamaForCausalLM, stream: torch.Tensor, a) -> dict[str, float]:
+    """Held-out bits per byte of ``--long-seq-len`` windows, by position: "lo-hi" -> the
+    mean over positions [lo, hi) (powers of two from 1,024), so a model that stops using or
+    breaks on far context shows it in the last buckets."""
+    gen = torch.Generator().manual_seed(a.seed + 9)
+    n = a.long_seq_len
+    edges = [0] + [1 << e for e in range(10, n.bit_length()) if 1 << e < n] + [n]
+    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    for _ in range(max(1, a.eval_windows // 16)):
+        w = random_windows(stream, 1, n + 1, gen).to(a.device)
+        with autocast(a.device):
+            logits = target.compute_logits(dense_forward(target, w[:, :-1]).hidden)
+        nats = F.cross_entropy(logits.float(), w[0, 1:], reduction="none").cpu()  # [n]
+        sums += torch.stack([nats[lo:hi].mean() for lo, hi in zip(edges, edges[1:], strict=False)])
+    bits = sums / max(1, a.eval_windows // 16) / math.log(2)
+    return {f"{lo}-{hi}": round(b.item(), 4) for lo, hi, b in zip(edges, edges[1:], bits, strict=False)}
+
+
+@torch.no_grad()
 def eval_drafter(drafter, target, stream: torch.Tensor, a) -> list[float]:
     gen = torch.Generator().manual_seed(a.seed + 8)
     rows = []
@@ -225,14 +267,14 @@ def train_target(a: argparse.Namespace, train: torch.Tensor, held: torch.Tensor,
         lambda w: target_loss(target, w),
         train,
         a,
-        a.batch,
-        a.seq_len + 1,
+        lambda progress: window_shape(progress, a.batch, a.seq_len + 1, a.long_seq_len + 1, a.long_fraction),
         a.lr,
         Budget(a.target_steps, a.target_seconds),
         "target",
     )
     target.eval().requires_grad_(False)
     metrics["target"]["held_out_bits_per_byte"] = round(eval_target(target, held, a), 4)
+    metrics["target"]["held_out_bits_per_byte_by_position"] = eval_target_by_position(target, held, a)
     return target
 
 
@@ -248,8 +290,7 @@ def train_drafter(a: argparse.Namespace, target, train: torch.Tensor, held: torc
         loss_fn,
         train,
         a,
-        a.draft_batch,
-        a.draft_seq_len,
+        lambda progress: (a.draft_batch, a.draft_seq_len),
         a.draft_lr,
         Budget(a.drafter_steps, a.drafter_seconds),
         "drafter",
@@ -265,13 +306,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(a.out)
     train, held, metrics = load_streams(a)
-    target = train_target(a, train, held, metrics)
-    save_model(target, out / "tiny-target")
-    write_byte_tokenizer(out / "tiny-target")
-    print(json.dumps(metrics["target"]["held_out_bits_per_byte"]), flush=True)
+    if a.target_from:
+        target = load_target(a.target_from, a.device).requires_grad_(False)
+    else:
+        target = train_target(a, train, held, metrics)
+        save_model(target, out / "tiny-target")
+        write_byte_tokenizer(out / "tiny-target")
+        print(json.dumps({k: v for k, v in metrics["target"].items() if k != "loss_curve"}), flush=True)
     drafter = train_drafter(a, target, train, held, metrics)
-    save_model(drafter, out / "tiny-drafter")
-    (out / "train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    save_model(drafter, out / a.drafter_name)
+    name = "train_metrics.json" if not a.target_from else f"train_metrics_{a.drafter_name}.json"
+    (out / name).write_text(json.dumps(metrics, indent=1) + "\n")
     print(json.dumps({k: v for k, v in metrics["drafter"].items() if k != "loss_curve"}))
 
 
