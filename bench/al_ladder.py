@@ -1,6 +1,6 @@
 """Acceptance length (AL) of the bundled tiny pair over a ladder of prompt lengths.
 
-    python -m bench.al_ladder [--ks 2,4,6] [--rungs 128,256,512,1024,2048,4000] [--json FILE]
+    python -m bench.al_ladder [--ks 2,4,6] [--rungs 128,256,512,1024,2048,4000] [--drafter DIR] [--json FILE]
 
 Prompts are held-out bytes of the standard library (models/data.py): code (held-out
 ``*.py`` files) and prose (the license and pydoc topics), windows at seeded random offsets.
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per rung and domain")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--drafter", default=DRAFTER, help="the drafter folder")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV memory of each engine")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write every figure to this file")
@@ -92,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         enable_prefix_cache=False,
         max_num_seqs=max(8, a.prompts),
-        kv_cache_bytes=1 << 30,
+        kv_cache_bytes=int(a.kv_cache_gib * (1 << 30)),
     )
     engines = {
-        k: Engine(EngineConfig(drafter=DRAFTER if k else None, num_spec_tokens=k, **common)) for k in [0, *ks]
+        k: Engine(EngineConfig(drafter=a.drafter if k else None, num_spec_tokens=k, **common))
+        for k in [0, *ks]
     }
     results = []
     corpora = held_out_corpora()

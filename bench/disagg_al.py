@@ -1,23 +1,28 @@
 """Acceptance length: aggregated vs disaggregated (unified layout) vs disaggregated (separate).
 
-The bundled tiny pair (drafter window 256 tokens) serves held-out standard-library code over
-a ladder of prompt lengths. Aggregated runs in-process; each disaggregated layout runs a real
-local cluster (router + prefill + decode processes, pages over UCX). Greedy decoding, so the
-three must emit the same tokens; only the drafter's starting state differs.
+    python -m bench.disagg_al [--device cuda] [--lengths ...] [--drafters DIR ...] [--json F] [--svg F]
+
+The bundled tiny pair serves held-out standard-library code over a ladder of prompt lengths
+(windows of the held-out code at seeded offsets, as in bench/al_ladder.py), once per
+drafter (``--drafters``: e.g. the 256- and 2,048-token windows). Aggregated runs
+in-process; each disaggregated layout runs a real local cluster (router + prefill + decode
+processes, pages over UCX; on one GPU both workers share it). Greedy decoding, EOS ignored,
+so the three must emit the same tokens; only the drafter's starting state differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import grpc
 
+from bench.al_ladder import held_out_corpora, windows
 from bench.al_report import MODES, Record, markdown, rows, svg
 from bench.progress import steps
 from deploy.local import LocalCluster
-from models.byte_tokenizer import byte_ids
-from models.data import split_files
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from services.engine.config import EngineConfig
@@ -28,21 +33,14 @@ MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 
 
 def ladder_prompts(lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
-    """``per_length`` prompts of exactly n tokens per n, from held-out files long enough."""
-    _, held = split_files()
-    docs = [byte_ids(p.read_bytes()) for p in sorted(held)]
-    out = {}
-    for n in lengths:
-        long_enough = [d for d in docs if len(d) >= n + 1]
-        if len(long_enough) < per_length:
-            raise SystemExit(f"only {len(long_enough)} held-out files reach {n} tokens")
-        out[n] = [d[:n] for d in long_enough[:per_length]]
-    return out
+    """``per_length`` prompts of exactly n tokens per n: BOS + held-out code at seeded offsets."""
+    code = held_out_corpora()["code"]
+    return {n: windows(code, n, per_length, seed=1) for n in lengths}
 
 
-def run_aggregated(prompts: dict[int, list[list[int]]], k: int, max_tokens: int, device: str) -> dict:
-    engine = Engine(EngineConfig(model=MODEL, drafter=DRAFTER, num_spec_tokens=k, device=device))
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def run_aggregated(prompts: dict[int, list[list[int]]], drafter: str, args) -> dict:
+    engine = Engine(EngineConfig(model=MODEL, drafter=drafter, num_spec_tokens=args.k, device=args.device))
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     return {
         n: [
             Record(o.token_ids, o.usage.acceptance_length)
@@ -52,16 +50,15 @@ def run_aggregated(prompts: dict[int, list[list[int]]], k: int, max_tokens: int,
     }
 
 
-def run_cluster(
-    layout: str, prompts: dict[int, list[list[int]]], k: int, max_tokens: int, device: str
-) -> dict:
-    worker = ["--model", MODEL, "--drafter", DRAFTER, "-k", str(k), "--layout", layout, "--device", device]
-    cluster = LocalCluster(worker, ["--model", MODEL, "-k", str(k)], ["prefill", "decode"])
+def run_cluster(layout: str, prompts: dict[int, list[list[int]]], drafter: str, args) -> dict:
+    k = str(args.k)
+    worker = ["--model", MODEL, "--drafter", drafter, "-k", k, "--layout", layout, "--device", args.device]
+    cluster = LocalCluster(worker, ["--model", MODEL, "-k", k], ["prefill", "decode"])
     cluster.start()
     try:
         with grpc.insecure_channel(cluster.router_address) as channel:
             stub = cpb_grpc.TandemStub(channel)
-            return {n: [_generate(stub, p, max_tokens) for p in ps] for n, ps in prompts.items()}
+            return {n: [_generate(stub, p, args.max_tokens) for p in ps] for n, ps in prompts.items()}
     finally:
         cluster.stop()
 
@@ -69,7 +66,7 @@ def run_cluster(
 def _generate(stub, prompt: list[int], max_tokens: int) -> Record:
     request = cpb.GenerateRequest(
         token_ids=cpb.TokenIds(ids=prompt),
-        sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling=cpb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     record, start = Record([], 0.0), time.monotonic()
     for message in stub.Generate(request, timeout=600):
@@ -86,32 +83,59 @@ def _generate(stub, prompt: list[int], max_tokens: int) -> Record:
     return record
 
 
+def ladder(prompts: dict, drafter: str, args) -> dict:
+    """{mode: {length: [Record, ...]}} for one drafter."""
+    run = {}
+    for mode in steps(MODES, len(MODES), f"AL, {Path(drafter).name}"):
+        if mode == "aggregated":
+            run[mode] = run_aggregated(prompts, drafter, args)
+        else:
+            run[mode] = run_cluster(mode, prompts, drafter, args)
+    return run
+
+
+def plot_path(path: str, drafter: str, several: bool) -> str:
+    """``path``, or with several drafters ``stem-<drafter folder>.svg`` beside it."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{Path(drafter).name}{p.suffix}")) if several else path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 3584])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--per-length", type=int, default=4, help="prompts per length")
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="every engine's (the cluster's workers' too)")
-    parser.add_argument("--svg", default="", help="also write the plot of AL against prompt length here")
+    parser.add_argument("--drafters", nargs="+", default=[DRAFTER], help="one ladder per drafter folder")
+    parser.add_argument("--json", default="", help="also write every record and summary here")
+    parser.add_argument(
+        "--svg", default="", help="also write the plot of AL against prompt length here (one per drafter)"
+    )
     args = parser.parse_args()
     prompts = ladder_prompts(args.lengths, args.per_length)
-    start, run = time.time(), {}
-    for mode in steps(MODES, len(MODES), "AL, aggregated vs disaggregated"):
-        if mode == "aggregated":
-            run[mode] = run_aggregated(prompts, args.k, args.max_tokens, args.device)
-        else:
-            run[mode] = run_cluster(mode, prompts, args.k, args.max_tokens, args.device)
-    summary = rows(run)
-    print(
-        f"K = {args.k}, {args.per_length} held-out prompts per length, {args.max_tokens} "
-        f"tokens each, greedy, {args.device} ({time.time() - start:.0f} s)"
-    )
-    print(markdown(summary))
-    if args.svg:
-        with open(args.svg, "w") as f:
-            f.write(svg(summary, f"Acceptance length, K = {args.k} ({args.device})"))
-        print(f"plot: {args.svg}")
+    results = {}
+    for drafter in args.drafters:
+        start = time.time()
+        run = ladder(prompts, drafter, args)
+        summary = rows(run)
+        print(
+            f"\n{drafter}: K = {args.k}, {args.per_length} held-out prompts per length, "
+            f"{args.max_tokens} tokens each, greedy, {args.device} ({time.time() - start:.0f} s)"
+        )
+        print(markdown(summary))
+        results[drafter] = {"summary": summary, "al": _per_prompt_al(run)}
+        if args.svg:
+            path = plot_path(args.svg, drafter, len(args.drafters) > 1)
+            with open(path, "w") as f:
+                f.write(svg(summary, f"AL, K = {args.k}, {Path(drafter).name} ({args.device})"))
+            print(f"plot: {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+
+
+def _per_prompt_al(run: dict) -> dict:
+    return {mode: {n: [r.al for r in records] for n, records in per.items()} for mode, per in run.items()}
 
 
 if __name__ == "__main__":
