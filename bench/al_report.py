@@ -24,6 +24,7 @@ class Record:
     al: float  # tokens per verify step of the request
     ttft_s: float = 0.0  # request to first token, at the client (0: not measured, in process)
     transfer_bytes: dict[str, int] = field(default_factory=dict)  # per layer group
+    transfer_s: float = 0.0  # the groups' transfer wall times, summed (the decode side's report)
 
 
 def ratio_ci(values: list[float], reference: list[float]) -> tuple[float, float]:
@@ -50,6 +51,7 @@ def rows(run: dict[str, dict[int, list[Record]]]) -> list[dict]:
             row[f"{mode}_ratio"] = ratio_ci([r.al for r in records], agg)
             row[f"{mode}_equal"] = all(r.tokens == a.tokens for r, a in zip(records, reference, strict=True))
             row[f"{mode}_ttft_ms"] = 1000 * statistics.median(r.ttft_s for r in records)
+            row[f"{mode}_transfer_ms"] = 1000 * statistics.median(r.transfer_s for r in records)
             groups = sorted({g for r in records for g in r.transfer_bytes})
             row[f"{mode}_bytes"] = {
                 g: statistics.mean(r.transfer_bytes.get(g, 0) for r in records) for g in groups
@@ -62,15 +64,15 @@ def markdown(summary: list[dict]) -> str:
     lines = [
         "| prompt tokens | AL aggregated | AL unified | unified / aggregated (95% CI) | AL separate | "
         "separate / aggregated (95% CI) | outputs equal | TTFT unified / separate (ms, median) | "
-        "transfer per request, unified | transfer per request, separate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "of which transfer (ms, median) | transfer per request, unified | transfer per request, separate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
         al = row["al"]
         lines.append(
             f"| {row['length']} | {al['aggregated']:.2f} | {al.get('unified', math.nan):.2f} | "
             f"{_ratio(row, 'unified')} | {al.get('separate', math.nan):.2f} | {_ratio(row, 'separate')} | "
-            f"{_equal(row)} | {_ttft(row)} | "
+            f"{_equal(row)} | {_ttft(row)} | {_ttft(row, 'transfer')} | "
             f"{_bytes(row.get('unified_bytes', {}))} | {_bytes(row.get('separate_bytes', {}))} |"
         )
     return "\n".join(lines)
@@ -81,8 +83,8 @@ def _ratio(row: dict, mode: str) -> str:
     return f"{mean:.3f} ± {half:.3f}"
 
 
-def _ttft(row: dict) -> str:
-    return f"{row.get('unified_ttft_ms', math.nan):.0f} / {row.get('separate_ttft_ms', math.nan):.0f}"
+def _ttft(row: dict, what: str = "ttft") -> str:
+    return f"{row.get(f'unified_{what}_ms', math.nan):.0f} / {row.get(f'separate_{what}_ms', math.nan):.0f}"
 
 
 def _equal(row: dict) -> str:

@@ -78,6 +78,7 @@ def _generate(stub, prompt: list[int], max_tokens: int) -> Record:
             usage = message.complete.usage
             record.al = usage.acceptance_length
             record.transfer_bytes = {t.group: t.num_bytes for t in usage.transfers}
+            record.transfer_s = sum(t.seconds for t in usage.transfers)
         else:
             raise RuntimeError(message.error.message)
     return record

@@ -19,7 +19,7 @@ def _run() -> dict:
     same, other = [1, 2, 3], [1, 2, 4]
     return {
         "aggregated": {128: [Record(same, 3.0), Record(same, 3.0)]},
-        "unified": {128: [Record(same, 3.0, 0.1, {"target": 2048, "draft": 1024})] * 2},
+        "unified": {128: [Record(same, 3.0, 0.1, {"target": 2048, "draft": 1024}, 0.02)] * 2},
         "separate": {
             128: [Record(same, 1.5, 0.3, {"target": 2048}), Record(other, 1.5, 0.5, {"target": 4096})]
         },
@@ -36,7 +36,9 @@ def test_rows_compare_every_mode_with_aggregated():
         "target": 3072
     }
     line = markdown([row]).splitlines()[2]
-    assert line.startswith("| 128 | 3.00 | 3.00 | 1.000 ± 0.000 | 1.50 | 0.500 ± 0.000 | NO | 100 / 400 |")
+    assert line.startswith(
+        "| 128 | 3.00 | 3.00 | 1.000 ± 0.000 | 1.50 | 0.500 ± 0.000 | NO | 100 / 400 | 20 / 0 |"
+    )
     assert line.endswith("| draft 1 KiB, target 2 KiB | target 3 KiB |")
 
 
