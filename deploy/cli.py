@@ -12,7 +12,8 @@ import os
 import subprocess
 import sys
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from deploy.cli_flags import (
     add_client_token_arg,
@@ -178,13 +179,25 @@ def add_ray_parser(sub) -> None:
         )
 
 
+def tandem_version() -> str:
+    """The installed package's version; run from a source tree that is not installed
+    (``python -m deploy.cli``), pyproject.toml's."""
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        import tomllib  # noqa: PLC0415 (only a source tree that was never installed needs it)
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return f"{tomllib.loads(pyproject.read_text())['project']['version']} (source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = TandemParser(
         prog="tandem",
         description="Tandem: disaggregated LLM serving with speculative decoding over a "
         "unified target+draft KV cache",
     )
-    parser.add_argument("--version", action="version", version=f"tandem {version('tandem')}")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=TandemParser)
     for add in (
         add_up_parser,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from deploy import cli
 from deploy.cli import build_parser
 from deploy.local import LocalCluster
 
@@ -38,6 +39,14 @@ def test_help_shows_defaults_but_not_secrets(monkeypatch):
 def test_version():
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "tandem 0.1.0"
+
+
+def test_version_of_a_source_tree_that_was_never_installed(monkeypatch):
+    def not_installed(name):
+        raise cli.PackageNotFoundError(name)
+
+    monkeypatch.setattr(cli, "version", not_installed)
+    assert cli.tandem_version() == "0.1.0 (source tree)"
 
 
 def test_up_with_a_client_token_gives_the_router_it_and_every_process_a_fresh_service_secret():

@@ -2,7 +2,9 @@
 (:mod:`services.engine.kernels.reference`) otherwise.
 
 Both paths compute the same function up to float32 reduction order. ``use_kernels(False)``
-makes CUDA tensors take the reference too (the unfused baseline of the benchmarks).
+makes CUDA tensors take the reference too (the unfused baseline of the benchmarks). The
+kernels have no backward: a tensor autograd is recording (training, ``models/train_tiny.py``)
+always takes the reference, so gradients flow through every op.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def _triton() -> ModuleType | None:
 
 
 def _impl(t: torch.Tensor) -> ModuleType:
-    return (_triton() if t.is_cuda and _enabled else None) or reference
+    if not (t.is_cuda and _enabled) or (t.requires_grad and torch.is_grad_enabled()):
+        return reference
+    return _triton() or reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

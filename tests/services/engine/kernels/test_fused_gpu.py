@@ -89,6 +89,19 @@ def test_merged_decoder_matches_unmerged_reference():
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
 
 
+def test_training_gets_gradients_through_every_fused_op():
+    """The kernels have no backward: a tensor autograd records takes the reference."""
+    from services.engine import kernels
+
+    x = torch.randn(4, 256, device="cuda", requires_grad=True)
+    w = torch.ones(256, device="cuda", requires_grad=True)
+    cos, sin = torch.ones(4, 1, 64, device="cuda"), torch.zeros(4, 1, 64, device="cuda")
+    out = kernels.add_rms_norm(x, x, w, 1e-5)[0].sum() + kernels.silu_mul(x).sum()
+    out = out + kernels.rotate_heads(x.view(4, 4, 64), cos, sin).sum()
+    out.backward()
+    assert x.grad is not None and w.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("n, k, split_k", [(300, 1000, 1), (4096, 14336, 4), (96, 4096, 2)])
 def test_gemv_matches_linear_and_is_deterministic(m, n, k, split_k):
