@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from kvcore import AuxState, KVCacheManager, TransferPages
 from kvcore.transfer.fanout import Fanout, NoLinks, RankLinks
 from kvcore.transfer.jobs import PeerRank, TransferKey, TransferUsage
+from kvcore.transfer.pages import MAX_MESSAGE_BYTES
 from kvcore.transfer.rank import PagePools, RankTransfer
 from kvcore.transfer.tags import ACK_GROUP, AUX_GROUP, message_tag, request_tag
 from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
@@ -54,13 +55,16 @@ class TransferAgent:
         transport: UcxTransport | None = None,
         links: RankLinks | None = None,
         total_heads: Mapping[str, int] | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        """``pools``: the tensors ``manager``'s page ids index (the engine's KVPools)."""
+        """``pools``: the tensors ``manager``'s page ids index (the engine's KVPools);
+        ``max_message_bytes``: the cap of one page message rank 0 sends (ranks 1.. keep
+        their own :class:`RankTransfer`'s)."""
         self.manager, self.hidden_size = manager, hidden_size
         links = links or NoLinks()
         groups = manager.config.groups
         heads = {g.name: g.num_kv_heads * links.size for g in groups} | dict(total_heads or {})
-        self.rank0 = RankTransfer(pools, [g.name for g in groups], transport)
+        self.rank0 = RankTransfer(pools, [g.name for g in groups], transport, max_message_bytes)
         self.fanout = Fanout(self.rank0, links, heads)
         self.side_channel = self.rank0.side_channel
         self._peers: dict[str, list[PeerRank]] = {}

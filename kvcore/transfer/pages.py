@@ -2,25 +2,51 @@
 
 Per group and (sender rank, receiver rank), under tag group index ``index``:
 
-    chunk 0          run header: [num_pages + 1] int32, 1 where a run starts, last = runs
-    chunk 1..runs    one run of pages each
+    chunk 0          run header: [num_pages + 1] int32; at the page where a run starts,
+                     the pages per message (>= 1), else 0; the last entry counts the runs
+    chunk 1..        the messages: each run split into messages of that many pages
+                     (the last of a run may hold fewer), runs in order
 
 A whole-pool route (equal head sets) splits the pages into runs contiguous on both
-sides (the receiver's ids come from its reservation) and moves each run straight from
+sides (the receiver's ids come from its reservation) and moves each message straight from
 pool to pool; without the receiver's ids it packs every page into one run. A head-sliced
 route packs the route's heads of every page into one run, which the receiver unpacks
 into its heads. Pools are ``[pages, layers, 2, heads, tokens_per_page, head_dim]``.
+
+**Message cap.** No message exceeds the sender's ``max_message_bytes``
+(:data:`MAX_MESSAGE_BYTES` by default): pages per message = cap // bytes of one page on the
+wire (the route's heads). The receiver follows the header, so only the sender needs the
+cap. A page larger than the cap, or more messages than the tag's chunks hold
+(``MAX_CHUNKS - 1``), is refused with a TransferError before anything is sent.
+
+**Pipelining.** Where a message must be packed (a head slice, or pages not contiguous in
+the sender's pool), the pack of message i+1 starts before the send of message i is awaited;
+where one must be unpacked, the unpack of message i runs while message i+1 is received.
+Copies run beside the event loop (:class:`~kvcore.transfer.staging.Stager`); at most two
+staging buffers of one message each are alive per group, so memory stays bounded by twice
+the cap. Messages that go pool to pool need no copy and no staging.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
 from kvcore import TransferPages
 from kvcore.ops import pack_pages, unpack_pages
 from kvcore.transfer.head_routes import HeadRoute
-from kvcore.transfer.tags import message_tag
+from kvcore.transfer.staging import Stager, ready, settle
+from kvcore.transfer.tags import MAX_CHUNKS, message_tag
 from kvcore.transfer.ucx import TransferError, UcxTransport
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Default cap of one page message, bytes. Between two GPUs UCX (cuda_ipc) falls off a
+throughput cliff for messages above 256 MiB; 64 MiB stays 4x below it, is far past the size
+where UCX's per-message overhead (tens of microseconds) matters, and bounds a group's
+staging memory (two messages) to 128 MiB."""
+
+Run = tuple[int, int, int]  # (first index into the sent pages, pages, pages per message)
 
 
 async def send_group(
@@ -32,20 +58,21 @@ async def send_group(
     route: HeadRoute,
     dest: list[int] | None,
     timeout_s: float,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> int:
-    """Send ``sent`` along ``route``; ``tag`` is (request base tag, group index). Bytes sent."""
+    """Send ``sent`` along ``route``; ``tag`` is (request base tag, group index); no
+    message above ``max_message_bytes``. Bytes sent."""
     base, index = tag
-    sliced = not route.whole
-    runs = [(0, len(sent.page_ids))] if sliced and sent.page_ids else common_runs(sent, dest)
-    header = runs_header(runs, len(sent.page_ids))
-    await transport.send(peer_id, header, message_tag(base, index, 0), timeout_s)
-    moved = 0
-    for chunk, (first, n) in enumerate(runs, start=1):
-        ids = sent.page_ids[first : first + n]
-        buffer = source_buffer(pool, ids, route.src_heads if sliced else None)
-        await transport.send(peer_id, buffer, message_tag(base, index, chunk), timeout_s)
-        moved += buffer.numel() * buffer.element_size()
-    return moved
+    heads = None if route.whole else route.src_heads
+    ids = sent.page_ids
+    spans = [(0, len(ids))] if heads is not None and ids else common_runs(sent, dest)
+    per = pages_per_message(wire_page_bytes(pool, heads), max_message_bytes)
+    runs = [(first, n, per) for first, n in spans]
+    messages = split_runs(runs)
+    await transport.send(peer_id, runs_header(runs, len(ids)), message_tag(base, index, 0), timeout_s)
+    tags = [message_tag(base, index, chunk) for chunk in range(1, len(messages) + 1)]
+    id_lists = [ids[first : first + n] for first, n in messages]
+    return await _send_messages(transport, pool, peer_id, id_lists, tags, heads, timeout_s)
 
 
 async def receive_group(
@@ -56,15 +83,73 @@ async def receive_group(
     route: HeadRoute,
     timeout_s: float,
 ) -> int:
-    """Receive what :func:`send_group` sends into ``landing``'s pages. Bytes received."""
+    """Receive what :func:`send_group` sends into ``landing``'s pages, split as its header
+    says. Bytes received."""
     base, index = tag
     header = torch.zeros(len(landing.page_ids) + 1, dtype=torch.int32)
     await transport.recv(header, message_tag(base, index, 0), timeout_s)
+    messages = split_runs(header_runs(header))
     heads = None if route.whole else route.dst_heads
-    moved = 0
-    for chunk, (first, n) in enumerate(header_runs(header), start=1):
-        ids = landing.page_ids[first : first + n]
-        moved += await _receive_run(transport, pool, ids, message_tag(base, index, chunk), timeout_s, heads)
+    tags = [message_tag(base, index, chunk) for chunk in range(1, len(messages) + 1)]
+    id_lists = [landing.page_ids[first : first + n] for first, n in messages]
+    return await _receive_messages(transport, pool, id_lists, tags, heads, timeout_s)
+
+
+async def _send_messages(
+    transport: UcxTransport,
+    pool: torch.Tensor,
+    peer_id: str,
+    id_lists: list[list[int]],
+    tags: list[int],
+    heads: slice | None,
+    timeout_s: float,
+) -> int:
+    """Send message i (pages ``id_lists[i]``) under ``tags[i]``, the source of message
+    i+1 staged meanwhile: at most two staged buffers alive. Bytes sent."""
+    stager, moved = Stager(pool.device), 0
+    staged = _stage_source(stager, pool, id_lists[0], heads) if id_lists else None
+    try:
+        for i, tag in enumerate(tags):
+            buffer = await staged
+            nxt = i + 1
+            staged = _stage_source(stager, pool, id_lists[nxt], heads) if nxt < len(id_lists) else None
+            await transport.send(peer_id, buffer, tag, timeout_s)
+            moved += buffer.numel() * buffer.element_size()
+    finally:
+        await settle(staged)
+    return moved
+
+
+async def _receive_messages(
+    transport: UcxTransport,
+    pool: torch.Tensor,
+    id_lists: list[list[int]],
+    tags: list[int],
+    heads: slice | None,
+    timeout_s: float,
+) -> int:
+    """Receive message i into pages ``id_lists[i]``: straight into the pool when they are
+    whole and contiguous here, else into a buffer unpacked while message i+1 arrives (one
+    unpack in flight at a time). Returns once every page has landed. Bytes received."""
+    stager, moved = Stager(pool.device), 0
+    unpacking: asyncio.Future | None = None
+    try:
+        for ids, tag in zip(id_lists, tags, strict=True):
+            if heads is None and _contiguous(ids):
+                await transport.recv(pool[ids[0] : ids[0] + len(ids)], tag, timeout_s)
+                moved += len(ids) * pool[0].numel() * pool.element_size()
+                continue
+            packed = _landing_buffer(pool, len(ids), heads)
+            await transport.recv(packed, tag, timeout_s)
+            if unpacking is not None:
+                await unpacking
+            unpacking = stager.start(lambda ids=ids, packed=packed: _unpack(pool, ids, packed, heads))
+            moved += packed.numel() * packed.element_size()
+        if unpacking is not None:
+            pending, unpacking = unpacking, None
+            await pending
+    finally:
+        await settle(unpacking)
     return moved
 
 
@@ -76,23 +161,58 @@ def source_buffer(pool: torch.Tensor, ids: list[int], heads: slice | None) -> to
     return pack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), heads)
 
 
-async def _receive_run(
-    transport: UcxTransport, pool: torch.Tensor, ids: list[int], tag: int, timeout_s: float, heads
-) -> int:
-    """One run: straight into the pool when its pages are whole and contiguous here, else
-    packed and scattered (into ``heads`` only, when given)."""
-    n = len(ids)
+def _stage_source(stager: Stager, pool: torch.Tensor, ids: list[int], heads: slice | None) -> asyncio.Future:
+    """The future of message ``ids``'s source buffer: ready at once for a pool view, else
+    its pack started."""
     if heads is None and _contiguous(ids):
-        await transport.recv(pool[ids[0] : ids[0] + n], tag, timeout_s)
-        return n * pool[0].numel() * pool.element_size()
+        return ready(source_buffer(pool, ids, None))
+    return stager.start(lambda: source_buffer(pool, ids, heads))
+
+
+def _landing_buffer(pool: torch.Tensor, n: int, heads: slice | None) -> torch.Tensor:
+    """An empty packed buffer of ``n`` pages (only ``heads`` when given)."""
     shape = list(pool.shape)
     shape[0] = n
     if heads is not None:
         shape[3] = heads.stop - heads.start
-    packed = torch.empty(shape, dtype=pool.dtype, device=pool.device)
-    await transport.recv(packed, tag, timeout_s)
+    return torch.empty(shape, dtype=pool.dtype, device=pool.device)
+
+
+def _unpack(pool: torch.Tensor, ids: list[int], packed: torch.Tensor, heads: slice | None) -> torch.Tensor:
+    """Scatter ``packed`` into pages ``ids``; returns ``packed``, so the buffer lives until
+    the copy is done."""
     unpack_pages(pool, torch.tensor(ids, dtype=torch.int64, device=pool.device), packed, heads)
-    return packed.numel() * packed.element_size()
+    return packed
+
+
+def wire_page_bytes(pool: torch.Tensor, heads: slice | None) -> int:
+    """Bytes of one page as it travels: the whole page, or only ``heads`` of it."""
+    page = pool[0].numel() * pool.element_size()
+    return page if heads is None else page // pool.shape[3] * (heads.stop - heads.start)
+
+
+def pages_per_message(page_bytes: int, max_message_bytes: int) -> int:
+    """Whole pages of ``page_bytes`` that fit a message of ``max_message_bytes`` (>= 1);
+    TransferError when not even one does."""
+    if max_message_bytes <= 0:
+        raise ValueError(f"max_message_bytes: must be > 0, got {max_message_bytes}")
+    if page_bytes > max_message_bytes:
+        raise TransferError(
+            f"max_message_bytes: {max_message_bytes} is below one page's {page_bytes} bytes; raise the cap"
+        )
+    return max_message_bytes // max(page_bytes, 1)
+
+
+def split_runs(runs: list[Run]) -> list[tuple[int, int]]:
+    """Every message of ``runs``, in chunk order: (first index, pages). TransferError when
+    they need more chunks than a tag holds (chunk 0 is the header)."""
+    messages = [(first + k, min(per, n - k)) for first, n, per in runs for k in range(0, n, max(per, 1))]
+    if len(messages) > MAX_CHUNKS - 1:
+        raise TransferError(
+            f"{len(messages)} messages in one group exceed the tag's {MAX_CHUNKS - 1} chunks; "
+            "raise max_message_bytes"
+        )
+    return messages
 
 
 def common_runs(pages: TransferPages, dest: list[int] | None) -> list[tuple[int, int]]:
@@ -114,23 +234,28 @@ def common_runs(pages: TransferPages, dest: list[int] | None) -> list[tuple[int,
     return runs
 
 
-def runs_header(runs: list[tuple[int, int]], num_pages: int) -> torch.Tensor:
-    """[num_pages + 1] int32: entry i is 1 where a run starts at page i; the last entry
-    counts the runs."""
+def runs_header(runs: list[Run], num_pages: int) -> torch.Tensor:
+    """[num_pages + 1] int32: entry i is the run's pages per message (>= 1) where a run
+    starts at page i, else 0; the last entry counts the runs."""
     header = torch.zeros(num_pages + 1, dtype=torch.int32)
-    for first, _ in runs:
-        header[first] = 1
+    for first, _, per in runs:
+        if per < 1:
+            raise ValueError(f"runs: pages per message must be >= 1, got {per}")
+        header[first] = per
     header[num_pages] = len(runs)
     return header
 
 
-def header_runs(header: torch.Tensor) -> list[tuple[int, int]]:
-    """Inverse of :func:`runs_header`: (first index, length) of every run."""
+def header_runs(header: torch.Tensor) -> list[Run]:
+    """Inverse of :func:`runs_header`: (first index, length, pages per message) of every run."""
     starts = torch.nonzero(header[:-1]).flatten().tolist()
     ends = [*starts[1:], header.numel() - 1]
     if len(starts) != int(header[-1]):
         raise TransferError(f"run header: {len(starts)} starts, {int(header[-1])} runs announced")
-    return [(a, b - a) for a, b in zip(starts, ends, strict=True)]
+    pers = header[starts].tolist() if starts else []
+    if any(per < 1 for per in pers):
+        raise TransferError(f"run header: pages per message must be >= 1, got {min(pers)}")
+    return [(a, b - a, per) for a, b, per in zip(starts, ends, pers, strict=True)]
 
 
 def _contiguous(ids: list[int]) -> bool:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from kvcore.transfer.jobs import LinkTest, RecvJob, SendJob, TransferUsage
-from kvcore.transfer.pages import receive_group, send_group
+from kvcore.transfer.pages import MAX_MESSAGE_BYTES, receive_group, send_group
 from kvcore.transfer.side_channel import SideChannel
 from kvcore.transfer.tags import PING_GROUP, request_tag
 from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
@@ -38,13 +38,21 @@ class PagePools(Protocol):
 class RankTransfer:
     """Runs this rank's :class:`SendJob`, :class:`RecvJob` and :class:`LinkTest`.
 
-    ``groups``: the cache config's group names, in its order (they index the tags).
+    - ``groups``: the cache config's group names, in its order (they index the tags);
+    - ``max_message_bytes``: the cap of one page message this rank sends (bytes); a
+      receiver follows the sender's split, so ranks need not agree on it.
     """
 
     def __init__(
-        self, pools: PagePools, groups: Sequence[str], transport: UcxTransport | None = None
+        self,
+        pools: PagePools,
+        groups: Sequence[str],
+        transport: UcxTransport | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.pools = pools
+        if max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes: must be > 0, got {max_message_bytes}")
+        self.pools, self.max_message_bytes = pools, max_message_bytes
         self.transport = transport or UcxTransport()
         self.side_channel = SideChannel(self.transport)
         self._index = {g: i for i, g in enumerate(groups)}
@@ -76,8 +84,9 @@ class RankTransfer:
             start = time.perf_counter()
             dest = job.dest.get(group) if job.dest else None
             tag = (base, self.tag_index(group, job.src_rank))
+            pool, cap = self.pools.tensor(group), self.max_message_bytes
             usage.bytes[group] = await send_group(
-                self.transport, self.pools.tensor(group), job.peer_id, tag, sent, route, dest, job.timeout_s
+                self.transport, pool, job.peer_id, tag, sent, route, dest, job.timeout_s, cap
             )
             usage.seconds[group] = time.perf_counter() - start
         return usage
