@@ -7,8 +7,9 @@ Prompts are held-out bytes of the standard library (models/data.py): code (held-
 Each rung runs its prompts as one batch, greedy, ``--max-tokens`` new tokens each, EOS
 ignored, prefix cache off. Reports AL per rung and domain for every K, and tokens/s with
 and without speculation (the same batch, K = 0), end to end and over the steps where the
-whole batch decodes. Greedy
-outputs of every K are checked equal to K = 0 (lossless).
+whole batch decodes. Each
+row counts the prompts whose greedy output equals K = 0's (every one in float32; see
+``equal_prompts``). K is fixed: adaptive K is off.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_prefix_cache=False,
         max_num_seqs=max(8, a.prompts),
         kv_cache_bytes=int(a.kv_cache_gib * (1 << 30)),
+        adaptive_k=False,  # AL at a fixed K, not the per-step rule's timing-dependent choice
     )
     engines = {
         k: Engine(EngineConfig(drafter=a.drafter if k else None, num_spec_tokens=k, **common))
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"domain": domain, "rung": rung}
         for k, engine in engines.items():
             row[k] = run(engine, prompts, a.max_tokens)
-            assert row[k]["token_ids"] == row[0]["token_ids"], f"K={k} is not lossless"
+            row[k]["equal_to_target_only"] = equal_prompts(row[k]["token_ids"], row[0]["token_ids"])
         for k in engines:
             del row[k]["token_ids"]
         results.append(row)
@@ -119,10 +121,19 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"args": vars(a), "results": results}, f, indent=1)
 
 
+def equal_prompts(tokens: list[list[int]], reference: list[list[int]]) -> int:
+    """How many prompts emitted exactly the reference's tokens. float32 (CPU) gives all of
+    them; in bf16 a verify pass (K + 1 query rows) and a decode step can round a near-tie
+    differently, after which the two greedy outputs part."""
+    return sum(t == r for t, r in zip(tokens, reference, strict=True))
+
+
 def format_row(row: dict, ks: list[int]) -> str:
     """AL, then end-to-end / decode-only tokens/s."""
     speed = lambda r: f"{r['tokens_per_s']:.0f}/{r['decode_tokens_per_s']:.0f} tok/s"
-    als = " | ".join(f"K={k}: AL {row[k]['al']:.2f} {speed(row[k])}" for k in ks)
+    als = " | ".join(
+        f"K={k}: AL {row[k]['al']:.2f} {speed(row[k])} equal {row[k]['equal_to_target_only']}" for k in ks
+    )
     return f"{row['domain']:5s} {row['rung']:5d} | K=0: {speed(row[0])} | {als}"
 
 

@@ -3,7 +3,8 @@
     python -m bench.disagg_al [--device cuda] [--lengths ...] [--drafters DIR ...] [--json F] [--svg F]
 
 The bundled tiny pair serves held-out standard-library code over a ladder of prompt lengths
-(windows of the held-out code at seeded offsets, as in bench/al_ladder.py), once per
+(windows of the held-out code at seeded offsets, as in bench/al_ladder.py) at a fixed K
+(adaptive K off everywhere), once per
 drafter (``--drafters``: e.g. the 256- and 2,048-token windows). Aggregated runs
 in-process; each disaggregated layout runs a real local cluster (router + prefill + decode
 processes, pages over UCX; on one GPU both workers share it). Greedy decoding, EOS ignored,
@@ -39,7 +40,8 @@ def ladder_prompts(lengths: list[int], per_length: int) -> dict[int, list[list[i
 
 
 def run_aggregated(prompts: dict[int, list[list[int]]], drafter: str, args) -> dict:
-    engine = Engine(EngineConfig(model=MODEL, drafter=drafter, num_spec_tokens=args.k, device=args.device))
+    config = EngineConfig(MODEL, drafter, num_spec_tokens=args.k, device=args.device, adaptive_k=False)
+    engine = Engine(config)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     return {
         n: [
@@ -53,6 +55,7 @@ def run_aggregated(prompts: dict[int, list[list[int]]], drafter: str, args) -> d
 def run_cluster(layout: str, prompts: dict[int, list[list[int]]], drafter: str, args) -> dict:
     k = str(args.k)
     worker = ["--model", MODEL, "--drafter", drafter, "-k", k, "--layout", layout, "--device", args.device]
+    worker.append("--no-adaptive-k")  # AL at a fixed K: the per-step rule would make it timing-dependent
     cluster = LocalCluster(worker, ["--model", MODEL, "-k", k], ["prefill", "decode"])
     cluster.start()
     try:
@@ -131,8 +134,8 @@ def main() -> None:
             with open(path, "w") as f:
                 f.write(svg(summary, f"AL, K = {args.k}, {Path(drafter).name} ({args.device})"))
             print(f"plot: {path}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+        if args.json:  # after every drafter: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
 
 
 def _per_prompt_al(run: dict) -> dict:

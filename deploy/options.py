@@ -95,6 +95,15 @@ class EngineOptions:
     )
     max_num_seqs: int = _option(64, "requests a worker batches at once", at_least(1))
     prefix_cache: bool = _option(True, "turn the radix prefix cache off", flags=("--no-prefix-cache",))
+    cuda_graphs: bool = _option(
+        True, "run the decode step eagerly, without CUDA graphs (as vLLM's)", flags=("--enforce-eager",)
+    )
+    adaptive_k: bool = _option(
+        True,
+        "draft K tokens every step; by default, with CUDA graphs, a step of greedy requests drafts "
+        "only when its measured cost pays for the running acceptance (fixed K: measuring AL)",
+        flags=("--no-adaptive-k",),
+    )
     tp: int = _option(
         1,
         "tensor-parallel ranks per worker, one process each (gloo on CPU, NCCL on GPU: rank r "
@@ -201,6 +210,8 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         max_num_seqs=options.max_num_seqs,
         layout=KVLayout("unified" if options.layout == "auto" else options.layout),
         enable_prefix_cache=options.prefix_cache,
+        enforce_eager=not options.cuda_graphs,
+        adaptive_k=options.adaptive_k,
         tp_size=options.tp,
     )
 

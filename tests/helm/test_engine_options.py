@@ -49,6 +49,8 @@ CHART_VALUES: dict[str, ChartValue] = {
     "host_kv_recall_min_pages": ChartValue("{role}.hostKvCache.recallMinPages", by_role(3, 5)),
     "max_num_seqs": ChartValue("engine.maxNumSeqs", 128),
     "prefix_cache": ChartValue("engine.prefixCache", False),
+    "cuda_graphs": ChartValue("engine.cudaGraphs", False),
+    "adaptive_k": ChartValue("engine.adaptiveK", False),
     "tp": ChartValue("{role}.tp", by_role(2, 4)),
 }
 # The chart, like the worker, refuses the host tier with tp > 1, so each role has one of the two

@@ -116,6 +116,12 @@ spec:
             {{- if not $v.engine.prefixCache }}
             - --no-prefix-cache
             {{- end }}
+            {{- if not $v.engine.cudaGraphs }}
+            - --enforce-eager
+            {{- end }}
+            {{- if not $v.engine.adaptiveK }}
+            - --no-adaptive-k
+            {{- end }}
             {{- if gt $tp 1 }}
             - --tp
             - {{ $tp | quote }}
