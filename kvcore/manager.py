@@ -54,10 +54,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix reuse
 
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], whole_pages: bool = False) -> PrefixMatch:
         """Reusable prefix of a prompt, leaving at least its last token to compute (see
-        ``kvcore/prefix_match.py`` for the rules)."""
-        return self._matcher.match(token_ids)
+        ``kvcore/prefix_match.py`` for the rules); ``whole_pages``: no partial page."""
+        return self._matcher.match(token_ids, whole_pages)
 
     # ------------------------------------------------------------ allocate / free
 
@@ -100,14 +100,15 @@ class KVCacheManager:
         """Pages for a request whose prompt KV (``prompt_len`` positions) arrives by
         transfer: ``allocate`` with ``num_computed=prompt_len``; None when they do not fit.
 
-        - with ``token_ids`` (the prompt), what the prefix cache or host tier holds of it
-          is reused and named held; without a match when the match's locked path leaves
-          too few pages;
+        - with ``token_ids`` (the prompt), the whole pages the prefix cache or host tier
+          holds of it are reused and named held (no partial page: the transfer rewrites
+          every page after them); without a match when the match's locked path leaves too
+          few pages;
         - groups a transfer does not move (the SEPARATE layout's draft) get zeroed pages,
           not a previous request's KV, so such a drafter starts blind and deterministic.
         """
         n = prompt_len
-        for match in [self.match_prefix(list(token_ids))] if token_ids else []:
+        for match in [self.match_prefix(list(token_ids), whole_pages=True)] if token_ids else []:
             if self.can_allocate(n, match, num_computed=n):
                 break
         else:

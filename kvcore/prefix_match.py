@@ -12,7 +12,11 @@ Rules (design.md §3):
   writing nothing below m. Otherwise the match shortens to the longest page boundary where
   it holds (0 at worst): released target pages are never recomputed;
 - the host tier continues a device match by whole pages (then no partial page), and only
-  by at least ``host_recall_min_pages`` pages.
+  by at least ``host_recall_min_pages`` pages;
+- a match for a transfer's reservation is of whole pages: the transfer rewrites every page
+  after the held ones, so a partial page copied on write would be wasted work, and under
+  tensor parallelism a copy replayed on the other ranks after the pages landed would
+  overwrite them.
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ class PrefixMatcher:
         self.store, self.rows, self.page = store, rows, store.page
         self.target = next(iter(rows))
 
-    def match(self, token_ids: list[int]) -> PrefixMatch:
-        """Reusable prefix of a prompt, leaving at least its last token to compute."""
+    def match(self, token_ids: list[int], whole_pages: bool = False) -> PrefixMatch:
+        """Reusable prefix of a prompt, leaving at least its last token to compute;
+        ``whole_pages``: no partial page (nothing copied on write)."""
         match = PrefixMatch(compute_start={g: 0 for g in self.rows}, reused_pages={g: [] for g in self.rows})
         tree = self.store.tree
         if tree is None or len(token_ids) < 2:
@@ -83,7 +88,7 @@ class PrefixMatcher:
         tokens, p = token_ids[:-1], self.page
         radix = tree.match_prefix(tokens)
         recalled = self.store.host_hits(tokens, radix.num_tokens)
-        if recalled:  # the host tier extends the match by whole pages; no partial page then
+        if recalled or whole_pages:  # the host tier extends the match by whole pages: no partial page
             radix.partial_tokens, radix.partial_pages = 0, {}
         device = radix.num_tokens // p
         entries = {

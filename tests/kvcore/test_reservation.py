@@ -37,19 +37,23 @@ def test_a_reservation_reuses_the_cached_prefix_and_names_it_held(manager):
     assert_empty(manager)
 
 
-def test_a_match_whose_locked_path_leaves_too_few_pages_is_dropped():
+def test_a_reservation_reuses_whole_pages_only_and_copies_no_partial_page():
+    """The transfer rewrites every page after the held ones: a partial page copied on write
+    would be wasted, and under TP a copy replayed on the other ranks after the pages
+    landed would overwrite them. Whole pages also lock less of the cached path."""
     manager, pools = make_cache(record=True, target_pages=8, draft_pages=8)
     a = list(range(24))
     run_request(manager, "a", a)  # target: 6 cached pages, 2 free
-    b = a[:22] + [99, 98, 97, 96]  # matches 22 tokens: 5 locked pages + a copied partial one
+    pools.take_writes()
+    b = a[:22] + [99, 98, 97, 96]  # matches 22 tokens: 5 whole pages + a partial one
     match = manager.match_prefix(b)
     assert (match.num_tokens, match.cow_pages) == (22, {"target": 5})
-    assert not manager.can_allocate(26, match, num_computed=26)
-    res = manager.reserve_for_transfer("b", 26, b)  # without the match: evicts the prefix
-    assert res.block_tables == {"target": [7, 6, 5, 0, 1, 2, 3, 4], "draft": [N, N, N, N, 7, 0, 1, 2]}
-    assert res.num_held == {"target": 0, "draft": 0}
-    assert manager.usage()["target"].cached == 0
-    assert pools.take_writes() == []  # no copy-on-write without the match
+    assert not manager.can_allocate(26, match, num_computed=26)  # 6 locked pages + 3 new > 8
+    res = manager.reserve_for_transfer("b", 26, b)  # 5 whole pages: page 5 is evicted for room
+    assert res.block_tables == {"target": [0, 1, 2, 3, 4, 7, 6, 5], "draft": [N, N, N, N, 7, 0, 1, 2]}
+    assert res.num_held == {"target": 5, "draft": 0}
+    assert manager.usage()["target"].cached == 5
+    assert pools.take_writes() == []  # nothing copied on write
     manager.free("b")
     assert_empty(manager)
 
