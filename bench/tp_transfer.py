@@ -52,12 +52,14 @@ def raw_bytes_of(num_tokens: int) -> int:
     return -(-num_tokens // PAGE) * TARGET_PAGE_BYTES
 
 
-def _transfer_side(side: str, prompts: list[int], repeats: int, devices: dict[str, str], conn) -> None:
-    asyncio.run(_transfer_session(side, prompts, repeats, devices, conn))
+def _transfer_side(
+    side: str, prompts: list[int], repeats: int, devices: dict[str, str], cap: int, conn
+) -> None:
+    asyncio.run(_transfer_session(side, prompts, repeats, devices, cap, conn))
 
 
 async def _transfer_session(
-    side: str, prompts: list[int], repeats: int, devices: dict[str, str], conn
+    side: str, prompts: list[int], repeats: int, devices: dict[str, str], cap: int, conn
 ) -> None:
     """Side A sends, side B receives, for each prompt: raw UCX, then whole pages through
     the TransferAgent (equal TP), then one decode rank's half of the heads through its
@@ -73,11 +75,11 @@ async def _transfer_session(
     peer = "B" if side == "A" else "A"
     info = EndpointInfo(await asyncio.to_thread(conn.recv))
     await transport.connect(peer, info)
-    runs = _transfer_runs(side, max(prompts), torch.device(device), transport, peer, info)
+    runs = _transfer_runs(side, max(prompts), torch.device(device), transport, peer, info, cap)
     raw = torch.ones(raw_bytes_of(max(prompts)), dtype=torch.uint8, device=device)
     report = []
     for n in prompts:
-        results = {"raw": await _raw_times(side, transport, peer, raw[: raw_bytes_of(n)], repeats, n)}
+        results = {"raw": await _raw_times(side, transport, peer, raw[: raw_bytes_of(n)], repeats, n, cap)}
         for i in range(repeats + 1):
             for kind, run in runs.items():
                 seconds, moved = await run(f"{kind}-{n}-{i}", n, conn)
@@ -91,12 +93,12 @@ async def _transfer_session(
     await transport.close()
 
 
-async def _raw_times(
-    side: str, transport, peer: str, buffer: torch.Tensor, repeats: int, n: int
+async def _raw_times(  # noqa: PLR0913
+    side: str, transport, peer: str, buffer: torch.Tensor, repeats: int, n: int, cap: int
 ) -> list[float]:
-    """Raw UCX: ``buffer`` in back-to-back messages of at most the transfer's cap
-    (MAX_MESSAGE_BYTES), then an ack; seconds per repeat (side A)."""
-    pieces = buffer.split(MAX_MESSAGE_BYTES)
+    """Raw UCX: ``buffer`` in back-to-back messages of at most the transfer's cap, then an
+    ack; seconds per repeat (side A)."""
+    pieces = buffer.split(cap)
     ack, times = torch.zeros(8, dtype=torch.uint8), []
     for i in range(repeats + 1):
         tags = [make_tag(f"raw-{n}-{i}", 0, c) for c in range(len(pieces))]
@@ -114,7 +116,9 @@ async def _raw_times(
     return times
 
 
-def _transfer_runs(side: str, num_tokens: int, dev: torch.device, transport, peer: str, info) -> dict:
+def _transfer_runs(  # noqa: PLR0913
+    side: str, num_tokens: int, dev: torch.device, transport, peer: str, info, cap: int
+) -> dict:
     """kind -> ``run(request_id, prompt tokens, conn) -> (seconds, bytes)`` for this side;
     caches hold ``num_tokens``."""
     from kvcore import KVCacheManager, KVPools
@@ -125,12 +129,12 @@ def _transfer_runs(side: str, num_tokens: int, dev: torch.device, transport, pee
         return KVCacheManager(cache(num_tokens, heads), pools), pools
 
     whole_manager, whole_pools = cache_of(8)
-    whole = TransferAgent(whole_manager, whole_pools, 4096, transport)
+    whole = TransferAgent(whole_manager, whole_pools, 4096, transport, max_message_bytes=cap)
     whole.pair(peer, [PeerRank(peer, info)])
     sliced_manager, sliced_pools = whole_manager, whole_pools
     if side == "B":
         sliced_manager, sliced_pools = cache_of(4)
-    sliced = RankTransfer(sliced_pools, list(sliced_manager.groups), transport)
+    sliced = RankTransfer(sliced_pools, list(sliced_manager.groups), transport, cap)
     route = {g: HeadRoute(0, 1, slice(4, 8), slice(0, 4), False) for g in ("target", "draft")}
     if side == "A":
         return {
@@ -221,13 +225,17 @@ def devices_for(toy_shapes: bool) -> dict[str, str]:
     raise SystemExit("tp_transfer: no CUDA device; use --toy for the CPU")
 
 
-def run_prompts(toy_shapes: bool, prompts: list[int], repeats: int) -> list[dict]:
+def run_prompts(
+    toy_shapes: bool, prompts: list[int], repeats: int, cap: int = MAX_MESSAGE_BYTES
+) -> list[dict]:
     """Both sides in spawned processes, every prompt in one run; per prompt, its figures."""
     ctx = mp.get_context("spawn")
     pipes = {s: ctx.Pipe() for s in "AB"}
     devices = devices_for(toy_shapes)
     procs = {
-        s: ctx.Process(target=_transfer_side, args=(s, prompts, repeats, devices, pipes[s][1]), daemon=True)
+        s: ctx.Process(
+            target=_transfer_side, args=(s, prompts, repeats, devices, cap, pipes[s][1]), daemon=True
+        )
         for s in "AB"
     }
     for p in procs.values():
@@ -241,15 +249,16 @@ def run_prompts(toy_shapes: bool, prompts: list[int], repeats: int) -> list[dict
     got = a.recv()
     for p in procs.values():
         p.join(timeout=30)
-    return [_figures(n, r, devices) for n, r in zip(prompts, got, strict=True)]
+    return [_figures(n, r, devices, cap) for n, r in zip(prompts, got, strict=True)]
 
 
-def _figures(num_tokens: int, got: dict, devices: dict[str, str]) -> dict:
+def _figures(num_tokens: int, got: dict, devices: dict[str, str], cap: int) -> dict:
     rate = lambda n, ts: n / statistics.median(ts[1:] if len(ts) > 1 else ts) / 1e9  # noqa: E731
     raw = raw_bytes_of(num_tokens)
     out = {
         "prompt_tokens": num_tokens,
         "devices": f"{devices['A']} -> {devices['B']}",
+        "cap_bytes": cap,
         "raw_ucx_bytes": raw,
         "raw_ucx_GBps": rate(raw, got["raw"]),
         "whole_pages_GBps": rate(got["whole_bytes"][0], got["whole"]),
@@ -271,7 +280,7 @@ def markdown(rows: list[dict]) -> str:
     """The figures as a short markdown table: GB/s and % of raw UCX."""
     pct = lambda r, k: f"{100 * r[k] / r['raw_ucx_GBps']:.0f} %"  # noqa: E731
     lines = [
-        f"{rows[0]['devices']}, messages of at most {MAX_MESSAGE_BYTES >> 20} MiB",
+        f"{rows[0]['devices']}, messages of at most {rows[0]['cap_bytes'] >> 20} MiB",
         "",
         "| prompt | raw UCX GB/s | copy_ GB/s | whole pages GB/s | of raw | head-sliced GB/s | of raw |",
         "|---|---|---|---|---|---|---|",
@@ -296,16 +305,22 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats", type=int, default=3, help="timed runs per prompt after a warm-up (default: 3)"
     )
     p.add_argument("--toy", action="store_true", help="both processes on the CPU (shared memory)")
+    p.add_argument(
+        "--cap-mib",
+        type=int,
+        default=MAX_MESSAGE_BYTES >> 20,
+        help="the cap of one message, MiB (default: 64)",
+    )
     a = p.parse_args(argv)
     try:
         prompts = [int(t) for t in (a.prompts or (TOY_PROMPTS if a.toy else PROMPTS)).split(",")]
     except ValueError:
         p.error(f"--prompts: expected token counts like 4096,16384, got {a.prompts!r}")
-    if min(prompts) < PAGE or a.repeats < 1:
-        p.error(f"--prompts must be >= {PAGE} tokens, --repeats >= 1")
+    if min(prompts) < PAGE or a.repeats < 1 or a.cap_mib < 2:
+        p.error(f"--prompts must be >= {PAGE} tokens, --repeats >= 1, --cap-mib >= 2 (one target page)")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # traffic stays on this host (cuda_ipc is no net device)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    print(markdown(run_prompts(a.toy, prompts, a.repeats)), flush=True)
+    print(markdown(run_prompts(a.toy, prompts, a.repeats, a.cap_mib << 20)), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ Per group and (sender rank, receiver rank), under tag group index ``index``:
 
 A whole-pool route (equal head sets) splits the pages into runs contiguous on both
 sides (the receiver's ids come from its reservation) and moves each message straight from
-pool to pool; without the receiver's ids it packs every page into one run. A head-sliced
+pool to pool; without the receiver's ids, or when those runs are short (a pool whose free
+queue has churned hands out scattered pages: runs of one 2 MiB page make UCX messages too
+small to reach the link rate), it sends every page as one run, packed where a side's
+pages of a message are not contiguous. A head-sliced
 route packs the route's heads of every page into one run, which the receiver unpacks
 into its heads. Pools are ``[pages, layers, 2, heads, tokens_per_page, head_dim]``.
 
@@ -46,6 +49,11 @@ throughput cliff for messages above 256 MiB; 64 MiB stays 4x below it, is far pa
 where UCX's per-message overhead (tens of microseconds) matters, and bounds a group's
 staging memory (two messages) to 128 MiB."""
 
+MIN_RUN_BYTES = 16 << 20
+"""A whole-page transfer whose pool-to-pool runs average fewer bytes than this (or than the
+cap, if lower) is sent as one packed run instead: a gather and a scatter on each side cost
+less than many small messages."""
+
 Run = tuple[int, int, int]  # (first index into the sent pages, pages, pages per message)
 
 
@@ -65,8 +73,11 @@ async def send_group(
     base, index = tag
     heads = None if route.whole else route.src_heads
     ids = sent.page_ids
+    page_bytes = wire_page_bytes(pool, heads)
     spans = [(0, len(ids))] if heads is not None and ids else common_runs(sent, dest)
-    per = pages_per_message(wire_page_bytes(pool, heads), max_message_bytes)
+    if len(spans) > 1 and len(ids) * page_bytes < len(spans) * min(MIN_RUN_BYTES, max_message_bytes):
+        spans = [(0, len(ids))]  # short runs: one run, packed where a message's pages are scattered
+    per = pages_per_message(page_bytes, max_message_bytes)
     runs = [(first, n, per) for first, n in spans]
     messages = split_runs(runs)
     await transport.send(peer_id, runs_header(runs, len(ids)), message_tag(base, index, 0), timeout_s)

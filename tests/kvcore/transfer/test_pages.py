@@ -122,3 +122,21 @@ def test_packed_messages_are_pipelined_and_land_bit_exact(monkeypatch, route):
     log = transport.log
     for i in range(1, messages):  # pack i + 1 starts before send i is done
         assert log.index(("pack", i + 1)) < log.index(("sent", i)), log
+
+
+def test_short_pool_to_pool_runs_become_one_packed_run():
+    """Scattered receiver pages: runs of one page, below the cap, so the sender packs them
+    into messages of the cap (2 pages) and the receiver unpacks; long runs stay pool to pool."""
+    transport, src, dst = FakeTransport(), pool(2), pool(None)
+    sent, dest = TransferPages(0, [0, 1, 2, 3]), [9, 7, 5, 3]
+    tag = (request_tag("r"), 0)
+
+    async def both() -> int:
+        await send_group(transport, src, "peer", tag, sent, WHOLE, dest, 5.0, 1024)
+        header = next(m for t, m in transport.messages.items() if split_tag(t)[2] == 0)
+        assert header.view(torch.int32).tolist() == [2, 0, 0, 0, 1]  # one run, 2 pages a message
+        return await receive_group(transport, dst, tag, TransferPages(0, dest), WHOLE, 5.0)
+
+    assert asyncio.run(both()) == 4 * 512
+    assert torch.equal(dst[dest], src[sent.page_ids])
+    assert pages.common_runs(sent, [4, 5, 6, 7]) == [(0, 4)]  # contiguous: one pool-to-pool run
