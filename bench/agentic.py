@@ -165,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-kv-mb", type=int, default=32)
     p.add_argument("--decode-kv-mb", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="the workers' torch device (on one GPU both share it)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument(
         "--threads",

@@ -76,6 +76,8 @@ def worker_args(config: ClusterConfig, args: argparse.Namespace) -> list[str]:
         layout,
         "--max-num-seqs",
         str(args.max_num_seqs),
+        "--device",
+        args.device,
     ]
     if config.host_kv_mb:
         out += [HOST_TIER_FLAG, str(config.host_kv_mb), "--host-kv-write-policy", args.host_write_policy]
