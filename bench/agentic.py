@@ -77,6 +77,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         answer_tokens=args.answer_tokens,
         preamble_tokens=args.preamble_tokens,
         branch_probability=args.branch_probability,
+        max_context=args.max_context,
     )
 
 
@@ -143,6 +144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--preamble-tokens", type=int, default=1024)
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=4096,
+        help="tokens a conversation grows to (prompt + answer; at most the model's context)",
+    )
     p.add_argument("--branch-probability", type=float, default=0.5)
     p.add_argument(
         "--layouts",
