@@ -27,7 +27,8 @@ the sender's pool), the pack of message i+1 starts before the send of message i 
 where one must be unpacked, the unpack of message i runs while message i+1 is received.
 Copies run beside the event loop (:class:`~kvcore.transfer.staging.Stager`); at most two
 staging buffers of one message each are alive per group, so memory stays bounded by twice
-the cap. Messages that go pool to pool need no copy and no staging.
+the cap. Messages that go pool to pool need no copy and no staging. The receiver probes each
+message after the header for ``STREAM_SPIN_S`` before backing off: it is already on its way.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvcore.ops import pack_pages, unpack_pages
 from kvcore.transfer.head_routes import HeadRoute
 from kvcore.transfer.staging import Stager, ready, settle
 from kvcore.transfer.tags import MAX_CHUNKS, message_tag
-from kvcore.transfer.ucx import TransferError, UcxTransport
+from kvcore.transfer.ucx import STREAM_SPIN_S, TransferError, UcxTransport
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Default cap of one page message, bytes. Between two GPUs UCX (cuda_ipc) falls off a
@@ -147,11 +148,11 @@ async def _receive_messages(
     try:
         for ids, tag in zip(id_lists, tags, strict=True):
             if heads is None and _contiguous(ids):
-                await transport.recv(pool[ids[0] : ids[0] + len(ids)], tag, timeout_s)
+                await transport.recv(pool[ids[0] : ids[0] + len(ids)], tag, timeout_s, STREAM_SPIN_S)
                 moved += len(ids) * pool[0].numel() * pool.element_size()
                 continue
             packed = _landing_buffer(pool, len(ids), heads)
-            await transport.recv(packed, tag, timeout_s)
+            await transport.recv(packed, tag, timeout_s, STREAM_SPIN_S)
             if unpacking is not None:
                 await unpacking
             unpacking = stager.start(lambda ids=ids, packed=packed: _unpack(pool, ids, packed, heads))

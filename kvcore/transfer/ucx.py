@@ -41,6 +41,10 @@ LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 PROGRESS_MODE = "blocking"  # progress in the event loop on worker events; no thread, no polling
 SPIN_S = 2e-4  # seconds a receive re-probes every loop turn before backing off
 POLL_S = 1e-3  # seconds between probes after that
+STREAM_SPIN_S = 5e-3
+"""Spin of a receive whose message is the next of a stream already flowing (a page group's
+messages after the first): a back-off to POLL_S there cost about 1 ms a message, half the
+rate of 64 MiB page messages on one H200 (docs/performance.md, 2026-12-02)."""
 
 
 class UcxTransport:
@@ -219,11 +223,12 @@ class UcxTransport:
             self._drop(peer_id)
             raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {e}") from e
 
-    async def recv(self, buffer: Any, tag: int, timeout_s: float) -> None:
+    async def recv(self, buffer: Any, tag: int, timeout_s: float, spin_s: float = SPIN_S) -> None:
         """Receive the message tagged ``tag`` into ``buffer``, whose size must match.
 
         Raises ``TransferTimeout`` if the message has not landed within ``timeout_s``
-        seconds; the sender's identity plays no part (tags are per worker).
+        seconds; the sender's identity plays no part (tags are per worker). The message is
+        probed every loop turn for ``spin_s`` seconds, then every POLL_S.
         """
         self._check_open()
         if not timeout_s > 0:
@@ -231,7 +236,7 @@ class UcxTransport:
         array = as_ucx_array(buffer, writable=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s)
+        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length != array.nbytes:
             await self._discard(probe)
             raise TransferError(
@@ -245,11 +250,11 @@ class UcxTransport:
                 f"recv of tag {tag:#x}: message matched but its data did not land within {timeout_s} s"
             ) from None
 
-    async def _wait_for_message(self, tag: int, deadline: float, timeout_s: float) -> Any:
-        """Probe (and dequeue) the message tagged ``tag``: every loop turn for SPIN_S
+    async def _wait_for_message(self, tag: int, deadline: float, timeout_s: float, spin_s: float) -> Any:
+        """Probe (and dequeue) the message tagged ``tag``: every loop turn for ``spin_s``
         seconds, then every POLL_S seconds until ``deadline`` (event-loop time)."""
         loop = asyncio.get_running_loop()
-        spin_until = loop.time() + SPIN_S
+        spin_until = loop.time() + spin_s
         while True:
             self._check_open()
             self._context.worker.progress()

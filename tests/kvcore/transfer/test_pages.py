@@ -41,7 +41,7 @@ class FakeTransport:
         self.messages[tag] = buffer.contiguous().view(torch.uint8).reshape(-1).clone()
         self.log.append(("sent", chunk))
 
-    async def recv(self, buffer: torch.Tensor, tag: int, timeout_s: float) -> None:
+    async def recv(self, buffer: torch.Tensor, tag: int, timeout_s: float, spin_s: float = 0.0) -> None:
         data = self.messages.pop(tag)
         flat = buffer.view(torch.uint8).reshape(-1)
         assert flat.numel() == data.numel()
