@@ -34,7 +34,7 @@ from kvcore.transfer.jobs import PeerRank, TransferKey, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES
 from kvcore.transfer.rank import PagePools, RankTransfer
 from kvcore.transfer.tags import ACK_GROUP, AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
+from kvcore.transfer.ucx import STREAM_SPIN_S, EndpointInfo, TransferError, UcxTransport
 
 _ACK = struct.Struct("<q")  # the tokens acknowledged
 
@@ -172,7 +172,8 @@ class TransferAgent:
 
     async def _wait_ack(self, key: TransferKey, num_tokens: int, timeout_s: float) -> None:
         ack = bytearray(_ACK.size)
-        await self.rank0.transport.recv(ack, message_tag(key.tag, ACK_GROUP, 0), timeout_s)
+        # the ack follows the last page at once: spin, not the 1 ms back-off
+        await self.rank0.transport.recv(ack, message_tag(key.tag, ACK_GROUP, 0), timeout_s, STREAM_SPIN_S)
         (acked,) = _ACK.unpack(ack)
         if acked != num_tokens:
             raise TransferError(

@@ -42,7 +42,7 @@ from kvcore.ops import pack_pages, unpack_pages
 from kvcore.transfer.head_routes import HeadRoute
 from kvcore.transfer.staging import Stager, ready, settle
 from kvcore.transfer.tags import MAX_CHUNKS, message_tag
-from kvcore.transfer.ucx import STREAM_SPIN_S, TransferError, UcxTransport
+from kvcore.transfer.ucx import SPIN_S, STREAM_SPIN_S, TransferError, UcxTransport
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Default cap of one page message, bytes. Between two GPUs UCX (cuda_ipc) falls off a
@@ -94,12 +94,14 @@ async def receive_group(
     landing: TransferPages,
     route: HeadRoute,
     timeout_s: float,
+    header_spin_s: float = SPIN_S,
 ) -> int:
     """Receive what :func:`send_group` sends into ``landing``'s pages, split as its header
-    says. Bytes received."""
+    says; the header is probed every loop turn for ``header_spin_s`` (see ``UcxTransport.recv``).
+    Bytes received."""
     base, index = tag
     header = torch.zeros(len(landing.page_ids) + 1, dtype=torch.int32)
-    await transport.recv(header, message_tag(base, index, 0), timeout_s)
+    await transport.recv(header, message_tag(base, index, 0), timeout_s, header_spin_s)
     messages = split_runs(header_runs(header))
     heads = None if route.whole else route.dst_heads
     tags = [message_tag(base, index, chunk) for chunk in range(1, len(messages) + 1)]

@@ -22,7 +22,7 @@ from kvcore.transfer.jobs import LinkTest, RecvJob, SendJob, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES, receive_group, send_group
 from kvcore.transfer.side_channel import SideChannel
 from kvcore.transfer.tags import PING_GROUP, request_tag
-from kvcore.transfer.ucx import EndpointInfo, TransferError, UcxTransport
+from kvcore.transfer.ucx import SPIN_S, STREAM_SPIN_S, EndpointInfo, TransferError, UcxTransport
 
 LINK_TEST_TIMEOUT_S = 10.0
 
@@ -114,7 +114,7 @@ class RankTransfer:
 
     async def _recv_from(self, job: RecvJob, src_rank: int) -> TransferUsage:
         base, usage = job.tag or request_tag(job.request_id), TransferUsage()
-        routes = job.sources[src_rank]
+        routes, header_spin = job.sources[src_rank], SPIN_S  # the first group may wait on a prefill
         for group, landing in job.pages.items():
             route = routes.get(group)
             if route is None:
@@ -122,7 +122,8 @@ class RankTransfer:
             start = time.perf_counter()
             tag = (base, self.tag_index(group, src_rank))
             usage.bytes[group] = await receive_group(
-                self.transport, self.pools.tensor(group), tag, landing, route, job.timeout_s
+                self.transport, self.pools.tensor(group), tag, landing, route, job.timeout_s, header_spin
             )
+            header_spin = STREAM_SPIN_S  # the next group follows this one at once
             usage.seconds[group] = time.perf_counter() - start
         return usage
