@@ -48,10 +48,12 @@ bench: proto
 	$(BIN)/python -m bench.ucx_raw
 	$(BIN)/python -m bench.transfer
 
-# acceptance length, aggregated vs disaggregated unified vs separate (a few minutes on CPU)
+# acceptance length, aggregated vs disaggregated unified vs separate (minutes on CPU, to 8K
+# tokens); on a GPU to 32K: LADDER_ARGS / AL_ARGS, e.g. AL_ARGS="--device cuda --lengths 1024
+# 2048 4096 8192 16384 32000" (docs/performance.md has the commands of the recorded runs)
 bench-al: proto
-	$(BIN)/python -m bench.al_ladder
-	$(BIN)/python -m bench.disagg_al
+	$(BIN)/python -m bench.al_ladder $(LADDER_ARGS)
+	$(BIN)/python -m bench.disagg_al $(AL_ARGS)
 
 # agentic multi-turn replay: unified vs separate, with and without the host KV tier
 # (about 5 minutes on 2 CPU cores; AGENTIC_ARGS to scale, e.g. --conversations 16 --concurrency 8)
