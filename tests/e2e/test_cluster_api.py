@@ -31,8 +31,19 @@ PROMPT = list(range(1, 21))
 def mixed(tiny_pair):
     """One prefill, one matching decode, and one decode with another K (refused)."""
     cluster = start_cluster(tiny_pair, ["prefill", "decode", ("decode", ["-k", "2"])], expected_pairs=1)
+    _wait_no_pair_pending(cluster)
     yield cluster
     cluster.stop()
+
+
+def _wait_no_pair_pending(cluster, timeout_s: float = 30.0) -> None:
+    """The cluster counts as started once one pair is READY; the other may still be pairing."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = cpb_grpc.TandemStub(channel)
+        while any(p.state == "pending" for p in stub.Health(cpb.HealthRequest(), timeout=5).pairs):
+            assert time.monotonic() < deadline, "a pair still pending"
+            time.sleep(0.2)
 
 
 def test_a_mismatched_pair_is_refused_naming_the_field_and_both_values(mixed):
