@@ -10,14 +10,24 @@ from services.engine.sampling import SamplingParams
 
 
 def decode_run(
-    engine: Engine, prompts: list[list[int]], max_tokens: int, spent: dict[str, float] | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    spent: dict[str, float] | None = None,
+    temperature: float = 0.0,
 ) -> dict:
     """One batch to completion. Time, steps and tokens count only the steps where every
     request decodes (no prefill chunk in the step); so does ``spent`` (seconds per phase,
-    filled by :func:`timed_phases`) when given."""
+    filled by :func:`timed_phases`) when given. ``temperature`` > 0: request i samples with
+    seed i."""
     engine.stats.clear()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i if temperature else None
+        )
+        for i in range(len(prompts))
+    ]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     final, seconds, steps, tokens = {}, 0.0, 0, 0
     while engine.has_unfinished():
         decoding = all(r.status is Status.DECODE for r in engine.requests.values())

@@ -18,7 +18,8 @@ Either choice keeps the output lossless: a plain step is the target's own sampli
 the drafter's catch-up forward still runs on it, so its KV stays exact. The rule applies
 to batches of greedy requests only (``greedy_only``), whose output is token-for-token the
 same whatever it picks: a seeded sampled request must draw the same tokens whatever the
-step timings were, and a step with drafts consumes its generator differently.
+step timings were, and a step with drafts turns its draws into tokens differently (through
+the drafter's q and the residual) from a step without.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from services.engine.request import Request
 
 
 def greedy_only(requests: list[Request]) -> bool:
-    """Whether no request of the batch samples (none has a generator): the K rule may
-    then choose, since greedy output does not depend on K."""
-    return all(r.generator is None for r in requests)
+    """Whether no request of the batch samples: the K rule may then choose, since greedy
+    output does not depend on K."""
+    return all(r.sampling.greedy for r in requests)
 
 
 @dataclass(slots=True)

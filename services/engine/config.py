@@ -39,7 +39,7 @@ class EngineConfig:
     host_kv_write_policy: str = "evict"  # kvcore.spec.HOST_WRITE_POLICIES
     host_kv_recall_min_pages: int = 1  # shorter host hits are recomputed, not recalled
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
-    device_draft_chain: bool = True  # plain-greedy batches draft and verify with one host read
+    device_draft_chain: bool = True  # batches without penalties or pending min_tokens: one host read a step
     adaptive_k: bool = True  # with CUDA graphs: a step drafts only when it pays (adaptive_k.py)
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py

@@ -70,7 +70,7 @@ class DecodeGraphs:
     """The engine's graphed forwards: the target over ``verify_len`` tokens per request
     (K + 1; 1 without a drafter) and, with a drafter, over one (``plain``: a step that
     drafts nothing, see adaptive_k.py), the drafter over ``verify_len`` (catch-up) and over
-    one token per request (chain steps), and the greedy draft chain (draft_chain.py)."""
+    one token per request (chain steps), and the draft chain (draft_chain.py)."""
 
     def __init__(
         self, runner: ModelRunner, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
@@ -92,7 +92,7 @@ class DecodeGraphs:
         self.target = target_graph(verify_len)
         self.plain = target_graph(1) if verify_len > 1 else None  # steps without drafts
         self.drafter = self.catch_up = None
-        self.chain: GraphedDraftChain | None = None  # greedy drafts on the device, K >= 1
+        self.chain: GraphedDraftChain | None = None  # drafts on the device, K >= 1
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
                 self._drafter_forward,
@@ -167,7 +167,7 @@ class DecodeGraphs:
         return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
 
     def fits_verify(self, batch: int, k: int, widths: tuple[int, int]) -> bool:
-        """Whether a greedy step of ``batch`` requests with ``k`` drafts each (the chain's K
+        """Whether a device-resident step of ``batch`` requests with ``k`` drafts each (the chain's K
         or 0) fits the chain and verify graphs; ``widths``: the (target, draft) block
         tables' widths in pages."""
         target_width, draft_width = widths
@@ -191,6 +191,7 @@ class DecodeGraphs:
             r.draft_window,
             DRAFT_KEY_START,
             r.manager.tokens_per_page,
+            r.target.config.vocab_size,
             capture,
         )
         drafter = lambda ids, hidden, positions, ctx: r.drafter(ids, hidden, positions, ctx, r.target)

@@ -1,23 +1,31 @@
-"""The greedy draft chain as one CUDA graph per batch bucket.
+"""The draft chain as one CUDA graph per batch bucket and way of drawing.
 
 After the catch-up forward gives g_n (the drafter's output at slot n of each request, whose
 target has valid KV [0, n)), the chain is, for s = 1..K:
-  d_s = argmax(drafter head(g_{n+s-1}));  and for s < K:
+  d_s = draw(drafter head(g_{n+s-1}));  and for s < K:
   g_{n+s} = drafter(d_s, g_{n+s-1}) at position n + s (writing the drafter's KV there).
+The draw is one of three captured variants (``Draw``): GREEDY takes the argmax; SAMPLED
+draws d_s from q_s = the request's temperature and min-p over the head's logits, keyed by
+(seed, n + s) in lane DRAFT (``noise.py``), and keeps q_s for the rejection sampler;
+FILTERED adds top-k and top-p (a sort of the vocabulary per row, which the others skip).
+Each transform a row does not use is an exact identity (``torch.where`` per row), so q_s is
+bit for bit what ``probs_for_rows`` gives the same row in the eager chain.
 Nothing in it depends on the host once g_n is in place: the positions, KV slots and
 sequence lengths of all K - 1 chain forwards are known before the chain starts, so one
 upload fills them and one replay runs the whole chain. The drafts stay on the device
-(``out`` [bucket, K] int64) for the target's verify forward to read.
+(``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q`` [bucket, K, vocab] float32)
+for the target's verify forward and the acceptance to read.
 
 Rows b .. bucket - 1 of a bucket are padding, as in :mod:`services.engine.graphed_forward`:
 seq_len 0 and slot -1, so they touch no page; their drafts are never read. The chain is
 token-for-token the eager chain of ``speculative.draft`` on greedy rows: the same drafter
 forward at the same bucket shape, and argmax of the head's logits is the token the eager
-chain's one-hot sampling picks.
+chain's one-hot sampling picks; the sampled variants draw with the eager chain's keys.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,18 +34,44 @@ import torch
 from kvcore.ops import slot_mapping_for
 from kvcore.spec import NULL_PAGE
 from services.engine.graphed_forward import UniformContext
+from services.engine.noise import DRAFT
+from services.engine.sampler import RowParams, probs_for_rows, sample
 
 # (input_ids [b], hidden [b, hidden_size], positions [b], ctx) -> g [b, hidden_size]
 DrafterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, UniformContext], torch.Tensor]
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # g [b, hidden_size] -> logits [b, vocab] float32
 
 
+class Draw(enum.Enum):
+    GREEDY = "greedy"
+    SAMPLED = "sampled"  # temperature, min-p
+    FILTERED = "filtered"  # temperature, top-k, min-p, top-p
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSampling:
+    """Per request of a sampled chain: its seed and transforms (temperature 0 = greedy)."""
+
+    seeds: list[int]
+    temperature: list[float]
+    top_k: list[int]  # <= 0 = off
+    top_p: list[float]  # 1 = off
+    min_p: list[float]  # 0 = off
+
+    @property
+    def draw(self) -> Draw:
+        filtered = any(k > 0 for k in self.top_k) or any(p < 1 for p in self.top_p)
+        return Draw.FILTERED if filtered else Draw.SAMPLED
+
+
 class GraphedDraftChain:
-    """K greedy drafts per request from g_n, captured per bucket.
+    """K drafts per request from g_n, captured per bucket and Draw.
 
     Static layout: int64 ``[positions | slots]``, each ``[K - 1, max_batch]`` (chain step
-    s - 1 at row s - 1); int32 ``[seq_lens [K - 1, max_batch] | block table [max_batch,
-    max_pages]]``; ``g0`` [max_batch, hidden_size]; ``out`` [max_batch, K] int64.
+    s - 1 at row s - 1), then ``[seeds | top_k | starts]``, each ``[max_batch]``; int32
+    ``[seq_lens [K - 1, max_batch] | block table [max_batch, max_pages]]``; float32
+    ``[temperature | top_p | min_p]``, each ``[max_batch]``; ``g0`` [max_batch,
+    hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch, K, vocab] float32.
     """
 
     def __init__(
@@ -52,67 +86,101 @@ class GraphedDraftChain:
         steps, mb = k - 1, shape.max_batch
         device = kv_pool.device
         pinned = shape.capture and device.type == "cuda"
-        self.host_i64 = torch.zeros(2 * steps * mb, dtype=torch.int64, pin_memory=pinned)
+        self.host_i64 = torch.zeros(2 * steps * mb + 3 * mb, dtype=torch.int64, pin_memory=pinned)
         self.host_i32 = torch.zeros(steps * mb + mb * shape.max_pages, dtype=torch.int32, pin_memory=pinned)
+        self.host_f32 = torch.zeros(3 * mb, dtype=torch.float32, pin_memory=pinned)
         self.dev_i64, self.dev_i32 = self.host_i64.to(device), self.host_i32.to(device)
+        self.dev_f32 = self.host_f32.to(device)
         self.g0 = torch.zeros(mb, shape.hidden_size, dtype=shape.dtype, device=device)
         self.out = torch.zeros(mb, k, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.q = torch.zeros(mb, k, shape.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[Draw, int], torch.cuda.CUDAGraph] = {}
         self.copied = torch.cuda.Event() if pinned else None
-        self.replays = 0
+        self.replays: dict[Draw, int] = dict.fromkeys(Draw, 0)
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.shape.buckets if b >= batch), None)
 
-    def run(self, starts: list[int], table: torch.Tensor, g0: torch.Tensor) -> torch.Tensor | None:
-        """Drafts [batch, K] int64 on the device (a view of ``out``: read it before the next
-        run) for requests whose slot n = ``starts[i]`` gave g0[i] ([batch, hidden_size]);
-        ``table`` [batch, width] is their draft block-table rows (host). None when the batch
-        does not fit the captured shapes."""
+    def run(
+        self, starts: list[int], table: torch.Tensor, g0: torch.Tensor, sampling: ChainSampling | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(drafts [batch, K] int64, q [batch, K, vocab] float32 or None when greedy) on the
+        device (views of ``out`` and ``q``: read them before the next run) for requests
+        whose slot n = ``starts[i]`` gave g0[i] ([batch, hidden_size]); ``table`` [batch,
+        width] is their draft block-table rows (host); ``sampling`` None: greedy. None when
+        the batch does not fit the captured shapes."""
         batch = len(starts)
         bucket = self.bucket_for(batch)
         if bucket is None or table.shape[1] > self.shape.max_pages:
             return None
-        self._load(starts, table, bucket)
+        draw = sampling.draw if sampling is not None else Draw.GREEDY
+        self._load(starts, table, bucket, sampling)
         self.g0[:batch].copy_(g0)
-        self.replays += 1
+        self.replays[draw] += 1
         if self.shape.capture:
-            self.graphs[bucket].replay()
+            self.graphs[draw, bucket].replay()
         else:
-            self._chain(bucket)
-        return self.out[:batch]
+            self._chain(bucket, draw)
+        return self.out[:batch], (self.q[:batch] if draw is not Draw.GREEDY else None)
 
     def capture(self, pool: tuple[int, int] | None) -> None:
-        """Every bucket, largest first, into ``pool``; all rows padding while capturing."""
+        """Every bucket, largest first, and every Draw, into ``pool``; all rows padding
+        while capturing."""
         for bucket in reversed(self.shape.buckets):
-            self.host_i32.zero_()
-            self.host_i64.zero_()
-            self.host_i64[self._steps * self.shape.max_batch :] = -1
-            self._upload()
-            self._chain(bucket)  # eager once: Triton compiles here
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._chain(bucket)
-            graph.replay()  # the first replay uploads the graph: not in a served step
-            self.graphs[bucket] = graph
+            for draw in Draw:
+                self._load([], torch.zeros(0, 0, dtype=torch.int32), bucket)
+                self._chain(bucket, draw)  # eager once: Triton compiles here
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._chain(bucket, draw)
+                graph.replay()  # the first replay uploads the graph: not in a served step
+                self.graphs[draw, bucket] = graph
         torch.cuda.synchronize()
 
     @property
     def _steps(self) -> int:
         return self.k - 1
 
-    def _chain(self, bucket: int) -> None:
-        """The chain over the static inputs of ``bucket``; drafts into ``out[:bucket]``."""
+    def _chain(self, bucket: int, draw: Draw) -> None:
+        """The chain over the static inputs of ``bucket``; drafts into ``out[:bucket]``
+        (and q into ``q[:bucket]`` unless GREEDY)."""
         g = self.g0[:bucket]
-        d = self.head(g).argmax(dim=-1)  # [bucket]
-        drafts = [d]
-        for s in range(self._steps):
-            positions, ctx = self._step_inputs(s, bucket)
-            g = self.drafter(d, g, positions, ctx)
-            d = self.head(g).argmax(dim=-1)
-            drafts.append(d)
+        drafts = []
+        for s in range(self.k):
+            if s:
+                positions, ctx = self._step_inputs(s - 1, bucket)
+                g = self.drafter(drafts[-1], g, positions, ctx)
+            logits = self.head(g)  # [bucket, vocab]
+            if draw is Draw.GREEDY:
+                drafts.append(logits.argmax(dim=-1))
+                continue
+            q = probs_for_rows(logits, self._row_params(bucket, draw))
+            seeds, starts = self._i64_row(0, bucket), self._i64_row(2, bucket)
+            drafts.append(sample(q, seeds, starts + s + 1, DRAFT))
+            self.q[:bucket, s].copy_(q)
         self.out[:bucket].copy_(torch.stack(drafts, dim=1))
+
+    def _row_params(self, bucket: int, draw: Draw) -> RowParams:
+        """The sampled variants' transforms over the static rows; every flag on, so no
+        transform depends on the device's values (the off rows pass through exactly)."""
+        mb = self.shape.max_batch
+        f32 = lambda i: self.dev_f32[i * mb : i * mb + bucket]  # noqa: E731
+        filtered = draw is Draw.FILTERED
+        return RowParams(
+            f32(0),
+            f32(1),
+            top_k=self._i64_row(1, bucket) if filtered else None,
+            min_p=f32(2),
+            top_k_max=self.shape.vocab_size if filtered else 0,
+            any_greedy=True,
+            any_top_p=filtered,
+        )
+
+    def _i64_row(self, i: int, bucket: int) -> torch.Tensor:
+        """Row i of the per-request int64 part: 0 seeds, 1 top_k, 2 starts."""
+        at = 2 * self._steps * self.shape.max_batch + i * self.shape.max_batch
+        return self.dev_i64[at : at + bucket]
 
     def _step_inputs(self, s: int, bucket: int) -> tuple[torch.Tensor, UniformContext]:
         mb = self.shape.max_batch
@@ -131,20 +199,34 @@ class GraphedDraftChain:
         )
         return positions, ctx
 
-    def _load(self, starts: list[int], table: torch.Tensor, bucket: int) -> None:
-        """Host-side inputs of chain steps 1..K-1 (position n + s, slot, seq_len n + s + 1)."""
+    def _load(
+        self, starts: list[int], table: torch.Tensor, bucket: int, sampling: ChainSampling | None = None
+    ) -> None:
+        """Host-side inputs of chain steps 1..K-1 (position n + s, slot, seq_len n + s + 1),
+        and each request's n and draws; padding rows are greedy."""
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
         steps, mb, b = self._steps, self.shape.max_batch, len(starts)
         self.host_i64.zero_()
-        self.host_i64[steps * mb :] = -1
+        self.host_i64[steps * mb : 2 * steps * mb] = -1
         self.host_i32[: steps * mb] = 0
-        if steps:
+        self.host_f32.zero_()
+        self.host_f32[mb : 2 * mb] = 1.0  # top_p off
+        per_request = self.host_i64[2 * steps * mb :].view(3, mb)
+        per_request[2, :b] = torch.tensor(starts, dtype=torch.int64)
+        if sampling is not None:
+            per_request[0, :b] = torch.tensor(sampling.seeds, dtype=torch.int64)
+            per_request[1, :b] = torch.tensor(sampling.top_k, dtype=torch.int64)
+            f32 = self.host_f32.view(3, mb)
+            f32[0, :b] = torch.tensor(sampling.temperature)
+            f32[1, :b] = torch.tensor(sampling.top_p)
+            f32[2, :b] = torch.tensor(sampling.min_p)
+        if steps and b:
             n = torch.tensor(starts, dtype=torch.int64)
             slots = slot_mapping_for(table, n + 1, [steps] * b, self.shape.tokens_per_page)
             pos = n[None, :] + torch.arange(1, steps + 1)[:, None]  # [steps, b]
             self.host_i64[: steps * mb].view(steps, mb)[:, :b] = pos
-            self.host_i64[steps * mb :].view(steps, mb)[:, :b] = slots.view(b, steps).T
+            self.host_i64[steps * mb : 2 * steps * mb].view(steps, mb)[:, :b] = slots.view(b, steps).T
             self.host_i32[: steps * mb].view(steps, mb)[:, :b] = (pos + 1).int()
         rows = self._table(self.host_i32, bucket)
         rows[:b, : table.shape[1]] = table
@@ -155,6 +237,7 @@ class GraphedDraftChain:
     def _upload(self) -> None:
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_i32.copy_(self.host_i32, non_blocking=True)
+        self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
@@ -176,6 +259,7 @@ class ChainShape:
     window: int  # the drafter's attention window, 0 = none
     key_start: int  # first position attended as a key
     tokens_per_page: int
+    vocab_size: int  # of the head's logits (the target's ids)
     capture: bool = True
 
     @property

@@ -18,8 +18,6 @@ import random
 import time
 from collections.abc import Sequence
 
-import torch
-
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
 from services.engine.adaptive_k import AdaptiveK, greedy_only
 from services.engine.batch import Span
@@ -35,9 +33,10 @@ from services.engine.checks import (
 )
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import capture_decode_graphs
-from services.engine.greedy_step import StepResult, greedy_step, greedy_step_fits
+from services.engine.device_step import StepResult, device_step, device_step_fits
 from services.engine.lockstep import attach_lockstep
 from services.engine.models import load_drafter, load_target
+from services.engine.noise import SEED_BITS, request_seed
 from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.progress import RequestProgress
 from services.engine.request import PrefillSpan, Request, RequestOutput, Status
@@ -111,9 +110,7 @@ class Engine:
         prompt_ids = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size)
         request_id = self._new_id(request_id)
         check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
-        req = Request(
-            request_id, prompt_ids, sampling, self._generator(sampling), prefill_only, num_spec_tokens=k
-        )
+        req = Request(request_id, prompt_ids, sampling, self._seed(sampling), prefill_only, num_spec_tokens=k)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -141,7 +138,7 @@ class Engine:
         check_fits(n, sampling.max_tokens, self.max_model_len, self.manager)
         origin = "transferred" if self.config.layout == KVLayout.UNIFIED else "cold"
         req = Request(
-            request_id, prompt_ids, sampling, self._generator(sampling), origin=origin, num_spec_tokens=k
+            request_id, prompt_ids, sampling, self._seed(sampling), origin=origin, num_spec_tokens=k
         )
         hidden = aux.hidden.reshape(1, -1).to(self.device, self.config.torch_dtype)
         self.progress.start_prefilled(req, aux, hidden)
@@ -244,8 +241,8 @@ class Engine:
         if rule is not None:
             k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
-        graphs = greedy_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
-        step = greedy_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
+        graphs = device_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
+        step = device_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
         if step is None:
             step = self._general_decode(decode, k)
         emitted, logprobs, run, offsets = step
@@ -293,8 +290,9 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         return request_id
 
-    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+    def _seed(self, sampling: SamplingParams) -> int | None:
         if sampling.greedy:
             return None
-        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return request_seed(
+            sampling.seed if sampling.seed is not None else self._seeds.getrandbits(SEED_BITS)
+        )

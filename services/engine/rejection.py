@@ -9,7 +9,9 @@ at the K + 1 verified positions:
 - *bonus*: when all K are kept, one token is drawn from p_{K+1}.
 The emitted tokens then follow the target's distribution exactly. Greedy rows have
 one-hot p and q, which turns the rule into "keep drafts while they equal the target's
-argmax, then emit the target's argmax".
+argmax, then emit the target's argmax", whatever their draws. Draws are keyed by position
+(``noise.py``): u_i by x_i's position n + i in lane ACCEPT, the recovered or bonus token by
+its own position in lane TARGET. Nothing here reads the device back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,26 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampler import sample, uniforms
+from services.engine.noise import ACCEPT, TARGET, uniforms
+from services.engine.sampler import sample
+
+
+@dataclass(slots=True)
+class Draws:
+    """Where a verify step's draws are keyed: per request its seed and n, the position of
+    its last token t_n (draft x_i sits at n + i)."""
+
+    seeds: torch.Tensor  # [batch] int64
+    starts: torch.Tensor  # [batch] int64
+
+    def accept_uniforms(self, k: int) -> torch.Tensor:
+        """[batch, k] u_i for the drafts at positions n + 1 .. n + k."""
+        positions = self.starts[:, None] + torch.arange(1, k + 1, device=self.starts.device)
+        return uniforms(self.seeds, positions, ACCEPT)
+
+    def next_token(self, probs: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+        """probs [batch, vocab] -> [batch]: the token at position n + a + 1."""
+        return sample(probs, self.seeds, self.starts + num_accepted + 1, TARGET)
 
 
 @dataclass(slots=True)
@@ -31,17 +52,16 @@ def rejection_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_ids: torch.Tensor,
-    generators: list[torch.Generator | None],
+    draws: Draws,
     num_drafts: torch.Tensor | None = None,
 ) -> Verdict:
     """target_probs [batch, K + 1, vocab]; draft_probs [batch, K, vocab]; draft_ids
-    [batch, K]. Rows whose generator is None must be greedy (one-hot p and q).
-    ``num_drafts`` [batch] (default K): row i verifies only its first k_i drafts; its
+    [batch, K]. ``num_drafts`` [batch] (default K): row i verifies only its first k_i drafts; its
     target_probs past position k_i and draft_probs past k_i - 1 are never read."""
     batch, k = draft_ids.shape
     p_draft = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
     q_draft = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
-    u = uniforms(batch, k, generators, target_probs.device)
+    u = draws.accept_uniforms(k)  # [batch, K]
     keep = u * q_draft < p_draft  # u < p / q, with q > 0 for a drawn draft
     if num_drafts is not None:
         keep &= torch.arange(k, device=keep.device) < num_drafts[:, None]
@@ -55,13 +75,13 @@ def rejection_sample(
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q leaves no residual: the rejection had probability 0, fall back to p
     final = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-    return Verdict(num_accepted, sample(final, generators))
+    return Verdict(num_accepted, draws.next_token(final, num_accepted))
 
 
 def forced_verdict(
     target_probs: torch.Tensor,
     draft_ids: torch.Tensor,
-    generators: list[torch.Generator | None],
+    draws: Draws,
     accept: int,
     num_drafts: torch.Tensor | None = None,
 ) -> Verdict:
@@ -72,4 +92,4 @@ def forced_verdict(
     limit = num_drafts if num_drafts is not None else torch.full((batch,), k, device=draft_ids.device)
     num_accepted = limit.clamp(max=accept).long()  # [batch]
     rows = torch.arange(batch, device=draft_ids.device)
-    return Verdict(num_accepted, sample(target_probs[rows, num_accepted], generators))
+    return Verdict(num_accepted, draws.next_token(target_probs[rows, num_accepted], num_accepted))

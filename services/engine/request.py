@@ -71,7 +71,7 @@ class Request:
         request_id: str,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        generator: torch.Generator | None,
+        seed: int | None,
         prefill_only: bool = False,
         origin: str = "local",
         num_spec_tokens: int = 0,
@@ -82,7 +82,7 @@ class Request:
         self.output_logprobs: list[TokenLogprob | None] = []  # only with sampling.logprobs
         self.num_spec_tokens = num_spec_tokens  # drafts verified per step, at most the engine's K
         self.sampling = sampling
-        self.generator = generator
+        self.seed = seed  # keys every draw (noise.py); None for greedy requests
         self.prefill_only = prefill_only
         self.origin = origin
         self.status = Status.WAITING

@@ -45,8 +45,21 @@ def row_params(
         penalties = _penalties(rows, vocab, device)
         banned = _banned(rows, vocab, eos_ids, device)
     return RowParams(
-        per_row([s.temperature for s in sp]), per_row([s.top_p for s in sp]), top_k, min_p, penalties, banned
+        per_row([s.temperature for s in sp]),
+        per_row([s.top_p for s in sp]),
+        top_k,
+        min_p,
+        penalties,
+        banned,
+        top_k_max=max((s.top_k for s in sp), default=0),
+        any_greedy=any(s.greedy for s in sp),
+        any_top_p=any(s.top_p < 1 for s in sp),
     )
+
+
+def request_seeds(requests: list[Request], device: torch.device) -> torch.Tensor:
+    """[batch] int64: each request's seed (0 for greedy ones, whose draws are one-hot)."""
+    return torch.tensor([r.seed or 0 for r in requests], dtype=torch.int64).to(device)
 
 
 def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties | None:

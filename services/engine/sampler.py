@@ -3,9 +3,12 @@
 The transforms run in vLLM v1's order: stop tokens banned by ``min_tokens``, penalties on
 the raw logits, then temperature, then top-k, min-p and top-p. Rows of a batch may mix
 greedy and sampled requests. A greedy row's distribution is the one-hot of the argmax of
-its penalized logits, so the same rejection rule serves both. Sampling draws through each
-request's own ``torch.Generator``: a seeded request reproduces its tokens whatever else
-shares the batch. Logprobs are read from the raw logits, before any transform.
+its penalized logits, so the same rejection rule serves both. A draw is keyed by the
+request's seed and the token's position (``noise.py``): a seeded request reproduces its
+tokens whatever else shares the batch. Logprobs are read from the raw logits, before any
+transform. Nothing here reads the device back when RowParams comes from ``row_params``
+(its host-side flags say which transforms any row uses), so the same calls run inside a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from services.engine.noise import uniforms
 
 
 @dataclass(slots=True)
@@ -37,6 +42,22 @@ class RowParams:
     min_p: torch.Tensor | None = None  # [rows] float32, 0 = off; None: off for every row
     penalties: Penalties | None = None
     banned: torch.Tensor | None = None  # [rows, vocab] bool: -inf (min_tokens' stop tokens)
+    # host-side: the largest top_k of any row (0 = none, vocab = unknown: a full sort), and
+    # whether any row is greedy / filters by top_p; None = read from the tensors
+    top_k_max: int | None = None
+    any_greedy: bool | None = None
+    any_top_p: bool | None = None
+
+    def flags(self) -> tuple[int, bool, bool, bool]:
+        """(top_k_max, any min_p, any top_p, any greedy); reads the device only for a flag
+        left None."""
+        top_k_max = self.top_k_max
+        if top_k_max is None:
+            top_k_max = int(self.top_k.max()) if self.top_k is not None else 0
+        any_min_p = self.min_p is not None
+        any_top_p = self.any_top_p if self.any_top_p is not None else bool((self.top_p < 1).any())
+        any_greedy = self.any_greedy if self.any_greedy is not None else bool((self.temperature == 0).any())
+        return top_k_max, any_min_p, any_top_p, any_greedy
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
@@ -64,15 +85,14 @@ def process_logits(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     return logits
 
 
-def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab], top_k [rows] (<= 0 = off) -> logits with everything below each
-    row's k-th largest value at -inf (ties with it are kept, as vLLM does)."""
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """logits [rows, vocab], top_k [rows] (<= 0 = off), k_max >= every row's top_k (host)
+    -> logits with everything below each row's k-th largest value at -inf (ties with it
+    are kept, as vLLM does). The result does not depend on k_max."""
     vocab = logits.shape[-1]
     on = (top_k > 0) & (top_k < vocab)  # [rows]
-    if not bool(on.any()):
-        return logits
     k = torch.where(on, top_k, 1)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [rows, 1]
+    kth = logits.topk(min(max(k_max, 1), vocab), dim=-1).values.gather(-1, (k - 1)[:, None])  # [rows, 1]
     return logits.masked_fill((logits < kth) & on[:, None], float("-inf"))
 
 
@@ -97,19 +117,19 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def probs_for_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """logits [rows, vocab] float32 (raw) -> probs [rows, vocab] after every transform.
     Greedy rows are one-hot at the argmax of their penalized logits."""
+    top_k_max, any_min_p, any_top_p, any_greedy = params.flags()
     logits = process_logits(logits, params)
     temperature = params.temperature
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    if params.top_k is not None and bool((params.top_k > 0).any()):
-        scaled = top_k_mask(scaled, params.top_k)
+    if params.top_k is not None and top_k_max > 0:
+        scaled = top_k_mask(scaled, params.top_k, top_k_max)
     probs = torch.softmax(scaled, dim=-1)
-    if params.min_p is not None and bool((params.min_p > 0).any()):
+    if any_min_p:
         probs = torch.where((params.min_p > 0)[:, None], min_p_filter(probs, params.min_p), probs)
-    top_p = params.top_p
-    if bool((top_p < 1).any()):
-        probs = torch.where((top_p < 1)[:, None], top_p_filter(probs, top_p), probs)
-    if bool(greedy.any()):
+    if any_top_p:
+        probs = torch.where((params.top_p < 1)[:, None], top_p_filter(probs, params.top_p), probs)
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
@@ -121,26 +141,17 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
     return probs_for_rows(logits, RowParams(temperature, top_p))
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """probs [rows, vocab] -> tokens [rows] int64. A row whose generator is None takes the
-    argmax (greedy rows are one-hot, so this is exact for them)."""
-    noise = torch.ones_like(probs)
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
-    # argmax(p / E) with E ~ Exp(1) draws from p (exponential race)
-    return (probs / noise).argmax(dim=-1)
-
-
-def uniforms(
-    rows: int, count: int, generators: list[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    """[rows, count] U[0, 1) draws; rows without a generator get zeros."""
-    out = torch.zeros(rows, count, device=device)
-    for i, g in enumerate(generators):
-        if g is not None and count:
-            out[i].uniform_(generator=g)
-    return out
+def sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, lane: int) -> torch.Tensor:
+    """probs [rows, vocab] -> tokens [rows] int64, row i drawn with the uniform keyed by
+    (seeds[i], positions[i], lane) by inverting its CDF. A one-hot row (greedy) gives its
+    hot index whatever the seed; a token of probability 0 is never drawn."""
+    u = uniforms(seeds, positions, lane)  # [rows]
+    cdf = probs.cumsum(dim=-1)  # [rows, vocab]
+    token = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+    token = token.clamp(max=probs.shape[-1] - 1)
+    # rounding in the scan can land on a zero-probability token: take the row's argmax then
+    hit = probs.gather(-1, token[:, None])[:, 0] > 0
+    return torch.where(hit, token, probs.argmax(dim=-1))
 
 
 def logprobs_of(

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.batch import Span, TargetRun
+from services.engine.noise import DRAFT
 from services.engine.request import PrefillSpan, Request
-from services.engine.row_sampling import row_params
+from services.engine.row_sampling import request_seeds, row_params
 from services.engine.runner import ModelRunner
 from services.engine.sampler import probs_for_rows, sample
 
@@ -31,18 +32,20 @@ class Drafts:
 def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozenset[int]) -> Drafts:
     """K drafts for every request (K = the largest num_spec_tokens of the batch; a request
     verifies only its own first num_spec_tokens). q at chain step s takes the request's
-    transforms with d_1..d_s counted (row_sampling.py). K = 0 runs the catch-up forward
+    transforms with d_1..d_s counted (row_sampling.py), and d_s is drawn in lane DRAFT at
+    its position n + s (noise.py). K = 0 runs the catch-up forward
     alone, so the drafter's KV stays exact for later steps."""
     device = runner.device
     g = catch_up(runner, requests)  # [batch, hidden]
-    generators = [r.generator for r in requests]
+    seeds = request_seeds(requests, device)
+    starts = torch.tensor([r.num_computed for r in requests]).to(device)  # n: d_s sits at n + s
     drafted: list[list[int]] = [[] for _ in requests]
     tokens, probs = [], []
     for step in range(k):
         logits = runner.draft_logits(g)  # [batch, vocab]
         params = row_params(requests, [[d] for d in drafted], logits.shape[-1], eos_ids, device)
         q = probs_for_rows(logits, params)
-        d = sample(q, generators)
+        d = sample(q, seeds, starts + step + 1, DRAFT)
         tokens.append(d)
         probs.append(q)
         ids = d.tolist()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from services.engine.batch import TargetRun
-from services.engine.rejection import forced_verdict, rejection_sample
+from services.engine.noise import TARGET
+from services.engine.rejection import Draws, forced_verdict, rejection_sample
 from services.engine.request import Request, TokenLogprob
-from services.engine.row_sampling import row_params, token_logprobs
+from services.engine.row_sampling import request_seeds, row_params, token_logprobs
 from services.engine.runner import ModelRunner
 from services.engine.sampler import probs_for_rows, sample
 from services.engine.speculative import Drafts
@@ -26,7 +27,9 @@ def sample_first(
     position's), and its logprobs."""
     logits = runner.target_logits(hidden)  # [batch, V]
     params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], eos_ids, runner.device)
-    tokens = sample(probs_for_rows(logits, params), [r.generator for r in reqs]).tolist()
+    positions = torch.tensor([r.num_tokens for r in reqs]).to(runner.device)  # the new token's
+    seeds = request_seeds(reqs, runner.device)
+    tokens = sample(probs_for_rows(logits, params), seeds, positions, TARGET).tolist()
     return tokens, emitted_logprobs(logits, [[t] for t in tokens], reqs)
 
 
@@ -58,11 +61,11 @@ def verify(
     probs = by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
     draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
     num_drafts = torch.tensor(ks, device=device) if min(ks) < draft_ids.shape[1] else None
-    generators = [r.generator for r in decode]
+    draws = Draws(request_seeds(decode, device), torch.tensor([r.num_computed for r in decode]).to(device))
     if forced_acceptance >= 0:
-        verdict = forced_verdict(probs, draft_ids, generators, forced_acceptance, num_drafts)
+        verdict = forced_verdict(probs, draft_ids, draws, forced_acceptance, num_drafts)
     else:
-        verdict = rejection_sample(probs, draft_probs, draft_ids, generators, num_drafts)
+        verdict = rejection_sample(probs, draft_probs, draft_ids, draws, num_drafts)
     accepted, nexts = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
     emitted = [ids[i][: accepted[i]] + [nexts[i]] for i in range(len(decode))]
     return emitted, emitted_logprobs(logits, emitted, decode, offsets)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcore import DRAFT_GROUP
+from services.engine.device_step import chain_sampling
 from services.engine.engine import Engine
 from services.engine.speculative import catch_up, draft
 
@@ -21,7 +22,8 @@ def both_chains(engine: Engine) -> tuple[list[list[int]], list[list[int]]] | Non
     eager = draft(runner, decode, engine.k, engine.out.eos_ids).token_ids.tolist()
     g0 = catch_up(runner, decode)
     table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
-    graphed = runner.graphs.chain.run([r.num_computed for r in decode], table, g0)
+    sampling = chain_sampling(decode, all(r.sampling.greedy for r in decode))
+    graphed, _ = runner.graphs.chain.run([r.num_computed for r in decode], table, g0, sampling)
     return eager, graphed.tolist()
 
 

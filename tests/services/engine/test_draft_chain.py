@@ -1,13 +1,15 @@
-"""The device-resident greedy step (greedy_step.py, draft_chain.py) through its static
-path on the CPU: the same drafts as the eager chain, the same tokens as target-only, and
-the general path for every batch it does not cover."""
+"""The device-resident step (device_step.py, draft_chain.py) through its static path on the
+CPU: the same drafts as the eager chain, greedy tokens equal to target-only's, sampled
+tokens equal to the general path's, and the general path for every batch it does not
+cover."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.engine.greedy_step import greedy_accepted, greedy_step_fits
+from services.engine.device_step import device_step_fits, greedy_accepted
+from services.engine.draft_chain import Draw
 from services.engine.sampling import SamplingParams
 from tests.services.engine.chain_helpers import compare_chains
 from tests.services.engine.helpers import make_engine, random_prompts
@@ -27,7 +29,39 @@ def test_greedy_chain_equals_target_only(pair, k):
     plain = make_engine(pair, k=0).generate(prompts, GREEDY)
     engine = with_static_path(make_engine(pair, k=k))
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
-    assert engine.runner.graphs.chain.replays > 0
+    assert engine.runner.graphs.chain.replays[Draw.GREEDY] > 0
+
+
+SAMPLED = [
+    SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),  # greedy in a sampled batch
+    SamplingParams(temperature=1.3, min_p=0.05, max_tokens=24, seed=-9, ignore_eos=True),
+]
+FILTERED = [
+    SamplingParams(temperature=0.9, top_k=5, max_tokens=24, seed=4, ignore_eos=True),
+    SamplingParams(temperature=1.1, top_p=0.8, max_tokens=24, seed=5, ignore_eos=True),
+    SamplingParams(temperature=0.7, max_tokens=24, seed=6, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize(("k", "params", "draw"), [(2, SAMPLED, Draw.SAMPLED), (3, FILTERED, Draw.FILTERED)])
+def test_sampled_chain_equals_the_general_path(pair, k, params, draw):
+    """Seeded sampled requests (and a greedy one beside them) draw the same tokens through
+    the device-resident step as through the eager chain and ``verify``."""
+    prompts = random_prompts(3, seed=70 + k, min_len=4, max_len=30)
+    general = with_static_path(make_engine(pair, k=k, device_draft_chain=False)).generate(prompts, params)
+    engine = with_static_path(make_engine(pair, k=k))
+    out = engine.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in general]
+    replays = engine.runner.graphs.chain.replays
+    assert replays[draw] > 0
+    assert engine.stats["local"].num_accepted > 0  # sampled drafts were kept, not only drawn
+
+
+def test_sampled_drafts_equal_the_eager_chain(pair):
+    engine = with_static_path(make_engine(pair, k=4))
+    prompts = random_prompts(3, seed=81, min_len=5, max_len=30)
+    assert compare_chains(engine, prompts, FILTERED[0]) > 5
 
 
 def test_other_batches_take_the_general_path(pair):
@@ -37,13 +71,13 @@ def test_other_batches_take_the_general_path(pair):
     late_min = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
     engine.generate([[1, 2, 3], [4, 5]], [sampled, penalized])
     engine.generate([[1, 2, 3]], late_min)
-    assert engine.runner.graphs.chain.replays == 0
-    greedy, sampled_id = engine.add_request([1, 2, 3], GREEDY), engine.add_request([4, 5], sampled)
+    assert not any(engine.runner.graphs.chain.replays.values())
+    penalized_id, sampled_id = engine.add_request([1, 2, 3], penalized), engine.add_request([4, 5], sampled)
     engine.step()  # both prefill
-    reqs = [engine.requests[greedy], engine.requests[sampled_id]]
-    assert greedy_step_fits(engine.runner, reqs, 2) is None  # one sampled row: all general
-    assert greedy_step_fits(engine.runner, reqs[:1], 2) is engine.runner.graphs
-    assert greedy_step_fits(engine.runner, reqs[:1], 1) is None  # not the chain's K
+    reqs = [engine.requests[sampled_id], engine.requests[penalized_id]]
+    assert device_step_fits(engine.runner, reqs, 2) is None  # one penalized row: all general
+    assert device_step_fits(engine.runner, reqs[:1], 2) is engine.runner.graphs
+    assert device_step_fits(engine.runner, reqs[:1], 1) is None  # not the chain's K
 
 
 def test_forced_acceptance_through_the_chain(pair):
@@ -52,7 +86,7 @@ def test_forced_acceptance_through_the_chain(pair):
         random_prompts(4, seed=5), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     )
     stats = engine.stats["local"]
-    assert engine.runner.graphs.chain.replays > 0
+    assert engine.runner.graphs.chain.replays[Draw.GREEDY] > 0
     assert stats.num_accepted == 2 * stats.num_steps
 
 

@@ -1,12 +1,15 @@
-"""On the GPU: the graphed greedy draft chain gives the eager chain's drafts token for
-token at K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), and greedy
-speculation through it gives target-only's tokens."""
+"""On the GPU: the graphed draft chain gives the eager chain's drafts token for token at
+K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), greedy and sampled, greedy
+speculation through it gives target-only's tokens, and sampled speculation through it
+gives the general path's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.engine.draft_chain import Draw
+from services.engine.sampling import SamplingParams
 from tests.services.engine.chain_helpers import compare_chains
 from tests.services.engine.helpers import make_engine, random_prompts
 from tests.services.engine.test_cuda_graphs_gpu import GREEDY, PROMPTS, tiny_engine, tokens
@@ -17,10 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("k", [2, 4, 6])
 def test_graphed_chain_equals_eager_chain(k):
     engine = tiny_engine(k, "bfloat16", enforce_eager=False)
-    assert sorted(engine.runner.graphs.chain.graphs) == [1, 2, 4, 8]
+    assert sorted({bucket for _, bucket in engine.runner.graphs.chain.graphs}) == [1, 2, 4, 8]
     for count in (1, 3, 6):
         assert compare_chains(engine, PROMPTS[:count], GREEDY, steps=30) > 10
-    assert engine.runner.graphs.chain.replays > 0
+    assert engine.runner.graphs.chain.replays[Draw.GREEDY] > 0
 
 
 @pytest.mark.parametrize("k", [2, 4, 6])
@@ -28,7 +31,7 @@ def test_greedy_speculation_through_the_chain_equals_target_only(k):
     plain = tokens(tiny_engine(0, "bfloat16", enforce_eager=False), PROMPTS)
     engine = tiny_engine(k, "bfloat16", enforce_eager=False)
     assert tokens(engine, PROMPTS) == plain
-    assert engine.runner.graphs.chain.replays > 0
+    assert engine.runner.graphs.chain.replays[Draw.GREEDY] > 0
 
 
 @pytest.mark.parametrize("k,count", [(2, 3), (3, 8)])
@@ -37,3 +40,26 @@ def test_random_pair_chain_equals_eager_chain(pair, k, count):
     engine = make_engine(pair, k=k, **options)
     prompts = random_prompts(count, seed=51 + count, min_len=5, max_len=40)
     assert compare_chains(engine, prompts, GREEDY, steps=30) > 5
+
+
+SAMPLED = [
+    SamplingParams(temperature=0.8, max_tokens=48, seed=i, ignore_eos=True, **extra)
+    for i, extra in enumerate([{}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}, {}, {}])
+]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_sampled_chain_equals_eager_chain(k):
+    engine = tiny_engine(k, "bfloat16", enforce_eager=False)
+    for count in (1, 3, 6):
+        assert compare_chains(engine, PROMPTS[:count], SAMPLED[count - 1], steps=30) > 10
+    replays = engine.runner.graphs.chain.replays
+    assert replays[Draw.SAMPLED] > 0 and replays[Draw.FILTERED] > 0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_sampled_speculation_through_the_chain_equals_the_general_path(k):
+    general = tiny_engine(k, "bfloat16", enforce_eager=False, device_draft_chain=False)
+    engine = tiny_engine(k, "bfloat16", enforce_eager=False)
+    assert tokens(engine, PROMPTS, SAMPLED) == tokens(general, PROMPTS, SAMPLED)
+    assert engine.runner.graphs.chain.replays[Draw.FILTERED] > 0

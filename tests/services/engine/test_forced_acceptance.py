@@ -11,7 +11,7 @@ import torch
 from deploy.options import EngineOptions, engine_config
 from services.engine.cli import build_parser
 from services.engine.config import EngineConfig
-from services.engine.rejection import forced_verdict
+from services.engine.rejection import Draws, forced_verdict
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import GREEDY, make_engine
 
@@ -41,7 +41,9 @@ def test_forced_verdict_keeps_n_and_takes_the_next_from_p():
     p[:, :, 5] = 1.0  # the target always says 5
     q = torch.full((2, 3, 6), 1 / 6)
     drafts = torch.tensor([[1, 2, 3], [4, 4, 4]])
-    v = forced_verdict(p, drafts, [None, None], 2, torch.tensor([3, 1]))
+    v = forced_verdict(
+        p, drafts, Draws(torch.zeros(2, dtype=torch.long), torch.tensor([9, 4])), 2, torch.tensor([3, 1])
+    )
     assert v.num_accepted.tolist() == [2, 1] and v.next_tokens.tolist() == [5, 5]
     assert q.shape == (2, 3, 6)  # q plays no part
 

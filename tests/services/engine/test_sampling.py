@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.rejection import rejection_sample
+from services.engine.noise import DRAFT, TARGET
+from services.engine.rejection import Draws, rejection_sample
 from services.engine.sampler import probs_from_logits, sample, top_p_filter
 from services.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
@@ -28,7 +29,8 @@ def test_greedy_rows_are_one_hot_and_sample_to_the_argmax():
     probs = probs_from_logits(logits, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]))
     assert probs[0].tolist() == [0.0, 1.0, 0.0]
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
-    assert sample(probs, [None, None]).tolist() == [1, 1]
+    for seed in range(50):  # one-hot rows give their hot index whatever the draw
+        assert sample(probs[:1], torch.tensor([seed]), torch.tensor([3]), TARGET).tolist() == [1]
 
 
 def one_hot(ids: list[int], vocab: int = 5) -> torch.Tensor:
@@ -45,7 +47,8 @@ def one_hot(ids: list[int], vocab: int = 5) -> torch.Tensor:
 )
 def test_greedy_verification_is_exact(drafts, accepted, next_token):
     target = one_hot([3, 1, 2])[None]  # [1, K + 1, vocab]
-    verdict = rejection_sample(target, one_hot(drafts)[None], torch.tensor([drafts]), [None])
+    draws = Draws(torch.tensor([0]), torch.tensor([7]))
+    verdict = rejection_sample(target, one_hot(drafts)[None], torch.tensor([drafts]), draws)
     assert verdict.num_accepted.tolist() == [accepted]
     assert verdict.next_tokens.tolist() == [next_token]
 
@@ -57,9 +60,11 @@ def test_speculative_sampling_follows_the_target_distribution():
     p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # target at positions 0..2
     q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # drafter at positions 0..1
     n = 20000
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
-    drafts = torch.stack([sample(q[i].expand(n, 6), gens) for i in range(2)], dim=1)  # [n, 2]
-    verdict = rejection_sample(p.expand(n, 3, 6), q.expand(n, 2, 6), drafts, gens)
+    draws = Draws(torch.arange(1000, 1000 + n), torch.full((n,), 40))  # t_n at position 40
+    drafts = torch.stack(
+        [sample(q[i].expand(n, 6), draws.seeds, draws.starts + i + 1, DRAFT) for i in range(2)], dim=1
+    )  # [n, 2]
+    verdict = rejection_sample(p.expand(n, 3, 6), q.expand(n, 2, 6), drafts, draws)
     a = verdict.num_accepted
     first = torch.where(a >= 1, drafts[:, 0], verdict.next_tokens)
     second = torch.where(a >= 2, drafts[:, 1], verdict.next_tokens)[a >= 1]

@@ -1,0 +1,151 @@
+"""A speculative decode step with one host read, for requests the device can sample alone.
+
+Device work, in stream order, with no read back in between:
+1. the drafter's catch-up forward over each request's pending slots (g_n);
+2. the draft chain, one graph replay (``draft_chain.py``): K drafts [batch, K], and for a
+   sampled batch the drafter's q [batch, K, vocab];
+3. the target's verify forward (its graph), the drafts copied into its input ids on the
+   device;
+4. the target head and the verdict: for a greedy batch, a = the length of the longest run
+   of drafts equal to the target's argmax, next = the target's argmax at position a (the
+   bonus token when a = K); for a sampled one, the target's p over the K + 1 rows and
+   ``rejection_sample`` with the draws keyed by position (``noise.py``);
+then one ``tolist`` of [drafts | a | next] per step.
+
+For greedy rows the argmax rule is exactly what ``verify`` + ``rejection_sample`` give (p
+and q one-hot), so greedy speculation stays token-for-token equal to target-only. A sampled
+batch runs the same transforms and draws as the general path (``speculative.draft``,
+``verify``), so its tokens are the general path's. With forced acceptance (benchmarks only)
+a = min(N, K) instead.
+
+A request is on the device when nothing but its temperature, top-k, top-p, min-p and seed
+picks its tokens: no penalties, min_tokens reached (no stop token banned), and it verifies
+the batch's K drafts. Other batches take the general path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import DRAFT_GROUP, TARGET_GROUP
+from services.engine.batch import Span, TargetRun
+from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.draft_chain import ChainSampling
+from services.engine.rejection import Draws, Verdict, forced_verdict, rejection_sample
+from services.engine.request import Request, TokenLogprob
+from services.engine.row_sampling import request_seeds, row_params
+from services.engine.runner import ModelRunner
+from services.engine.sampler import probs_for_rows
+from services.engine.speculative import catch_up
+from services.engine.verify import emitted_logprobs
+
+StepResult = tuple[list[list[int]], list[list[TokenLogprob]], TargetRun, list[int]]
+
+
+def on_device(req: Request, k: int) -> bool:
+    """Whether ``req``'s own transforms and seed alone pick its tokens in a step of ``k``
+    drafts (the chain's K, which ``req`` must verify in full, or 0: a step without drafts)."""
+    sp = req.sampling
+    uniform = k == 0 or req.num_spec_tokens == k
+    return not sp.penalized and len(req.output_ids) >= sp.min_tokens and uniform
+
+
+def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> DecodeGraphs | None:
+    """The graphs a device-resident step of ``decode`` with ``k`` drafts (the chain's K, or
+    0) runs through, or None when it must take the general path (no graphs or no drafter,
+    another K, a request not on the device, a batch or block table past the captured
+    shapes)."""
+    graphs = runner.graphs
+    if not isinstance(graphs, DecodeGraphs) or graphs.chain is None or k not in (0, graphs.chain.k):
+        return None
+    if not all(on_device(r, k) for r in decode):
+        return None
+    ids = [r.request_id for r in decode]
+    target_width = runner.manager.block_tables(ids, TARGET_GROUP).shape[1]
+    draft_width = runner.manager.block_tables(ids, DRAFT_GROUP).shape[1]
+    return graphs if graphs.fits_verify(len(decode), k, (target_width, draft_width)) else None
+
+
+@torch.inference_mode()
+def device_step(
+    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k: int, forced: int = -1
+) -> StepResult | None:
+    """(emitted tokens, their logprobs, the target's run, row offsets) per request, as
+    ``verify`` returns them, for a step of ``k`` drafts each (the chain's K, or 0);
+    ``forced``: forced acceptance (benchmarks only), -1 = off. None when a graph refused
+    the batch (``device_step_fits`` said it would not): only drafter forwards ran then,
+    whose KV writes the general path repeats with the same values. Requests that ask for
+    logprobs add their own read of them."""
+    greedy = all(r.sampling.greedy for r in decode)
+    g0 = catch_up(runner, decode)  # [batch, hidden]
+    q = None
+    if k:
+        table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
+        chained = graphs.chain.run(
+            [r.num_computed for r in decode], table, g0, chain_sampling(decode, greedy)
+        )
+        if chained is None:
+            return None
+        drafts, q = chained  # [batch, K] int64 (and [batch, K, vocab] float32) on the device
+    else:  # a step without drafts: the catch-up keeps the drafter's KV exact
+        drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=g0.device)
+    spans = [
+        Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
+    ]
+    run = graphs.run_verify(spans, drafts)
+    if run is None:
+        return None
+    logits = runner.target_logits(run.hidden)  # [batch * (K + 1), V] float32
+    if greedy:
+        best = logits.argmax(dim=-1).view(len(decode), k + 1)
+        accepted = greedy_accepted(drafts, best, forced)  # [batch]
+        nexts = best.gather(1, accepted[:, None])[:, 0]  # [batch]
+    else:
+        verdict = sampled_verdict(decode, logits, drafts, q, forced)
+        accepted, nexts = verdict.num_accepted, verdict.next_tokens
+    packed = torch.cat([drafts, accepted[:, None], nexts[:, None]], dim=1).tolist()  # the one host read
+    emitted = [row[: row[k]] + [row[k + 1]] for row in packed]
+    offsets = [i * (k + 1) for i in range(len(decode) + 1)]
+    return emitted, emitted_logprobs(logits, emitted, decode, offsets), run, offsets
+
+
+def chain_sampling(decode: list[Request], greedy: bool) -> ChainSampling | None:
+    """The sampled chain's per-request inputs, or None for a greedy batch."""
+    if greedy:
+        return None
+    sp = [r.sampling for r in decode]
+    return ChainSampling(
+        [r.seed or 0 for r in decode],
+        [s.temperature for s in sp],
+        [s.top_k for s in sp],
+        [s.top_p for s in sp],
+        [s.min_p for s in sp],
+    )
+
+
+def sampled_verdict(
+    decode: list[Request],
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    forced: int,
+) -> Verdict:
+    """The general path's verdict (``verify.verify``) from logits [batch * (K + 1), V] and
+    the chain's drafts [batch, K] and q [batch, K, V], without a host read."""
+    (batch, k), device = drafts.shape, logits.device
+    params = row_params(decode, [[[]] * (k + 1) for _ in decode], logits.shape[-1], frozenset(), device)
+    p = probs_for_rows(logits, params).view(batch, k + 1, -1)  # [batch, K + 1, V]
+    starts = torch.tensor([r.num_computed for r in decode]).to(device)
+    draws = Draws(request_seeds(decode, device), starts)
+    if forced >= 0:
+        return forced_verdict(p, drafts, draws, forced)
+    return rejection_sample(p, q if q is not None else p[:, :0], drafts, draws)
+
+
+def greedy_accepted(drafts: torch.Tensor, best: torch.Tensor, forced: int = -1) -> torch.Tensor:
+    """drafts [batch, K], best [batch, K + 1] (the target's argmax per verified position) ->
+    accepted [batch] int64: the leading drafts equal to best; min(forced, K) when forced >= 0."""
+    k = drafts.shape[1]
+    if forced >= 0:
+        return torch.full((drafts.shape[0],), min(forced, k), dtype=torch.long, device=drafts.device)
+    return (drafts == best[:, :k]).long().cumprod(dim=-1).sum(dim=-1)
