@@ -72,6 +72,30 @@ def test_unified_equals_aggregated_token_for_token_and_in_al(unified, aggregated
     assert_no_request_holds_pages(unified)
 
 
+def test_a_seeded_sampled_request_draws_what_it_draws_aggregated(unified, tiny_pair):
+    """Draws are keyed by seed and position, so the prefill worker's first token and the
+    decode worker's continuation are the tokens one engine samples for the same seed."""
+    engine = Engine(
+        EngineConfig(model=str(tiny_pair[0]), drafter=str(tiny_pair[1]), num_spec_tokens=K, **ENGINE)
+    )
+    for i, prompt in enumerate(prompts()[:3]):
+        params = SamplingParams(
+            temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=100 + i, ignore_eos=True
+        )
+        ref = engine.generate([prompt], params)[0].token_ids
+        tokens, _ = generate(
+            unified.router_address,
+            prompt,
+            MAX_TOKENS,
+            temperature=0.9,
+            top_p=0.95,
+            seed=100 + i,
+            ignore_eos=True,
+        )
+        assert tokens == ref, len(prompt)
+    assert_no_request_holds_pages(unified)
+
+
 def test_separate_layout_is_lossless_but_moves_no_draft_pages(separate, aggregated):
     for prompt, ref in zip(prompts(), aggregated, strict=True):
         tokens, complete = generate(separate.router_address, prompt, MAX_TOKENS)
