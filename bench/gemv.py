@@ -1,4 +1,4 @@
-"""Decode-sized matmuls of an 8B-shaped Llama (M = 1..16 rows) as cuBLAS runs them
+"""Decode-sized matmuls of an 8B-shaped Llama (M = 1..64 rows) as cuBLAS runs them
 (``F.linear``) and as the weight-streaming Triton kernel runs them, over a sweep of its
 tile sizes; weight read rate in GB/s.
 
@@ -6,7 +6,7 @@ Each figure is one call's share of a CUDA graph that runs the matmul back to bac
 distinct copies of the weight (at least 512 MB in all, so nothing is served from L2), the
 way a captured decode step runs its layers: no launch cost is counted.
 
-    python -m bench.gemv [--rows 1,8] [--out results.json]
+    python -m bench.gemv [--rows 1,8,32,64] [--shapes qkv,o] [--out results.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SHAPES = {  # name: (N, K) of Llama-3.1-8B's merged projections and head
     "lm_head": (128256, 4096),
 }
 CONFIGS = list(
-    itertools.product((16, 32, 64), (128, 256), (4,), (4,), (1, 2, 4))
+    itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))
 )  # n, k, warps, stages, split
 MIN_BYTES = 512 * 2**20
 
@@ -50,6 +50,7 @@ def graphed_ms(fn, weights: list[torch.Tensor]) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     from services.engine.kernels.triton_gemv import gemv
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     print("| matmul | M | N x K | cuBLAS us | cuBLAS GB/s | Triton us | Triton GB/s | tiles |")
     print("|---|---|---|---|---|---|---|---|")
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), [int(r) for r in a.rows.split(",")]):
+    shapes = {name: SHAPES[name] for name in a.shapes.split(",")}
+    for (name, (n, k)), m in itertools.product(shapes.items(), [int(r) for r in a.rows.split(",")]):
         row = measure(gemv, name, (m, n, k))
         results.append(row)
         print(

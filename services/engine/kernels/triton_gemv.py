@@ -1,8 +1,9 @@
-"""Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 16.
+"""Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 64.
 
 At M of a few rows a decode step's linear layers only stream their weights, so the
 kernel is laid out for the copy rate: program ``n`` owns ``BLOCK_N`` output columns
 and walks K once, reading each weight element exactly once; x is tiny and stays in L1/L2.
+Rows are padded to BLOCK_M (16, 32 or 64: the smallest that holds M) for the dot.
 With ``split_k`` > 1 program (n, s) covers the s-th K range and writes float32 partials
 that one sum reduces in a fixed order (no atomics): results are deterministic run to run.
 The reference is ``F.linear``.
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 
 
 @triton.jit
@@ -30,14 +31,15 @@ def _gemv_kernel(
     stride_om,
     stride_os,
     K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 16)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * K_PER_SPLIT
     for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
@@ -50,7 +52,7 @@ def _gemv_kernel(
             x_ptr + rm[:, None] * stride_xm + rk[None, :],
             mask=(rm[:, None] < M) & (rk[None, :] < K),
             other=0.0,
-        )  # [16, BLOCK_K]
+        )  # [BLOCK_M, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc)
     out = out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -65,7 +67,7 @@ def gemv(
     num_stages: int = 4,
     split_k: int = 1,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K] row-major -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 64), weight [N, K] row-major -> [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:
@@ -87,6 +89,7 @@ def gemv(
         out.stride(1),
         out.stride(0),
         k_per_split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,

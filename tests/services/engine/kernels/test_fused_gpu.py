@@ -102,7 +102,7 @@ def test_training_gets_gradients_through_every_fused_op():
     assert x.grad is not None and w.grad is not None and bool(x.grad.abs().sum() > 0)
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
 @pytest.mark.parametrize("n, k, split_k", [(300, 1000, 1), (4096, 14336, 4), (96, 4096, 2)])
 def test_gemv_matches_linear_and_is_deterministic(m, n, k, split_k):
     from services.engine.kernels.triton_gemv import gemv
