@@ -15,7 +15,10 @@ one kind in a bucket, one step of the other kind refreshes its cost (and AL), so
 follows the context length and the acceptance as they move.
 
 Either choice keeps the output lossless: a plain step is the target's own sampling, and
-the drafter's catch-up forward still runs on it, so its KV stays exact. The rule applies
+the drafter's catch-up forward runs on it or, while the pending slots fit the longest
+graphed catch-up (``device_step.lags_catch_up``), on the next step that drafts, so its KV
+is exact whenever it drafts. A plain step's measured cost includes the catch-ups it runs,
+and a drafting step's the lagged catch-up it runs. The rule applies
 to batches of greedy requests only (``greedy_only``), whose output is token-for-token the
 same whatever it picks: a seeded sampled request must draw the same tokens whatever the
 step timings were, and a step with drafts turns its draws into tokens differently (through

@@ -27,6 +27,20 @@ class TargetRun:
     features: torch.Tensor | None  # [num_tokens, hidden_size]: f = fc(aux), or None
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What a decode step gives ``RequestProgress.advance_decode``, per request i: its
+    emitted tokens and their logprobs, and its rows offsets[i]:offsets[i + 1] of ``run``.
+    ``caught_up`` False: the drafter's catch-up was left for a later step (a step without
+    drafts; see ``device_step.lags_catch_up``)."""
+
+    emitted: list[list[int]]
+    logprobs: list[list]  # [request][token] TokenLogprob
+    run: TargetRun
+    offsets: list[int]
+    caught_up: bool = True
+
+
 class GraphedForwards(Protocol):
     """Decode-step forwards the runner hands over when they fit (``cuda_graphs.py``);
     each returns None when the spans do not fit a captured shape."""

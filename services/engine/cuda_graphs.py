@@ -33,6 +33,8 @@ from services.engine.graphed_forward import (
 from services.engine.models.eagle import DRAFT_KEY_START
 from services.engine.runner import ModelRunner
 
+LAG_TOKENS = 16  # the longest catch-up span graphed: steps without drafts may lag this far
+
 __all__ = [
     "BATCH_BUCKETS",
     "DecodeGraphs",
@@ -91,7 +93,7 @@ class DecodeGraphs:
         )
         self.target = target_graph(verify_len)
         self.plain = target_graph(1) if verify_len > 1 else None  # steps without drafts
-        self.drafter = self.catch_up = None
+        self.drafter = self.catch_up = self.lagged = None
         self.chain: GraphedDraftChain | None = None  # drafts on the device, K >= 1
         if runner.drafter is not None:
             drafter_graph = lambda q_len: GraphedForward(
@@ -109,6 +111,7 @@ class DecodeGraphs:
             self.drafter = drafter_graph(1)
             if verify_len > 1:
                 self.catch_up = drafter_graph(verify_len)
+                self.lagged = drafter_graph(LAG_TOKENS) if LAG_TOKENS > verify_len else None
                 self.chain = self._draft_chain(verify_len - 1, buckets, max_pages, capture)
         self._capture = capture
 
@@ -117,7 +120,7 @@ class DecodeGraphs:
         if not self._capture:
             return
         pool = torch.cuda.graph_pool_handle()
-        for graphed in (self.target, self.plain, self.catch_up, self.drafter, self.chain):
+        for graphed in (self.target, self.plain, self.catch_up, self.lagged, self.drafter, self.chain):
             if graphed is not None:
                 graphed.capture(pool)
 
@@ -134,20 +137,33 @@ class DecodeGraphs:
     def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor | None:
         """The drafter's forward through a graph, or None when the spans do not fit one.
         Chain steps (one token each) take the one-token graph; catch-up spans of up to
-        K + 1 tokens are padded at the front to K + 1 (see :func:`pad_front`)."""
+        K + 1 tokens are padded at the front to K + 1, longer ones up to LAG_TOKENS to
+        LAG_TOKENS (see :func:`pad_front`)."""
         if self.drafter is None or not spans:
             return None
         if all(len(s.token_ids) == 1 for s in spans):
             batch = self._batch(self.drafter, spans, DRAFT_GROUP, hidden)
             return self.drafter.run(batch)[0] if batch is not None else None
-        if self.catch_up is None or (padded := pad_front(spans, self.catch_up.q_len)) is None:
-            return None
+        for graphed in (self.catch_up, self.lagged):
+            if graphed is not None and (padded := pad_front(spans, graphed.q_len)) is not None:
+                return self._padded_drafter(graphed, padded, hidden)
+        return None
+
+    @property
+    def lag_tokens(self) -> int:
+        """The longest catch-up span a graph takes (0 without a drafter)."""
+        graphed = self.lagged or self.catch_up
+        return graphed.q_len if graphed is not None else 0
+
+    def _padded_drafter(
+        self, graphed: GraphedForward, padded: tuple[list[Span], torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor | None:
         padded_spans, rows = padded
         rows = rows.to(hidden.device)
-        padded_hidden = hidden.new_zeros((len(spans) * self.catch_up.q_len, hidden.shape[1]))
+        padded_hidden = hidden.new_zeros((len(padded_spans) * graphed.q_len, hidden.shape[1]))
         padded_hidden[rows] = hidden
-        batch = self._batch(self.catch_up, padded_spans, DRAFT_GROUP, padded_hidden)
-        return self.catch_up.run(batch)[0][rows] if batch is not None else None
+        batch = self._batch(graphed, padded_spans, DRAFT_GROUP, padded_hidden)
+        return graphed.run(batch)[0][rows] if batch is not None else None
 
     def run_verify(self, spans: list[Span], drafts: torch.Tensor) -> TargetRun | None:
         """The target's forward over spans [t_n, K placeholders] whose drafts are ``drafts``

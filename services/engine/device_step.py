@@ -28,18 +28,16 @@ from __future__ import annotations
 import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP
-from services.engine.batch import Span, TargetRun
+from services.engine.batch import Span, StepResult
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.draft_chain import ChainSampling
 from services.engine.rejection import Draws, Verdict, forced_verdict, rejection_sample
-from services.engine.request import Request, TokenLogprob
+from services.engine.request import Request
 from services.engine.row_sampling import request_seeds, row_params
 from services.engine.runner import ModelRunner
 from services.engine.sampler import probs_for_rows
 from services.engine.speculative import catch_up
 from services.engine.verify import emitted_logprobs
-
-StepResult = tuple[list[list[int]], list[list[TokenLogprob]], TargetRun, list[int]]
 
 
 def on_device(req: Request, k: int) -> bool:
@@ -70,14 +68,14 @@ def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> Deco
 def device_step(
     runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k: int, forced: int = -1
 ) -> StepResult | None:
-    """(emitted tokens, their logprobs, the target's run, row offsets) per request, as
-    ``verify`` returns them, for a step of ``k`` drafts each (the chain's K, or 0);
-    ``forced``: forced acceptance (benchmarks only), -1 = off. None when a graph refused
-    the batch (``device_step_fits`` said it would not): only drafter forwards ran then,
-    whose KV writes the general path repeats with the same values. Requests that ask for
-    logprobs add their own read of them."""
+    """The step's results, as the general path gives them, for a step of ``k`` drafts
+    each (the chain's K, or 0); ``forced``: forced acceptance (benchmarks only), -1 = off.
+    None when a graph refused the batch (``device_step_fits`` said it would not): only
+    drafter forwards ran then, whose KV writes the general path repeats with the same
+    values. Requests that ask for logprobs add their own read of them."""
     greedy = all(r.sampling.greedy for r in decode)
-    g0 = catch_up(runner, decode)  # [batch, hidden]
+    lagging = not k and lags_catch_up(graphs, decode)
+    g0 = catch_up(runner, decode) if not lagging else None  # [batch, hidden]
     q = None
     if k:
         table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
@@ -87,8 +85,8 @@ def device_step(
         if chained is None:
             return None
         drafts, q = chained  # [batch, K] int64 (and [batch, K, vocab] float32) on the device
-    else:  # a step without drafts: the catch-up keeps the drafter's KV exact
-        drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=g0.device)
+    else:  # a step without drafts: the catch-up (now or later) keeps the drafter's KV exact
+        drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
     spans = [
         Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
     ]
@@ -106,7 +104,15 @@ def device_step(
     packed = torch.cat([drafts, accepted[:, None], nexts[:, None]], dim=1).tolist()  # the one host read
     emitted = [row[: row[k]] + [row[k + 1]] for row in packed]
     offsets = [i * (k + 1) for i in range(len(decode) + 1)]
-    return emitted, emitted_logprobs(logits, emitted, decode, offsets), run, offsets
+    return StepResult(emitted, emitted_logprobs(logits, emitted, decode, offsets), run, offsets, not lagging)
+
+
+def lags_catch_up(graphs: DecodeGraphs, decode: list[Request]) -> bool:
+    """Whether a step without drafts may leave the drafter's catch-up for later: its
+    pending slots, one more after this step, still fit the longest graphed catch-up, so
+    the step that drafts next catches all of them up in one replay. The drafter's KV is
+    exact again then; until then only its cacheable prefix lags (``draft_valid``)."""
+    return all(len(r.pending_tokens) + 1 <= graphs.lag_tokens for r in decode)
 
 
 def chain_sampling(decode: list[Request], greedy: bool) -> ChainSampling | None:

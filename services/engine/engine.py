@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
 from services.engine.adaptive_k import AdaptiveK, greedy_only
-from services.engine.batch import Span
+from services.engine.batch import Span, StepResult
 from services.engine.checks import (
     RequestExists,
     check_fits,
@@ -33,7 +33,7 @@ from services.engine.checks import (
 )
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import capture_decode_graphs
-from services.engine.device_step import StepResult, device_step, device_step_fits
+from services.engine.device_step import device_step, device_step_fits
 from services.engine.lockstep import attach_lockstep
 from services.engine.models import load_drafter, load_target
 from services.engine.noise import SEED_BITS, request_seed
@@ -245,12 +245,10 @@ class Engine:
         step = device_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
         if step is None:
             step = self._general_decode(decode, k)
-        emitted, logprobs, run, offsets = step
         if rule is not None:  # the step ended with its host read: this is its cost
-            rule.record(len(decode), k, time.perf_counter() - start, sum(map(len, emitted)))
+            rule.record(len(decode), k, time.perf_counter() - start, sum(map(len, step.emitted)))
         for i, req in enumerate(decode):
-            rows = range(offsets[i], offsets[i + 1])
-            self.progress.advance_decode(req, emitted[i], logprobs[i], run, rows)
+            self.progress.advance_decode(req, step, i)
 
     def _general_decode(self, decode: list[Request], k: int) -> StepResult:
         """Any batch: the eager draft chain, the verify forward, rejection sampling."""
@@ -261,7 +259,7 @@ class Engine:
         emitted, logprobs = verify(
             self.runner, decode, drafts, run, offsets, self.out.eos_ids, self.config.forced_acceptance
         )
-        return emitted, logprobs, run, offsets
+        return StepResult(emitted, logprobs, run, offsets)
 
     def _prefill(self, prefill: list[tuple[Request, PrefillSpan]]) -> None:
         spans = [

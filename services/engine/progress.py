@@ -6,7 +6,8 @@ Per request (positions as in ``request.py``):
   with its ``AuxState`` when it is prefill-only;
 - a verify step that accepts a of the drafts emits a + 1 tokens: num_computed grows by
   a + 1 and those tokens (with their target features) are the drafter's next pending
-  inputs;
+  inputs; a step whose catch-up was left for later (``caught_up`` False) appends them to
+  the pending ones instead, and the drafter's exact prefix stays where it was;
 - after each, the cache is told how far KV is final, and a request that met a stop rule
   ends: its pages are freed (offered to the prefix cache) and its final output is queued.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvcore import AuxState, KVCacheManager
-from services.engine.batch import TargetRun
+from services.engine.batch import StepResult, TargetRun
 from services.engine.request import PrefillSpan, Request, Status, TokenLogprob
 from services.engine.scheduler import Scheduler
 from services.engine.stats import SpecStats
@@ -85,20 +86,27 @@ class RequestProgress:
             return
         self.scheduler.add_running(req)
 
-    def advance_decode(
-        self, req: Request, emitted: list[int], logprobs: list[TokenLogprob], run: TargetRun, rows: range
-    ) -> None:
-        """A verify step emitted ``emitted`` (accepted drafts, then one more); the
-        request's target rows are ``rows`` (its drafts verified, + 1)."""
+    def advance_decode(self, req: Request, step: StepResult, i: int) -> None:
+        """``req`` is request i of a verify step that emitted ``step.emitted[i]``
+        (accepted drafts, then one more); its target rows are ``step.offsets[i]`` ..
+        ``step.offsets[i + 1]`` (its drafts verified, + 1)."""
+        emitted, logprobs, run = step.emitted[i], step.logprobs[i], step.run
+        rows = range(step.offsets[i], step.offsets[i + 1])
         n, a, row = req.num_computed, len(emitted) - 1, rows.start
         req.spec.record(len(rows) - 1, a)
         self.stats.setdefault(req.origin, SpecStats()).record(len(rows) - 1, a)
         self.append(req, emitted, logprobs)
         req.num_computed = n + a + 1
-        req.pending_start, req.pending_tokens = n + 1, emitted
-        if run.features is not None:
-            req.pending_features = run.features[row : row + a + 1]
-        req.draft_valid = n + 1 if self.drafting else req.num_computed
+        features = run.features[row : row + a + 1] if run.features is not None else None
+        if not step.caught_up:  # slots [pending_start, n] still wait for the drafter
+            req.pending_tokens = req.pending_tokens + emitted
+            if features is not None:
+                req.pending_features = torch.cat([req.pending_features, features])
+        else:
+            req.pending_start, req.pending_tokens = n + 1, emitted
+            if features is not None:
+                req.pending_features = features
+            req.draft_valid = n + 1 if self.drafting else req.num_computed
         self.release_window(req)
         if req.finish_reason is not None:
             self.finish(req)

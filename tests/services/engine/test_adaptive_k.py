@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.engine.adaptive_k import AdaptiveK
 from services.engine.sampling import SamplingParams
-from tests.services.engine.helpers import make_engine, random_prompts
+from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts
 from tests.services.engine.test_cuda_graphs import GREEDY, with_static_path
 
 
@@ -81,3 +81,58 @@ def test_sampled_batches_keep_k_so_seeded_outputs_do_not_depend_on_timings(pair)
     out = engine.generate(prompts, sampled)
     assert [o.token_ids for o in out] == [o.token_ids for o in fixed]
     assert rule.plain_steps == before  # the rule was never asked
+
+
+class Scripted:
+    """A K rule that drafts on the steps ``pattern`` marks (cycled)."""
+
+    def __init__(self, k: int, pattern: str) -> None:
+        self.k, self.pattern, self.steps = k, pattern, 0
+
+    def choose(self, batch: int) -> int:
+        self.steps += 1
+        return self.k if self.pattern[(self.steps - 1) % len(self.pattern)] == "k" else 0
+
+    def record(self, batch: int, k: int, seconds: float, tokens: int) -> None:
+        pass
+
+
+# stretches without drafts of 3 (under the lag limit) and 20 (past it: caught up midway)
+PATTERN = "kk" + "." * 3 + "kkk" + "." * 20 + "k"
+
+
+def test_a_catch_up_left_for_later_gives_the_same_drafts(pair, monkeypatch):
+    """Steps without drafts leave the drafter's catch-up for later, up to LAG_TOKENS
+    pending slots; the step that drafts next catches them up in one replay, and drafts
+    exactly what catching up every step drafts."""
+    prompts = random_prompts(4, seed=63, min_len=20, max_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    runs, lagged = {}, {}
+    for lag in (True, False):
+        engine = with_static_path(make_engine(pair, k=3))
+        engine.adaptive = Scripted(3, PATTERN)
+        drafts = record_drafts(engine)
+        if not lag:
+            monkeypatch.setattr("services.engine.device_step.lags_catch_up", lambda graphs, decode: False)
+        out = engine.generate(prompts, params)
+        stats = engine.stats["local"]
+        runs[lag] = ([o.token_ids for o in out], drafts, stats.num_draft_tokens, stats.num_accepted)
+        lagged[lag] = sum(engine.runner.graphs.lagged.replays.values())  # prefill chunks too
+        assert_pools_empty(engine)
+    assert lagged[True] > lagged[False]  # catch-ups over the slots lagging steps left
+    assert runs[True] == runs[False]
+    assert len(runs[True][1]) > 10
+
+
+def record_drafts(engine) -> list[list[list[int]]]:
+    """Every draft-chain run's drafts, [run][request][K], appended as the engine steps."""
+    chain, seen = engine.runner.graphs.chain, []
+    run = chain.run
+
+    def recorded(*args, **kwargs):
+        out = run(*args, **kwargs)
+        seen.append(out[0].tolist())
+        return out
+
+    chain.run = recorded
+    return seen
