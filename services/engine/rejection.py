@@ -31,15 +31,19 @@ class Draws:
 
     seeds: torch.Tensor  # [batch] int64
     starts: torch.Tensor  # [batch] int64
+    sampled: bool = True  # False: every request is greedy (one-hot p and q), no draw is read
 
     def accept_uniforms(self, k: int) -> torch.Tensor:
-        """[batch, k] u_i for the drafts at positions n + 1 .. n + k."""
+        """[batch, k] u_i for the drafts at positions n + 1 .. n + k (zeros when no request
+        samples: a one-hot rule keeps x iff p(x) > 0 for any u < 1)."""
+        if not self.sampled:
+            return torch.zeros(self.starts.shape[0], k, device=self.starts.device)
         positions = self.starts[:, None] + torch.arange(1, k + 1, device=self.starts.device)
         return uniforms(self.seeds, positions, ACCEPT)
 
     def next_token(self, probs: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
         """probs [batch, vocab] -> [batch]: the token at position n + a + 1."""
-        return sample(probs, self.seeds, self.starts + num_accepted + 1, TARGET)
+        return sample(probs, self.seeds, self.starts + num_accepted + 1, TARGET, self.sampled)
 
 
 @dataclass(slots=True)

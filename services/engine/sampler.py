@@ -141,10 +141,15 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
     return probs_for_rows(logits, RowParams(temperature, top_p))
 
 
-def sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, lane: int) -> torch.Tensor:
+def sample(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, lane: int, any_sampled: bool = True
+) -> torch.Tensor:
     """probs [rows, vocab] -> tokens [rows] int64, row i drawn with the uniform keyed by
     (seeds[i], positions[i], lane) by inverting its CDF. A one-hot row (greedy) gives its
-    hot index whatever the seed; a token of probability 0 is never drawn."""
+    hot index whatever the seed; a token of probability 0 is never drawn. ``any_sampled``
+    False (host-side: every row is one-hot) takes the argmax alone, the same tokens."""
+    if not any_sampled:
+        return probs.argmax(dim=-1)
     u = uniforms(seeds, positions, lane)  # [rows]
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
     token = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]

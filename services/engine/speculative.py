@@ -38,6 +38,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozens
     device = runner.device
     g = catch_up(runner, requests)  # [batch, hidden]
     seeds = request_seeds(requests, device)
+    sampled = not all(r.sampling.greedy for r in requests)
     starts = torch.tensor([r.num_computed for r in requests]).to(device)  # n: d_s sits at n + s
     drafted: list[list[int]] = [[] for _ in requests]
     tokens, probs = [], []
@@ -45,7 +46,7 @@ def draft(runner: ModelRunner, requests: list[Request], k: int, eos_ids: frozens
         logits = runner.draft_logits(g)  # [batch, vocab]
         params = row_params(requests, [[d] for d in drafted], logits.shape[-1], eos_ids, device)
         q = probs_for_rows(logits, params)
-        d = sample(q, seeds, starts + step + 1, DRAFT)
+        d = sample(q, seeds, starts + step + 1, DRAFT, sampled)
         tokens.append(d)
         probs.append(q)
         ids = d.tolist()

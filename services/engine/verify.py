@@ -29,7 +29,8 @@ def sample_first(
     params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], eos_ids, runner.device)
     positions = torch.tensor([r.num_tokens for r in reqs]).to(runner.device)  # the new token's
     seeds = request_seeds(reqs, runner.device)
-    tokens = sample(probs_for_rows(logits, params), seeds, positions, TARGET).tolist()
+    sampled = not all(r.sampling.greedy for r in reqs)
+    tokens = sample(probs_for_rows(logits, params), seeds, positions, TARGET, sampled).tolist()
     return tokens, emitted_logprobs(logits, [[t] for t in tokens], reqs)
 
 
@@ -61,7 +62,8 @@ def verify(
     probs = by_position(probs_for_rows(logits, params), ks, draft_ids.shape[1])
     draft_probs = drafts.probs if draft_ids.shape[1] else probs[:, :0]
     num_drafts = torch.tensor(ks, device=device) if min(ks) < draft_ids.shape[1] else None
-    draws = Draws(request_seeds(decode, device), torch.tensor([r.num_computed for r in decode]).to(device))
+    starts = torch.tensor([r.num_computed for r in decode]).to(device)
+    draws = Draws(request_seeds(decode, device), starts, not all(r.sampling.greedy for r in decode))
     if forced_acceptance >= 0:
         verdict = forced_verdict(probs, draft_ids, draws, forced_acceptance, num_drafts)
     else:
