@@ -183,17 +183,18 @@ class DecodeGraphs:
         return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
 
     def fits_verify(self, batch: int, k: int, widths: tuple[int, int]) -> bool:
-        """Whether a device-resident step of ``batch`` requests with ``k`` drafts each (the chain's K
-        or 0) fits the chain and verify graphs; ``widths``: the (target, draft) block
-        tables' widths in pages."""
+        """Whether a device-resident step of ``batch`` requests with ``k`` drafts each (the
+        chain's K, or 0: also without a drafter) fits the chain and verify graphs;
+        ``widths``: the (target, draft) block tables' widths in pages."""
         target_width, draft_width = widths
-        if self.chain is None or k not in (0, self.chain.k):
+        if k and (self.chain is None or k != self.chain.k):
             return False
-        target = self.target if k else self.plain
+        target = self.target if self.target.q_len == k + 1 else self.plain
         if target is None or not target.fits(batch, k + 1, target_width):
             return False
-        chain_fits = self.chain.bucket_for(batch) is not None and draft_width <= self.chain.shape.max_pages
-        return not k or chain_fits
+        if not k:
+            return True
+        return self.chain.bucket_for(batch) is not None and draft_width <= self.chain.shape.max_pages
 
     def _draft_chain(
         self, k: int, buckets: tuple[int, ...], max_pages: int, capture: bool

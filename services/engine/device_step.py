@@ -52,15 +52,13 @@ def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> Deco
     """The graphs a device-resident step of ``decode`` with ``k`` drafts (the chain's K, or
     0) runs through, or None when it must take the general path (no graphs or no drafter,
     another K, a request not on the device, a batch or block table past the captured
-    shapes)."""
+    shapes). Without a drafter, k is 0: the target alone, sampled on the device."""
     graphs = runner.graphs
-    if not isinstance(graphs, DecodeGraphs) or graphs.chain is None or k not in (0, graphs.chain.k):
-        return None
-    if not all(on_device(r, k) for r in decode):
+    if not isinstance(graphs, DecodeGraphs) or not all(on_device(r, k) for r in decode):
         return None
     ids = [r.request_id for r in decode]
     target_width = runner.manager.block_tables(ids, TARGET_GROUP).shape[1]
-    draft_width = runner.manager.block_tables(ids, DRAFT_GROUP).shape[1]
+    draft_width = runner.manager.block_tables(ids, DRAFT_GROUP).shape[1] if k else 0
     return graphs if graphs.fits_verify(len(decode), k, (target_width, draft_width)) else None
 
 
@@ -75,7 +73,7 @@ def device_step(
     values. Requests that ask for logprobs add their own read of them."""
     greedy = all(r.sampling.greedy for r in decode)
     lagging = not k and lags_catch_up(graphs, decode)
-    g0 = catch_up(runner, decode) if not lagging else None  # [batch, hidden]
+    g0 = catch_up(runner, decode) if runner.drafter is not None and not lagging else None  # [batch, hidden]
     q = None
     if k:
         table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
@@ -112,7 +110,7 @@ def lags_catch_up(graphs: DecodeGraphs, decode: list[Request]) -> bool:
     pending slots, one more after this step, still fit the longest graphed catch-up, so
     the step that drafts next catches all of them up in one replay. The drafter's KV is
     exact again then; until then only its cacheable prefix lags (``draft_valid``)."""
-    return all(len(r.pending_tokens) + 1 <= graphs.lag_tokens for r in decode)
+    return graphs.chain is not None and all(len(r.pending_tokens) + 1 <= graphs.lag_tokens for r in decode)
 
 
 def chain_sampling(decode: list[Request], greedy: bool) -> ChainSampling | None:

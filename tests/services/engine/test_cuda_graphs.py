@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcore.spec import NULL_PAGE
+from services.engine import engine as engine_module
 from services.engine.batch import Span
 from services.engine.cuda_graphs import (
     GraphedForward,
@@ -16,6 +17,7 @@ from services.engine.cuda_graphs import (
     capture_decode_graphs,
     pad_front,
 )
+from services.engine.device_step import device_step
 from services.engine.draft_chain import Draw
 from services.engine.sampling import SamplingParams
 from tests.services.engine.helpers import make_engine, random_prompts
@@ -41,20 +43,24 @@ def test_batch_buckets():
         batch_buckets(0)
 
 
-@pytest.mark.parametrize(("k", "chain"), [(0, False), (1, True), (3, True), (3, False)])
+@pytest.mark.parametrize(("k", "chain"), [(0, False), (0, True), (1, True), (3, True), (3, False)])
 @pytest.mark.parametrize("count", [3, 8])
-def test_static_path_equals_eager(pair, k, chain, count):
-    """``chain``: greedy steps take the device-resident chain (greedy_step.py), else the
-    general path's eager chain over the one-token drafter graph."""
+def test_static_path_equals_eager(pair, k, chain, count, monkeypatch):
+    """``chain``: greedy steps take the device-resident step (device_step.py; with K = 0
+    the target alone), else the general path (the eager chain over the one-token drafter
+    graph)."""
     prompts = random_prompts(count, seed=11 + count, max_len=30)
     eager = make_engine(pair, k=k)
     graphed = with_static_path(make_engine(pair, k=k, device_draft_chain=chain))
+    steps = []
+    monkeypatch.setattr(engine_module, "device_step", lambda *a: steps.append(1) or device_step(*a))
     assert [o.token_ids for o in graphed.generate(prompts, GREEDY)] == [
         o.token_ids for o in eager.generate(prompts, GREEDY)
     ]
     graphs = graphed.runner.graphs
     assert sum(graphs.target.replays.values()) > 0  # verify forwards took the graph path
     assert max(graphs.target.replays) == (4 if count == 3 else 8)  # 3 requests pad to 4
+    assert bool(steps) == chain
     if k and chain:
         assert graphs.chain.replays[Draw.GREEDY] > 0  # (one-token catch-ups still replay the drafter graph)
     elif k > 1:
