@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
 
 from services.engine.engine import Engine
 from services.engine.request import Status
@@ -51,3 +55,44 @@ def decode_run(
         "ms_per_step": 1e3 * seconds / max(steps, 1),
         "token_ids": [final[i].token_ids for i in ids],
     }
+
+
+PHASES = ("run_drafter", "draft_logits", "draft_chain", "run_target", "target_logits")
+
+
+def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wrap the runner's phases with synchronized timers; returns (seconds per phase, undo)."""
+    spent: dict[str, float] = defaultdict(float)
+    runner = engine.runner
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            synchronize(device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            synchronize(device)
+            spent[name] += time.perf_counter() - start
+            return out
+
+        return call
+
+    graphs = runner.graphs
+    chain = getattr(graphs, "chain", None)
+    places = [(runner, n, n) for n in ("run_drafter", "draft_logits", "run_target", "target_logits")]
+    if chain is not None:  # the device-resident step's own phases
+        places += [(chain, "run", "draft_chain")]
+    if hasattr(graphs, "run_verify"):  # the device-resident step's target forward
+        places += [(graphs, "run_verify", "run_target")]
+    for obj, attr, name in places:
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+
+    def undo() -> None:
+        for obj, attr, _ in places:
+            delattr(obj, attr)  # back to the class's methods
+
+    return spent, undo
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

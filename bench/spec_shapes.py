@@ -9,6 +9,9 @@ prompt of ``--prompt-len`` tokens; the verifier keeps exactly AL - 1 drafts per 
 (``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL. Adaptive
 K is off, so every step drafts.
 
+A second, synchronized run of each configuration splits its steps into the phases of
+``bench.decode_run.PHASES`` and the rest (host work, sampling, acceptance).
+
 Roofline of a step: bytes it must read (every weight matrix it multiplies by, once per
 forward: the target once, the drafter's layer K times and its head K times, ``fc`` once;
 KV of the context, target and drafter) over the copy rate measured in the run.
@@ -25,7 +28,7 @@ import torch
 
 import services.engine.engine as engine_module
 from bench.decode_inputs import build_target, llama_8b
-from bench.decode_run import decode_run
+from bench.decode_run import PHASES, decode_run, timed_phases
 from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
@@ -157,8 +160,21 @@ def measure_engine(engine: Engine, batches: list[int], als: list[int], lengths: 
         for al in als:
             engine.config.forced_acceptance = al - 1 if al else -1
             r = decode_run(engine, prompts, lengths[1])
-            out[batch, al] = (r["ms_per_step"], r["tok_s"])
+            out[batch, al] = (r["ms_per_step"], r["tok_s"], phase_split(engine, prompts, lengths[1]))
     return out
+
+
+def phase_split(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """ms per decode step in each phase of ``bench.decode_run.PHASES`` and the rest, from a
+    second, synchronized run."""
+    spent, undo = timed_phases(engine, "cuda")
+    try:
+        split = decode_run(engine, prompts, max_tokens, spent)
+    finally:
+        undo()
+    phases = {n: 1e3 * spent.get(n, 0.0) / split["steps"] for n in PHASES}
+    phases["rest"] = split["ms_per_step"] - sum(phases.values())
+    return {n: round(v, 3) for n, v in phases.items()}
 
 
 def main_8b(batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int]) -> list[dict]:
@@ -175,12 +191,13 @@ def main_8b(batches: list[int], ks: list[int], als: list[int], lengths: tuple[in
         for k in ks:
             engine = make_engine(folder, k, max(batches), kv)
             spec = measure_engine(engine, batches, als, lengths)
-            for (b, al), (ms, tok_s) in spec.items():
-                base_ms, base_tok_s = base[b, 0]
+            for (b, al), (ms, tok_s, phases) in spec.items():
+                base_ms, base_tok_s, base_phases = base[b, 0]
                 roof = step_rooflines(engine, b, context, rate)[1]
                 rows.append(
                     dict(k=k, al=al, batch=b, base_ms=base_ms, spec_ms=ms, base_roof=base_roof[b],
-                         spec_roof=roof, base_tok_s=base_tok_s, spec_tok_s=tok_s)
+                         spec_roof=roof, base_tok_s=base_tok_s, spec_tok_s=tok_s,
+                         base_phases_ms=base_phases, spec_phases_ms=phases)
                 )  # fmt: skip
             del engine
             torch.cuda.empty_cache()
@@ -204,3 +221,11 @@ def print_8b(rows: list[dict], rate: float) -> None:
             f"| {r['base_tok_s']:,.0f} | {r['spec_tok_s']:,.0f} | {r['spec_tok_s'] / r['base_tok_s']:.2f} "
             f"| {ideal:.2f} |"
         )
+    print("\nphases, ms per decode step (synchronized pass): " + ", ".join(PHASES) + ", rest")
+    for r in rows:
+        for who in ("base", "spec"):
+            ph = r[f"{who}_phases_ms"]
+            print(
+                f"  K{r['k']} AL{r['al']} B{r['batch']} {who}: "
+                + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
+            )

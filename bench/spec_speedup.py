@@ -26,23 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
-from bench.decode_run import decode_run  # noqa: E402
+from bench.decode_run import PHASES, decode_run, timed_phases  # noqa: E402
 from bench.spec_shapes import main_8b  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import use_kernels  # noqa: E402
-
-PHASES = ("run_drafter", "draft_logits", "draft_chain", "run_target", "target_logits")
 
 
 def make_engine(k: int, max_batch: int, device: str, **options) -> Engine:
@@ -59,42 +52,6 @@ def make_engine(k: int, max_batch: int, device: str, **options) -> Engine:
             **options,
         )
     )
-
-
-def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callable[[], None]]:
-    """Wrap the runner's phases with synchronized timers; returns (seconds per phase, undo)."""
-    spent: dict[str, float] = defaultdict(float)
-    runner = engine.runner
-
-    def timed(name: str, fn):
-        def call(*args, **kwargs):
-            synchronize(device)
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            synchronize(device)
-            spent[name] += time.perf_counter() - start
-            return out
-
-        return call
-
-    graphs = runner.graphs
-    chain = getattr(graphs, "chain", None)
-    places = [(runner, n, n) for n in ("run_drafter", "draft_logits", "run_target", "target_logits")]
-    if chain is not None:  # the device-resident greedy step's own phases
-        places += [(chain, "run", "draft_chain"), (graphs, "run_verify", "run_target")]
-    for obj, attr, name in places:
-        setattr(obj, attr, timed(name, getattr(obj, attr)))
-
-    def undo() -> None:
-        for obj, attr, _ in places:
-            delattr(obj, attr)  # back to the class's methods
-
-    return spent, undo
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def measure(

@@ -57,7 +57,7 @@ class RequestProgress:
         n = req.num_computed
         req.pending_start, req.pending_tokens = n, [token]
         if req.last_feature is not None:
-            req.pending_features = req.last_feature[None]
+            req.pending_features = [req.last_feature[None]]
         if req.prefill_only:
             req.output_ids.append(token)
             req.output_logprobs.extend(logprobs)
@@ -78,7 +78,7 @@ class RequestProgress:
         n = aux.prompt_len
         req.status = Status.DECODE
         req.num_computed = req.target_write_start = req.draft_valid = n
-        req.pending_start, req.pending_tokens, req.pending_features = n, [aux.first_token_id], hidden
+        req.pending_start, req.pending_tokens, req.pending_features = n, [aux.first_token_id], [hidden]
         self.requests[req.request_id] = req
         self.append(req, [aux.first_token_id], [None])
         if req.finish_reason is not None:
@@ -101,11 +101,11 @@ class RequestProgress:
         if not step.caught_up:  # slots [pending_start, n] still wait for the drafter
             req.pending_tokens = req.pending_tokens + emitted
             if features is not None:
-                req.pending_features = torch.cat([req.pending_features, features])
+                req.pending_features = [*req.pending_features, features]  # one cat at the catch-up
         else:
             req.pending_start, req.pending_tokens = n + 1, emitted
             if features is not None:
-                req.pending_features = features
+                req.pending_features = [features]
             req.draft_valid = n + 1 if self.drafting else req.num_computed
         self.release_window(req)
         if req.finish_reason is not None:

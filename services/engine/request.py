@@ -106,7 +106,7 @@ class Request:
         self.last_feature: torch.Tensor | None = None  # [hidden] f_{num_computed - 1}
         self.pending_start = 0
         self.pending_tokens: list[int] = []
-        self.pending_features: torch.Tensor | None = None  # [len(pending_tokens), hidden]
+        self.pending_features: list[torch.Tensor] = []  # [n_i, hidden] pieces, sum n_i = len(pending_tokens)
         self.aux: AuxState | None = None
 
     @property

@@ -65,7 +65,7 @@ def catch_up(runner: ModelRunner, requests: list[Request]) -> torch.Tensor:
     returns g at slot n, [batch, hidden_size] on the device."""
     spans = [Span(r.request_id, r.pending_start, r.pending_tokens) for r in requests]
     last_rows = (torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1).to(runner.device)
-    hidden = torch.cat([r.pending_features for r in requests]).to(runner.device)
+    hidden = torch.cat([f for r in requests for f in r.pending_features]).to(runner.device)
     return runner.run_drafter(spans, hidden)[last_rows]  # [num_pending, hidden] -> [batch, hidden]
 
 
