@@ -96,3 +96,17 @@ def timed_phases(engine: Engine, device: str) -> tuple[dict[str, float], Callabl
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def print_phases(
+    rows: list[dict], label: Callable[[dict], str], note: Callable[[dict], str] = lambda r: ""
+) -> None:
+    """The phase split of each row's target-only (``base``) and speculative (``spec``)
+    runs: ``base_phases_ms`` / ``spec_phases_ms``, labelled by ``label(row)``; ``note(row)``
+    is appended to the spec line."""
+    print("\nphases, ms per decode step (synchronized pass): " + ", ".join(PHASES) + ", rest")
+    for r in rows:
+        for who in ("base", "spec"):
+            ph = r[f"{who}_phases_ms"]
+            split = " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
+            print(f"  {label(r)} {who}: {split}" + (note(r) if who == "spec" else ""))

@@ -28,7 +28,7 @@ import torch
 
 import services.engine.engine as engine_module
 from bench.decode_inputs import build_target, llama_8b
-from bench.decode_run import PHASES, decode_run, timed_phases
+from bench.decode_run import PHASES, decode_run, print_phases, timed_phases
 from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
@@ -221,11 +221,4 @@ def print_8b(rows: list[dict], rate: float) -> None:
             f"| {r['base_tok_s']:,.0f} | {r['spec_tok_s']:,.0f} | {r['spec_tok_s'] / r['base_tok_s']:.2f} "
             f"| {ideal:.2f} |"
         )
-    print("\nphases, ms per decode step (synchronized pass): " + ", ".join(PHASES) + ", rest")
-    for r in rows:
-        for who in ("base", "spec"):
-            ph = r[f"{who}_phases_ms"]
-            print(
-                f"  K{r['k']} AL{r['al']} B{r['batch']} {who}: "
-                + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
-            )
+    print_phases(rows, lambda r: f"K{r['k']} AL{r['al']} B{r['batch']}")

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
-from bench.decode_run import PHASES, decode_run, timed_phases  # noqa: E402
+from bench.decode_run import PHASES, decode_run, print_phases, timed_phases  # noqa: E402
 from bench.spec_shapes import main_8b  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
@@ -169,15 +169,11 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
             f"| {'yes' if r['outputs_equal'] else 'no'} |"
         )
-    print("\nphases, ms per decode step (synchronized pass): " + ", ".join(PHASES) + ", rest")
-    for r in rows:
-        for who in ("base", "spec"):
-            ph = r[f"{who}_phases_ms"]
-            print(
-                f"  {r['mode']} kernels {r['kernels']} chain {r['chain']} B{r['batch']} {who}: "
-                + " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
-                + (f" (no-draft steps: {r['plain_steps']} of {r['spec_steps']})" if who == "spec" else "")
-            )
+    print_phases(
+        rows,
+        lambda r: f"{r['mode']} kernels {r['kernels']} chain {r['chain']} B{r['batch']}",
+        lambda r: f" (no-draft steps: {r['plain_steps']} of {r['spec_steps']})",
+    )
 
 
 if __name__ == "__main__":
