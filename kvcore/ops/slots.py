@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvcore.ops.checks import fail
@@ -38,6 +39,8 @@ def slot_mapping_for(
     batch, max_pages = table.shape
     starts = _as_longs(start_positions, batch, "start_positions", table.device)
     lens = _as_longs(lengths, batch, "lengths", table.device)
+    if table.device.type == "cpu":  # numpy: the same arithmetic at a tenth of torch's per-op cost
+        return torch.from_numpy(_host_slots(table.numpy(), starts.numpy(), lens.numpy(), tokens_per_page))
     if bool((starts < 0).any()) or bool((lens < 0).any()):
         fail("start_positions", "starts and lengths must be >= 0")
     row = torch.repeat_interleave(torch.arange(batch, device=table.device), lens)
@@ -67,3 +70,18 @@ def uniform_query_start_loc(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
     """query_start_loc [batch + 1] int32 of a batch whose sequences all have q_len tokens."""
     batch = seq_lens.shape[0]
     return torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device) * q_len
+
+
+def _host_slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, tokens_per_page: int) -> np.ndarray:
+    """slot_mapping_for over host arrays: table [batch, max_pages], starts and lens [batch]."""
+    if (starts < 0).any() or (lens < 0).any():
+        fail("start_positions", "starts and lengths must be >= 0")
+    batch, max_pages = table.shape
+    row = np.repeat(np.arange(batch), lens)
+    positions = starts[row] + np.arange(row.shape[0]) - (np.cumsum(lens) - lens)[row]  # [num_tokens]
+    if max_pages == 0:
+        return np.full_like(positions, -1)
+    page_index = positions // tokens_per_page
+    page_ids = table[row, np.minimum(page_index, max_pages - 1)].astype(np.int64)
+    held = (page_index < max_pages) & (page_ids != NULL_PAGE)
+    return np.where(held, page_ids * tokens_per_page + positions % tokens_per_page, -1)

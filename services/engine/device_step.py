@@ -35,7 +35,7 @@ from services.engine.rejection import Draws, Verdict, forced_verdict, rejection_
 from services.engine.request import Request
 from services.engine.row_sampling import request_seeds, row_params
 from services.engine.runner import ModelRunner
-from services.engine.sampler import probs_for_rows
+from services.engine.sampler import argmax_rows, probs_for_rows
 from services.engine.speculative import catch_up
 from services.engine.verify import emitted_logprobs
 
@@ -93,7 +93,7 @@ def device_step(
         return None
     logits = runner.target_logits(run.hidden)  # [batch * (K + 1), V] float32
     if greedy:
-        best = logits.argmax(dim=-1).view(len(decode), k + 1)
+        best = argmax_rows(logits).view(len(decode), k + 1)
         accepted = greedy_accepted(drafts, best, forced)  # [batch]
         nexts = best.gather(1, accepted[:, None])[:, 0]  # [batch]
     else:

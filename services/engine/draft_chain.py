@@ -35,7 +35,7 @@ from kvcore.ops import slot_mapping_for
 from kvcore.spec import NULL_PAGE
 from services.engine.graphed_forward import UniformContext
 from services.engine.noise import DRAFT
-from services.engine.sampler import RowParams, probs_for_rows, sample
+from services.engine.sampler import RowParams, argmax_rows, probs_for_rows, sample
 
 # (input_ids [b], hidden [b, hidden_size], positions [b], ctx) -> g [b, hidden_size]
 DrafterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, UniformContext], torch.Tensor]
@@ -153,7 +153,7 @@ class GraphedDraftChain:
                 g = self.drafter(drafts[-1], g, positions, ctx)
             logits = self.head(g)  # [bucket, vocab]
             if draw is Draw.GREEDY:
-                drafts.append(logits.argmax(dim=-1))
+                drafts.append(argmax_rows(logits))
                 continue
             q = probs_for_rows(logits, self._row_params(bucket, draw))
             seeds, starts = self._i64_row(0, bucket), self._i64_row(2, bucket)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from services.engine.noise import uniforms
 
@@ -73,6 +74,31 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     sub = sub - pen.presence[:, None] * (pen.counts > 0).float()
     out[pen.rows] = sub
     return out
+
+
+ARGMAX_CHUNK = 1024  # columns per first-pass block of argmax_rows
+ARGMAX_MAX_ROWS = 64  # above it torch's one-pass reduction already fills the device
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64, the first maximum of each row: ``x.argmax(-1)``, in two
+    passes (the maximum of each ARGMAX_CHUNK-column block, then of the blocks) when there
+    are few rows of many columns on CUDA, where the one-pass reduction gives each row only
+    a few blocks (28 us for one row of 128,256 on an H200)."""
+    rows, n = x.shape
+    if not x.is_cuda or rows > ARGMAX_MAX_ROWS or n < 16 * ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    return two_pass_argmax(x)
+
+
+def two_pass_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64: the first maximum of each row, block maxima first."""
+    rows, n = x.shape
+    pad = -n % ARGMAX_CHUNK
+    blocks = F.pad(x, (0, pad), value=float("-inf")).view(rows, -1, ARGMAX_CHUNK)
+    values, inside = blocks.max(dim=-1)  # [rows, n / CHUNK]: first maximum of each block
+    block = values.argmax(dim=-1, keepdim=True)  # [rows, 1]: first block holding the maximum
+    return (block * ARGMAX_CHUNK + inside.gather(1, block))[:, 0]
 
 
 def process_logits(logits: torch.Tensor, params: RowParams) -> torch.Tensor:

@@ -130,3 +130,22 @@ def test_query_positions():
     starts = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
     seq_lens = torch.tensor([10, 4, 3], dtype=torch.int32)
     assert query_positions(starts, seq_lens).tolist() == [8, 9, 0, 1, 2]
+
+
+def test_slot_mapping_for_host_tables_follows_the_rule_position_by_position():
+    """Host tables take a numpy path: every slot is the table's page times the page size
+    plus the offset, or -1 for a NULL page or a position past the table."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        batch, width, page = int(torch.randint(1, 6, (1,), generator=gen)), 7, 4
+        table = torch.randint(-1, 9, (batch, width), generator=gen, dtype=torch.int32)
+        starts = torch.randint(0, 30, (batch,), generator=gen).tolist()
+        lens = torch.randint(0, 6, (batch,), generator=gen).tolist()
+        expected = []
+        for b in range(batch):
+            for pos in range(starts[b], starts[b] + lens[b]):
+                i = pos // page
+                held = i < width and int(table[b, i]) != -1
+                expected.append(int(table[b, i]) * page + pos % page if held else -1)
+        slots = slot_mapping_for(table, starts, lens, tokens_per_page=page)
+        assert slots.tolist() == expected and slots.dtype == torch.int64

@@ -7,7 +7,7 @@ import torch
 
 from services.engine.noise import DRAFT, TARGET
 from services.engine.rejection import Draws, rejection_sample
-from services.engine.sampler import probs_from_logits, sample, top_p_filter
+from services.engine.sampler import probs_from_logits, sample, top_p_filter, two_pass_argmax
 from services.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
 CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
@@ -102,3 +102,13 @@ def test_a_temperature_below_the_floor_is_greedy_and_the_floor_itself_samples_fi
     logits = torch.tensor([[30.0, 29.99, -5.0, 0.0]])
     probs = probs_from_logits(logits, torch.tensor([floor.temperature]), torch.tensor([1.0]))
     assert bool(torch.isfinite(probs).all()) and float(probs.sum()) == pytest.approx(1.0)
+
+
+def test_two_pass_argmax_is_the_first_maximum():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 50, (6, 3000), generator=g).float()  # many ties at the maximum
+    x[1] = float("-inf")
+    x[1, 2999] = 0.0  # the maximum in the padded tail block
+    x[2, :] = 7.0  # all equal: index 0
+    assert two_pass_argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert two_pass_argmax(x)[1:3].tolist() == [2999, 0]

@@ -113,3 +113,12 @@ def test_gemv_matches_linear_and_is_deterministic(m, n, k, split_k):
     out = gemv(x, w, split_k=split_k)
     assert close(out, torch.nn.functional.linear(x, w))
     assert torch.equal(out, gemv(x, w, split_k=split_k))
+
+
+@pytest.mark.parametrize("rows, n", [(1, 128256), (5, 32000), (64, 151936)])
+def test_argmax_rows_is_torch_argmax(rows, n):
+    from services.engine.sampler import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randint(0, 1000, (rows, n), device="cuda", generator=g).float()  # ties
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
