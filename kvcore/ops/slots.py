@@ -72,8 +72,26 @@ def uniform_query_start_loc(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device) * q_len
 
 
+def uniform_slots(table: np.ndarray, starts: np.ndarray, q_len: int, tokens_per_page: int) -> np.ndarray:
+    """Slots [batch, q_len] int64 of positions starts[b] .. starts[b] + q_len - 1 of every
+    row b of a host table [batch, max_pages] (-1: a NULL page or past the table): what
+    slot_mapping_for gives spans of one length, in a fixed handful of numpy calls."""
+    if (starts < 0).any():
+        fail("start_positions", "starts and lengths must be >= 0")
+    positions = starts[:, None] + np.arange(q_len)  # [batch, q_len]
+    width = table.shape[1]
+    if width == 0:
+        return np.full_like(positions, -1)
+    page_index = positions // tokens_per_page
+    page_ids = table[np.arange(table.shape[0])[:, None], np.minimum(page_index, width - 1)].astype(np.int64)
+    held = (page_index < width) & (page_ids != NULL_PAGE)
+    return np.where(held, page_ids * tokens_per_page + positions % tokens_per_page, -1)
+
+
 def _host_slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, tokens_per_page: int) -> np.ndarray:
     """slot_mapping_for over host arrays: table [batch, max_pages], starts and lens [batch]."""
+    if lens.shape[0] and (lens == lens[0]).all():
+        return uniform_slots(table, starts, int(lens[0]), tokens_per_page).reshape(-1)
     if (starts < 0).any() or (lens < 0).any():
         fail("start_positions", "starts and lengths must be >= 0")
     batch, max_pages = table.shape

@@ -29,9 +29,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvcore.ops import slot_mapping_for
+from kvcore.ops import uniform_slots
 from kvcore.spec import NULL_PAGE
 from services.engine.graphed_forward import UniformContext
 from services.engine.noise import DRAFT
@@ -203,33 +204,37 @@ class GraphedDraftChain:
         self, starts: list[int], table: torch.Tensor, bucket: int, sampling: ChainSampling | None = None
     ) -> None:
         """Host-side inputs of chain steps 1..K-1 (position n + s, slot, seq_len n + s + 1),
-        and each request's n and draws; padding rows are greedy."""
+        and each request's n and draws; padding rows are greedy. Written through numpy views
+        of the staging buffers (a torch call on a small CPU tensor costs several us)."""
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
         steps, mb, b = self._steps, self.shape.max_batch, len(starts)
-        self.host_i64.zero_()
-        self.host_i64[steps * mb : 2 * steps * mb] = -1
-        self.host_i32[: steps * mb] = 0
-        self.host_f32.zero_()
-        self.host_f32[mb : 2 * mb] = 1.0  # top_p off
-        per_request = self.host_i64[2 * steps * mb :].view(3, mb)
-        per_request[2, :b] = torch.tensor(starts, dtype=torch.int64)
+        h64, h32, f32 = self.host_i64.numpy(), self.host_i32.numpy(), self.host_f32.numpy()
+        h64[: steps * mb] = 0
+        h64[steps * mb : 2 * steps * mb] = -1
+        h32[: steps * mb] = 0
+        per_request = h64[2 * steps * mb :].reshape(3, mb)  # seeds, top_k, starts
+        per_request[:] = 0
+        params = f32.reshape(3, mb)  # temperature, top_p, min_p
+        params[:] = 0.0
+        params[1] = 1.0  # top_p off
+        n = np.asarray(starts, dtype=np.int64)
+        per_request[2, :b] = n
         if sampling is not None:
-            per_request[0, :b] = torch.tensor(sampling.seeds, dtype=torch.int64)
-            per_request[1, :b] = torch.tensor(sampling.top_k, dtype=torch.int64)
-            f32 = self.host_f32.view(3, mb)
-            f32[0, :b] = torch.tensor(sampling.temperature)
-            f32[1, :b] = torch.tensor(sampling.top_p)
-            f32[2, :b] = torch.tensor(sampling.min_p)
+            per_request[0, :b] = sampling.seeds
+            per_request[1, :b] = sampling.top_k
+            params[:, :b] = (sampling.temperature, sampling.top_p, sampling.min_p)
         if steps and b:
-            n = torch.tensor(starts, dtype=torch.int64)
-            slots = slot_mapping_for(table, n + 1, [steps] * b, self.shape.tokens_per_page)
-            pos = n[None, :] + torch.arange(1, steps + 1)[:, None]  # [steps, b]
-            self.host_i64[: steps * mb].view(steps, mb)[:, :b] = pos
-            self.host_i64[steps * mb : 2 * steps * mb].view(steps, mb)[:, :b] = slots.view(b, steps).T
-            self.host_i32[: steps * mb].view(steps, mb)[:, :b] = (pos + 1).int()
-        rows = self._table(self.host_i32, bucket)
-        rows[:b, : table.shape[1]] = table
+            host_table = table.cpu().numpy()
+            pos = n[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, b]
+            h64[: steps * mb].reshape(steps, mb)[:, :b] = pos
+            slots = uniform_slots(host_table, n + 1, steps, self.shape.tokens_per_page)  # [b, steps]
+            h64[steps * mb : 2 * steps * mb].reshape(steps, mb)[:, :b] = slots.T
+            h32[: steps * mb].reshape(steps, mb)[:, :b] = pos + 1
+        rows = h32[steps * mb : steps * mb + bucket * self.shape.max_pages].reshape(
+            bucket, self.shape.max_pages
+        )
+        rows[:b, : table.shape[1]] = table.cpu().numpy()
         rows[:b, table.shape[1] :] = NULL_PAGE
         rows[b:] = NULL_PAGE
         self._upload()

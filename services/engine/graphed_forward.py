@@ -23,9 +23,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvcore.ops import decode_attention, slot_mapping_for, verify_attention, write_kv
+from kvcore.ops import decode_attention, uniform_slots, verify_attention, write_kv
 from kvcore.spec import NULL_PAGE
 from services.engine.batch import Span
 
@@ -96,14 +97,16 @@ def uniform_batch(
 ) -> UniformBatch:
     """Host-side inputs of spans that all have the same length; ``block_table`` [batch,
     width] is their rows. KV is written only at positions >= each span's write_start."""
-    q_len = len(spans[0].token_ids)
-    starts = torch.tensor([s.start for s in spans], dtype=torch.int64)
-    positions = (starts[:, None] + torch.arange(q_len)[None, :]).reshape(-1)
-    slots = slot_mapping_for(block_table, starts, [q_len] * len(spans), tokens_per_page)
-    write_start = torch.tensor([s.write_start for s in spans]).repeat_interleave(q_len)
-    slots = torch.where(positions >= write_start, slots, -1)
+    q_len, batch = len(spans[0].token_ids), len(spans)
+    starts = np.fromiter((s.start for s in spans), np.int64, batch)
+    write_start = np.fromiter((s.write_start for s in spans), np.int64, batch)
+    positions = starts[:, None] + np.arange(q_len)  # [batch, q_len]
+    slots = uniform_slots(block_table.cpu().numpy(), starts, q_len, tokens_per_page)
+    slots = np.where(positions >= write_start[:, None], slots, -1)
     ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
-    return UniformBatch(ids, positions, slots, block_table, (starts + q_len).int(), hidden)
+    seq_lens = torch.from_numpy((starts + q_len).astype(np.int32))
+    as_long = lambda a: torch.from_numpy(a.reshape(-1))  # noqa: E731
+    return UniformBatch(ids, as_long(positions), as_long(slots), block_table, seq_lens, hidden)
 
 
 class GraphedForward:
@@ -177,16 +180,16 @@ class GraphedForward:
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
         n, t = batch.num_tokens, self.max_tokens
-        h64 = self.host_i64
-        h64[:n] = batch.input_ids
-        h64[t : t + n] = batch.positions
-        h64[2 * t : 2 * t + n] = batch.slot_mapping
+        h64, h32 = self.host_i64.numpy(), self.host_i32.numpy()  # views: numpy writes cost less
+        h64[:n] = batch.input_ids.numpy()
+        h64[t : t + n] = batch.positions.numpy()
+        h64[2 * t : 2 * t + n] = batch.slot_mapping.numpy()
         h64[2 * t + n : 2 * t + bucket * self.q_len] = -1
         b, width = batch.batch, batch.block_table.shape[1]
-        self.host_i32[:b] = batch.seq_lens
-        self.host_i32[b:bucket] = 0
-        table = self._table(self.host_i32, bucket)
-        table[:b, :width] = batch.block_table
+        h32[:b] = batch.seq_lens.numpy()
+        h32[b:bucket] = 0
+        table = h32[self.max_batch : self.max_batch + bucket * self.max_pages].reshape(bucket, self.max_pages)
+        table[:b, :width] = batch.block_table.cpu().numpy()
         table[:b, width:] = NULL_PAGE
         self._upload(bucket)
         if batch.hidden is not None:
