@@ -1,9 +1,12 @@
 """When drafting pays: each decode step runs either the engine's K drafts or none.
 
 The rule, from measured step costs and the running acceptance:
-- per batch bucket b the engine keeps t_spec(b) and t_plain(b), the mean wall time
-  (seconds; exponential moving averages) of its steps with K drafts and with none. A step
-  ends with its host read of the emitted tokens, so its wall time is its whole cost;
+- per batch bucket b the engine keeps t_spec(b) and t_plain(b), the wall time (seconds)
+  of its steps with K drafts and with none: the least of the last ``window`` steps of that
+  kind. A step ends with its host read of the emitted tokens, so its wall time is its
+  whole cost, and noise only ever adds to it (a collection pause, a first call, another
+  process on the host): the least recent time is the cost, and one slow step cannot
+  stop drafting for the many steps an average would take to forget it;
 - AL is the running mean of tokens emitted per request in a speculative step (accepted
   drafts + 1), over all buckets;
 - a speculative step makes AL tokens per request in t_spec(b), a plain one 1 in t_plain(b):
@@ -27,6 +30,7 @@ the drafter's q and the residual) from a step without.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.graphed_forward import batch_buckets
@@ -41,11 +45,28 @@ def greedy_only(requests: list[Request]) -> bool:
 
 @dataclass(slots=True)
 class BucketCosts:
-    spec_s: float = 0.0  # mean seconds of a step with K drafts, 0 = not measured yet
-    plain_s: float = 0.0  # mean seconds of a step without drafts, 0 = not measured yet
+    window: int = 8
+    spec_times: deque[float] = field(default_factory=deque)  # seconds of recent steps with K drafts
+    plain_times: deque[float] = field(default_factory=deque)  # ... and without drafts
     run: int = 0  # steps of the current kind in a row
     spec: bool = True  # the current kind
     seen: set[bool] = field(default_factory=set)  # kinds whose first (uncounted) step ran
+
+    @property
+    def spec_s(self) -> float:
+        """Seconds a step with K drafts costs, 0 = not measured yet."""
+        return min(self.spec_times, default=0.0)
+
+    @property
+    def plain_s(self) -> float:
+        """Seconds a step without drafts costs, 0 = not measured yet."""
+        return min(self.plain_times, default=0.0)
+
+    def add(self, spec: bool, seconds: float) -> None:
+        times = self.spec_times if spec else self.plain_times
+        times.append(seconds)
+        if len(times) > self.window:
+            times.popleft()
 
 
 @dataclass(slots=True)
@@ -55,7 +76,8 @@ class AdaptiveK:
     k: int
     max_batch: int
     probe_every: int = 32
-    smoothing: float = 0.2  # weight of the newest step in each moving average
+    smoothing: float = 0.2  # weight of the newest step in AL's moving average
+    window: int = 8  # recent steps per kind and bucket whose least time is the cost
     al: float = 0.0  # running tokens per request per speculative step, 0 = none yet
     costs: dict[int, BucketCosts] = field(default_factory=dict)
     spec_steps: int = 0  # steps recorded with drafts, all buckets
@@ -63,7 +85,7 @@ class AdaptiveK:
 
     def choose(self, batch: int) -> int:
         """The drafts per request for the next step of ``batch`` requests: k or 0."""
-        c = self.costs.setdefault(self.bucket(batch), BucketCosts())
+        c = self.costs.setdefault(self.bucket(batch), BucketCosts(self.window))
         if not c.spec_s or not self.al:
             return self.k
         if not c.plain_s:
@@ -76,7 +98,7 @@ class AdaptiveK:
     def record(self, batch: int, k: int, seconds: float, tokens: int) -> None:
         """A decode step of ``batch`` requests with ``k`` drafts each took ``seconds`` of
         wall time and emitted ``tokens`` tokens."""
-        c = self.costs.setdefault(self.bucket(batch), BucketCosts())
+        c = self.costs.setdefault(self.bucket(batch), BucketCosts(self.window))
         spec = k > 0
         c.run = c.run + 1 if spec == c.spec else 1
         c.spec = spec
@@ -85,11 +107,9 @@ class AdaptiveK:
         if spec not in c.seen:
             c.seen.add(spec)
             return
+        c.add(spec, seconds)
         if spec:
-            c.spec_s = self._mean(c.spec_s, seconds)
             self.al = self._mean(self.al, tokens / batch)
-        else:
-            c.plain_s = self._mean(c.plain_s, seconds)
 
     def bucket(self, batch: int) -> int:
         return next((b for b in batch_buckets(self.max_batch) if b >= batch), batch)

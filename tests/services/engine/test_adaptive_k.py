@@ -1,5 +1,6 @@
-"""The per-step K rule (adaptive_k.py): draft iff AL * t_plain >= t_spec, probes of the
-other kind, and greedy output equal to target-only whatever it picks."""
+"""The per-step K rule (adaptive_k.py): draft iff AL * t_plain >= t_spec (each the least
+recent time of its kind), probes of the other kind, and greedy output equal to
+target-only whatever it picks."""
 
 from __future__ import annotations
 
@@ -35,6 +36,21 @@ def test_stops_drafting_when_it_does_not_pay_and_probes_back():
         picks.append(k)
         rule.record(64, k, 0.010 if k else 0.004, 64)
     assert picks == [0, 0, 4, 0, 0, 0, 0, 4, 0, 0]  # a probe after every 4 plain steps in a row
+
+
+def test_one_slow_step_does_not_stop_drafting():
+    """A step's cost is the least of its kind's recent times: noise only adds to a step,
+    so one slow step (a first call, a pause) does not make drafting look dear."""
+    rule = AdaptiveK(k=4, max_batch=16, window=4)
+    rule.record(16, 4, 0.002, 16 * 3)  # first of its kind: not counted
+    rule.record(16, 4, 0.050, 16 * 3)  # one slow step
+    rule.record(16, 4, 0.002, 16 * 3)
+    rule.record(16, 0, 0.001, 16)
+    rule.record(16, 0, 0.001, 16)
+    assert rule.choose(16) == 4  # AL 3 x 1 ms >= 2 ms, the 50 ms step notwithstanding
+    for _ in range(4):  # the window moves on: four dear steps in a row are the cost now
+        rule.record(16, 4, 0.004, 16 * 3)
+    assert rule.costs[16].spec_s == 0.004 and rule.choose(16) == 0
 
 
 def test_a_probe_that_finds_drafting_pays_keeps_drafting():
