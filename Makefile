@@ -47,6 +47,7 @@ bench: proto
 	$(BIN)/python -m bench.kvcore
 	$(BIN)/python -m bench.ucx_raw
 	$(BIN)/python -m bench.transfer
+	$(BIN)/python -m bench.host_step
 
 # acceptance length, aggregated vs disaggregated unified vs separate (minutes on CPU, to 8K
 # tokens); on a GPU to 32K: LADDER_ARGS / AL_ARGS, e.g. AL_ARGS="--device cuda --lengths 1024
