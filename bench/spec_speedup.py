@@ -11,9 +11,12 @@ ms/step count only the engine steps where every request of the batch decodes. ``
 mode replays CUDA graphs for the decode step (the engine's default on CUDA); ``eager``
 sets ``enforce_eager``. ``--chain off`` turns off the device-resident step
 (``EngineConfig.device_draft_chain``): every step takes the eager draft chain.
-``--temperature T`` (> 0) samples instead, request i with seed i: outputs then differ from
-target-only's by design, and ``outputs_equal`` compares each speculative run with the
-first variant's (the device-resident step against the general path, say).
+``--repeats R`` times R runs of each engine, the target-only and speculative engines
+taking turns so that host noise falls on both; each row keeps the median run (and the
+range of ms per step). ``--temperature T`` (> 0) samples instead, request i with seed i:
+outputs then differ from target-only's by design, and ``outputs_equal`` compares each
+speculative run with the first variant's (the device-resident step against the general
+path, say).
 ``--kernels off`` builds the engines with the fused Triton decoder ops switched off
 (``services.engine.kernels.use_kernels(False)``: the torch reference everywhere), for an
 A/B against ``on``. A second, synchronized pass splits the decode step's time into the
@@ -54,13 +57,35 @@ def make_engine(k: int, max_batch: int, device: str, **options) -> Engine:
     )
 
 
-def measure(
+def measure_pair(
+    engines: tuple[Engine, Engine], prompts: list[list[int]], max_tokens: int, device: str, a
+) -> tuple[dict, dict]:
+    """(target-only, speculative) results over ``a.repeats`` timed runs each, the two
+    engines taking turns so that host noise falls on both; each keeps its median run (by
+    ms per step) with the spread of ms per step, and one synchronized phase split."""
+    for engine in engines:  # warm-up: every kernel shape compiles here
+        decode_run(engine, prompts, max_tokens, temperature=a.temperature)
+    runs: tuple[list[dict], list[dict]] = ([], [])
+    for _ in range(a.repeats):
+        for engine, done in zip(engines, runs, strict=True):
+            plain_before = plain_steps(engine)
+            r = decode_run(engine, prompts, max_tokens, temperature=a.temperature)
+            r["plain_steps"] = plain_steps(engine) - plain_before  # steps the K rule ran without drafts
+            done.append(r)
+    results = []
+    for engine, done in zip(engines, runs, strict=True):
+        ms = sorted(r["ms_per_step"] for r in done)
+        r = sorted(done, key=lambda r: r["ms_per_step"])[len(done) // 2]
+        r["ms_per_step_range"] = (ms[0], ms[-1])
+        r["phases_ms"] = phase_split(engine, prompts, max_tokens, device, a.temperature)
+        results.append(r)
+    return results[0], results[1]
+
+
+def phase_split(
     engine: Engine, prompts: list[list[int]], max_tokens: int, device: str, temperature: float
 ) -> dict:
-    decode_run(engine, prompts, max_tokens, temperature=temperature)  # warm-up: kernels compile here
-    plain_before = plain_steps(engine)
-    r = decode_run(engine, prompts, max_tokens, temperature=temperature)
-    r["plain_steps"] = plain_steps(engine) - plain_before  # steps the K rule ran without drafts
+    """ms per decode step in each of PHASES and the rest, from one synchronized run."""
     spent, undo = timed_phases(engine, device)
     try:
         split = decode_run(engine, prompts, max_tokens, spent, temperature)
@@ -68,8 +93,7 @@ def measure(
         undo()
     phases = {n: 1e3 * spent.get(n, 0.0) / split["steps"] for n in PHASES}
     phases["rest"] = split["ms_per_step"] - sum(phases.values())
-    r["phases_ms"] = {n: round(v, 3) for n, v in phases.items()}
-    return r
+    return {n: round(v, 3) for n, v in phases.items()}
 
 
 def plain_steps(engine: Engine) -> int:
@@ -88,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chain", default="on", help="on, off or on,off: the device-resident step")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, request i with seed i")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per engine, taking turns; medians")
     p.add_argument("--json", default="")
     p.add_argument("--adaptive", default="on", choices=("on", "off"), help="the per-step K rule")
     p.add_argument("--forced-al", type=int, default=0, help="forced acceptance length; 0 = natural")
@@ -120,8 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for batch in batches:
             prompts = windows(code, a.prompt_len, batch, a.seed)
-            base = measure(engines[0], prompts, a.max_tokens, a.device, a.temperature)
-            spec = measure(engines[a.k], prompts, a.max_tokens, a.device, a.temperature)
+            base, spec = measure_pair((engines[0], engines[a.k]), prompts, a.max_tokens, a.device, a)
             reference = (
                 base["token_ids"] if not a.temperature else first_outputs.setdefault(batch, spec["token_ids"])
             )
@@ -141,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                 "spec_tok_s": spec["tok_s"],
                 "base_ms_per_step": base["ms_per_step"],
                 "spec_ms_per_step": spec["ms_per_step"],
+                "base_ms_per_step_range": base["ms_per_step_range"],
+                "spec_ms_per_step_range": spec["ms_per_step_range"],
                 "base_phases_ms": base["phases_ms"],
                 "spec_phases_ms": spec["phases_ms"],
                 "outputs_equal": reference == spec["token_ids"],
@@ -155,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
 
 
+def ms_cell(row: dict, who: str) -> str:
+    """ms per step, with the range over the repeats when there were several."""
+    low, high = row[f"{who}_ms_per_step_range"]
+    median = f"{row[f'{who}_ms_per_step']:.2f}"
+    return median if low == high else f"{median} ({low:.2f}-{high:.2f})"
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         "\n| mode | kernels | chain | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
@@ -166,7 +199,7 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['mode']} | {r['kernels']} | {r['chain']} | {r['batch']} | {r['k']} | {r['al']:.2f} "
             f"| {r['base_tok_s']:,.0f} "
             f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
-            f"| {r['base_ms_per_step']:.2f} | {r['spec_ms_per_step']:.2f} "
+            f"| {ms_cell(r, 'base')} | {ms_cell(r, 'spec')} "
             f"| {'yes' if r['outputs_equal'] else 'no'} |"
         )
     print_phases(
