@@ -76,30 +76,29 @@ def uniform_slots(table: np.ndarray, starts: np.ndarray, q_len: int, tokens_per_
     """Slots [batch, q_len] int64 of positions starts[b] .. starts[b] + q_len - 1 of every
     row b of a host table [batch, max_pages] (-1: a NULL page or past the table): what
     slot_mapping_for gives spans of one length, in a fixed handful of numpy calls."""
-    if (starts < 0).any():
+    if (starts < 0).any() or q_len < 0:
         fail("start_positions", "starts and lengths must be >= 0")
     positions = starts[:, None] + np.arange(q_len)  # [batch, q_len]
-    width = table.shape[1]
-    if width == 0:
-        return np.full_like(positions, -1)
-    page_index = positions // tokens_per_page
-    page_ids = table[np.arange(table.shape[0])[:, None], np.minimum(page_index, width - 1)].astype(np.int64)
-    held = (page_index < width) & (page_ids != NULL_PAGE)
-    return np.where(held, page_ids * tokens_per_page + positions % tokens_per_page, -1)
+    return _slots_at(table, np.arange(table.shape[0])[:, None], positions, tokens_per_page)
 
 
 def _host_slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, tokens_per_page: int) -> np.ndarray:
     """slot_mapping_for over host arrays: table [batch, max_pages], starts and lens [batch]."""
-    if lens.shape[0] and (lens == lens[0]).all():
-        return uniform_slots(table, starts, int(lens[0]), tokens_per_page).reshape(-1)
     if (starts < 0).any() or (lens < 0).any():
         fail("start_positions", "starts and lengths must be >= 0")
-    batch, max_pages = table.shape
-    row = np.repeat(np.arange(batch), lens)
+    if lens.shape[0] and (lens == lens[0]).all():
+        return uniform_slots(table, starts, int(lens[0]), tokens_per_page).reshape(-1)
+    row = np.repeat(np.arange(table.shape[0]), lens)
     positions = starts[row] + np.arange(row.shape[0]) - (np.cumsum(lens) - lens)[row]  # [num_tokens]
-    if max_pages == 0:
+    return _slots_at(table, row, positions, tokens_per_page)
+
+
+def _slots_at(table: np.ndarray, rows: np.ndarray, positions: np.ndarray, tokens_per_page: int) -> np.ndarray:
+    """The slot of each position in its table row (``rows`` broadcasts against ``positions``)."""
+    width = table.shape[1]
+    if width == 0:
         return np.full_like(positions, -1)
     page_index = positions // tokens_per_page
-    page_ids = table[row, np.minimum(page_index, max_pages - 1)].astype(np.int64)
-    held = (page_index < max_pages) & (page_ids != NULL_PAGE)
+    page_ids = table[rows, np.minimum(page_index, width - 1)].astype(np.int64)
+    held = (page_index < width) & (page_ids != NULL_PAGE)
     return np.where(held, page_ids * tokens_per_page + positions % tokens_per_page, -1)

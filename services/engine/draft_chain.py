@@ -224,8 +224,8 @@ class GraphedDraftChain:
             per_request[0, :b] = sampling.seeds
             per_request[1, :b] = sampling.top_k
             params[:, :b] = (sampling.temperature, sampling.top_p, sampling.min_p)
+        host_table = table.cpu().numpy()
         if steps and b:
-            host_table = table.cpu().numpy()
             pos = n[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, b]
             h64[: steps * mb].reshape(steps, mb)[:, :b] = pos
             slots = uniform_slots(host_table, n + 1, steps, self.shape.tokens_per_page)  # [b, steps]
@@ -234,7 +234,7 @@ class GraphedDraftChain:
         rows = h32[steps * mb : steps * mb + bucket * self.shape.max_pages].reshape(
             bucket, self.shape.max_pages
         )
-        rows[:b, : table.shape[1]] = table.cpu().numpy()
+        rows[:b, : table.shape[1]] = host_table
         rows[:b, table.shape[1] :] = NULL_PAGE
         rows[b:] = NULL_PAGE
         self._upload()
