@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -110,3 +113,17 @@ def print_phases(
             ph = r[f"{who}_phases_ms"]
             split = " / ".join(f"{ph[n]:.2f}" for n in (*PHASES, "rest"))
             print(f"  {label(r)} {who}: {split}" + (note(r) if who == "spec" else ""))
+
+
+def host_profile(engine: Engine, prompts: list[list[int]], max_tokens: int, top: int, **run) -> str:
+    """cProfile of one more :func:`decode_run` (prefill steps included): the ``top``
+    functions by own time, as ``pstats`` prints them. A function that waits on the
+    device (``tolist``, a synchronize) holds that wait in its own time; ``run``: more
+    :func:`decode_run` arguments."""
+    profile = cProfile.Profile()
+    profile.enable()
+    decode_run(engine, prompts, max_tokens, **run)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()

@@ -28,7 +28,7 @@ import torch
 
 import services.engine.engine as engine_module
 from bench.decode_inputs import build_target, llama_8b
-from bench.decode_run import PHASES, decode_run, print_phases, timed_phases
+from bench.decode_run import PHASES, decode_run, host_profile, print_phases, timed_phases
 from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
@@ -151,8 +151,11 @@ def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [torch.randint(0, 32000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
 
 
-def measure_engine(engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int]) -> dict:
-    """{(batch, al): (ms per step, tokens/s)}; al 0 is the engine without forcing."""
+def measure_engine(
+    engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int], profile_top: int = 0
+) -> dict:
+    """{(batch, al): (ms per step, tokens/s)}; al 0 is the engine without forcing.
+    ``profile_top`` > 0 prints a host profile of each batch at the last AL."""
     out = {}
     for batch in batches:
         prompts = random_prompts(batch, lengths[0])
@@ -161,6 +164,9 @@ def measure_engine(engine: Engine, batches: list[int], als: list[int], lengths: 
             engine.config.forced_acceptance = al - 1 if al else -1
             r = decode_run(engine, prompts, lengths[1])
             out[batch, al] = (r["ms_per_step"], r["tok_s"], phase_split(engine, prompts, lengths[1]))
+        if profile_top:
+            print(f"\nhost profile, K {engine.k}, AL {als[-1]}, B{batch}:", flush=True)
+            print(host_profile(engine, prompts, lengths[1], profile_top), flush=True)
     return out
 
 
@@ -177,20 +183,23 @@ def phase_split(engine: Engine, prompts: list[list[int]], max_tokens: int) -> di
     return {n: round(v, 3) for n, v in phases.items()}
 
 
-def main_8b(batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int]) -> list[dict]:
-    """Target-only, then each K at each forced AL; prints the table, returns its rows."""
+def main_8b(
+    batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int], profile_top: int = 0
+) -> list[dict]:
+    """Target-only, then each K at each forced AL; prints the table, returns its rows;
+    ``profile_top``: see :func:`measure_engine`."""
     rate = copy_rate_gbs()
     context = lengths[0] + lengths[1] // 2
     kv, rows = 16 << 30, []
     with random_models() as folder:
         engine = make_engine(folder, 0, max(batches), kv)
-        base = measure_engine(engine, batches, [0], lengths)
+        base = measure_engine(engine, batches, [0], lengths, profile_top)
         base_roof = {b: step_rooflines(engine, b, context, rate)[0] for b in batches}
         del engine
         torch.cuda.empty_cache()
         for k in ks:
             engine = make_engine(folder, k, max(batches), kv)
-            spec = measure_engine(engine, batches, als, lengths)
+            spec = measure_engine(engine, batches, als, lengths, profile_top)
             for (b, al), (ms, tok_s, phases) in spec.items():
                 base_ms, base_tok_s, base_phases = base[b, 0]
                 roof = step_rooflines(engine, b, context, rate)[1]

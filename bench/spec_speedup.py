@@ -17,6 +17,8 @@ range of ms per step). ``--temperature T`` (> 0) samples instead, request i with
 outputs then differ from target-only's by design, and ``outputs_equal`` compares each
 speculative run with the first variant's (the device-resident step against the general
 path, say).
+``--host-profile N`` prints each engine's N costliest host functions (cProfile, own time)
+over one more run.
 ``--kernels off`` builds the engines with the fused Triton decoder ops switched off
 (``services.engine.kernels.use_kernels(False)``: the torch reference everywhere), for an
 A/B against ``on``. A second, synchronized pass splits the decode step's time into the
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.al_ladder import DRAFTER, MODEL, held_out_corpora, windows  # noqa: E402
-from bench.decode_run import PHASES, decode_run, print_phases, timed_phases  # noqa: E402
+from bench.decode_run import PHASES, decode_run, host_profile, print_phases, timed_phases  # noqa: E402
 from bench.spec_shapes import main_8b  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
@@ -78,6 +80,9 @@ def measure_pair(
         r = sorted(done, key=lambda r: r["ms_per_step"])[len(done) // 2]
         r["ms_per_step_range"] = (ms[0], ms[-1])
         r["phases_ms"] = phase_split(engine, prompts, max_tokens, device, a.temperature)
+        if a.host_profile:
+            print(f"\nhost profile, K {engine.k}, B{len(prompts)}:", flush=True)
+            print(host_profile(engine, prompts, max_tokens, a.host_profile, temperature=a.temperature))
         results.append(r)
     return results[0], results[1]
 
@@ -119,11 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", default="tiny", choices=("tiny", "8b"), help="8b: see bench/spec_shapes.py")
     p.add_argument("--als", default="2,3,4", help="--shape 8b: forced acceptance lengths")
     p.add_argument("--ks", default="3,5", help="--shape 8b: K values")
+    p.add_argument(
+        "--host-profile", type=int, default=0, help="N > 0: print each engine's N costliest host functions"
+    )
     a = p.parse_args(argv)
     if a.shape == "8b":
         ints = lambda text: [int(x) for x in text.split(",")]
         batches = ints(a.batches if a.batches != "1,16" else "1,8,32,64")
-        rows = main_8b(batches, ints(a.ks), ints(a.als), (a.prompt_len, a.max_tokens))
+        rows = main_8b(batches, ints(a.ks), ints(a.als), (a.prompt_len, a.max_tokens), a.host_profile)
         if a.json:
             Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
         return
