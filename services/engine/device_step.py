@@ -2,8 +2,9 @@
 
 Device work, in stream order, with no read back in between:
 1. the drafter's catch-up forward over each request's pending slots (g_n);
-2. the draft chain, one graph replay (``draft_chain.py``): K drafts [batch, K], and for a
-   sampled batch the drafter's q [batch, K, vocab];
+2. the draft chain (``draft_chain.py``): K drafts [batch, K], and for a sampled batch the
+   drafter's q [batch, K, vocab]. 1 and 2 are one graph replay when every pending span
+   fits the chain's catch-up stage (at most K + 1 slots, the usual case), else two;
 3. the target's verify forward (its graph), the drafts copied into its input ids on the
    device;
 4. the target head and the verdict: for a greedy batch, a = the length of the longest run
@@ -29,6 +30,7 @@ import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP
 from services.engine.batch import Span, StepResult
+from services.engine.chain_catch_up import PendingSpans
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.draft_chain import ChainSampling
 from services.engine.rejection import Draws, Verdict, forced_verdict, rejection_sample
@@ -73,17 +75,20 @@ def device_step(
     values. Requests that ask for logprobs add their own read of them."""
     greedy = all(r.sampling.greedy for r in decode)
     lagging = not k and lags_catch_up(graphs, decode)
-    g0 = catch_up(runner, decode) if runner.drafter is not None and not lagging else None  # [batch, hidden]
     q = None
     if k:
         table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
+        pending = pending_spans(decode)
+        first = pending if graphs.chain.catch.fits(pending) else catch_up(runner, decode)  # or g_n
         chained = graphs.chain.run(
-            [r.num_computed for r in decode], table, g0, chain_sampling(decode, greedy)
+            [r.num_computed for r in decode], table, first, chain_sampling(decode, greedy)
         )
         if chained is None:
             return None
         drafts, q = chained  # [batch, K] int64 (and [batch, K, vocab] float32) on the device
     else:  # a step without drafts: the catch-up (now or later) keeps the drafter's KV exact
+        if runner.drafter is not None and not lagging:
+            catch_up(runner, decode)
         drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
     spans = [
         Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
@@ -111,6 +116,15 @@ def lags_catch_up(graphs: DecodeGraphs, decode: list[Request]) -> bool:
     the step that drafts next catches all of them up in one replay. The drafter's KV is
     exact again then; until then only its cacheable prefix lags (``draft_valid``)."""
     return graphs.chain is not None and all(len(r.pending_tokens) + 1 <= graphs.lag_tokens for r in decode)
+
+
+def pending_spans(decode: list[Request]) -> PendingSpans:
+    """The requests' pending slots and features, for the chain's catch-up stage."""
+    return PendingSpans(
+        [r.pending_start for r in decode],
+        [r.pending_tokens for r in decode],
+        torch.cat([f for r in decode for f in r.pending_features]),
+    )
 
 
 def chain_sampling(decode: list[Request], greedy: bool) -> ChainSampling | None:

@@ -12,9 +12,11 @@ Each transform a row does not use is an exact identity (``torch.where`` per row)
 bit for bit what ``probs_for_rows`` gives the same row in the eager chain.
 Nothing in it depends on the host once g_n is in place: the positions, KV slots and
 sequence lengths of all K - 1 chain forwards are known before the chain starts, so one
-upload fills them and one replay runs the whole chain. The drafts stay on the device
-(``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q`` [bucket, K, vocab] float32)
-for the target's verify forward and the acceptance to read.
+upload fills them and one replay runs the whole chain. g_n comes in from a separate
+catch-up forward, or the chain's graph computes it first (``chain_catch_up.py``: every
+pending span widened to K + 1 tokens), so a drafting step replays one graph for both. The
+drafts stay on the device (``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q``
+[bucket, K, vocab] float32) for the target's verify forward and the acceptance to read.
 
 Rows b .. bucket - 1 of a bucket are padding, as in :mod:`services.engine.graphed_forward`:
 seq_len 0 and slot -1, so they touch no page; their drafts are never read. The chain is
@@ -34,6 +36,7 @@ import torch
 
 from kvcore.ops import uniform_slots
 from kvcore.spec import NULL_PAGE
+from services.engine.chain_catch_up import ChainCatchUp, PendingSpans
 from services.engine.graphed_forward import UniformContext
 from services.engine.noise import DRAFT
 from services.engine.sampler import RowParams, argmax_rows, probs_for_rows, sample
@@ -72,7 +75,8 @@ class GraphedDraftChain:
     s - 1 at row s - 1), then ``[seeds | top_k | starts]``, each ``[max_batch]``; int32
     ``[seq_lens [K - 1, max_batch] | block table [max_batch, max_pages]]``; float32
     ``[temperature | top_p | min_p]``, each ``[max_batch]``; ``g0`` [max_batch,
-    hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch, K, vocab] float32.
+    hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch, K, vocab] float32; and
+    the catch-up stage's own (``catch``, over K + 1 tokens per request).
     """
 
     def __init__(
@@ -95,58 +99,71 @@ class GraphedDraftChain:
         self.g0 = torch.zeros(mb, shape.hidden_size, dtype=shape.dtype, device=device)
         self.out = torch.zeros(mb, k, dtype=torch.int64, device=device)
         self.q = torch.zeros(mb, k, shape.vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[tuple[Draw, int], torch.cuda.CUDAGraph] = {}
+        self.catch = ChainCatchUp(k + 1, self.g0.new_zeros(mb * (k + 1), shape.hidden_size), pinned)
+        self.graphs: dict[tuple[Draw, int, bool], torch.cuda.CUDAGraph] = {}  # (draw, bucket, catch-up in)
         self.copied = torch.cuda.Event() if pinned else None
         self.replays: dict[Draw, int] = dict.fromkeys(Draw, 0)
+        self.caught_up = 0  # replays that ran the catch-up stage too
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.shape.buckets if b >= batch), None)
 
     def run(
-        self, starts: list[int], table: torch.Tensor, g0: torch.Tensor, sampling: ChainSampling | None = None
+        self,
+        starts: list[int],
+        table: torch.Tensor,
+        first: torch.Tensor | PendingSpans,
+        sampling: ChainSampling | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(drafts [batch, K] int64, q [batch, K, vocab] float32 or None when greedy) on the
         device (views of ``out`` and ``q``: read them before the next run) for requests
-        whose slot n = ``starts[i]`` gave g0[i] ([batch, hidden_size]); ``table`` [batch,
-        width] is their draft block-table rows (host); ``sampling`` None: greedy. None when
-        the batch does not fit the captured shapes."""
+        whose slot n is ``starts[i]``; ``first``: g_n [batch, hidden_size], or the pending
+        spans whose catch-up gives it (which ``self.catch.fits``), run in the same graph;
+        ``table`` [batch, width] is their draft block-table rows (host); ``sampling`` None:
+        greedy. None when the batch does not fit the captured shapes."""
         batch = len(starts)
         bucket = self.bucket_for(batch)
         if bucket is None or table.shape[1] > self.shape.max_pages:
             return None
         draw = sampling.draw if sampling is not None else Draw.GREEDY
-        self._load(starts, table, bucket, sampling)
-        self.g0[:batch].copy_(g0)
+        host_table = table.cpu().numpy()
+        self._load(starts, host_table, bucket, sampling)
+        catching_up = isinstance(first, PendingSpans)
+        if catching_up:
+            self.catch.load(first, host_table, bucket, self.shape.tokens_per_page)
+            self.caught_up += 1
+        else:
+            self.g0[:batch].copy_(first)
         self.replays[draw] += 1
         if self.shape.capture:
-            self.graphs[draw, bucket].replay()
+            self.graphs[draw, bucket, catching_up].replay()
         else:
-            self._chain(bucket, draw)
+            self._chain(bucket, draw, catching_up)
         return self.out[:batch], (self.q[:batch] if draw is not Draw.GREEDY else None)
 
     def capture(self, pool: tuple[int, int] | None) -> None:
-        """Every bucket, largest first, and every Draw, into ``pool``; all rows padding
-        while capturing."""
+        """Every bucket, largest first, every Draw, with and without the catch-up stage,
+        into ``pool``; all rows padding while capturing."""
         for bucket in reversed(self.shape.buckets):
-            for draw in Draw:
-                self._load([], torch.zeros(0, 0, dtype=torch.int32), bucket)
-                self._chain(bucket, draw)  # eager once: Triton compiles here
+            for draw, catching_up in ((d, c) for d in Draw for c in (False, True)):
+                self._load([], np.zeros((0, 0), dtype=np.int32), bucket)
+                self._chain(bucket, draw, catching_up)  # eager once: Triton compiles here
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._chain(bucket, draw)
+                    self._chain(bucket, draw, catching_up)
                 graph.replay()  # the first replay uploads the graph: not in a served step
-                self.graphs[draw, bucket] = graph
+                self.graphs[draw, bucket, catching_up] = graph
         torch.cuda.synchronize()
 
     @property
     def _steps(self) -> int:
         return self.k - 1
 
-    def _chain(self, bucket: int, draw: Draw) -> None:
-        """The chain over the static inputs of ``bucket``; drafts into ``out[:bucket]``
-        (and q into ``q[:bucket]`` unless GREEDY)."""
-        g = self.g0[:bucket]
+    def _chain(self, bucket: int, draw: Draw, catching_up: bool) -> None:
+        """The chain over the static inputs of ``bucket``, from the catch-up stage's g_n or
+        from ``g0``; drafts into ``out[:bucket]`` (and q into ``q[:bucket]`` unless GREEDY)."""
+        g = self._catch_up(bucket) if catching_up else self.g0[:bucket]
         drafts = []
         for s in range(self.k):
             if s:
@@ -161,6 +178,16 @@ class GraphedDraftChain:
             drafts.append(sample(q, seeds, starts + s + 1, DRAFT))
             self.q[:bucket, s].copy_(q)
         self.out[:bucket].copy_(torch.stack(drafts, dim=1))
+
+    def _catch_up(self, bucket: int) -> torch.Tensor:
+        """g_n [bucket, hidden_size]: the drafter over each request's pending span widened
+        to L tokens, its last row."""
+        ids, positions, slots, seq_lens, hidden = self.catch.inputs(bucket)
+        table = self._table(self.dev_i32, bucket)
+        L, shape = self.catch.q_len, self.shape
+        ctx = UniformContext(self.kv_pool, table, seq_lens, slots, L, shape.window, shape.key_start)
+        g = self.drafter(ids, hidden, positions, ctx)  # [bucket * L, hidden_size]
+        return g.view(bucket, L, -1)[:, -1].contiguous()
 
     def _row_params(self, bucket: int, draw: Draw) -> RowParams:
         """The sampled variants' transforms over the static rows; every flag on, so no
@@ -201,7 +228,7 @@ class GraphedDraftChain:
         return positions, ctx
 
     def _load(
-        self, starts: list[int], table: torch.Tensor, bucket: int, sampling: ChainSampling | None = None
+        self, starts: list[int], host_table: np.ndarray, bucket: int, sampling: ChainSampling | None = None
     ) -> None:
         """Host-side inputs of chain steps 1..K-1 (position n + s, slot, seq_len n + s + 1),
         and each request's n and draws; padding rows are greedy. Written through numpy views
@@ -224,7 +251,7 @@ class GraphedDraftChain:
             per_request[0, :b] = sampling.seeds
             per_request[1, :b] = sampling.top_k
             params[:, :b] = (sampling.temperature, sampling.top_p, sampling.min_p)
-        host_table = table.cpu().numpy()
+        width = host_table.shape[1]
         if steps and b:
             pos = n[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, b]
             h64[: steps * mb].reshape(steps, mb)[:, :b] = pos
@@ -234,8 +261,8 @@ class GraphedDraftChain:
         rows = h32[steps * mb : steps * mb + bucket * self.shape.max_pages].reshape(
             bucket, self.shape.max_pages
         )
-        rows[:b, : table.shape[1]] = host_table
-        rows[:b, table.shape[1] :] = NULL_PAGE
+        rows[:b, :width] = host_table
+        rows[:b, width:] = NULL_PAGE
         rows[b:] = NULL_PAGE
         self._upload()
 

@@ -144,8 +144,18 @@ def test_pad_front_keeps_real_rows_and_writes():
 
 
 def test_catch_up_takes_the_padded_graph(pair):
-    engine = with_static_path(make_engine(pair, k=3))
+    engine = with_static_path(make_engine(pair, k=3, device_draft_chain=False))
     prompts = random_prompts(3, seed=8, min_len=10, max_len=30)
     reference = make_engine(pair, k=3).generate(prompts, GREEDY)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in reference]
     assert sum(engine.runner.graphs.catch_up.replays.values()) > 0
+
+
+def test_device_step_catches_up_in_the_chain(pair):
+    engine = with_static_path(make_engine(pair, k=3))
+    prompts = random_prompts(3, seed=8, min_len=10, max_len=30)
+    reference = make_engine(pair, k=0).generate(prompts, GREEDY)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in reference]
+    graphs = engine.runner.graphs
+    assert graphs.chain.caught_up == sum(graphs.chain.replays.values()) > 0
+    assert not graphs.catch_up.replays  # every pending span fit the chain's stage
