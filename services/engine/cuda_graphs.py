@@ -21,6 +21,7 @@ import torch
 from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
+from services.engine.chain_catch_up import pad_fits
 from services.engine.draft_chain import ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import (
     BATCH_BUCKETS,
@@ -56,7 +57,7 @@ def pad_front(spans: Sequence[Span], q_len: int) -> tuple[list[Span], torch.Tens
     they would see alone. Returns (padded spans, rows [num_real_tokens] of the real tokens
     in the padded batch), or None if a span is longer than ``q_len`` or starts too early
     to widen."""
-    if any(len(s.token_ids) > q_len or s.start < q_len - len(s.token_ids) for s in spans):
+    if not pad_fits([s.start for s in spans], [len(s.token_ids) for s in spans], q_len):
         return None
     padded, rows = [], []
     for i, s in enumerate(spans):
