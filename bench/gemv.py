@@ -6,7 +6,11 @@ Each figure is one call's share of a CUDA graph that runs the matmul back to bac
 distinct copies of the weight (at least 512 MB in all, so nothing is served from L2), the
 way a captured decode step runs its layers: no launch cost is counted.
 
-    python -m bench.gemv [--rows 1,8,32,64] [--shapes qkv,o] [--out results.json]
+    python -m bench.gemv [--rows 1,8,32,64] [--shapes qkv,o] [--fp8] [--out results.json]
+
+``--fp8``: the fp8 kernel (``fp8_gemv``: e4m3 weights, a scale per row) over the same
+shapes instead, against cuBLAS on the bf16 weights; its GB/s count the fp8 bytes.
+``draft_qkv``, ``draft_head`` and ``fc`` are the EAGLE-3 drafter's own shapes.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ SHAPES = {  # name: (N, K) of Llama-3.1-8B's merged projections and head
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
+    "draft_qkv": (6144, 8192),
+    "draft_head": (32000, 4096),
+    "fc": (4096, 12288),
 }
 CONFIGS = list(
     itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))
 )  # n, k, warps, stages, split
+FP8_CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (4,), (1, 2)))  # as CONFIGS
 MIN_BYTES = 512 * 2**20
 
 
@@ -51,16 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8")
     p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    p.add_argument("--fp8", action="store_true", help="the fp8 kernel instead of the bf16 one")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    from services.engine.kernels.triton_gemv import gemv
+    from services.engine.kernels.triton_gemv import fp8_gemv, gemv
 
     results = []
     print("| matmul | M | N x K | cuBLAS us | cuBLAS GB/s | Triton us | Triton GB/s | tiles |")
     print("|---|---|---|---|---|---|---|---|")
     shapes = {name: SHAPES[name] for name in a.shapes.split(",")}
     for (name, (n, k)), m in itertools.product(shapes.items(), [int(r) for r in a.rows.split(",")]):
-        row = measure(gemv, name, (m, n, k))
+        row = measure_fp8(fp8_gemv, name, (m, n, k)) if a.fp8 else measure(gemv, name, (m, n, k))
         results.append(row)
         print(
             f"| {name} | {m} | {n}x{k} | {row['cublas_ms'] * 1e3:.1f} | {row['cublas_gbps']:,.0f} "
@@ -102,6 +111,42 @@ def measure(gemv, name: str, mnk: tuple[int, int, int]) -> dict:
         cublas_gbps=size / cublas / 1e6,
         triton_ms=best[0],
         triton_gbps=size / best[0] / 1e6,
+        config=best[1],
+    )
+
+
+def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int]) -> dict:
+    """As :func:`measure`, for the fp8 kernel over quantized copies of the weights; its
+    GB/s count its own (fp8) bytes, cuBLAS's the bf16 ones."""
+    from services.engine.models.fp8 import quantize_fp8
+
+    m, n, k = mnk
+    copies = max(2, -(-MIN_BYTES // (n * k)))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
+    cublas = graphed_ms(functools.partial(F.linear, x), bf16)
+    fp8 = [quantize_fp8(torch.randn(n, k, device="cuda")) for _ in range(copies)]
+    ref = (F.linear(x.float(), fp8[0].data.float()) * fp8[0].scale).float()
+    best = (float("inf"), None)
+    for config in FP8_CONFIGS:
+        run = functools.partial(lambda w, x, c: fp8_gemv(x, w.data, w.scale, *c), x=x, c=config)
+        try:
+            out = run(fp8[0])
+        except Exception:  # a tile size Triton cannot build (shared memory): skip it
+            continue
+        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        ms = graphed_ms(run, fp8)
+        if ms < best[0] and err < 2**-7:
+            best = (ms, config)
+    return dict(
+        name=name,
+        rows=m,
+        n=n,
+        k=k,
+        cublas_ms=cublas,
+        cublas_gbps=2 * n * k / cublas / 1e6,
+        triton_ms=best[0],
+        triton_gbps=n * k / best[0] / 1e6,
         config=best[1],
     )
 

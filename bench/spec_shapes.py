@@ -7,7 +7,8 @@ weights made on the GPU, bf16; the loader is bypassed (nothing is read from disk
 byte tokenizer: token ids only). Every request decodes ``--max-tokens`` after a random
 prompt of ``--prompt-len`` tokens; the verifier keeps exactly AL - 1 drafts per step
 (``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL. Adaptive
-K is off, so every step drafts.
+K is off, so every step drafts. ``--draft-quantization fp8``: the drafter's own weights in
+e4m3 (the roofline then counts their fp8 bytes).
 
 A second, synchronized run of each configuration splits its steps into the phases of
 ``bench.decode_run.PHASES`` and the rest (host work, sampling, acceptance).
@@ -19,6 +20,7 @@ KV of the context, target and drafter) over the copy rate measured in the run.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import tempfile
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM
 from services.engine.models.config import write_config_json
+from services.engine.models.fp8 import Fp8Linear
 
 VOCAB, DRAFT_VOCAB = 128256, 32000
 
@@ -83,7 +86,7 @@ def random_models() -> Iterator[str]:
             engine_module.load_target, engine_module.load_drafter = saved
 
 
-def make_engine(folder: str, k: int, max_batch: int, kv_bytes: int) -> Engine:
+def make_engine(folder: str, k: int, max_batch: int, kv_bytes: int, draft_quantization: str = "") -> Engine:
     return Engine(
         EngineConfig(
             model=folder,
@@ -98,6 +101,7 @@ def make_engine(folder: str, k: int, max_batch: int, kv_bytes: int) -> Engine:
             adaptive_k=False,
             forced_acceptance=0 if k else -1,
             unsafe_forced_acceptance=bool(k),
+            draft_quantization=draft_quantization if k else "",
         )
     )
 
@@ -118,12 +122,19 @@ def copy_rate_gbs() -> float:
 
 
 def matrix_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Bytes of the module's 2-D weights (what its matmuls stream), skipped names aside."""
-    return sum(
+    """Bytes of the module's 2-D weights (what its matmuls stream), fp8 ones (with their
+    scales) included, skipped names aside."""
+    plain = sum(
         p.numel() * p.element_size()
         for n, p in module.named_parameters()
         if p.dim() == 2 and not any(s in n for s in skip)
     )
+    fp8 = sum(
+        m.weight.data.numel() + 4 * m.weight.scale.numel()
+        for n, m in module.named_modules(remove_duplicate=False)
+        if isinstance(m, Fp8Linear) and not any(s in n for s in skip)
+    )
+    return plain + fp8
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int = 8, head_dim: int = 128) -> int:
@@ -184,10 +195,11 @@ def phase_split(engine: Engine, prompts: list[list[int]], max_tokens: int) -> di
 
 
 def main_8b(
-    batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int], profile_top: int = 0
+    batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int], a: argparse.Namespace
 ) -> list[dict]:
-    """Target-only, then each K at each forced AL; prints the table, returns its rows;
-    ``profile_top``: see :func:`measure_engine`."""
+    """Target-only, then each K at each forced AL; prints the table, returns its rows.
+    ``a``: ``profile_top`` (see :func:`measure_engine`) and ``draft_quantization``."""
+    profile_top = a.host_profile
     rate = copy_rate_gbs()
     context = lengths[0] + lengths[1] // 2
     kv, rows = 16 << 30, []
@@ -198,13 +210,14 @@ def main_8b(
         del engine
         torch.cuda.empty_cache()
         for k in ks:
-            engine = make_engine(folder, k, max(batches), kv)
+            engine = make_engine(folder, k, max(batches), kv, a.draft_quantization)
             spec = measure_engine(engine, batches, als, lengths, profile_top)
             for (b, al), (ms, tok_s, phases) in spec.items():
                 base_ms, base_tok_s, base_phases = base[b, 0]
                 roof = step_rooflines(engine, b, context, rate)[1]
                 rows.append(
-                    dict(k=k, al=al, batch=b, base_ms=base_ms, spec_ms=ms, base_roof=base_roof[b],
+                    dict(k=k, al=al, batch=b, draft_quantization=a.draft_quantization, base_ms=base_ms,
+                         spec_ms=ms, base_roof=base_roof[b],
                          spec_roof=roof, base_tok_s=base_tok_s, spec_tok_s=tok_s,
                          base_phases_ms=base_phases, spec_phases_ms=phases)
                 )  # fmt: skip

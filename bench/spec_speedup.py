@@ -17,6 +17,7 @@ range of ms per step). ``--temperature T`` (> 0) samples instead, request i with
 outputs then differ from target-only's by design, and ``outputs_equal`` compares each
 speculative run with the first variant's (the device-resident step against the general
 path, say).
+``--draft-quantization fp8`` runs the drafter's own weights in e4m3 (both shapes).
 ``--host-profile N`` prints each engine's N costliest host functions (cProfile, own time)
 over one more run.
 ``--kernels off`` builds the engines with the fused Triton decoder ops switched off
@@ -125,13 +126,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--als", default="2,3,4", help="--shape 8b: forced acceptance lengths")
     p.add_argument("--ks", default="3,5", help="--shape 8b: K values")
     p.add_argument(
+        "--draft-quantization",
+        default="",
+        choices=("", "fp8"),
+        help="fp8: the drafter's own weights in e4m3 (EngineConfig.draft_quantization)",
+    )
+    p.add_argument(
         "--host-profile", type=int, default=0, help="N > 0: print each engine's N costliest host functions"
     )
     a = p.parse_args(argv)
     if a.shape == "8b":
         ints = lambda text: [int(x) for x in text.split(",")]
         batches = ints(a.batches if a.batches != "1,16" else "1,8,32,64")
-        rows = main_8b(batches, ints(a.ks), ints(a.als), (a.prompt_len, a.max_tokens), a.host_profile)
+        rows = main_8b(batches, ints(a.ks), ints(a.als), (a.prompt_len, a.max_tokens), a)
         if a.json:
             Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
         return
@@ -144,7 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     for mode, kernels, chain in variants:
         use_kernels(kernels == "on")
         eager = mode == "eager"
-        options = dict(enforce_eager=eager, device_draft_chain=chain == "on", adaptive_k=a.adaptive == "on")
+        options = dict(
+            enforce_eager=eager,
+            device_draft_chain=chain == "on",
+            adaptive_k=a.adaptive == "on",
+            draft_quantization=a.draft_quantization,
+        )
         if a.forced_al:  # benchmarks only: the verifier keeps exactly AL - 1 drafts
             options.update(forced_acceptance=a.forced_al - 1, unsafe_forced_acceptance=True)
         base_options = dict(enforce_eager=eager)
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kernels": kernels,
                 "chain": chain,
                 "adaptive": a.adaptive,
+                "draft_quantization": a.draft_quantization,
                 "forced_al": a.forced_al,
                 "temperature": a.temperature,
                 "plain_steps": spec["plain_steps"],

@@ -26,6 +26,7 @@ DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
 DEFAULT_DRAFTER = os.path.join(HERE, "models", "tiny-drafter")
 NO_DRAFTER = ("", "none")
 LAYOUTS = ("auto", "unified", "separate")
+DRAFT_QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
 # what the router takes of the engine options: its limits, its text, its page hashing
 ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page")
@@ -103,6 +104,13 @@ class EngineOptions:
         "draft K tokens every step; by default, with CUDA graphs, a step of greedy requests drafts "
         "only when its measured cost pays for the running acceptance (fixed K: measuring AL)",
         flags=("--no-adaptive-k",),
+    )
+    draft_quantization: str = _option(
+        "none",
+        "fp8: the drafter's own weights (fc, its layers, its LM head) in e4m3 with a scale per "
+        "row, halving what each draft reads; verification stays in the target's dtype, so "
+        "greedy output is unchanged, but acceptance may drop",
+        choices=DRAFT_QUANTIZATIONS,
     )
     tp: int = _option(
         1,
@@ -212,6 +220,7 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         enable_prefix_cache=options.prefix_cache,
         enforce_eager=not options.cuda_graphs,
         adaptive_k=options.adaptive_k,
+        draft_quantization="" if options.draft_quantization == "none" else options.draft_quantization,
         tp_size=options.tp,
     )
 
@@ -246,6 +255,11 @@ def _check_engine(options: EngineOptions) -> None:
             f"transfer, but no drafter runs here (drafter {options.drafter!r}, num_spec_tokens "
             f"{options.num_spec_tokens}); use layout separate or auto, or give a drafter and "
             "num_spec_tokens > 0"
+        )
+    if options.draft_quantization != "none" and not speculative:
+        raise ValueError(
+            f"draft_quantization: {options.draft_quantization} quantizes the drafter, and none "
+            f"runs here (drafter {options.drafter!r}, num_spec_tokens {options.num_spec_tokens})"
         )
     if options.tp > 1 and options.host_kv_cache_mb:
         raise ValueError(

@@ -23,8 +23,14 @@ class Span:
 
 @dataclass(slots=True)
 class TargetRun:
+    """A target forward's outputs. A graphed verify forward also gives its head's logits
+    and greedy verdict (``cuda_graphs.DecodeGraphs``): views of the graph's static
+    outputs, valid until that graph's next replay."""
+
     hidden: torch.Tensor  # [num_tokens, hidden_size], final-normed
     features: torch.Tensor | None  # [num_tokens, hidden_size]: f = fc(aux), or None
+    logits: torch.Tensor | None = None  # [num_tokens, vocab_size] in the model's dtype
+    verdict: torch.Tensor | None = None  # [num_tokens, 3] int64: see cuda_graphs.greedy_verdict
 
 
 @dataclass(slots=True)

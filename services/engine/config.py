@@ -41,6 +41,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     device_draft_chain: bool = True  # batches without penalties or pending min_tokens: one host read a step
     adaptive_k: bool = True  # with CUDA graphs: a step drafts only when it pays (adaptive_k.py)
+    draft_quantization: str = ""  # "fp8": the drafter's own weights in e4m3 (models/fp8.py); "" = as loaded
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
     # Benchmarks only, NOT lossless: the verifier keeps exactly this many drafts per step
@@ -79,6 +80,7 @@ class EngineConfig:
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         check_forced_acceptance(self.forced_acceptance, self.unsafe_forced_acceptance)
+        check_draft_quantization(self.draft_quantization, self.speculative)
         if self.tp_size > 1 and self.host_kv_cache_bytes:
             raise ValueError(
                 "host_kv_cache_bytes: the host KV tier's page copies are not "
@@ -111,4 +113,17 @@ def check_forced_acceptance(accept: int, unsafe: bool) -> None:
             f"forced_acceptance: {accept} keeps drafts whatever the target says, so outputs are "
             "not lossless; benchmarks only, refused unless unsafe_forced_acceptance is set "
             "(--unsafe-forced-acceptance N)"
+        )
+
+
+DRAFT_QUANTIZATIONS = ("", "fp8")
+
+
+def check_draft_quantization(kind: str, speculative: bool) -> None:
+    """ValueError naming ``draft_quantization`` unless ``kind`` is one this engine runs."""
+    if kind not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"draft_quantization: must be one of {DRAFT_QUANTIZATIONS}, got {kind!r}")
+    if kind and not speculative:
+        raise ValueError(
+            f"draft_quantization: {kind} quantizes the drafter, and none runs (no drafter or K = 0)"
         )

@@ -3,7 +3,9 @@
 A decode step runs the same shapes over and over: the target's verify forward over K + 1
 tokens per request, the drafter's catch-up over at most K + 1 tokens per request (padded
 at the front to K + 1) and its chain steps over one token per request. Each is one
-:class:`~services.engine.graphed_forward.GraphedForward`, captured per batch bucket.
+:class:`~services.engine.graphed_forward.GraphedForward`, captured per batch bucket. The
+target's graphs also run its head and the greedy verdict (``rejection.greedy_verdict``), so
+a greedy step reads back one small tensor and launches nothing after the replay.
 
 Everything else runs eagerly: target spans not all of the captured length (prefill
 chunks, unless they happen to be), drafter spans longer than K + 1 or too close to
@@ -32,7 +34,9 @@ from services.engine.graphed_forward import (
     uniform_batch,
 )
 from services.engine.models.eagle import DRAFT_KEY_START
+from services.engine.rejection import greedy_verdict
 from services.engine.runner import ModelRunner
+from services.engine.sampler import argmax_rows
 
 LAG_TOKENS = 16  # the longest catch-up span graphed: steps without drafts may lag this far
 
@@ -79,6 +83,9 @@ class DecodeGraphs:
         self, runner: ModelRunner, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
     ) -> None:
         self.runner = runner
+        # [1] int64: the greedy verdict's forced acceptance (benchmarks only), -1 = off
+        self.forced = torch.full((1,), -1, dtype=torch.int64, device=runner.device)
+        self._forced = -1  # its value, on the host
         manager = runner.manager
         buckets = batch_buckets(max_batch)
         max_pages = cdiv(max_model_len + manager.config.headroom_tokens, manager.tokens_per_page) + 1
@@ -125,14 +132,21 @@ class DecodeGraphs:
             if graphed is not None:
                 graphed.capture(pool)
 
+    def force_acceptance(self, n: int) -> None:
+        """Greedy verdicts keep exactly min(n, K) drafts from now on (benchmarks only, not
+        lossless); n = -1: off. A device value: the captured graphs read it at replay."""
+        if n != self._forced:
+            self.forced.fill_(n)
+            self._forced = n
+
     def run_target(self, spans: list[Span]) -> TargetRun | None:
         """The target's forward through a graph (K + 1 tokens per span, or one: a step
         without drafts), or None when the spans do not fit one."""
         for graphed in (self.target, self.plain):
             batch = self._batch(graphed, spans, TARGET_GROUP) if graphed is not None else None
             if batch is not None:
-                outs = graphed.run(batch)
-                return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
+                graphed.replay(graphed.load(batch))
+                return self._target_run(graphed, batch.num_tokens)
         return None
 
     def run_drafter(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor | None:
@@ -180,8 +194,14 @@ class DecodeGraphs:
             ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
             ids[:, 1:].copy_(drafts)
         target.replay(bucket)
-        outs = tuple(o[: batch.num_tokens].clone() for o in target.outputs)
-        return TargetRun(outs[0], outs[1] if len(outs) > 1 else None)
+        return self._target_run(target, batch.num_tokens)
+
+    def _target_run(self, graphed: GraphedForward, n: int) -> TargetRun:
+        """The target graph's outputs for its first ``n`` tokens: copies of the hidden rows
+        and features, views of the logits and verdict (read before its next replay)."""
+        states = [o[:n].clone() for o in graphed.outputs[:-2]]  # hidden, then features
+        logits, verdict = (o[:n] for o in graphed.outputs[-2:])
+        return TargetRun(states[0], states[1] if len(states) > 1 else None, logits, verdict)
 
     def fits_verify(self, batch: int, k: int, widths: tuple[int, int]) -> bool:
         """Whether a device-resident step of ``batch`` requests with ``k`` drafts each (the
@@ -240,9 +260,11 @@ class DecodeGraphs:
         r = self.runner
         aux_ids = r.drafter.config.aux_layer_ids if r.drafter is not None else ()
         out = r.target(input_ids, positions, ctx, aux_ids)
-        if r.drafter is None:
-            return (out.hidden,)
-        return out.hidden, r.drafter.project(out.aux)
+        logits = r.target.head(out.hidden)  # [n, V] in the model's dtype
+        best = argmax_rows(logits).view(-1, ctx.q_len)  # argmax of the float32 cast's too
+        verdict = greedy_verdict(input_ids.view(-1, ctx.q_len), best, self.forced)  # [n, 3]
+        states = (out.hidden,) if r.drafter is None else (out.hidden, r.drafter.project(out.aux))
+        return *states, logits, verdict
 
     def _drafter_forward(
         self,

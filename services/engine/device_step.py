@@ -7,11 +7,13 @@ Device work, in stream order, with no read back in between:
    fits the chain's catch-up stage (at most K + 1 slots, the usual case), else two;
 3. the target's verify forward (its graph), the drafts copied into its input ids on the
    device;
-4. the target head and the verdict: for a greedy batch, a = the length of the longest run
-   of drafts equal to the target's argmax, next = the target's argmax at position a (the
-   bonus token when a = K); for a sampled one, the target's p over the K + 1 rows and
-   ``rejection_sample`` with the draws keyed by position (``noise.py``);
-then one ``tolist`` of [drafts | a | next] per step.
+4. the target head and the verdict: for a greedy batch, inside the verify graph
+   (``rejection.greedy_verdict``), a = the length of the longest run of drafts equal to the
+   target's argmax, next = the target's argmax at position a (the bonus token when a = K);
+   for a sampled one, the target's p over the K + 1 rows and ``rejection_sample`` with the
+   draws keyed by position (``noise.py``);
+then one ``tolist`` per step: of the verify graph's verdict (greedy), or of
+[drafts | a | next] (sampled).
 
 For greedy rows the argmax rule is exactly what ``verify`` + ``rejection_sample`` give (p
 and q one-hot), so greedy speculation stays token-for-token equal to target-only. A sampled
@@ -33,11 +35,11 @@ from services.engine.batch import Span, StepResult
 from services.engine.chain_catch_up import PendingSpans
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.draft_chain import ChainSampling
-from services.engine.rejection import Draws, Verdict, forced_verdict, rejection_sample
+from services.engine.rejection import Draws, Verdict, forced_verdict, greedy_tokens, rejection_sample
 from services.engine.request import Request
 from services.engine.row_sampling import request_seeds, row_params
 from services.engine.runner import ModelRunner
-from services.engine.sampler import argmax_rows, probs_for_rows
+from services.engine.sampler import probs_for_rows
 from services.engine.speculative import catch_up
 from services.engine.verify import emitted_logprobs
 
@@ -74,6 +76,7 @@ def device_step(
     drafter forwards ran then, whose KV writes the general path repeats with the same
     values. Requests that ask for logprobs add their own read of them."""
     greedy = all(r.sampling.greedy for r in decode)
+    graphs.force_acceptance(forced)  # the verify graph's greedy verdict reads it
     lagging = not k and lags_catch_up(graphs, decode)
     q = None
     if k:
@@ -96,18 +99,17 @@ def device_step(
     run = graphs.run_verify(spans, drafts)
     if run is None:
         return None
-    logits = runner.target_logits(run.hidden)  # [batch * (K + 1), V] float32
     if greedy:
-        best = argmax_rows(logits).view(len(decode), k + 1)
-        accepted = greedy_accepted(drafts, best, forced)  # [batch]
-        nexts = best.gather(1, accepted[:, None])[:, 0]  # [batch]
+        emitted = greedy_tokens(run.verdict.tolist(), k + 1)  # the one host read
     else:
+        logits = run.logits.float()  # [batch * (K + 1), V]
         verdict = sampled_verdict(decode, logits, drafts, q, forced)
         accepted, nexts = verdict.num_accepted, verdict.next_tokens
-    packed = torch.cat([drafts, accepted[:, None], nexts[:, None]], dim=1).tolist()  # the one host read
-    emitted = [row[: row[k]] + [row[k + 1]] for row in packed]
+        packed = torch.cat([drafts, accepted[:, None], nexts[:, None]], dim=1).tolist()  # the one host read
+        emitted = [row[: row[k]] + [row[k + 1]] for row in packed]
     offsets = [i * (k + 1) for i in range(len(decode) + 1)]
-    return StepResult(emitted, emitted_logprobs(logits, emitted, decode, offsets), run, offsets, not lagging)
+    logprobs = emitted_logprobs(run.logits, emitted, decode, offsets)
+    return StepResult(emitted, logprobs, run, offsets, not lagging)
 
 
 def lags_catch_up(graphs: DecodeGraphs, decode: list[Request]) -> bool:
@@ -158,12 +160,3 @@ def sampled_verdict(
     if forced >= 0:
         return forced_verdict(p, drafts, draws, forced)
     return rejection_sample(p, q if q is not None else p[:, :0], drafts, draws)
-
-
-def greedy_accepted(drafts: torch.Tensor, best: torch.Tensor, forced: int = -1) -> torch.Tensor:
-    """drafts [batch, K], best [batch, K + 1] (the target's argmax per verified position) ->
-    accepted [batch] int64: the leading drafts equal to best; min(forced, K) when forced >= 0."""
-    k = drafts.shape[1]
-    if forced >= 0:
-        return torch.full((drafts.shape[0],), min(forced, k), dtype=torch.long, device=drafts.device)
-    return (drafts == best[:, :k]).long().cumprod(dim=-1).sum(dim=-1)

@@ -60,6 +60,8 @@ class Engine:
         if config.speculative:
             self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype, self.tp)
             self.drafter.config = self.drafter.config.check_target(self.target.config)
+            if config.draft_quantization == "fp8":
+                self.drafter.quantize_fp8()
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
         cache = cache_config(config, self.target, self.drafter, self.k)

@@ -97,3 +97,36 @@ def forced_verdict(
     num_accepted = limit.clamp(max=accept).long()  # [batch]
     rows = torch.arange(batch, device=draft_ids.device)
     return Verdict(num_accepted, draws.next_token(target_probs[rows, num_accepted], num_accepted))
+
+
+def greedy_accepted(
+    drafts: torch.Tensor, best: torch.Tensor, forced: int | torch.Tensor = -1
+) -> torch.Tensor:
+    """drafts [batch, K], best [batch, K + 1] (the target's argmax per verified position) ->
+    accepted [batch] int64: the leading drafts equal to best; min(forced, K) when forced >= 0
+    (benchmarks only). ``forced``: an int, or [1] int64 on the device (read there, no sync)."""
+    k = drafts.shape[1]
+    natural = (drafts == best[:, :k]).long().cumprod(dim=-1).sum(dim=-1)
+    if isinstance(forced, int):
+        return natural if forced < 0 else torch.full_like(natural, min(forced, k))
+    return torch.where(forced >= 0, forced.clamp(max=k), natural)
+
+
+def greedy_verdict(ids: torch.Tensor, best: torch.Tensor, forced: int | torch.Tensor = -1) -> torch.Tensor:
+    """ids, best [batch, K + 1] int64 (the verified tokens [t_n, d_1..d_K] and the target's
+    argmax at each) -> [batch * (K + 1), 3] int64, per verified token: its id, its argmax
+    and its request's accepted count a (``greedy_accepted``). Request i emits its drafts
+    d_1..d_a, then best[i, a]: :func:`greedy_tokens` reads that back from the host copy."""
+    accepted = greedy_accepted(ids[:, 1:], best, forced)  # [batch]
+    return torch.stack([ids, best, accepted[:, None].expand_as(ids)], dim=-1).view(-1, 3)
+
+
+def greedy_tokens(rows: list[list[int]], q_len: int) -> list[list[int]]:
+    """The emitted tokens per request from :func:`greedy_verdict`'s rows (as a list, on
+    the host), ``q_len`` = K + 1 rows per request."""
+    out = []
+    for start in range(0, len(rows), q_len):
+        block = rows[start : start + q_len]
+        a = block[0][2]
+        out.append([block[j + 1][0] for j in range(a)] + [block[a][1]])
+    return out

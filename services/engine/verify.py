@@ -49,7 +49,7 @@ def verify(
     drafts (at most k_i), see :func:`~services.engine.rejection.forced_verdict`."""
     device = runner.device
     rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in range(len(decode))])
-    logits = runner.target_logits(run.hidden[rows.to(device)])  # [sum(k_i + 1), V]
+    logits = verified_logits(runner, run, rows.to(device))  # [sum(k_i + 1), V] float32
     draft_ids = (
         drafts.token_ids
         if drafts is not None
@@ -73,6 +73,15 @@ def verify(
     return emitted, emitted_logprobs(logits, emitted, decode, offsets)
 
 
+def verified_logits(runner: ModelRunner, run: TargetRun, rows: torch.Tensor) -> torch.Tensor:
+    """The target's float32 logits at ``rows`` of ``run``: its graph's head when it ran one."""
+    if run.logits is None:
+        return runner.target_logits(run.hidden[rows])
+    if rows.shape[0] == run.logits.shape[0]:  # every row, in order (a uniform verify batch)
+        return run.logits.float()
+    return run.logits[rows].float()
+
+
 def by_position(probs: torch.Tensor, ks: list[int], k: int) -> torch.Tensor:
     """probs [sum(k_i + 1), V] -> [batch, k + 1, V], request i's rows at 0..k_i (rows past
     k_i are zeros; rejection_sample never reads them)."""
@@ -92,7 +101,8 @@ def emitted_logprobs(
     offsets: list[int] | None = None,
 ) -> list[list[TokenLogprob]]:
     """Per request, the logprobs of its emitted tokens (empty unless sampling.logprobs):
-    request i's token j was chosen at logits row offsets[i] + j (offsets None: row i)."""
+    request i's token j was chosen at logits row offsets[i] + j (offsets None: row i);
+    ``logits`` in any float dtype (its rows are read in float32)."""
     out: list[list[TokenLogprob]] = [[] for _ in reqs]
     rows, chosen, top_n, owner = [], [], [], []
     for i, req in enumerate(reqs):
@@ -105,6 +115,6 @@ def emitted_logprobs(
         owner += [i] * len(emitted[i])
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        for i, lp in zip(owner, token_logprobs(logits[index], chosen, top_n), strict=True):
+        for i, lp in zip(owner, token_logprobs(logits[index].float(), chosen, top_n), strict=True):
             out[i].append(lp)
     return out

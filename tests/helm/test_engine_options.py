@@ -51,6 +51,7 @@ CHART_VALUES: dict[str, ChartValue] = {
     "prefix_cache": ChartValue("engine.prefixCache", False),
     "cuda_graphs": ChartValue("engine.cudaGraphs", False),
     "adaptive_k": ChartValue("engine.adaptiveK", False),
+    "draft_quantization": ChartValue("engine.draftQuantization", "fp8"),
     "tp": ChartValue("{role}.tp", by_role(2, 4)),
 }
 # The chart, like the worker, refuses the host tier with tp > 1, so each role has one of the two

@@ -122,6 +122,10 @@ spec:
             {{- if not $v.engine.adaptiveK }}
             - --no-adaptive-k
             {{- end }}
+            {{- if ne $v.engine.draftQuantization "none" }}
+            - --draft-quantization
+            - {{ $v.engine.draftQuantization | quote }}
+            {{- end }}
             {{- if gt $tp 1 }}
             - --tp
             - {{ $tp | quote }}

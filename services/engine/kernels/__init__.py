@@ -26,6 +26,15 @@ def use_kernels(enabled: bool) -> None:
 
 
 @functools.cache
+def _triton_gemv() -> ModuleType | None:
+    try:
+        from services.engine.kernels import triton_gemv  # noqa: PLC0415 (Triton is optional, as below)
+    except ImportError:
+        return None
+    return triton_gemv
+
+
+@functools.cache
 def _triton() -> ModuleType | None:
     try:
         from services.engine.kernels import triton_fused  # noqa: PLC0415 (Triton is optional: CPU-only installs run the reference)
@@ -60,3 +69,13 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter]."""
     return _impl(gate_up).silu_mul(gate_up)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, K], weight [N, K] float8_e4m3fn, scale [N] float32 -> x @ (weight *
+    scale[:, None]).T in x's dtype: the fp8 weight-streaming kernel for bf16/fp16 CUDA
+    activations, the reference otherwise."""
+    gemv = _triton_gemv() if _impl(x) is not reference and x.dtype != torch.float32 else None
+    if gemv is None:
+        return reference.fp8_linear(x, weight, scale)
+    return gemv.fp8_gemv(x, weight, scale)

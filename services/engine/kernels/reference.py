@@ -40,3 +40,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter], each rounded to the input dtype as the unfused SwiGLU rounds it."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, K], weight [N, K] float8_e4m3fn, scale [N] float32 -> x @ (weight *
+    scale[:, None]).T [num_tokens, N] in x's dtype, accumulated in float32."""
+    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)

@@ -1,4 +1,5 @@
-"""Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 64.
+"""Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 64;
+and its fp8 variant (``fp8_gemv``: e4m3 weights, one float32 scale per output row, any M).
 
 At M of a few rows a decode step's linear layers only stream their weights, so the
 kernel is laid out for the copy rate: program ``n`` owns ``BLOCK_N`` output columns
@@ -6,7 +7,12 @@ and walks K once, reading each weight element exactly once; x is tiny and stays 
 Rows are padded to BLOCK_M (16, 32 or 64: the smallest that holds M) for the dot.
 With ``split_k`` > 1 program (n, s) covers the s-th K range and writes float32 partials
 that one sum reduces in a fixed order (no atomics): results are deterministic run to run.
-The reference is ``F.linear``.
+The reference is ``F.linear`` (``reference.fp8_linear`` for the fp8 variant).
+
+The fp8 variant widens each weight tile to x's dtype in registers (exact: every e4m3 value
+is a bf16 value), accumulates in float32 and multiplies by the row scales once at the end.
+Past 64 rows it tiles M too, the M tiles of one weight tile adjacent in launch order so
+that they read it from L2 rather than from memory.
 """
 
 from __future__ import annotations
@@ -90,6 +96,90 @@ def gemv(
         out.stride(0),
         k_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+            mask=(rn[:, None] < N) & (rk[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K] e4m3
+        x = tl.load(
+            x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+            mask=(rm[:, None] < M) & (rk[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N] float32
+    acc = acc * scale[None, :]
+    out = out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    split_k: int = 1,
+) -> torch.Tensor:
+    """x [M, K] bf16 or fp16, weight [N, K] float8_e4m3fn row-major, scale [N] float32 ->
+    [M, N] = x @ (weight * scale[:, None]).T in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    dtype = x.dtype if splits == 1 else torch.float32
+    out = torch.empty((splits, m, n), dtype=dtype, device=x.device)
+    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
+    _fp8_gemv_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+        x,
+        weight,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(1),
+        out.stride(0),
+        k_per_split,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvcore.ops import paged_attention, write_kv
 from services.engine import kernels
+from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
 from services.engine.models.layers import RMSNorm, merge_linears
 from services.engine.parallel import (
     SINGLE,
@@ -138,11 +139,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # weight, bias once merged
+        self.qkv: tuple[torch.Tensor | Fp8Weight, torch.Tensor | None] | None = (
+            None  # weight, bias once merged
+        )
 
     def merge(self) -> None:
         """Run q, k and v as one matmul from now on."""
         self.qkv = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def quantize_fp8(self) -> None:
+        """Every projection's weight in fp8 from now on (``fp8.py``)."""
+        if self.qkv is not None:
+            merged, (self.q_proj, self.k_proj, self.v_proj) = fp8_merged(
+                self.qkv[0], [self.q_proj, self.k_proj, self.v_proj]
+            )
+            self.qkv = (merged, self.qkv[1])
+        else:
+            self.q_proj, self.k_proj, self.v_proj = map(
+                fp8_linear_of, (self.q_proj, self.k_proj, self.v_proj)
+            )
+        self.o_proj = fp8_linear_of(self.o_proj)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int
@@ -169,7 +185,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The merged path: one matmul; q and k rotated by one launch (after their norms)."""
         n, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, *self.qkv).view(n, hq + 2 * hk, d)  # q heads, k heads, v heads
+        qkv = linear(x, *self.qkv).view(n, hq + 2 * hk, d)  # q heads, k heads, v heads
         qk = qkv[:, : hq + hk]
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)

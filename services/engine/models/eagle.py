@@ -24,6 +24,7 @@ from torch import nn
 
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import NUM_AUX_LAYERS, EagleConfig
+from services.engine.models.fp8 import fp8_linear_of
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from services.engine.parallel import SINGLE, TensorParallel
@@ -65,6 +66,10 @@ class Eagle3Layer(nn.Module):
     def merge(self) -> None:
         self.self_attn.merge()
         self.mlp.merge()
+
+    def quantize_fp8(self) -> None:
+        self.self_attn.quantize_fp8()
+        self.mlp.quantize_fp8()
 
 
 class Eagle3Drafter(nn.Module):
@@ -119,6 +124,17 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.merge()
         for layer in self.layers:
             layer.merge()
+
+    def quantize_fp8(self) -> None:
+        """Its own weights in fp8 from now on (``fp8.py``): fc, every layer's projections and
+        its own LM head. What it shares with the target (embedding, LM head) stays as the
+        target has it. Call after ``merge_projections``, if at all."""
+        self.fc = fp8_linear_of(self.fc)
+        self.midlayer.quantize_fp8()
+        for layer in self.layers:
+            layer.quantize_fp8()
+        if self.lm_head is not None:
+            self.lm_head = fp8_linear_of(self.lm_head)
 
     def compute_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over target ids;

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine import kernels
+from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
 from services.engine.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -69,16 +70,26 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, rows)
         self.up_proj = ColumnParallelLinear(hidden_size, rows)
         self.down_proj = RowParallelLinear(rows, hidden_size, tp)
-        self.gate_up: torch.Tensor | None = None  # [2 * rows, hidden_size] once merged
+        self.gate_up: torch.Tensor | Fp8Weight | None = None  # [2 * rows, hidden_size] once merged
 
     def merge(self) -> None:
         """Run gate and up as one matmul from now on."""
         self.gate_up, _ = merge_linears([self.gate_proj, self.up_proj])
 
+    def quantize_fp8(self) -> None:
+        """Every projection's weight in fp8 from now on (``fp8.py``)."""
+        if self.gate_up is not None:
+            self.gate_up, (self.gate_proj, self.up_proj) = fp8_merged(
+                self.gate_up, [self.gate_proj, self.up_proj]
+            )
+        else:
+            self.gate_proj, self.up_proj = fp8_linear_of(self.gate_proj), fp8_linear_of(self.up_proj)
+        self.down_proj = fp8_linear_of(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up)))
+        return self.down_proj(kernels.silu_mul(linear(x, self.gate_up)))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

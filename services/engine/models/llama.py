@@ -67,6 +67,10 @@ class DecoderLayer(nn.Module):
         self.self_attn.merge()
         self.mlp.merge()
 
+    def quantize_fp8(self) -> None:
+        self.self_attn.quantize_fp8()
+        self.mlp.quantize_fp8()
+
 
 class LlamaModel(nn.Module):
     def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
@@ -134,6 +138,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [num_tokens]; aux collects the listed layers' outputs."""
         return self.model(input_ids, positions, ctx, aux_layer_ids)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] logits in
+        the model's dtype."""
+        return F.linear(hidden, self.head_weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] float32."""
-        return F.linear(hidden, self.head_weight).float()
+        """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] float32:
+        :meth:`head`'s logits, cast exactly."""
+        return self.head(hidden).float()

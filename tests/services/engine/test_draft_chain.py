@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.device_step import device_step_fits, greedy_accepted
+from services.engine.device_step import device_step_fits
 from services.engine.draft_chain import Draw
+from services.engine.rejection import greedy_accepted, greedy_tokens, greedy_verdict
 from services.engine.sampling import SamplingParams
 from tests.services.engine.chain_helpers import compare_chains
 from tests.services.engine.helpers import make_engine, random_prompts
@@ -96,3 +97,19 @@ def test_greedy_accepted():
     assert greedy_accepted(drafts, best).tolist() == [3, 1, 0]
     assert greedy_accepted(drafts, best, forced=2).tolist() == [2, 2, 2]
     assert greedy_accepted(drafts, best, forced=7).tolist() == [3, 3, 3]
+    assert greedy_accepted(drafts, best, torch.tensor([-1])).tolist() == [3, 1, 0]
+    assert greedy_accepted(drafts, best, torch.tensor([2])).tolist() == [2, 2, 2]
+    assert greedy_accepted(drafts, best, torch.tensor([9])).tolist() == [3, 3, 3]
+
+
+def test_greedy_verdict_rows_give_the_emitted_tokens():
+    ids = torch.tensor([[10, 1, 2, 3], [11, 4, 5, 6], [12, 7, 8, 9]])  # [t_n, d_1..d_3]
+    best = torch.tensor([[1, 2, 3, 40], [4, 50, 6, 60], [70, 8, 9, 80]])
+    rows = greedy_verdict(ids, best)
+    assert rows.shape == (12, 3)
+    assert rows[:4].tolist() == [[10, 1, 3], [1, 2, 3], [2, 3, 3], [3, 40, 3]]
+    assert greedy_tokens(rows.tolist(), 4) == [[1, 2, 3, 40], [4, 50], [70]]
+    forced = greedy_verdict(ids, best, torch.tensor([1]))
+    assert greedy_tokens(forced.tolist(), 4) == [[1, 2], [4, 50], [7, 8]]
+    plain = greedy_verdict(ids[:, :1], best[:, :1])  # a step without drafts
+    assert greedy_tokens(plain.tolist(), 1) == [[1], [4], [70]]

@@ -1,7 +1,7 @@
 """On the GPU: the graphed draft chain gives the eager chain's drafts token for token at
-K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), greedy and sampled, greedy
-speculation through it gives target-only's tokens, and sampled speculation through it
-gives the general path's."""
+K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), greedy and sampled, and with an
+fp8 drafter; greedy speculation through it gives target-only's tokens, and sampled
+speculation through it gives the general path's."""
 
 from __future__ import annotations
 
@@ -63,3 +63,14 @@ def test_sampled_speculation_through_the_chain_equals_the_general_path(k):
     engine = tiny_engine(k, "bfloat16", enforce_eager=False)
     assert tokens(engine, PROMPTS, SAMPLED) == tokens(general, PROMPTS, SAMPLED)
     assert engine.runner.graphs.chain.replays[Draw.FILTERED] > 0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_fp8_drafter_through_the_chain(k):
+    """The fp8 drafter's graphed chain gives its eager chain's drafts, and greedy output
+    stays target-only's."""
+    plain = tokens(tiny_engine(0, "bfloat16", enforce_eager=False), PROMPTS)
+    engine = tiny_engine(k, "bfloat16", enforce_eager=False, draft_quantization="fp8")
+    for count in (1, 6):
+        assert compare_chains(engine, PROMPTS[:count], GREEDY, steps=30) > 10
+    assert tokens(engine, PROMPTS) == plain

@@ -115,6 +115,32 @@ def test_gemv_matches_linear_and_is_deterministic(m, n, k, split_k):
     assert torch.equal(out, gemv(x, w, split_k=split_k))
 
 
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 320])
+@pytest.mark.parametrize("n, k, split_k", [(300, 1000, 1), (4096, 14336, 4), (6144, 8192, 1)])
+def test_fp8_gemv_matches_reference_and_is_deterministic(m, n, k, split_k):
+    """Both multiply bf16 x by e4m3 values widened exactly and accumulate in float32; they
+    differ in summation order only, so within one bf16 ulp of the output scale."""
+    from services.engine.kernels.triton_gemv import fp8_gemv
+    from services.engine.models.fp8 import quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(m * n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    out = fp8_gemv(x, w.data, w.scale, split_k=split_k)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert close(out, reference.fp8_linear(x, w.data, w.scale))
+    assert torch.equal(out, fp8_gemv(x, w.data, w.scale, split_k=split_k))
+
+
+def test_fp8_linear_takes_the_kernel_for_bf16_on_cuda():
+    from services.engine import kernels
+    from services.engine.models.fp8 import quantize_fp8
+
+    x = torch.randn(3, 512, device="cuda").to(torch.bfloat16)
+    w = quantize_fp8(torch.randn(256, 512, device="cuda"))
+    assert close(kernels.fp8_linear(x, w.data, w.scale), reference.fp8_linear(x, w.data, w.scale))
+
+
 @pytest.mark.parametrize("rows, n", [(1, 128256), (5, 32000), (64, 151936)])
 def test_argmax_rows_is_torch_argmax(rows, n):
     from services.engine.sampler import argmax_rows
