@@ -37,7 +37,7 @@ SHAPES = {  # name: (N, K) of Llama-3.1-8B's merged projections and head
 CONFIGS = list(
     itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))
 )  # n, k, warps, stages, split
-FP8_CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (4,), (1, 2)))  # as CONFIGS
+FP8_CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4), (1, 2)))  # as CONFIGS
 MIN_BYTES = 512 * 2**20
 
 

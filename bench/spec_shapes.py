@@ -6,7 +6,8 @@ untied head). Drafter: EAGLE-3-shaped (1 layer over [embedding, hidden] 8192 wid
 weights made on the GPU, bf16; the loader is bypassed (nothing is read from disk but a
 byte tokenizer: token ids only). Every request decodes ``--max-tokens`` after a random
 prompt of ``--prompt-len`` tokens; the verifier keeps exactly AL - 1 drafts per step
-(``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL. Adaptive
+(``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL;
+``--repeats R`` keeps the median of R runs of each. Adaptive
 K is off, so every step drafts. ``--draft-quantization fp8``: the drafter's own weights in
 e4m3 (the roofline then counts their fp8 bytes).
 
@@ -163,22 +164,30 @@ def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
 
 
 def measure_engine(
-    engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int], profile_top: int = 0
+    engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int], a: argparse.Namespace
 ) -> dict:
-    """{(batch, al): (ms per step, tokens/s)}; al 0 is the engine without forcing.
-    ``profile_top`` > 0 prints a host profile of each batch at the last AL."""
-    out = {}
+    """{(batch, al): (ms per step, tokens/s, phases)}, the median of ``a.repeats`` runs; al 0
+    is the engine without forcing. ``a.host_profile`` > 0 prints a host profile of each
+    batch at the last AL."""
+    out, profile_top = {}, a.host_profile
     for batch in batches:
         prompts = random_prompts(batch, lengths[0])
         decode_run(engine, prompts, lengths[1])  # warm-up: eager shapes compile here
         for al in als:
             engine.config.forced_acceptance = al - 1 if al else -1
-            r = decode_run(engine, prompts, lengths[1])
+            runs = sorted(
+                (decode_run(engine, prompts, lengths[1]) for _ in range(a.repeats)), key=ms_per_step
+            )
+            r = runs[len(runs) // 2]
             out[batch, al] = (r["ms_per_step"], r["tok_s"], phase_split(engine, prompts, lengths[1]))
         if profile_top:
             print(f"\nhost profile, K {engine.k}, AL {als[-1]}, B{batch}:", flush=True)
             print(host_profile(engine, prompts, lengths[1], profile_top), flush=True)
     return out
+
+
+def ms_per_step(run: dict) -> float:
+    return run["ms_per_step"]
 
 
 def phase_split(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -198,20 +207,20 @@ def main_8b(
     batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int], a: argparse.Namespace
 ) -> list[dict]:
     """Target-only, then each K at each forced AL; prints the table, returns its rows.
-    ``a``: ``profile_top`` (see :func:`measure_engine`) and ``draft_quantization``."""
-    profile_top = a.host_profile
+    ``a``: ``repeats``, ``host_profile`` (see :func:`measure_engine`) and
+    ``draft_quantization``."""
     rate = copy_rate_gbs()
     context = lengths[0] + lengths[1] // 2
     kv, rows = 16 << 30, []
     with random_models() as folder:
         engine = make_engine(folder, 0, max(batches), kv)
-        base = measure_engine(engine, batches, [0], lengths, profile_top)
+        base = measure_engine(engine, batches, [0], lengths, a)
         base_roof = {b: step_rooflines(engine, b, context, rate)[0] for b in batches}
         del engine
         torch.cuda.empty_cache()
         for k in ks:
             engine = make_engine(folder, k, max(batches), kv, a.draft_quantization)
-            spec = measure_engine(engine, batches, als, lengths, profile_top)
+            spec = measure_engine(engine, batches, als, lengths, a)
             for (b, al), (ms, tok_s, phases) in spec.items():
                 base_ms, base_tok_s, base_phases = base[b, 0]
                 roof = step_rooflines(engine, b, context, rate)[1]

@@ -10,7 +10,8 @@ that one sum reduces in a fixed order (no atomics): results are deterministic ru
 The reference is ``F.linear`` (``reference.fp8_linear`` for the fp8 variant).
 
 The fp8 variant widens each weight tile to x's dtype in registers (exact: every e4m3 value
-is a bf16 value), accumulates in float32 and multiplies by the row scales once at the end.
+is a bf16 value), accumulates in float32 and multiplies by the row scales once at the end;
+a single row skips the dot and sums the products in float32 registers.
 Past 64 rows it tiles M too, the M tiles of one weight tile adjacent in launch order so
 that they read it from L2 rather than from memory.
 """
@@ -146,25 +147,85 @@ def _fp8_gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _fp8_row_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_os,
+    K_PER_SPLIT,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row of x: products summed in float32 registers per column, no dot (a dot would
+    pad the row to 16 and widen every weight to bf16 first)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+            mask=(rn[:, None] < N) & (rk[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K] e4m3
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)  # [BLOCK_K]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+    y = tl.sum(acc, axis=1) * scale  # [BLOCK_N]
+    tl.store(out_ptr + split * stride_os + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+ROW_TILES = (32, 512, 4, 3)  # the one-row kernel's (BLOCK_N, BLOCK_K, warps, stages)
+
+
 def fp8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
-    block_n: int = 32,
-    block_k: int = 256,
-    num_warps: int = 4,
-    num_stages: int = 4,
+    block_n: int = 0,
+    block_k: int = 0,
+    num_warps: int = 0,
+    num_stages: int = 0,
     split_k: int = 1,
 ) -> torch.Tensor:
     """x [M, K] bf16 or fp16, weight [N, K] float8_e4m3fn row-major, scale [N] float32 ->
-    [M, N] = x @ (weight * scale[:, None]).T in x's dtype."""
+    [M, N] = x @ (weight * scale[:, None]).T in x's dtype. Tiles 0: the defaults (one row:
+    ROW_TILES; more: 32 x 256, 4 warps, 4 stages)."""
     m, k = x.shape
+    defaults = ROW_TILES if m == 1 else (32, 256, 4, 4)
+    block_n, block_k, num_warps, num_stages = (
+        given or default
+        for given, default in zip((block_n, block_k, num_warps, num_stages), defaults, strict=True)
+    )
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     dtype = x.dtype if splits == 1 else torch.float32
     out = torch.empty((splits, m, n), dtype=dtype, device=x.device)
+    if m == 1:
+        _fp8_row_kernel[(triton.cdiv(n, block_n), splits)](
+            x,
+            weight,
+            scale,
+            out,
+            n,
+            k,
+            weight.stride(0),
+            out.stride(0),
+            k_per_split,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return out[0] if splits == 1 else out.sum(0).to(x.dtype)
     block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
     _fp8_gemv_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
         x,
