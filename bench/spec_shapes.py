@@ -163,27 +163,22 @@ def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [torch.randint(0, 32000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
 
 
-def measure_engine(
-    engine: Engine, batches: list[int], als: list[int], lengths: tuple[int, int], a: argparse.Namespace
-) -> dict:
-    """{(batch, al): (ms per step, tokens/s, phases)}, the median of ``a.repeats`` runs; al 0
-    is the engine without forcing. ``a.host_profile`` > 0 prints a host profile of each
-    batch at the last AL."""
-    out, profile_top = {}, a.host_profile
-    for batch in batches:
-        prompts = random_prompts(batch, lengths[0])
-        decode_run(engine, prompts, lengths[1])  # warm-up: eager shapes compile here
-        for al in als:
-            engine.config.forced_acceptance = al - 1 if al else -1
-            runs = sorted(
-                (decode_run(engine, prompts, lengths[1]) for _ in range(a.repeats)), key=ms_per_step
-            )
-            r = runs[len(runs) // 2]
-            out[batch, al] = (r["ms_per_step"], r["tok_s"], phase_split(engine, prompts, lengths[1]))
-        if profile_top:
-            print(f"\nhost profile, K {engine.k}, AL {als[-1]}, B{batch}:", flush=True)
-            print(host_profile(engine, prompts, lengths[1], profile_top), flush=True)
-    return out
+def timed_runs(
+    engines: dict[tuple[int, str], Engine], batch: int, als: list[int], lengths: tuple[int, int], repeats: int
+) -> dict[tuple[int, str, int], dict]:
+    """{(K, quantization, AL): the median of ``repeats`` decode runs} at ``batch``, every
+    engine and AL taking turns in each repeat, so that a slow spell of the host or the
+    device falls on all of them; AL 0: without forcing (target-only)."""
+    prompts = random_prompts(batch, lengths[0])
+    turns = [(key, al) for key in engines for al in (als if key[0] else [0])]
+    for key, _ in turns:
+        decode_run(engines[key], prompts, lengths[1])  # warm-up: eager shapes compile here
+    runs: dict[tuple[int, str, int], list[dict]] = {(*key, al): [] for key, al in turns}
+    for _ in range(repeats):
+        for key, al in turns:
+            engines[key].config.forced_acceptance = al - 1 if al else -1
+            runs[*key, al].append(decode_run(engines[key], prompts, lengths[1]))
+    return {t: sorted(r, key=ms_per_step)[len(r) // 2] for t, r in runs.items()}
 
 
 def ms_per_step(run: dict) -> float:
@@ -206,32 +201,40 @@ def phase_split(engine: Engine, prompts: list[list[int]], max_tokens: int) -> di
 def main_8b(
     batches: list[int], ks: list[int], als: list[int], lengths: tuple[int, int], a: argparse.Namespace
 ) -> list[dict]:
-    """Target-only, then each K at each forced AL; prints the table, returns its rows.
-    ``a``: ``repeats``, ``host_profile`` (see :func:`measure_engine`) and
-    ``draft_quantization``."""
+    """Target-only and each (K, draft quantization) at each forced AL, all engines alive at
+    once and measured in turns (``timed_runs``); prints the table, returns its rows. ``a``:
+    ``repeats``, ``host_profile`` (N > 0: each engine's host profile at each batch, last
+    AL) and ``quantizations``."""
     rate = copy_rate_gbs()
     context = lengths[0] + lengths[1] // 2
-    kv, rows = 16 << 30, []
+    kv, rows = 8 << 30, []
     with random_models() as folder:
-        engine = make_engine(folder, 0, max(batches), kv)
-        base = measure_engine(engine, batches, [0], lengths, a)
-        base_roof = {b: step_rooflines(engine, b, context, rate)[0] for b in batches}
-        del engine
-        torch.cuda.empty_cache()
-        for k in ks:
-            engine = make_engine(folder, k, max(batches), kv, a.draft_quantization)
-            spec = measure_engine(engine, batches, als, lengths, a)
-            for (b, al), (ms, tok_s, phases) in spec.items():
-                base_ms, base_tok_s, base_phases = base[b, 0]
-                roof = step_rooflines(engine, b, context, rate)[1]
+        engines = {(0, ""): make_engine(folder, 0, max(batches), kv)}
+        for k, q in ((k, q) for k in ks for q in a.quantizations):
+            engines[k, q] = make_engine(folder, k, max(batches), kv, q)
+        for b in batches:
+            timed = timed_runs(engines, b, als, lengths, a.repeats)
+            prompts = random_prompts(b, lengths[0])
+            base, base_phases = timed[0, "", 0], phase_split(engines[0, ""], prompts, lengths[1])
+            base_roof = step_rooflines(engines[0, ""], b, context, rate)[0]
+            for (k, q, al), r in timed.items():
+                if not k:
+                    continue
+                engine = engines[k, q]
+                engine.config.forced_acceptance = al - 1
                 rows.append(
-                    dict(k=k, al=al, batch=b, draft_quantization=a.draft_quantization, base_ms=base_ms,
-                         spec_ms=ms, base_roof=base_roof[b],
-                         spec_roof=roof, base_tok_s=base_tok_s, spec_tok_s=tok_s,
-                         base_phases_ms=base_phases, spec_phases_ms=phases)
+                    dict(k=k, al=al, batch=b, draft_quantization=q, base_ms=base["ms_per_step"],
+                         spec_ms=r["ms_per_step"], base_roof=base_roof,
+                         spec_roof=step_rooflines(engine, b, context, rate)[1],
+                         base_tok_s=base["tok_s"], spec_tok_s=r["tok_s"], base_phases_ms=base_phases,
+                         spec_phases_ms=phase_split(engine, prompts, lengths[1]))
                 )  # fmt: skip
-            del engine
-            torch.cuda.empty_cache()
+            if a.host_profile:
+                for (k, q), engine in engines.items():
+                    print(f"\nhost profile, K {k} {q or 'bf16'}, B{b}:", flush=True)
+                    print(host_profile(engine, prompts, lengths[1], a.host_profile), flush=True)
+        del engines
+        torch.cuda.empty_cache()
     print_8b(rows, rate)
     return rows
 
@@ -239,17 +242,17 @@ def main_8b(
 def print_8b(rows: list[dict], rate: float) -> None:
     print(f"\ncopy rate {rate:,.0f} GB/s")
     print(
-        "| K | AL | B | target-only ms | x roofline | spec ms | x roofline | spec / target-only "
+        "| K | drafter | AL | B | target-only ms | x roofline | spec ms | x roofline | spec / target-only "
         "| target-only tok/s | spec tok/s | speedup | speedup roofline |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ideal = r["al"] * r["base_roof"] / r["spec_roof"]
         print(
-            f"| {r['k']} | {r['al']} | {r['batch']} "
+            f"| {r['k']} | {r['draft_quantization'] or 'bf16'} | {r['al']} | {r['batch']} "
             f"| {r['base_ms']:.2f} | {r['base_ms'] / r['base_roof']:.2f} "
             f"| {r['spec_ms']:.2f} | {r['spec_ms'] / r['spec_roof']:.2f} | {r['spec_ms'] / r['base_ms']:.2f} "
             f"| {r['base_tok_s']:,.0f} | {r['spec_tok_s']:,.0f} | {r['spec_tok_s'] / r['base_tok_s']:.2f} "
             f"| {ideal:.2f} |"
         )
-    print_phases(rows, lambda r: f"K{r['k']} AL{r['al']} B{r['batch']}")
+    print_phases(rows, lambda r: f"K{r['k']} {r['draft_quantization'] or 'bf16'} AL{r['al']} B{r['batch']}")

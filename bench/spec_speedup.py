@@ -17,7 +17,8 @@ range of ms per step). ``--temperature T`` (> 0) samples instead, request i with
 outputs then differ from target-only's by design, and ``outputs_equal`` compares each
 speculative run with the first variant's (the device-resident step against the general
 path, say).
-``--draft-quantization fp8`` runs the drafter's own weights in e4m3 (both shapes).
+``--draft-quantization fp8`` runs the drafter's own weights in e4m3 (both shapes);
+``none,fp8`` runs both.
 ``--host-profile N`` prints each engine's N costliest host functions (cProfile, own time)
 over one more run.
 ``--kernels off`` builds the engines with the fused Triton decoder ops switched off
@@ -127,14 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", default="3,5", help="--shape 8b: K values")
     p.add_argument(
         "--draft-quantization",
-        default="",
-        choices=("", "fp8"),
-        help="fp8: the drafter's own weights in e4m3 (EngineConfig.draft_quantization)",
+        default="none",
+        help="none, fp8 or none,fp8: the drafter's own weights as loaded or in e4m3 "
+        "(EngineConfig.draft_quantization); each is a variant",
     )
     p.add_argument(
         "--host-profile", type=int, default=0, help="N > 0: print each engine's N costliest host functions"
     )
     a = p.parse_args(argv)
+    a.quantizations = [q if q != "none" else "" for q in a.draft_quantization.split(",")]
+    if any(q not in ("", "fp8") for q in a.quantizations):
+        p.error(f"--draft-quantization: none, fp8 or none,fp8, got {a.draft_quantization!r}")
     if a.shape == "8b":
         ints = lambda text: [int(x) for x in text.split(",")]
         batches = ints(a.batches if a.batches != "1,16" else "1,8,32,64")
@@ -146,16 +150,20 @@ def main(argv: list[str] | None = None) -> None:
     code = held_out_corpora()["code"]
     rows, first_outputs = [], {}
     variants = [
-        (m, kn, c) for m in a.modes.split(",") for kn in a.kernels.split(",") for c in a.chain.split(",")
+        (m, kn, c, q)
+        for m in a.modes.split(",")
+        for kn in a.kernels.split(",")
+        for c in a.chain.split(",")
+        for q in a.quantizations
     ]
-    for mode, kernels, chain in variants:
+    for mode, kernels, chain, quantization in variants:
         use_kernels(kernels == "on")
         eager = mode == "eager"
         options = dict(
             enforce_eager=eager,
             device_draft_chain=chain == "on",
             adaptive_k=a.adaptive == "on",
-            draft_quantization=a.draft_quantization,
+            draft_quantization=quantization,
         )
         if a.forced_al:  # benchmarks only: the verifier keeps exactly AL - 1 drafts
             options.update(forced_acceptance=a.forced_al - 1, unsafe_forced_acceptance=True)
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kernels": kernels,
                 "chain": chain,
                 "adaptive": a.adaptive,
-                "draft_quantization": a.draft_quantization,
+                "draft_quantization": quantization or "none",
                 "forced_al": a.forced_al,
                 "temperature": a.temperature,
                 "plain_steps": spec["plain_steps"],
@@ -211,23 +219,27 @@ def ms_cell(row: dict, who: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "\n| mode | kernels | chain | B | K | AL | target-only tok/s | spec tok/s | speedup | speedup / AL "
-        "| ms/step target-only | ms/step spec | outputs equal |"
+        "\n| mode | kernels | chain | drafter | B | K | AL | target-only tok/s | spec tok/s | speedup "
+        "| speedup / AL | ms/step target-only | ms/step spec | outputs equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['kernels']} | {r['chain']} | {r['batch']} | {r['k']} | {r['al']:.2f} "
-            f"| {r['base_tok_s']:,.0f} "
+            f"| {r['mode']} | {r['kernels']} | {r['chain']} | {drafter_name(r)} | {r['batch']} "
+            f"| {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
             f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
             f"| {ms_cell(r, 'base')} | {ms_cell(r, 'spec')} "
             f"| {'yes' if r['outputs_equal'] else 'no'} |"
         )
     print_phases(
         rows,
-        lambda r: f"{r['mode']} kernels {r['kernels']} chain {r['chain']} B{r['batch']}",
+        lambda r: f"{r['mode']} kernels {r['kernels']} chain {r['chain']} {drafter_name(r)} B{r['batch']}",
         lambda r: f" (no-draft steps: {r['plain_steps']} of {r['spec_steps']})",
     )
+
+
+def drafter_name(row: dict) -> str:
+    return "bf16" if row["draft_quantization"] == "none" else row["draft_quantization"]
 
 
 if __name__ == "__main__":
