@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     for (name, (n, k)), m in itertools.product(shapes.items(), [int(r) for r in a.rows.split(",")]):
         row = measure_fp8(fp8_gemv, name, (m, n, k)) if a.fp8 else measure(gemv, name, (m, n, k))
         results.append(row)
+        if a.fp8:
+            print(f"  {name} M {m}: the default tiles take {row['default_ms'] * 1e3:.1f} us", flush=True)
         print(
             f"| {name} | {m} | {n}x{k} | {row['cublas_ms'] * 1e3:.1f} | {row['cublas_gbps']:,.0f} "
             f"| {row['triton_ms'] * 1e3:.1f} | {row['triton_gbps']:,.0f} | {row['config']} |",
@@ -138,11 +140,13 @@ def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int]) -> dict:
         ms = graphed_ms(run, fp8)
         if ms < best[0] and err < 2**-7:
             best = (ms, config)
+    default_ms = graphed_ms(lambda w: fp8_gemv(x, w.data, w.scale), fp8)
     return dict(
         name=name,
         rows=m,
         n=n,
         k=k,
+        default_ms=default_ms,
         cublas_ms=cublas,
         cublas_gbps=2 * n * k / cublas / 1e6,
         triton_ms=best[0],

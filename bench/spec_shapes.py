@@ -177,7 +177,7 @@ def timed_runs(
     for _ in range(repeats):
         for key, al in turns:
             engines[key].config.forced_acceptance = al - 1 if al else -1
-            runs[*key, al].append(decode_run(engines[key], prompts, lengths[1]))
+            runs[(*key, al)].append(decode_run(engines[key], prompts, lengths[1]))
     return {t: sorted(r, key=ms_per_step)[len(r) // 2] for t, r in runs.items()}
 
 

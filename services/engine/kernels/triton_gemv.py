@@ -181,7 +181,7 @@ def _fp8_row_kernel(
     tl.store(out_ptr + split * stride_os + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-ROW_TILES = (32, 512, 4, 3)  # the one-row kernel's (BLOCK_N, BLOCK_K, warps, stages)
+ROW_TILES = (16, 256, 4, 4)  # the one-row kernel's (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def fp8_gemv(
