@@ -9,7 +9,8 @@ prompt of ``--prompt-len`` tokens; the verifier keeps exactly AL - 1 drafts per 
 (``forced_acceptance``, benchmarks only), so step time is measured at a chosen AL;
 ``--repeats R`` keeps the median of R runs of each. Adaptive
 K is off, so every step drafts. ``--draft-quantization fp8``: the drafter's own weights in
-e4m3 (the roofline then counts their fp8 bytes).
+e4m3 (the roofline then counts their fp8 bytes where a matmul reads them: up to FP8_ROWS
+rows).
 
 A second, synchronized run of each configuration splits its steps into the phases of
 ``bench.decode_run.PHASES`` and the rest (host work, sampling, acceptance).
@@ -37,7 +38,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM
 from services.engine.models.config import write_config_json
-from services.engine.models.fp8 import Fp8Linear
+from services.engine.models.fp8 import FP8_ROWS, Fp8Linear, Fp8Weight
 
 VOCAB, DRAFT_VOCAB = 128256, 32000
 
@@ -122,20 +123,27 @@ def copy_rate_gbs() -> float:
     return 2 * src.numel() / (sorted(times[2:])[5] * 1e-3) / 1e9
 
 
-def matrix_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Bytes of the module's 2-D weights (what its matmuls stream), fp8 ones (with their
-    scales) included, skipped names aside."""
+def matrix_bytes(module: torch.nn.Module, skip: tuple[str, ...] = (), rows: int = 1) -> int:
+    """Bytes of the module's 2-D weights (what its matmuls stream over ``rows`` rows), fp8
+    ones included (with their scales, or their dense copy past FP8_ROWS rows), skipped names
+    aside."""
     plain = sum(
         p.numel() * p.element_size()
         for n, p in module.named_parameters()
         if p.dim() == 2 and not any(s in n for s in skip)
     )
     fp8 = sum(
-        m.weight.data.numel() + 4 * m.weight.scale.numel()
+        fp8_bytes(m.weight, rows)
         for n, m in module.named_modules(remove_duplicate=False)
         if isinstance(m, Fp8Linear) and not any(s in n for s in skip)
     )
     return plain + fp8
+
+
+def fp8_bytes(w: Fp8Weight, rows: int) -> int:
+    if w.dense is not None and rows > FP8_ROWS:
+        return w.dense.numel() * w.dense.element_size()
+    return w.data.numel() + 4 * w.scale.numel()
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int = 8, head_dim: int = 128) -> int:
@@ -151,8 +159,8 @@ def step_rooflines(engine: Engine, batch: int, context: int, rate_gbs: float) ->
     spec = base
     if engine.drafter is not None:
         d, k = engine.drafter, engine.k
-        layer = matrix_bytes(d, skip=("lm_head", "fc.", "embed_tokens"))
-        spec += matrix_bytes(d.fc) + k * (layer + matrix_bytes(d.lm_head))
+        layer = matrix_bytes(d, ("lm_head", "fc.", "embed_tokens"), batch)
+        spec += matrix_bytes(d.fc, rows=batch * (k + 1)) + k * (layer + matrix_bytes(d.lm_head, rows=batch))
         spec += k * batch * context * kv_bytes_per_token(1)
     return 1e3 * base / (rate_gbs * 1e9), 1e3 * spec / (rate_gbs * 1e9)
 

@@ -7,6 +7,11 @@ each row keeps its own range and rounds to e4m3's 3 mantissa bits. Used for the 
 (``--draft-quantization fp8``): its layer and head are read once per draft, K times a step,
 and fp8 halves those bytes. The target stays in its own dtype, so verification, and with
 it greedy output, is unchanged.
+
+Only decode-sized matmuls (at most ``FP8_ROWS`` rows) stream fp8: there the weight read is
+the whole cost. Larger ones are compute-bound, where widening e4m3 in the kernel costs more
+than the bytes it saves (measured: 1.8x cuBLAS's time at 64 rows), so the layers keep the
+weight as loaded too (``dense``) and use it there: the drafter takes 1.5x its memory.
 """
 
 from __future__ import annotations
@@ -22,36 +27,43 @@ from services.engine.parallel import RowParallelLinear, TensorParallel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
+FP8_ROWS = 16  # matmuls of at most this many rows read the fp8 weight, larger ones ``dense``
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8Weight:
     data: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [N] float32
+    dense: torch.Tensor | None = None  # [N, K] the weight as loaded, for more than FP8_ROWS rows
 
     def rows(self, start: int, stop: int) -> Fp8Weight:
         """Output rows start..stop - 1, as views."""
-        return Fp8Weight(self.data[start:stop], self.scale[start:stop])
+        dense = self.dense[start:stop] if self.dense is not None else None
+        return Fp8Weight(self.data[start:stop], self.scale[start:stop], dense)
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32."""
         return self.data.float() * self.scale[:, None]
 
 
-def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
-    """weight [N, K] -> its per-row-scaled e4m3 form (a zero row gets scale 1)."""
+def quantize_fp8(weight: torch.Tensor, keep_dense: bool = False) -> Fp8Weight:
+    """weight [N, K] -> its per-row-scaled e4m3 form (a zero row gets scale 1); with
+    ``keep_dense``, ``weight`` itself too, for matmuls of more than FP8_ROWS rows."""
     amax = weight.detach().float().abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)  # [N]
     data = (weight.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(data.contiguous(), scale.contiguous())
+    return Fp8Weight(data.contiguous(), scale.contiguous(), weight.detach() if keep_dense else None)
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear`` over a plain or an fp8 weight; x [num_tokens, K] -> [num_tokens, N]."""
+    """``F.linear`` over a plain or an fp8 weight; x [num_tokens, K] -> [num_tokens, N].
+    An fp8 weight with a dense copy serves more than FP8_ROWS rows from that copy."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    if weight.dense is not None and x.shape[0] > FP8_ROWS:
+        return F.linear(x, weight.dense, bias)
     y = kernels.fp8_linear(x, weight.data, weight.scale)
     return y if bias is None else y + bias
 
@@ -77,16 +89,16 @@ class Fp8Linear(nn.Module):
 
 
 def fp8_linear_of(lin: nn.Linear, weight: Fp8Weight | None = None) -> Fp8Linear:
-    """``lin`` with its weight in fp8 (``weight``: its already quantized rows, e.g. a view of
-    a merged weight's)."""
+    """``lin`` with its weight in fp8, its dense copy kept (``weight``: its already quantized
+    rows, e.g. a view of a merged weight's)."""
     tp = lin.tp if isinstance(lin, RowParallelLinear) else None
-    return Fp8Linear(weight if weight is not None else quantize_fp8(lin.weight), lin.bias, tp)
+    return Fp8Linear(weight if weight is not None else quantize_fp8(lin.weight, True), lin.bias, tp)
 
 
 def fp8_merged(merged: torch.Tensor, parts: list[nn.Linear]) -> tuple[Fp8Weight, list[Fp8Linear]]:
     """A merged weight (``layers.merge_linears``) in fp8, and its parts as Fp8Linears over
     views of its rows: the parts keep their names and share the merged memory."""
-    weight = quantize_fp8(merged)
+    weight = quantize_fp8(merged, keep_dense=True)
     out, start = [], 0
     for lin in parts:
         out.append(fp8_linear_of(lin, weight.rows(start, start + lin.out_features)))

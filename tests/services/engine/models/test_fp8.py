@@ -1,5 +1,5 @@
 """fp8 weights (``models/fp8.py``): per-row e4m3 rounding, the linear over them, and the
-drafter's quantization leaving no linear in its old dtype."""
+drafter's quantization: every linear fp8 at decode sizes, the weight as loaded above."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.kernels import reference
 from services.engine.models import Eagle3Drafter
 from services.engine.models.attention import Attention
-from services.engine.models.fp8 import FP8, FP8_MAX, Fp8Linear, linear, quantize_fp8
+from services.engine.models.fp8 import FP8, FP8_MAX, FP8_ROWS, Fp8Linear, linear, quantize_fp8
 from services.engine.models.layers import SwiGLU
 from tests.services.engine.helpers import drafter_config, randomize
 
@@ -67,13 +68,20 @@ def test_projections_quantize_merged_or_not_to_the_same_outputs(merged):
     assert torch.allclose(mlp(x), mlp.down_proj(F.silu(gate) * up), atol=1e-5)
 
 
-def test_the_drafter_keeps_no_linear_in_its_old_dtype():
+def test_every_drafter_linear_is_fp8_at_decode_sizes_and_dense_above():
     drafter = Eagle3Drafter(drafter_config(draft_vocab=32), own_head=True)
     randomize(drafter, 5)
     drafter.merge_projections()
+    head = drafter.lm_head.weight.detach().clone()
     drafter.quantize_fp8()
     linears = [n for n, m in drafter.named_modules() if isinstance(m, nn.Linear)]
     assert linears == []
     assert isinstance(drafter.fc, Fp8Linear) and isinstance(drafter.lm_head, Fp8Linear)
-    matrices = [n for n, p in drafter.named_parameters() if p.ndim == 2]
-    assert matrices == []  # fc, the layer and the head are all fp8 buffers now
+    assert [n for n, p in drafter.named_parameters() if p.ndim == 2] == []
+    g = torch.Generator().manual_seed(6)
+    small, large = torch.randn(FP8_ROWS, 64, generator=g), torch.randn(FP8_ROWS + 1, 64, generator=g)
+    w = drafter.lm_head.weight
+    assert torch.equal(drafter.lm_head(small), reference.fp8_linear(small, w.data, w.scale))
+    assert torch.equal(drafter.lm_head(large), F.linear(large, head))  # the weight as loaded
+    merged = drafter.midlayer.mlp.gate_up
+    assert merged.dense is not None and merged.dense.dtype == torch.float32
