@@ -1,5 +1,5 @@
 """Weight-streaming matmul for decode-sized batches: y = x @ w.T with x [M, K], M <= 64;
-and its fp8 variant (``fp8_gemv``: e4m3 weights, one float32 scale per output row, any M).
+and its fp8 variant (``fp8_gemv``: e4m3 weights, one float32 scale per output row).
 
 At M of a few rows a decode step's linear layers only stream their weights, so the
 kernel is laid out for the copy rate: program ``n`` owns ``BLOCK_N`` output columns
@@ -9,11 +9,13 @@ With ``split_k`` > 1 program (n, s) covers the s-th K range and writes float32 p
 that one sum reduces in a fixed order (no atomics): results are deterministic run to run.
 The reference is ``F.linear`` (``reference.fp8_linear`` for the fp8 variant).
 
-The fp8 variant widens each weight tile to x's dtype in registers (exact: every e4m3 value
-is a bf16 value), accumulates in float32 and multiplies by the row scales once at the end;
-a single row skips the dot and sums the products in float32 registers.
-Past 64 rows it tiles M too, the M tiles of one weight tile adjacent in launch order so
-that they read it from L2 rather than from memory.
+The fp8 variant has no dot: program (m, n, s) sums row m's products with its weight tile
+in float32 registers (e4m3 widened exactly), then multiplies by the row scales. Each row
+is computed alone, in the same order whatever M is, so a row's output does not depend on
+the batch around it (a graphed and an eager forward at other row counts agree). The M
+programs of one weight tile are adjacent in launch order: one of them reads it from
+memory, the others from L2. Meant for a few rows (``models/fp8.py`` uses it up to 16):
+past that the matmul is compute-bound and cuBLAS on bf16 weights is faster.
 """
 
 from __future__ import annotations
@@ -106,48 +108,6 @@ def gemv(
 
 
 @triton.jit
-def _fp8_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    stride_os,
-    K_PER_SPLIT,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * K_PER_SPLIT
-    for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-            mask=(rn[:, None] < N) & (rk[None, :] < K),
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K] e4m3
-        x = tl.load(
-            x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-            mask=(rm[:, None] < M) & (rk[None, :] < K),
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N] float32
-    acc = acc * scale[None, :]
-    out = out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
 def _fp8_row_kernel(
     x_ptr,
     w_ptr,
@@ -155,16 +115,17 @@ def _fp8_row_kernel(
     out_ptr,
     N,
     K,
+    stride_xm,
     stride_wn,
+    stride_om,
     stride_os,
     K_PER_SPLIT,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One row of x: products summed in float32 registers per column, no dot (a dot would
-    pad the row to 16 and widen every weight to bf16 first)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = split * K_PER_SPLIT
     for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
@@ -174,65 +135,43 @@ def _fp8_row_kernel(
             mask=(rn[:, None] < N) & (rk[None, :] < K),
             other=0.0,
         )  # [BLOCK_N, BLOCK_K] e4m3
-        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)  # [BLOCK_K]
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk, mask=rk < K, other=0.0)  # [BLOCK_K]
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     y = tl.sum(acc, axis=1) * scale  # [BLOCK_N]
-    tl.store(out_ptr + split * stride_os + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+    out = out_ptr + split * stride_os + row.to(tl.int64) * stride_om + rn
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-ROW_TILES = (16, 256, 4, 4)  # the one-row kernel's (BLOCK_N, BLOCK_K, warps, stages)
+FP8_TILES = (16, 256, 4, 4)  # (BLOCK_N, BLOCK_K, warps, stages): the sweep's best on gate_up
 
 
 def fp8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
-    block_n: int = 0,
-    block_k: int = 0,
-    num_warps: int = 0,
-    num_stages: int = 0,
+    block_n: int = FP8_TILES[0],
+    block_k: int = FP8_TILES[1],
+    num_warps: int = FP8_TILES[2],
+    num_stages: int = FP8_TILES[3],
     split_k: int = 1,
 ) -> torch.Tensor:
     """x [M, K] bf16 or fp16, weight [N, K] float8_e4m3fn row-major, scale [N] float32 ->
-    [M, N] = x @ (weight * scale[:, None]).T in x's dtype. Tiles 0: the defaults (one row:
-    ROW_TILES; more: 32 x 256, 4 warps, 4 stages)."""
+    [M, N] = x @ (weight * scale[:, None]).T in x's dtype."""
     m, k = x.shape
-    defaults = ROW_TILES if m == 1 else (32, 256, 4, 4)
-    block_n, block_k, num_warps, num_stages = (
-        given or default
-        for given, default in zip((block_n, block_k, num_warps, num_stages), defaults, strict=True)
-    )
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     dtype = x.dtype if splits == 1 else torch.float32
     out = torch.empty((splits, m, n), dtype=dtype, device=x.device)
-    if m == 1:
-        _fp8_row_kernel[(triton.cdiv(n, block_n), splits)](
-            x,
-            weight,
-            scale,
-            out,
-            n,
-            k,
-            weight.stride(0),
-            out.stride(0),
-            k_per_split,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        return out[0] if splits == 1 else out.sum(0).to(x.dtype)
-    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
-    _fp8_gemv_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+    if m == 0:
+        return out.sum(0).to(x.dtype)
+    _fp8_row_kernel[(m, triton.cdiv(n, block_n), splits)](
         x,
         weight,
         scale,
         out,
-        m,
         n,
         k,
         x.stride(0),
@@ -240,7 +179,6 @@ def fp8_gemv(
         out.stride(1),
         out.stride(0),
         k_per_split,
-        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
