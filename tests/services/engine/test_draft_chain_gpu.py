@@ -1,7 +1,7 @@
 """On the GPU: the graphed draft chain gives the eager chain's drafts token for token at
-K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), greedy and sampled, and with an
-fp8 drafter; greedy speculation through it gives target-only's tokens, and sampled
-speculation through it gives the general path's."""
+K = 2, 4, 6 over batch sizes 1, 3 and 6 (buckets 1, 4, 8), greedy and sampled (an fp8
+drafter's at one request); greedy speculation through it gives target-only's tokens (with
+an fp8 drafter too), and sampled speculation through it gives the general path's."""
 
 from __future__ import annotations
 
@@ -65,12 +65,17 @@ def test_sampled_speculation_through_the_chain_equals_the_general_path(k):
     assert engine.runner.graphs.chain.replays[Draw.FILTERED] > 0
 
 
+def test_fp8_drafter_graphed_chain_equals_eager_chain_at_one_request():
+    """With an fp8 drafter a matmul of more than FP8_ROWS rows reads the dense weight, so a
+    graph's padded rows and the eager path's unpadded ones may round differently once a
+    batch is past a few requests; at one request both stay in fp8."""
+    engine = tiny_engine(2, "bfloat16", enforce_eager=False, draft_quantization="fp8")
+    assert compare_chains(engine, PROMPTS[:1], GREEDY, steps=30) > 10
+
+
 @pytest.mark.parametrize("k", [2, 4])
-def test_fp8_drafter_through_the_chain(k):
-    """The fp8 drafter's graphed chain gives its eager chain's drafts, and greedy output
-    stays target-only's."""
+def test_fp8_drafter_speculation_equals_target_only(k):
     plain = tokens(tiny_engine(0, "bfloat16", enforce_eager=False), PROMPTS)
     engine = tiny_engine(k, "bfloat16", enforce_eager=False, draft_quantization="fp8")
-    for count in (1, 6):
-        assert compare_chains(engine, PROMPTS[:count], GREEDY, steps=30) > 10
     assert tokens(engine, PROMPTS) == plain
+    assert engine.runner.graphs.chain.replays[Draw.GREEDY] > 0
