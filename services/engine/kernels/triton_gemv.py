@@ -143,21 +143,26 @@ def _fp8_row_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-FP8_TILES = (16, 256, 4, 4)  # (BLOCK_N, BLOCK_K, warps, stages): the sweep's best on gate_up
+Fp8Tiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, warps, stages, split_k
+
+
+def fp8_tiles(n: int, k: int) -> Fp8Tiles:
+    """Tiles for a [N, K] weight, from the one-row sweeps of ``bench.gemv --fp8`` (two runs,
+    2026-12-02, EAGLE-3 drafter shapes at 8B): long rows over few columns split K in two;
+    few columns take 16 x 512 tiles, many 16 x 256."""
+    if n <= 8192 and k >= 12288:
+        return (32, 512, 8, 4, 2)
+    if n <= 8192:
+        return (16, 512, 8, 4, 1)
+    return (16, 256, 4, 4, 1)
 
 
 def fp8_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    block_n: int = FP8_TILES[0],
-    block_k: int = FP8_TILES[1],
-    num_warps: int = FP8_TILES[2],
-    num_stages: int = FP8_TILES[3],
-    split_k: int = 1,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles: Fp8Tiles | None = None
 ) -> torch.Tensor:
     """x [M, K] bf16 or fp16, weight [N, K] float8_e4m3fn row-major, scale [N] float32 ->
-    [M, N] = x @ (weight * scale[:, None]).T in x's dtype."""
+    [M, N] = x @ (weight * scale[:, None]).T in x's dtype; ``tiles`` None: ``fp8_tiles``."""
+    block_n, block_k, num_warps, num_stages, split_k = tiles or fp8_tiles(*weight.shape)
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
