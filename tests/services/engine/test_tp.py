@@ -128,6 +128,17 @@ def test_tp2_decodes_the_bundled_pair_as_tp1_with_the_same_acceptance():
     assert sum(got["al"]) / len(got["al"]) > 2
 
 
+def test_tp2_runs_an_fp8_drafter_losslessly():
+    """Each rank quantizes its own shards (a row-parallel share has its own row scales);
+    the partial products are summed as in bf16."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=48)
+    reference = run(Engine(EngineConfig(**BUNDLED)), [CODE], sampling)
+    got = run_tp2({**BUNDLED, "draft_quantization": "fp8"}, [CODE], sampling)
+    assert got["tokens"] == reference["tokens"]
+    assert sum(got["al"]) / len(got["al"]) > 2
+    assert got["held"] == {"target": 0, "draft": 0}
+
+
 def _rank_blanking(rank: int, address: str, config: dict, conn) -> None:
     """Both ranks' draft pools start dirty; rank 0 reserves pages for a transfer (SEPARATE
     layout: its draft pages are zeroed) and then runs a request; rank 1 reports which draft
