@@ -180,13 +180,16 @@ class DecodeGraphs:
         batch = self._batch(graphed, padded_spans, DRAFT_GROUP, padded_hidden)
         return graphed.run(batch)[0][rows] if batch is not None else None
 
-    def run_verify(self, spans: list[Span], drafts: torch.Tensor) -> TargetRun | None:
+    def run_verify(
+        self, spans: list[Span], drafts: torch.Tensor, table: torch.Tensor | None = None
+    ) -> TargetRun | None:
         """The target's forward over spans [t_n, K placeholders] whose drafts are ``drafts``
         [batch, K] int64 on the device (K = the chain's, or 0: the one-token graph): they are
         copied into the graph's input ids after the host upload (stream order), so no draft
-        is read back. None when the spans do not fit the graph."""
+        is read back. ``table``: the spans' target block-table rows, when the caller has
+        them. None when the spans do not fit the graph."""
         target = self.target if drafts.shape[1] + 1 == self.target.q_len else self.plain
-        batch = self._batch(target, spans, TARGET_GROUP) if target is not None else None
+        batch = self._batch(target, spans, TARGET_GROUP, table=table) if target is not None else None
         if batch is None:
             return None
         bucket = target.load(batch)
@@ -236,8 +239,15 @@ class DecodeGraphs:
         return GraphedDraftChain(drafter, r.draft_logits, r.kv_pools.tensor(DRAFT_GROUP), k, shape)
 
     def _batch(
-        self, graphed: GraphedForward, spans: list[Span], group: str, hidden: torch.Tensor | None = None
+        self,
+        graphed: GraphedForward,
+        spans: list[Span],
+        group: str,
+        hidden: torch.Tensor | None = None,
+        table: torch.Tensor | None = None,
     ) -> UniformBatch | None:
+        """``table``: the spans' block-table rows of ``group`` (host), asked of the manager
+        when None."""
         if (
             not spans
             or any(len(s.token_ids) != graphed.q_len for s in spans)
@@ -245,7 +255,8 @@ class DecodeGraphs:
         ):
             return None
         manager = self.runner.manager
-        table = manager.block_tables([s.request_id for s in spans], group)
+        if table is None:
+            table = manager.block_tables([s.request_id for s in spans], group)
         if table.shape[1] > graphed.max_pages:
             return None
         return uniform_batch(spans, table, manager.tokens_per_page, hidden)

@@ -28,6 +28,8 @@ the batch's K drafts. Other batches take the general path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP
@@ -52,39 +54,50 @@ def on_device(req: Request, k: int) -> bool:
     return not sp.penalized and len(req.output_ids) >= sp.min_tokens and uniform
 
 
-def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> DecodeGraphs | None:
-    """The graphs a device-resident step of ``decode`` with ``k`` drafts (the chain's K, or
-    0) runs through, or None when it must take the general path (no graphs or no drafter,
-    another K, a request not on the device, a batch or block table past the captured
-    shapes). Without a drafter, k is 0: the target alone, sampled on the device."""
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """A device-resident step's graphs and its batch's block tables (host), asked of the
+    manager once a step: its rows do not change between scheduling and the step's end."""
+
+    graphs: DecodeGraphs
+    target_table: torch.Tensor  # [batch, width] int32
+    draft_table: torch.Tensor | None  # [batch, width] int32; None in a step without drafts
+
+
+def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> DevicePlan | None:
+    """The plan of a device-resident step of ``decode`` with ``k`` drafts (the chain's K,
+    or 0), or None when it must take the general path (no graphs or no drafter, another K,
+    a request not on the device, a batch or block table past the captured shapes). Without
+    a drafter, k is 0: the target alone, sampled on the device."""
     graphs = runner.graphs
     if not isinstance(graphs, DecodeGraphs) or not all(on_device(r, k) for r in decode):
         return None
     ids = [r.request_id for r in decode]
-    target_width = runner.manager.block_tables(ids, TARGET_GROUP).shape[1]
-    draft_width = runner.manager.block_tables(ids, DRAFT_GROUP).shape[1] if k else 0
-    return graphs if graphs.fits_verify(len(decode), k, (target_width, draft_width)) else None
+    target = runner.manager.block_tables(ids, TARGET_GROUP)
+    draft = runner.manager.block_tables(ids, DRAFT_GROUP) if k else None
+    widths = (target.shape[1], draft.shape[1] if draft is not None else 0)
+    return DevicePlan(graphs, target, draft) if graphs.fits_verify(len(decode), k, widths) else None
 
 
 @torch.inference_mode()
 def device_step(
-    runner: ModelRunner, graphs: DecodeGraphs, decode: list[Request], k: int, forced: int = -1
+    runner: ModelRunner, plan: DevicePlan, decode: list[Request], k: int, forced: int = -1
 ) -> StepResult | None:
     """The step's results, as the general path gives them, for a step of ``k`` drafts
     each (the chain's K, or 0); ``forced``: forced acceptance (benchmarks only), -1 = off.
     None when a graph refused the batch (``device_step_fits`` said it would not): only
     drafter forwards ran then, whose KV writes the general path repeats with the same
     values. Requests that ask for logprobs add their own read of them."""
+    graphs = plan.graphs
     greedy = all(r.sampling.greedy for r in decode)
     graphs.force_acceptance(forced)  # the verify graph's greedy verdict reads it
     lagging = not k and lags_catch_up(graphs, decode)
     q = None
     if k:
-        table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
         pending = pending_spans(decode)
         first = pending if graphs.chain.catch.fits(pending) else catch_up(runner, decode)  # or g_n
         chained = graphs.chain.run(
-            [r.num_computed for r in decode], table, first, chain_sampling(decode, greedy)
+            [r.num_computed for r in decode], plan.draft_table, first, chain_sampling(decode, greedy)
         )
         if chained is None:
             return None
@@ -96,7 +109,7 @@ def device_step(
     spans = [
         Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
     ]
-    run = graphs.run_verify(spans, drafts)
+    run = graphs.run_verify(spans, drafts, plan.target_table)
     if run is None:
         return None
     if greedy:

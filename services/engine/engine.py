@@ -243,8 +243,8 @@ class Engine:
         if rule is not None:
             k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
-        graphs = device_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
-        step = device_step(self.runner, graphs, decode, k, self.config.forced_acceptance) if graphs else None
+        plan = device_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
+        step = device_step(self.runner, plan, decode, k, self.config.forced_acceptance) if plan else None
         if step is None:
             step = self._general_decode(decode, k)
         if rule is not None:  # the step ended with its host read: this is its cost

@@ -77,7 +77,11 @@ def test_other_batches_take_the_general_path(pair):
     engine.step()  # both prefill
     reqs = [engine.requests[sampled_id], engine.requests[penalized_id]]
     assert device_step_fits(engine.runner, reqs, 2) is None  # one penalized row: all general
-    assert device_step_fits(engine.runner, reqs[:1], 2) is engine.runner.graphs
+    plan = device_step_fits(engine.runner, reqs[:1], 2)
+    assert plan.graphs is engine.runner.graphs
+    ids = [reqs[0].request_id]
+    assert torch.equal(plan.target_table, engine.manager.block_tables(ids, "target"))
+    assert torch.equal(plan.draft_table, engine.manager.block_tables(ids, "draft"))
     assert device_step_fits(engine.runner, reqs[:1], 1) is None  # not the chain's K
 
 
