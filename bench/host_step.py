@@ -3,9 +3,10 @@
 A replayed CUDA graph costs the host little; what it costs is filling the graph's static
 inputs: ``uniform_batch`` (ids, positions, slots of spans of one length), the
 ``GraphedForward.load`` of those into the pinned staging buffers, and the draft chain's
-``_load``. A speculative step runs each of them for its catch-up, chain and verify graphs;
-on a small model they are most of the step. The same Python runs on any host, so this
-needs no GPU (buffers are not pinned and nothing is uploaded here).
+``_load`` and its catch-up stage's ``load``. A speculative step runs each of them for its
+catch-up, chain and verify graphs; on a small model they are most of the step. The same
+Python runs on any host, so this needs no GPU (buffers are not pinned and nothing is
+uploaded here).
 
     python -m bench.host_step [--batches 1,16,64] [--k 4] [--calls 2000]
 """
@@ -18,6 +19,7 @@ import timeit
 import torch
 
 from services.engine.batch import Span
+from services.engine.chain_catch_up import PendingSpans
 from services.engine.cuda_graphs import pad_front
 from services.engine.draft_chain import ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import GraphedForward, batch_buckets, uniform_batch
@@ -38,14 +40,20 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
     shape = ChainShape(buckets, WIDTH, 8, torch.float32, 0, 1, PAGE, 32, capture=False)
     chain = GraphedDraftChain(None, None, pool, k, shape)
     table = torch.randint(0, 4096, (batch, WIDTH), dtype=torch.int32)
+    host_table = table.numpy()
     spans = [Span(f"r{i}", CONTEXT + 7 * i, list(range(k + 1)), CONTEXT + 7 * i) for i in range(batch)]
     short = [Span(s.request_id, s.start, s.token_ids[:2]) for s in spans]
     starts = [s.start for s in spans]
     filled = uniform_batch(spans, table, PAGE)
+    pending = PendingSpans([s.start for s in short], [s.token_ids for s in short], torch.zeros(2 * batch, 8))
+    bucket = buckets[-1]
     return {
         "uniform_batch": per_call_us(lambda: uniform_batch(spans, table, PAGE), calls),
         "GraphedForward.load": per_call_us(lambda: forward.load(filled), calls),
-        "chain _load": per_call_us(lambda: chain._load(starts, table, buckets[-1]), calls),
+        "chain _load": per_call_us(lambda: chain._load(starts, host_table, bucket), calls),
+        "chain catch-up stage load": per_call_us(
+            lambda: chain.catch.load(pending, host_table, bucket, PAGE), calls
+        ),
         "pad_front": per_call_us(lambda: pad_front(short, k + 1), calls),
     }
 
