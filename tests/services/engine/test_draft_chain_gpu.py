@@ -66,9 +66,10 @@ def test_sampled_speculation_through_the_chain_equals_the_general_path(k):
 
 
 def test_fp8_drafter_graphed_chain_equals_eager_chain_at_one_request():
-    """With an fp8 drafter a matmul of more than FP8_ROWS rows reads the dense weight, so a
-    graph's padded rows and the eager path's unpadded ones may round differently once a
-    batch is past a few requests; at one request both stay in fp8."""
+    """With an fp8 drafter a matmul of more than FP8_ROWS rows reads the dense weight. The
+    chain's catch-up stage runs K + 1 rows per request, a separate catch-up of one-token
+    spans one, so past a few requests they round differently; at one request both stay in
+    fp8."""
     engine = tiny_engine(2, "bfloat16", enforce_eager=False, draft_quantization="fp8")
     assert compare_chains(engine, PROMPTS[:1], GREEDY, steps=30) > 10
 
