@@ -30,7 +30,7 @@ class TargetRun:
     hidden: torch.Tensor  # [num_tokens, hidden_size], final-normed
     features: torch.Tensor | None  # [num_tokens, hidden_size]: f = fc(aux), or None
     logits: torch.Tensor | None = None  # [num_tokens, vocab_size] in the model's dtype
-    verdict: torch.Tensor | None = None  # [num_tokens, 3] int64: see cuda_graphs.greedy_verdict
+    verdict: torch.Tensor | None = None  # [num_tokens, 3] int64: see rejection.greedy_verdict
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ always takes the reference, so gradients flow through every op.
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 import torch
@@ -26,21 +27,13 @@ def use_kernels(enabled: bool) -> None:
 
 
 @functools.cache
-def _triton_gemv() -> ModuleType | None:
+def _triton(module: str = "triton_fused") -> ModuleType | None:
+    """``services.engine.kernels.<module>``, or None where Triton is missing (CPU-only
+    installs run the reference)."""
     try:
-        from services.engine.kernels import triton_gemv  # noqa: PLC0415 (Triton is optional, as below)
+        return importlib.import_module(f"services.engine.kernels.{module}")
     except ImportError:
         return None
-    return triton_gemv
-
-
-@functools.cache
-def _triton() -> ModuleType | None:
-    try:
-        from services.engine.kernels import triton_fused  # noqa: PLC0415 (Triton is optional: CPU-only installs run the reference)
-    except ImportError:
-        return None
-    return triton_fused
 
 
 def _impl(t: torch.Tensor) -> ModuleType:
@@ -75,7 +68,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     """x [num_tokens, K], weight [N, K] float8_e4m3fn, scale [N] float32 -> x @ (weight *
     scale[:, None]).T in x's dtype: the fp8 weight-streaming kernel for bf16/fp16 CUDA
     activations, the reference otherwise."""
-    gemv = _triton_gemv() if _impl(x) is not reference and x.dtype != torch.float32 else None
+    gemv = _triton("triton_gemv") if _impl(x) is not reference and x.dtype != torch.float32 else None
     if gemv is None:
         return reference.fp8_linear(x, weight, scale)
     return gemv.fp8_gemv(x, weight, scale)

@@ -139,9 +139,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
-        self.qkv: tuple[torch.Tensor | Fp8Weight, torch.Tensor | None] | None = (
-            None  # weight, bias once merged
-        )
+        # (weight, bias) once merged
+        self.qkv: tuple[torch.Tensor | Fp8Weight, torch.Tensor | None] | None = None
 
     def merge(self) -> None:
         """Run q, k and v as one matmul from now on."""
