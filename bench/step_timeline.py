@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -63,6 +64,7 @@ MARKED = (  # (owner, attribute): the host functions a gap or a launch is charge
     (GraphedForward, "load"),
     (GraphedForward, "replay"),
     (RequestProgress, "advance_decode"),
+    (torch.Tensor, "tolist"),  # the step's one read: waits for the device
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -70,7 +72,9 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 @dataclass
 class Timeline:
     """Per step, ms: wall, GPU busy, GPU idle by the host function running meanwhile, GPU
-    time by launching function, and the costliest kernels by name."""
+    time by launching function, the costliest kernels by name (over all, and under each
+    launcher); then, from a pass without the profiler, each marked function's own host
+    time."""
 
     steps: int
     wall_ms: float
@@ -78,22 +82,30 @@ class Timeline:
     idle_ms: dict[str, float]
     launched_ms: dict[str, float]
     kernels_ms: dict[str, float]
+    launcher_kernels_ms: dict[str, dict[str, float]]
+    host_ms: dict[str, float] | None = None  # own host time per marked function, no profiler
+    host_wall_ms: float = 0.0  # ms per step in that pass
 
 
 @contextlib.contextmanager
-def marks() -> Iterator[None]:
-    """Every function of ``MARKED`` runs inside a ``record_function`` of its name."""
-    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr in MARKED]
-    for owner, attr, fn in saved:
-        setattr(owner, attr, marked(f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}", fn))
+def marks(wrap) -> Iterator[None]:
+    """Every function of ``MARKED`` replaced by ``wrap(label, fn)`` meanwhile."""
+    saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr in MARKED]
+    for owner, attr, _ in saved:
+        setattr(owner, attr, wrap(f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}", getattr(owner, attr)))
     try:
         yield
     finally:
         for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
+            if fn is None:
+                delattr(owner, attr)  # inherited (Tensor.tolist)
+            else:
+                setattr(owner, attr, fn)
 
 
-def marked(label: str, fn):
+def recorded(label: str, fn):
+    """``fn`` inside a ``record_function`` of ``label``."""
+
     def call(*args, **kwargs):
         with torch.profiler.record_function(label):
             return fn(*args, **kwargs)
@@ -101,9 +113,40 @@ def marked(label: str, fn):
     return call
 
 
-def profile_steps(engine: Engine, prompts: list[list[int]], max_tokens: int, steps: int) -> dict:
-    """The chrome trace (parsed) of ``steps`` decode steps in which every request decodes;
-    the batch then runs to its end outside the profiler."""
+class HostClock:
+    """Own host seconds of each marked function (its time less its marked callees'),
+    by ``perf_counter``: no profiler, so nothing but the clock reads slows the host."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, float] = defaultdict(float)
+        self.stack: list[float] = []  # callees' seconds so far, per open call
+
+    def wrap(self, label: str, fn):
+        def call(*args, **kwargs):
+            self.stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                self.own[label] += took - self.stack.pop()
+                if self.stack:
+                    self.stack[-1] += took
+
+        return call
+
+
+def host_split(engine: Engine, prompts: list[list[int]], max_tokens: int, steps: int) -> dict[str, float]:
+    """ms per step of each marked function's own host time over ``steps`` decode steps,
+    without the profiler (``Tensor.tolist``'s holds the wait for the device)."""
+    clock = HostClock()
+    run_steps(engine, prompts, max_tokens, steps, lambda: marks(clock.wrap))
+    return {k: round(1e3 * v / steps, 3) for k, v in sorted(clock.own.items(), key=lambda kv: -kv[1])}
+
+
+def run_steps(engine: Engine, prompts: list[list[int]], max_tokens: int, steps: int, around) -> None:
+    """``steps`` decode steps in which every request decodes, inside ``around()`` (a
+    context); the batch runs to its end outside it."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -111,14 +154,26 @@ def profile_steps(engine: Engine, prompts: list[list[int]], max_tokens: int, ste
         engine.step()
     for _ in range(2):  # past the first decode step's one-off work
         engine.step()
-    cuda = engine.runner.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU, *[torch.profiler.ProfilerActivity.CUDA] * cuda]
-    with marks(), torch.profiler.profile(activities=activities) as prof:
+    with around():
         for _ in range(steps):
             engine.step()
         synchronize(engine.runner.device.type)
     while engine.has_unfinished():
         engine.step()
+
+
+def profile_steps(engine: Engine, prompts: list[list[int]], max_tokens: int, steps: int) -> dict:
+    """The chrome trace (parsed) of :func:`run_steps`' ``steps`` under the profiler."""
+    cuda = engine.runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU, *[torch.profiler.ProfilerActivity.CUDA] * cuda]
+    prof = torch.profiler.profile(activities=activities)
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        with marks(recorded), prof:
+            yield
+
+    run_steps(engine, prompts, max_tokens, steps, around)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
@@ -145,6 +200,7 @@ def timeline(trace: dict, top: int = 12) -> Timeline:
     }
     n = len(steps)
     idle, launched, kernels = defaultdict(float), defaultdict(float), defaultdict(float)
+    by_launcher: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     busy, end = 0.0, lo
     for e in gpu:
         start, stop = e["ts"], e["ts"] + e["dur"]
@@ -154,8 +210,10 @@ def timeline(trace: dict, top: int = 12) -> Timeline:
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
         at = launches.get(e.get("args", {}).get("correlation"))
-        launched[innermost(marks_, at) if at is not None else "other"] += e["dur"]
+        launcher = innermost(marks_, at) if at is not None else "other"
+        launched[launcher] += e["dur"]
         kernels[e["name"][:70]] += e["dur"]
+        by_launcher[launcher][e["name"][:70]] += e["dur"]
     if hi > end:
         for name, us in split_by_mark(marks_, end, hi).items():
             idle[name] += us
@@ -167,6 +225,7 @@ def timeline(trace: dict, top: int = 12) -> Timeline:
         per_step(idle),
         per_step(launched),
         dict(list(per_step(kernels).items())[:top]),
+        {k: dict(list(per_step(v).items())[:top]) for k, v in by_launcher.items() if sum(v.values()) > 0},
     )
 
 
@@ -208,8 +267,12 @@ def prompts_for(a: argparse.Namespace) -> list[list[int]]:
 def print_timeline(label: str, t: Timeline) -> None:
     idle = sum(t.idle_ms.values())
     print(f"\n{label}: {t.steps} steps, {t.wall_ms:.3f} ms/step, GPU busy {t.busy_ms:.3f}, idle {idle:.3f}")
-    for title, split in (("idle while the host runs", t.idle_ms), ("GPU time by launcher", t.launched_ms),
-                         ("kernels", t.kernels_ms)):  # fmt: skip
+    splits = [("idle while the host runs", t.idle_ms), ("GPU time by launcher", t.launched_ms),
+              ("kernels", t.kernels_ms)]  # fmt: skip
+    splits += [(f"kernels launched by {k}", v) for k, v in t.launcher_kernels_ms.items()]
+    if t.host_ms is not None:
+        splits += [(f"own host time without the profiler ({t.host_wall_ms:.3f} ms/step)", t.host_ms)]
+    for title, split in splits:
         print(f"  {title}:")
         for name, ms in split.items():
             if ms >= 0.001:
@@ -238,6 +301,8 @@ def main() -> None:
         for label, engine in engines(a, folder):
             decode_run(engine, prompts, a.max_tokens)  # warm-up: shapes compile here
             out[label] = timeline(profile_steps(engine, prompts, a.max_tokens, a.steps))
+            out[label].host_ms = host_split(engine, prompts, a.max_tokens, a.steps)
+            out[label].host_wall_ms = round(sum(out[label].host_ms.values()), 3)
             print_timeline(label, out[label])
             del engine
             torch.cuda.empty_cache()
