@@ -8,10 +8,11 @@ each row keeps its own range and rounds to e4m3's 3 mantissa bits. Used for the 
 and fp8 halves those bytes. The target stays in its own dtype, so verification, and with
 it greedy output, is unchanged.
 
-Only decode-sized matmuls (at most ``FP8_ROWS`` rows) stream fp8: there the weight read is
-the whole cost. Larger ones are compute-bound, where widening e4m3 in the kernel costs more
-than the bytes it saves (measured: 1.8x cuBLAS's time at 64 rows), so the layers keep the
-weight as loaded too (``dense``) and use it there: the drafter takes 1.5x its memory.
+Only one-row matmuls (``FP8_ROWS``: a chain step at batch 1) stream fp8: there the
+weight read is the whole cost, and the kernel takes 0.54-0.66x cuBLAS's time on the bf16
+weight. It runs one program per row, so each row reads the weight again: at 5 rows it took
+1.6-1.8x cuBLAS's time, at 64 rows 1.8x. So the layers keep the weight as loaded too
+(``dense``) and use it for more rows: the drafter takes 1.5x its memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.engine.parallel import RowParallelLinear, TensorParallel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
-FP8_ROWS = 16  # matmuls of at most this many rows read the fp8 weight, larger ones ``dense``
+FP8_ROWS = 1  # matmuls of at most this many rows read the fp8 weight, larger ones ``dense``
 
 
 @dataclass(frozen=True, slots=True)
