@@ -51,9 +51,7 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
         "uniform_batch": per_call_us(lambda: uniform_batch(spans, table, PAGE), calls),
         "GraphedForward.load": per_call_us(lambda: forward.load(filled), calls),
         "chain _load": per_call_us(lambda: chain._load(starts, host_table, bucket), calls),
-        "chain catch-up stage load": per_call_us(
-            lambda: chain.catch.load(pending, host_table, bucket, PAGE), calls
-        ),
+        "chain catch-up stage load": per_call_us(lambda: chain.catch.load(pending, bucket), calls),
         "pad_front": per_call_us(lambda: pad_front(short, k + 1), calls),
     }
 

@@ -15,7 +15,7 @@ from kvcore.ops.dispatch import (
     verify_attention,
     write_kv,
 )
-from kvcore.ops.slots import query_positions, slot_mapping_for, uniform_slots
+from kvcore.ops.slots import query_positions, slot_mapping_for, slots_at, uniform_slots
 
 __all__ = [
     "copy_pages",
@@ -25,6 +25,7 @@ __all__ = [
     "prefill_attention",
     "query_positions",
     "slot_mapping_for",
+    "slots_at",
     "uniform_slots",
     "unpack_pages",
     "verify_attention",

@@ -15,6 +15,7 @@ from kvcore.ops.checks import fail
 from kvcore.spec import NULL_PAGE
 
 IntsLike = int | Sequence[int] | torch.Tensor
+ArrayLike = np.ndarray | torch.Tensor
 
 
 def _as_longs(x: IntsLike, batch: int, field: str, device: torch.device) -> torch.Tensor:
@@ -46,14 +47,7 @@ def slot_mapping_for(
     row = torch.repeat_interleave(torch.arange(batch, device=table.device), lens)
     offsets = torch.arange(row.shape[0], device=table.device) - (torch.cumsum(lens, 0) - lens)[row]
     positions = starts[row] + offsets  # [num_tokens]
-    if max_pages == 0:
-        return torch.full_like(positions, -1)
-    page_index = positions // tokens_per_page
-    in_table = page_index < max_pages
-    page_ids = table[row, page_index.clamp(max=max_pages - 1)].long()
-    held = in_table & (page_ids != NULL_PAGE)
-    slots = page_ids * tokens_per_page + positions % tokens_per_page
-    return torch.where(held, slots, torch.full_like(slots, -1))
+    return slots_at(table, row, positions, tokens_per_page)
 
 
 def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -79,7 +73,7 @@ def uniform_slots(table: np.ndarray, starts: np.ndarray, q_len: int, tokens_per_
     if (starts < 0).any() or q_len < 0:
         fail("start_positions", "starts and lengths must be >= 0")
     positions = starts[:, None] + np.arange(q_len)  # [batch, q_len]
-    return _slots_at(table, np.arange(table.shape[0])[:, None], positions, tokens_per_page)
+    return slots_at(table, np.arange(table.shape[0])[:, None], positions, tokens_per_page)
 
 
 def _host_slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, tokens_per_page: int) -> np.ndarray:
@@ -90,15 +84,17 @@ def _host_slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, tokens_
         return uniform_slots(table, starts, int(lens[0]), tokens_per_page).reshape(-1)
     row = np.repeat(np.arange(table.shape[0]), lens)
     positions = starts[row] + np.arange(row.shape[0]) - (np.cumsum(lens) - lens)[row]  # [num_tokens]
-    return _slots_at(table, row, positions, tokens_per_page)
+    return slots_at(table, row, positions, tokens_per_page)
 
 
-def _slots_at(table: np.ndarray, rows: np.ndarray, positions: np.ndarray, tokens_per_page: int) -> np.ndarray:
-    """The slot of each position in its table row (``rows`` broadcasts against ``positions``)."""
+def slots_at(table: ArrayLike, rows: ArrayLike, positions: ArrayLike, tokens_per_page: int) -> ArrayLike:
+    """The slot of each position in its row of ``table`` [batch, width] (``rows`` broadcasts
+    against ``positions``), -1 on a NULL page or past the width. numpy arrays or tensors
+    alike; on tensors nothing is read back, so a CUDA graph can hold it."""
     width = table.shape[1]
     if width == 0:
-        return np.full_like(positions, -1)
+        return positions * 0 - 1
     page_index = positions // tokens_per_page
-    page_ids = table[rows, np.minimum(page_index, width - 1)].astype(np.int64)
+    page_ids = table[rows, page_index.clip(max=width - 1)]
     held = (page_index < width) & (page_ids != NULL_PAGE)
-    return np.where(held, page_ids * tokens_per_page + positions % tokens_per_page, -1)
+    return held * (page_ids * tokens_per_page + positions % tokens_per_page + 1) - 1

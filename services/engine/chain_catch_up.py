@@ -8,10 +8,12 @@ over exactly L tokens per request: each span is widened at the front, as
 them, and their outputs are dropped), so g_n is the last of each request's L rows. A step
 then uploads and replays one graph for both.
 
-Static layout: int64 ``[ids | positions | slots | rows]``, each ``[max_batch * L]``, then
-``seq_lens`` [max_batch]; ``hidden`` [max_batch * L, hidden_size]. ``rows``: where each
-pending feature goes in ``hidden`` (the first num_pending are used, request by request).
-Padding requests: seq_len 0 and slots -1, so they touch no page.
+Static layout: int64 ``[ids | rows]``, each ``[max_batch * L]``, then ``[padded | pad]``,
+each ``[max_batch]``: each widened span's first position and how many of its L rows widen
+it; ``hidden`` [max_batch * L, hidden_size]. ``rows``: where each pending feature goes in
+``hidden`` (the first num_pending are used, request by request). Positions, slots and
+seq_lens follow on the device from these and the chain's block table (:meth:`inputs`).
+Padding requests: pad = L, so seq_len 0 and slots -1: they touch no page.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.ops import uniform_slots
+from kvcore.ops import slots_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,46 +50,49 @@ class ChainCatchUp:
         chain's device; ``pinned``: stage the host inputs in pinned memory."""
         self.q_len, self.tokens, self.hidden = q_len, hidden.shape[0], hidden
         self.max_batch, device = self.tokens // q_len, hidden.device
-        self.host = torch.zeros(4 * self.tokens + self.max_batch, dtype=torch.int64, pin_memory=pinned)
-        self.host[2 * self.tokens : 3 * self.tokens] = -1  # slots: write nothing
+        self.host = torch.zeros(2 * self.tokens + 2 * self.max_batch, dtype=torch.int64, pin_memory=pinned)
+        self.host[2 * self.tokens + self.max_batch :] = q_len  # pad: every request padding
         self.dev = self.host.to(device)
+        self.offsets = torch.arange(q_len, device=device)  # [L]
+        self.row_ids = torch.arange(self.max_batch, device=device)[:, None]  # [max_batch, 1]
         self.copied = torch.cuda.Event() if pinned else None
 
     def fits(self, pending: PendingSpans) -> bool:
         return pad_fits(pending.starts, [len(t) for t in pending.tokens], self.q_len)
 
-    def load(self, pending: PendingSpans, table: np.ndarray, bucket: int, tokens_per_page: int) -> None:
-        """Fill the stage's inputs for ``pending`` (which :meth:`fits`) over host block-table
-        rows ``table`` [batch, width], padding requests up to ``bucket``; then the pending
-        features go to their rows of ``hidden`` (stream order, after the upload)."""
+    def load(self, pending: PendingSpans, bucket: int) -> None:
+        """Fill the stage's inputs for ``pending`` (which :meth:`fits`), padding requests up
+        to ``bucket``; then the pending features go to their rows of ``hidden`` (stream
+        order, after the upload)."""
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffer is free again
-        L, t, b = self.q_len, self.tokens, len(pending.starts)
+        L, t, mb, b = self.q_len, self.tokens, self.max_batch, len(pending.starts)
         host = self.host.numpy()
-        ids, positions, slots = (host[i * t : (i + 1) * t].reshape(self.max_batch, L) for i in range(3))
-        starts = np.asarray(pending.starts, dtype=np.int64)
+        ids = host[:t].reshape(mb, L)
         lens = np.fromiter(map(len, pending.tokens), np.int64, b)
         pad = L - lens
-        padded = starts - pad  # [batch]: each span widened to L tokens
         real = np.arange(L)[None, :] >= pad[:, None]  # [batch, L]
         ids[:bucket] = 0
         ids[:b][real] = [tok for span in pending.tokens for tok in span]
-        pos = padded[:, None] + np.arange(L)  # [batch, L]
-        positions[:b], positions[b:bucket] = pos, 0
-        at = uniform_slots(table, padded, L, tokens_per_page)
-        slots[:b], slots[b:bucket] = np.where(real, at, -1), -1
         rows = np.flatnonzero(real)  # [num_pending], request by request
-        host[3 * t : 3 * t + rows.shape[0]] = rows
-        seq_lens = host[4 * t :]
-        seq_lens[:b], seq_lens[b:bucket] = starts + lens, 0
+        host[t : t + rows.shape[0]] = rows
+        padded, pads = host[2 * t : 2 * t + mb], host[2 * t + mb :]
+        padded[:b], padded[b:bucket] = np.asarray(pending.starts, dtype=np.int64) - pad, 0
+        pads[:b], pads[b:bucket] = pad, L
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.hidden.index_copy_(0, self.dev[3 * t : 3 * t + rows.shape[0]], pending.features)
+        self.hidden.index_copy_(0, self.dev[t : t + rows.shape[0]], pending.features)
 
-    def inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
+    def inputs(self, bucket: int, table: torch.Tensor, tokens_per_page: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, slots [bucket * L] int64, seq_lens [bucket] int32, hidden
-        [bucket * L, hidden_size]) over the static buffers: what the graph reads."""
-        n, t = bucket * self.q_len, self.tokens
-        seq_lens = self.dev[4 * t : 4 * t + bucket].to(torch.int32)
-        return self.dev[:n], self.dev[t : t + n], self.dev[2 * t : 2 * t + n], seq_lens, self.hidden[:n]
+        [bucket * L, hidden_size]): what the graph reads, derived on the device from the
+        static buffers and the requests' block-table rows ``table`` [bucket, max_pages]."""
+        L, t, mb, n = self.q_len, self.tokens, self.max_batch, bucket * self.q_len
+        padded = self.dev[2 * t : 2 * t + bucket]  # [bucket]
+        pad = self.dev[2 * t + mb : 2 * t + mb + bucket]  # [bucket]
+        positions = padded[:, None] + self.offsets  # [bucket, L]
+        real = self.offsets >= pad[:, None]  # [bucket, L]: the request's own rows
+        slots = real * (slots_at(table, self.row_ids[:bucket], positions, tokens_per_page) + 1) - 1
+        seq_lens = ((padded + L) * (pad < L)).to(torch.int32)
+        return self.dev[:n], positions.reshape(-1), slots.reshape(-1), seq_lens, self.hidden[:n]

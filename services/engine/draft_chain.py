@@ -11,18 +11,20 @@ FILTERED adds top-k and top-p (a sort of the vocabulary per row, which the other
 Each transform a row does not use is an exact identity (``torch.where`` per row), so q_s is
 bit for bit what ``probs_for_rows`` gives the same row in the eager chain.
 Nothing in it depends on the host once g_n is in place: the positions, KV slots and
-sequence lengths of all K - 1 chain forwards are known before the chain starts, so one
-upload fills them and one replay runs the whole chain. g_n comes in from a separate
+sequence lengths of all K - 1 chain forwards follow from each request's n and its block
+table, which one upload brings; the graph derives them (``kvcore.ops.slots_at``) and one
+replay runs the whole chain. g_n comes in from a separate
 catch-up forward, or the chain's graph computes it first (``chain_catch_up.py``: every
 pending span widened to K + 1 tokens), so a drafting step replays one graph for both. The
 drafts stay on the device (``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q``
 [bucket, K, vocab] float32) for the target's verify forward and the acceptance to read.
 
 Rows b .. bucket - 1 of a bucket are padding, as in :mod:`services.engine.graphed_forward`:
-seq_len 0 and slot -1, so they touch no page; their drafts are never read. The chain is
-token-for-token the eager chain of ``speculative.draft`` on greedy rows: the same drafter
-forward at the same bucket shape, and argmax of the head's logits is the token the eager
-chain's one-hot sampling picks; the sampled variants draw with the eager chain's keys.
+n = -1 and NULL table rows, so seq_len 0 and slot -1: they touch no page; their drafts are
+never read. The chain is token-for-token the eager chain of ``speculative.draft`` on greedy
+rows: the same drafter forward at the same bucket shape, and argmax of the head's logits is
+the token the eager chain's one-hot sampling picks; the sampled variants draw with the
+eager chain's keys.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.ops import uniform_slots
+from kvcore.ops import slots_at
 from kvcore.spec import NULL_PAGE
 from services.engine.chain_catch_up import ChainCatchUp, PendingSpans
 from services.engine.graphed_forward import UniformContext
@@ -71,12 +73,12 @@ class ChainSampling:
 class GraphedDraftChain:
     """K drafts per request from g_n, captured per bucket and Draw.
 
-    Static layout: int64 ``[positions | slots]``, each ``[K - 1, max_batch]`` (chain step
-    s - 1 at row s - 1), then ``[seeds | top_k | starts]``, each ``[max_batch]``; int32
-    ``[seq_lens [K - 1, max_batch] | block table [max_batch, max_pages]]``; float32
-    ``[temperature | top_p | min_p]``, each ``[max_batch]``; ``g0`` [max_batch,
-    hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch, K, vocab] float32; and
-    the catch-up stage's own (``catch``, over K + 1 tokens per request).
+    Static layout: int64 ``[seeds | top_k | starts]``, each ``[max_batch]`` (starts: each
+    request's n, -1 on a padding row); int32 block table [max_batch, max_pages]; float32
+    ``[temperature | top_p | min_p]``, each ``[max_batch]`` (uploaded for sampled draws
+    only); ``g0`` [max_batch, hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch,
+    K, vocab] float32; and the catch-up stage's own (``catch``, over K + 1 tokens per
+    request).
     """
 
     def __init__(
@@ -91,11 +93,15 @@ class GraphedDraftChain:
         steps, mb = k - 1, shape.max_batch
         device = kv_pool.device
         pinned = shape.capture and device.type == "cuda"
-        self.host_i64 = torch.zeros(2 * steps * mb + 3 * mb, dtype=torch.int64, pin_memory=pinned)
-        self.host_i32 = torch.zeros(steps * mb + mb * shape.max_pages, dtype=torch.int32, pin_memory=pinned)
+        self.host_i64 = torch.zeros(3 * mb, dtype=torch.int64, pin_memory=pinned)
+        self.host_i64[2 * mb :] = -1  # every row padding
+        self.host_i32 = torch.full((mb * shape.max_pages,), NULL_PAGE, dtype=torch.int32, pin_memory=pinned)
         self.host_f32 = torch.zeros(3 * mb, dtype=torch.float32, pin_memory=pinned)
+        self.host_f32[mb : 2 * mb] = 1.0  # top_p off
         self.dev_i64, self.dev_i32 = self.host_i64.to(device), self.host_i32.to(device)
         self.dev_f32 = self.host_f32.to(device)
+        self.row_ids = torch.arange(mb, device=device)  # [max_batch]
+        self.step_offsets = torch.arange(1, steps + 1, device=device)[:, None]  # [K - 1, 1]
         self.g0 = torch.zeros(mb, shape.hidden_size, dtype=shape.dtype, device=device)
         self.out = torch.zeros(mb, k, dtype=torch.int64, device=device)
         self.q = torch.zeros(mb, k, shape.vocab_size, dtype=torch.float32, device=device)
@@ -130,7 +136,7 @@ class GraphedDraftChain:
         self._load(starts, host_table, bucket, sampling)
         catching_up = isinstance(first, PendingSpans)
         if catching_up:
-            self.catch.load(first, host_table, bucket, self.shape.tokens_per_page)
+            self.catch.load(first, bucket)
             self.caught_up += 1
         else:
             self.g0[:batch].copy_(first)
@@ -164,10 +170,11 @@ class GraphedDraftChain:
         """The chain over the static inputs of ``bucket``, from the catch-up stage's g_n or
         from ``g0``; drafts into ``out[:bucket]`` (and q into ``q[:bucket]`` unless GREEDY)."""
         g = self._catch_up(bucket) if catching_up else self.g0[:bucket]
+        inputs = self._step_inputs(bucket)
         drafts = []
         for s in range(self.k):
             if s:
-                positions, ctx = self._step_inputs(s - 1, bucket)
+                positions, ctx = inputs[s - 1]
                 g = self.drafter(drafts[-1], g, positions, ctx)
             logits = self.head(g)  # [bucket, vocab]
             if draw is Draw.GREEDY:
@@ -182,8 +189,8 @@ class GraphedDraftChain:
     def _catch_up(self, bucket: int) -> torch.Tensor:
         """g_n [bucket, hidden_size]: the drafter over each request's pending span widened
         to L tokens, its last row."""
-        ids, positions, slots, seq_lens, hidden = self.catch.inputs(bucket)
-        table = self._table(self.dev_i32, bucket)
+        table = self._table(bucket)
+        ids, positions, slots, seq_lens, hidden = self.catch.inputs(bucket, table, self.shape.tokens_per_page)
         L, shape = self.catch.q_len, self.shape
         ctx = UniformContext(self.kv_pool, table, seq_lens, slots, L, shape.window, shape.key_start)
         g = self.drafter(ids, hidden, positions, ctx)  # [bucket * L, hidden_size]
@@ -206,77 +213,58 @@ class GraphedDraftChain:
         )
 
     def _i64_row(self, i: int, bucket: int) -> torch.Tensor:
-        """Row i of the per-request int64 part: 0 seeds, 1 top_k, 2 starts."""
-        at = 2 * self._steps * self.shape.max_batch + i * self.shape.max_batch
+        """Row i of the per-request int64 buffer: 0 seeds, 1 top_k, 2 starts."""
+        at = i * self.shape.max_batch
         return self.dev_i64[at : at + bucket]
 
-    def _step_inputs(self, s: int, bucket: int) -> tuple[torch.Tensor, UniformContext]:
-        mb = self.shape.max_batch
-        at = s * mb
-        positions = self.dev_i64[at : at + bucket]
-        slots = self.dev_i64[self._steps * mb + at : self._steps * mb + at + bucket]
-        seq_lens = self.dev_i32[at : at + bucket]
-        ctx = UniformContext(
-            self.kv_pool,
-            self._table(self.dev_i32, bucket),
-            seq_lens,
-            slots,
-            1,
-            self.shape.window,
-            self.shape.key_start,
+    def _step_inputs(self, bucket: int) -> list[tuple[torch.Tensor, UniformContext]]:
+        """(positions [bucket], context) of chain steps 1..K-1 (step s: position n + s, its
+        slot, seq_len n + s + 1), derived on the device from the uploaded n and table rows."""
+        n = self._i64_row(2, bucket)  # [bucket], -1 on padding rows
+        positions = n + self.step_offsets  # [K - 1, bucket]
+        table, shape = self._table(bucket), self.shape
+        slots = slots_at(table, self.row_ids[:bucket], positions, shape.tokens_per_page)  # [K - 1, bucket]
+        seq_lens = ((positions + 1) * (n >= 0)).to(torch.int32)  # [K - 1, bucket]
+        context = lambda s: UniformContext(  # noqa: E731
+            self.kv_pool, table, seq_lens[s], slots[s], 1, shape.window, shape.key_start
         )
-        return positions, ctx
+        return [(positions[s], context(s)) for s in range(self._steps)]
 
     def _load(
         self, starts: list[int], host_table: np.ndarray, bucket: int, sampling: ChainSampling | None = None
     ) -> None:
-        """Host-side inputs of chain steps 1..K-1 (position n + s, slot, seq_len n + s + 1),
-        and each request's n and draws; padding rows are greedy. Written through numpy views
-        of the staging buffers (a torch call on a small CPU tensor costs several us)."""
+        """Each request's n, table rows and draws (padding rows: n = -1, NULL rows, greedy),
+        written through numpy views of the staging buffers (a torch call on a small CPU
+        tensor costs several us), then uploaded."""
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
-        steps, mb, b = self._steps, self.shape.max_batch, len(starts)
-        h64, h32, f32 = self.host_i64.numpy(), self.host_i32.numpy(), self.host_f32.numpy()
-        h64[: steps * mb] = 0
-        h64[steps * mb : 2 * steps * mb] = -1
-        h32[: steps * mb] = 0
-        per_request = h64[2 * steps * mb :].reshape(3, mb)  # seeds, top_k, starts
-        per_request[:] = 0
-        params = f32.reshape(3, mb)  # temperature, top_p, min_p
-        params[:] = 0.0
-        params[1] = 1.0  # top_p off
-        n = np.asarray(starts, dtype=np.int64)
-        per_request[2, :b] = n
+        mb, b, width = self.shape.max_batch, len(starts), host_table.shape[1]
+        seeds, top_k, n = self.host_i64.numpy().reshape(3, mb)
+        n[:b], n[b:bucket] = starts, -1
         if sampling is not None:
-            per_request[0, :b] = sampling.seeds
-            per_request[1, :b] = sampling.top_k
+            params = self.host_f32.numpy().reshape(3, mb)  # temperature, top_p, min_p
+            seeds[:b], top_k[:b], seeds[b:bucket], top_k[b:bucket] = sampling.seeds, sampling.top_k, 0, 0
             params[:, :b] = (sampling.temperature, sampling.top_p, sampling.min_p)
-        width = host_table.shape[1]
-        if steps and b:
-            pos = n[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, b]
-            h64[: steps * mb].reshape(steps, mb)[:, :b] = pos
-            slots = uniform_slots(host_table, n + 1, steps, self.shape.tokens_per_page)  # [b, steps]
-            h64[steps * mb : 2 * steps * mb].reshape(steps, mb)[:, :b] = slots.T
-            h32[: steps * mb].reshape(steps, mb)[:, :b] = pos + 1
-        rows = h32[steps * mb : steps * mb + bucket * self.shape.max_pages].reshape(
-            bucket, self.shape.max_pages
-        )
+            params[:, b:bucket] = ((0.0,), (1.0,), (0.0,))
+        rows = self.host_i32.numpy()[: bucket * self.shape.max_pages].reshape(bucket, self.shape.max_pages)
         rows[:b, :width] = host_table
         rows[:b, width:] = NULL_PAGE
         rows[b:] = NULL_PAGE
-        self._upload()
+        self._upload(bucket, sampling is not None)
 
-    def _upload(self) -> None:
+    def _upload(self, bucket: int, sampled: bool) -> None:
+        used = bucket * self.shape.max_pages
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_i32.copy_(self.host_i32, non_blocking=True)
-        self.dev_f32.copy_(self.host_f32, non_blocking=True)
+        self.dev_i32[:used].copy_(self.host_i32[:used], non_blocking=True)
+        if sampled:
+            self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def _table(self, buffer: torch.Tensor, bucket: int) -> torch.Tensor:
-        """[bucket, max_pages] view of the block-table part of an int32 buffer."""
-        start, width = self._steps * self.shape.max_batch, self.shape.max_pages
-        return buffer[start : start + bucket * width].view(bucket, width)
+    def _table(self, bucket: int) -> torch.Tensor:
+        """[bucket, max_pages] view of the block table on the device."""
+        width = self.shape.max_pages
+        return self.dev_i32[: bucket * width].view(bucket, width)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from kvcore.ops import (
     pack_pages,
     query_positions,
     slot_mapping_for,
+    slots_at,
     unpack_pages,
 )
 from kvcore.ops import reference as ref
@@ -149,3 +150,21 @@ def test_slot_mapping_for_host_tables_follows_the_rule_position_by_position():
                 expected.append(int(table[b, i]) * page + pos % page if held else -1)
         slots = slot_mapping_for(table, starts, lens, tokens_per_page=page)
         assert slots.tolist() == expected and slots.dtype == torch.int64
+
+
+def test_slots_at_gives_the_same_slots_on_tensors_as_on_numpy_arrays():
+    """The tensor form (what the draft chain's graph computes on the device, run here on
+    the CPU) against the numpy form and the rule, over [rows, q] positions of one row each."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randint(-1, 9, (4, 5), generator=gen, dtype=torch.int32)
+    positions = torch.randint(0, 30, (4, 3), generator=gen)  # past the table too: 5 pages of 4
+    rows = torch.arange(4)[:, None]
+    on_tensors = slots_at(table, rows, positions, 4)
+    on_arrays = slots_at(table.numpy(), rows.numpy(), positions.numpy(), 4)
+    expected = [
+        [int(table[b, p // 4]) * 4 + p % 4 if p // 4 < 5 and int(table[b, p // 4]) != -1 else -1 for p in row]
+        for b, row in enumerate(positions.tolist())
+    ]
+    assert on_tensors.tolist() == on_arrays.tolist() == expected
+    assert on_tensors.dtype == torch.int64
+    assert slots_at(table[:, :0], rows, positions, 4).tolist() == [[-1] * 3] * 4

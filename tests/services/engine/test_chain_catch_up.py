@@ -19,10 +19,12 @@ def test_load_widens_spans_at_the_front():
     features = torch.tensor([[1.0, 1], [2, 2], [3, 3]])  # request 0: one slot, request 1: two
     pending = PendingSpans([5, 8], [[50], [80, 81]], features)
     table = np.array([[7, 3, 9], [2, 6, 1]], dtype=np.int32)  # pages of 4 tokens
-    stage.load(pending, table, 4, 4)
-    ids, positions, slots, seq_lens, hidden = stage.inputs(4)
+    stage.load(pending, 4)
+    padded_table = torch.full((4, 3), -1, dtype=torch.int32)  # padding requests: NULL rows
+    padded_table[:2] = torch.from_numpy(table)
+    ids, positions, slots, seq_lens, hidden = stage.inputs(4, padded_table, 4)
     assert ids.view(4, 3).tolist() == [[0, 0, 50], [0, 80, 81], [0, 0, 0], [0, 0, 0]]
-    assert positions.view(4, 3).tolist() == [[3, 4, 5], [7, 8, 9], [0, 0, 0], [0, 0, 0]]
+    assert positions.view(4, 3).tolist() == [[3, 4, 5], [7, 8, 9], [0, 1, 2], [0, 1, 2]]
     # request 0 writes only slot 5 (page 3, offset 1); request 1 slots 8, 9 (page 1)
     assert slots.view(4, 3).tolist() == [[-1, -1, 13], [-1, 4, 5], [-1] * 3, [-1] * 3]
     assert seq_lens.tolist() == [6, 10, 0, 0]
