@@ -135,10 +135,11 @@ def lags_catch_up(graphs: DecodeGraphs, decode: list[Request]) -> bool:
 
 def pending_spans(decode: list[Request]) -> PendingSpans:
     """The requests' pending slots and features, for the chain's catch-up stage."""
+    pieces = [f for r in decode for f in r.pending_features]
     return PendingSpans(
         [r.pending_start for r in decode],
         [r.pending_tokens for r in decode],
-        torch.cat([f for r in decode for f in r.pending_features]),
+        pieces[0] if len(pieces) == 1 else torch.cat(pieces),  # one piece: no copy to launch
     )
 
 
