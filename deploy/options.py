@@ -108,7 +108,7 @@ class EngineOptions:
     draft_quantization: str = _option(
         "none",
         "fp8: the drafter's own weights (fc, its layers, its LM head) also in e4m3 with a scale "
-        "per row, read by its matmuls of at most 16 rows (half the bytes per draft; larger ones "
+        "per row, read by its one-row matmuls (half the bytes per draft at batch 1; larger ones "
         "read the weight as loaded: the drafter takes 1.5x its memory); verification stays in "
         "the target's dtype, so greedy output is unchanged, but acceptance may drop",
         choices=DRAFT_QUANTIZATIONS,
