@@ -16,8 +16,9 @@ A second, synchronized run of each configuration splits its steps into the phase
 ``bench.decode_run.PHASES`` and the rest (host work, sampling, acceptance).
 
 Roofline of a step: bytes it must read (every weight matrix it multiplies by, once per
-forward: the target once, the drafter's layer K times and its head K times, ``fc`` once;
-KV of the context, target and drafter) over the copy rate measured in the run.
+forward: the target once, the drafter's layer K times (once in the catch-up stage over
+K + 1 rows per request, K - 1 times in the chain) and its head K times, ``fc`` once; KV of
+the context, target and drafter) over the copy rate measured in the run.
 """
 
 from __future__ import annotations
@@ -158,9 +159,10 @@ def step_rooflines(engine: Engine, batch: int, context: int, rate_gbs: float) ->
     base = target + target_kv
     spec = base
     if engine.drafter is not None:
-        d, k = engine.drafter, engine.k
-        layer = matrix_bytes(d, ("lm_head", "fc.", "embed_tokens"), batch)
-        spec += matrix_bytes(d.fc, rows=batch * (k + 1)) + k * (layer + matrix_bytes(d.lm_head, rows=batch))
+        d, k, widened = engine.drafter, engine.k, batch * (engine.k + 1)
+        layer = lambda rows: matrix_bytes(d, ("lm_head", "fc.", "embed_tokens"), rows)  # noqa: E731
+        spec += matrix_bytes(d.fc, rows=widened) + layer(widened)  # the catch-up stage: K + 1 rows each
+        spec += (k - 1) * layer(batch) + k * matrix_bytes(d.lm_head, rows=batch)
         spec += k * batch * context * kv_bytes_per_token(1)
     return 1e3 * base / (rate_gbs * 1e9), 1e3 * spec / (rate_gbs * 1e9)
 
