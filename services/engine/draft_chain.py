@@ -13,11 +13,11 @@ bit for bit what ``probs_for_rows`` gives the same row in the eager chain.
 Nothing in it depends on the host once g_n is in place: the positions, KV slots and
 sequence lengths of all K - 1 chain forwards follow from each request's n and its block
 table, which one upload brings; the graph derives them (``kvcore.ops.slots_at``) and one
-replay runs the whole chain. g_n comes in from a separate
-catch-up forward, or the chain's graph computes it first (``chain_catch_up.py``: every
-pending span widened to K + 1 tokens), so a drafting step replays one graph for both. The
-drafts stay on the device (``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q``
-[bucket, K, vocab] float32) for the target's verify forward and the acceptance to read.
+replay runs the whole chain. g_n comes in from a separate catch-up forward, or the chain's
+graph computes it first (``chain_catch_up.py``: every pending span widened to K + 1
+tokens), so a drafting step replays one graph for both. The drafts stay on the device
+(``out`` [bucket, K] int64; SAMPLED and FILTERED also ``q`` [bucket, K, vocab] float32)
+for the target's verify forward and the acceptance to read.
 
 Rows b .. bucket - 1 of a bucket are padding, as in :mod:`services.engine.graphed_forward`:
 n = -1 and NULL table rows, so seq_len 0 and slot -1: they touch no page; their drafts are
