@@ -107,6 +107,12 @@ def plain_steps(engine: Engine) -> int:
     return engine.adaptive.plain_steps if engine.adaptive is not None else 0
 
 
+UNUSED = {  # options the other shape's run reads, refused when given
+    "tiny": ("als", "ks"),
+    "8b": ("k", "device", "modes", "kernels", "chain", "temperature", "seed", "adaptive", "forced_al"),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,16")
@@ -136,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         "--host-profile", type=int, default=0, help="N > 0: print each engine's N costliest host functions"
     )
     a = p.parse_args(argv)
+    unused = [f"--{n.replace('_', '-')}" for n in UNUSED[a.shape] if getattr(a, n) != p.get_default(n)]
+    if unused:
+        p.error(f"{', '.join(unused)}: not used with --shape {a.shape}")
     a.quantizations = [q if q != "none" else "" for q in a.draft_quantization.split(",")]
     if any(q not in ("", "fp8") for q in a.quantizations):
         p.error(f"--draft-quantization: none, fp8 or none,fp8, got {a.draft_quantization!r}")

@@ -281,18 +281,21 @@ def print_timeline(label: str, t: Timeline) -> None:
                 print(f"    {ms:8.3f}  {name}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=("tiny", "8b"), default="tiny")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--al", type=int, default=4, help="forced acceptance length (8b only)")
+    p.add_argument("--al", type=int, help="forced acceptance length (8b only; default 4)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--draft-quantization", default="none")
     p.add_argument("--json", help="write the timelines here")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.shape == "tiny" and a.al is not None:
+        p.error("--al: the tiny pair runs at its natural acceptance; forced AL is for --shape 8b")
+    a.al = 4 if a.al is None else a.al
     if not torch.cuda.is_available():
         sys.exit("step_timeline: needs a CUDA device (it profiles GPU kernels)")
     prompts, out = prompts_for(a), {}

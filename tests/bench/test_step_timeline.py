@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import bench.step_timeline as st
 
 
@@ -58,3 +60,12 @@ def test_the_host_clock_charges_a_call_its_time_less_its_marked_callees(monkeypa
     outer = clock.wrap("outer", lambda: inner())
     outer()
     assert dict(clock.own) == {"inner": 3.0, "outer": 7.0}
+
+
+def test_forced_acceptance_is_refused_for_the_tiny_pair(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        st.main(["--shape", "tiny", "--al", "3"])
+    assert (
+        exit_.value.code == 2
+        and "--al: the tiny pair runs at its natural acceptance" in capsys.readouterr().err
+    )
