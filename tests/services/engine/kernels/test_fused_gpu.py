@@ -117,7 +117,8 @@ def test_gemv_matches_linear_and_is_deterministic(m, n, k, split_k):
 
 @pytest.mark.parametrize("m", [1, 5, 64, 65, 320])
 @pytest.mark.parametrize(
-    "n, k, split_k", [(300, 1000, 1), (4096, 14336, 1), (4096, 14336, 4), (6144, 8192, 1), (28672, 512, 1)]
+    "n, k, split_k",
+    [(300, 1000, 1), (4096, 14336, 1), (4096, 14336, 4), (6144, 8192, 1), (28672, 512, 1), (32000, 4096, 1)],
 )
 def test_fp8_gemv_matches_reference_and_is_deterministic(m, n, k, split_k):
     """Both multiply bf16 x by e4m3 values widened exactly and accumulate in float32; they
