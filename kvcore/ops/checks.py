@@ -57,12 +57,13 @@ def check_attention(
     kv_pool: torch.Tensor,
     layer: int,
     block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     seq_lens: torch.Tensor,
     window: int,
     key_start: int = 0,
 ) -> None:
-    """query: [num_tokens, num_q_heads, head_dim]."""
+    """query: [num_tokens, num_q_heads, head_dim]; query_start_loc None: a uniform batch
+    (decode, verify), whose caller checks the token count."""
     check_pool(kv_pool, layer)
     if query.dim() != 3:
         fail("query", f"expected [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
@@ -76,12 +77,13 @@ def check_attention(
     if query.shape[1] % num_kv_heads != 0:
         fail("query", f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     check_index(block_table, "block_table", 2, kv_pool.device)
-    check_index(query_start_loc, "query_start_loc", 1, kv_pool.device)
+    if query_start_loc is not None:
+        check_index(query_start_loc, "query_start_loc", 1, kv_pool.device)
     check_index(seq_lens, "seq_lens", 1, kv_pool.device)
     batch = seq_lens.shape[0]
     if block_table.shape[0] != batch:
         fail("block_table", f"has {block_table.shape[0]} rows for batch {batch}")
-    if query_start_loc.shape[0] != batch + 1:
+    if query_start_loc is not None and query_start_loc.shape[0] != batch + 1:
         fail("query_start_loc", f"has {query_start_loc.shape[0]} entries, expected batch + 1 = {batch + 1}")
     if window < 0:
         fail("window", f"must be >= 0, got {window}")

@@ -2,7 +2,8 @@
 
 Importing this module fails without Triton; kvcore.ops then keeps the reference.
 decode_attention and verify_attention never synchronize with the host (their query
-length is static), so they can be captured in a CUDA graph; paged_attention reads the
+length is static, and the kernel derives each sequence's query rows from it: no start
+table is built), so they can be captured in a CUDA graph; paged_attention reads the
 longest query length back once per call.
 """
 
@@ -18,7 +19,6 @@ from kvcore.ops.checks import (
     check_write,
     fail,
 )
-from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.ops.triton_attention import launch_attention
 from kvcore.ops.triton_pages import launch_pack, launch_unpack
 from kvcore.ops.triton_write import launch_write_kv
@@ -46,14 +46,17 @@ def _attention(
     kv_pool: torch.Tensor,
     layer: int,
     block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
     max_q_len: int,
     key_start: int = 0,
 ) -> torch.Tensor:
+    """``query_start_loc`` None: exactly ``max_q_len`` queries per sequence."""
     check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window, key_start)
+    if query_start_loc is None and query.shape[0] != seq_lens.shape[0] * max_q_len:
+        fail("query", f"{query.shape[0]} tokens for {seq_lens.shape[0]} sequences of {max_q_len}")
     _require_contiguous_pool(kv_pool)
     query = _unit_last_stride(query)
     block_table = _unit_last_stride(block_table)
@@ -101,8 +104,7 @@ def decode_attention(
     window: int = 0,
     key_start: int = 0,
 ) -> torch.Tensor:
-    starts = uniform_query_start_loc(seq_lens, 1)
-    return _attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, 1, key_start)
+    return _attention(query, kv_pool, layer, block_table, None, seq_lens, scale, window, 1, key_start)
 
 
 def verify_attention(
@@ -119,8 +121,7 @@ def verify_attention(
         fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
     batch, q_len = query.shape[:2]
     flat = query.reshape(batch * q_len, *query.shape[2:])
-    starts = uniform_query_start_loc(seq_lens, q_len)
-    out = _attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, q_len, key_start)
+    out = _attention(flat, kv_pool, layer, block_table, None, seq_lens, scale, window, q_len, key_start)
     return out.view(query.shape)
 
 

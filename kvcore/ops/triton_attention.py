@@ -61,13 +61,18 @@ def _attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     Q_CLAMP: tl.constexpr,
+    UNIFORM_Q: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     first_q = (tl.program_id(0) % num_q_blocks) * BLOCK_Q
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(starts_ptr + seq)
-    q_len = tl.load(starts_ptr + seq + 1) - q_start
+    if UNIFORM_Q > 0:  # every sequence has UNIFORM_Q queries: no start table to read
+        q_start = seq * UNIFORM_Q
+        q_len = UNIFORM_Q
+    else:
+        q_start = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     if first_q >= q_len:
         return
@@ -254,7 +259,7 @@ def launch_attention(
     kv_pool: torch.Tensor,
     layer: int,
     block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
@@ -263,7 +268,9 @@ def launch_attention(
     **overrides,
 ) -> torch.Tensor:
     """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
-    every sequence's query length; ``overrides`` go to :func:`choose_config`."""
+    every sequence's query length; ``query_start_loc`` None: every sequence has exactly
+    ``max_q_len`` (decode, verify), and the kernel reads no start table. ``overrides`` go
+    to :func:`choose_config`."""
     num_tokens, num_q_heads, head_dim = query.shape
     batch, num_kv_heads = seq_lens.shape[0], kv_pool.shape[3]
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
@@ -285,7 +292,7 @@ def launch_attention(
         query,
         kv_pool,
         block_table,
-        query_start_loc,
+        seq_lens if query_start_loc is None else query_start_loc,  # placeholder when uniform
         seq_lens,
         layer * kv_pool.stride(1),
         cfg.num_q_blocks,
@@ -313,6 +320,7 @@ def launch_attention(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=q_clamp,
+        UNIFORM_Q=max_q_len if query_start_loc is None else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
