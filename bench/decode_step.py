@@ -44,6 +44,7 @@ from bench.decode_inputs import build_target, llama_8b, make_pool, step_batch, t
 from services.engine import kernels  # noqa: E402
 from services.engine.cuda_graphs import GraphedForward  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
+from services.engine.sampler import argmax_rows  # noqa: E402
 
 
 def weight_bytes_per_step(model: LlamaForCausalLM, batch: int) -> int:
@@ -73,7 +74,7 @@ def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: i
 def greedy_step(model: LlamaForCausalLM):
     def forward(input_ids, positions, hidden, ctx):
         logits = model.compute_logits(model(input_ids, positions, ctx).hidden)
-        return (logits.argmax(dim=-1),)
+        return (argmax_rows(logits),)  # the engine's greedy argmax
 
     return forward
 

@@ -14,6 +14,7 @@ from kvcore.ops.dispatch import (
     unpack_pages,
     verify_attention,
     write_kv,
+    write_rotated_kv,
 )
 from kvcore.ops.slots import query_positions, slot_mapping_for, slots_at, uniform_slots
 
@@ -30,4 +31,5 @@ __all__ = [
     "unpack_pages",
     "verify_attention",
     "write_kv",
+    "write_rotated_kv",
 ]

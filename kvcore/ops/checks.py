@@ -52,6 +52,31 @@ def check_write(
         fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
+def check_write_rotated(
+    kv_pool: torch.Tensor,
+    layer: int,
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]; cos/sin [num_tokens, 1,
+    head_dim] float32."""
+    check_pool(kv_pool, layer)
+    num_kv, head_dim = kv_pool.shape[3], kv_pool.shape[5]
+    if qkv.dim() != 3 or tuple(qkv.shape[1:]) != (num_q_heads + 2 * num_kv, head_dim):
+        fail("qkv", f"expected [num_tokens, {num_q_heads + 2 * num_kv}, {head_dim}], got {tuple(qkv.shape)}")
+    if head_dim % 2:
+        fail("qkv", f"head_dim {head_dim} is odd: rotate-half needs pairs")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or t.numel() != qkv.shape[0] * head_dim:
+            fail(name, f"expected [{qkv.shape[0]}, 1, {head_dim}] float32, got {tuple(t.shape)} {t.dtype}")
+    check_index(slot_mapping, "slot_mapping", 1, kv_pool.device)
+    if slot_mapping.shape[0] != qkv.shape[0]:
+        fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {qkv.shape[0]} tokens")
+
+
 def check_attention(
     query: torch.Tensor,
     kv_pool: torch.Tensor,

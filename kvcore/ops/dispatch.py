@@ -33,6 +33,21 @@ def write_kv(
     impl.write_kv(kv_pool, layer, key, value, slot_mapping)
 
 
+def write_rotated_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate a merged q/k/v's q and k (rotate-half RoPE) and store k and v at the slots,
+    in one pass; returns the rotated q. See reference.write_rotated_kv."""
+    impl = _on_gpu(kv_pool) or reference
+    return impl.write_rotated_kv(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_pool: torch.Tensor,

@@ -17,11 +17,12 @@ from kvcore.ops.checks import (
     check_page_ids,
     check_pool,
     check_write,
+    check_write_rotated,
     fail,
 )
 from kvcore.ops.triton_attention import launch_attention
 from kvcore.ops.triton_pages import launch_pack, launch_unpack
-from kvcore.ops.triton_write import launch_write_kv
+from kvcore.ops.triton_write import launch_write_kv, launch_write_rotated_kv
 
 
 def _require_contiguous_pool(kv_pool: torch.Tensor) -> None:
@@ -39,6 +40,23 @@ def write_kv(
     check_write(kv_pool, layer, key, value, slot_mapping)
     _require_contiguous_pool(kv_pool)
     launch_write_kv(kv_pool, layer, _unit_last_stride(key), _unit_last_stride(value), slot_mapping)
+
+
+def write_rotated_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    check_write_rotated(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+    _require_contiguous_pool(kv_pool)
+    n, head_dim = qkv.shape[0], qkv.shape[2]
+    cos, sin = cos.reshape(n, head_dim), sin.reshape(n, head_dim)  # halves repeat: read the first
+    qkv = _unit_last_stride(qkv)
+    return launch_write_rotated_kv(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
 
 
 def _attention(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops.checks import check_attention, check_write
+from kvcore.ops.checks import check_attention, check_write, check_write_rotated
 from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.spec import NULL_PAGE
 
@@ -40,6 +40,30 @@ def write_kv(
     pages, offsets = slots // tokens_per_page, slots % tokens_per_page
     kv_pool[pages, layer, 0, :, offsets] = to_pool_dtype(key[keep], kv_pool.dtype)
     kv_pool[pages, layer, 1, :, offsets] = to_pool_dtype(value[keep], kv_pool.dtype)
+
+
+def write_rotated_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A merged, unrotated q/k/v ``[num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]``
+    (q heads, then k, then v): q and k rotated by rotate-half RoPE (pairs i, i + head_dim / 2;
+    cos/sin ``[num_tokens, 1, head_dim]`` float32, computed in float32 and rounded to qkv's
+    dtype), k and v stored as :func:`write_kv` stores them. Returns the rotated q
+    ``[num_tokens, num_q_heads, head_dim]``."""
+    check_write_rotated(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+    num_kv = (qkv.shape[1] - num_q_heads) // 2
+    qk = qkv[:, : num_q_heads + num_kv].float()
+    half = qk.shape[-1] // 2
+    rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    qk = (qk * cos + rotated * sin).to(qkv.dtype)
+    write_kv(kv_pool, layer, qk[:, num_q_heads:], qkv[:, num_q_heads + num_kv :], slot_mapping)
+    return qk[:, :num_q_heads]
 
 
 def paged_attention(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.ops import decode_attention, uniform_slots, verify_attention, write_kv
+from kvcore.ops import decode_attention, uniform_slots, verify_attention, write_kv, write_rotated_kv
 from kvcore.spec import NULL_PAGE
 from services.engine.batch import Span
 
@@ -65,6 +65,21 @@ class UniformContext:
     ) -> torch.Tensor:
         """q [batch * q_len, num_heads, head_dim], k/v [batch * q_len, num_kv_heads, head_dim]."""
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
+        return self._attend_written(layer, q, scale)
+
+    def attend_packed(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """qkv [batch * q_len, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE."""
+        q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, *rope, self.slot_mapping)
+        return self._attend_written(layer, q, scale)
+
+    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window, self.key_start)
         if self.q_len == 1:
             return decode_attention(q, *args)

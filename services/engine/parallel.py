@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kvcore.spec import CacheConfig
 from kvcore.transfer import heads_of_rank
+from services.engine import kernels
 
 IDLE_TIMEOUT = timedelta(days=365)
 """Collectives wait this long: followers block on the next step for as long as the
@@ -138,8 +138,8 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, len(cols)] -> [num_tokens, out_features], whole on every rank."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return kernels.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(kernels.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:

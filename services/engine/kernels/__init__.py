@@ -14,6 +14,7 @@ import importlib
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from services.engine.kernels import reference
 
@@ -72,3 +73,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     if gemv is None:
         return reference.fp8_linear(x, weight, scale)
     return gemv.fp8_gemv(x, weight, scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``: x [num_tokens, K], weight [N, K] -> [num_tokens, N]. A CUDA bf16/fp16
+    matmul of 1 to ``DENSE_ROWS`` rows over a weight shape in ``triton_gemv.DENSE_TILES``
+    (those where the weight-streaming kernel measured faster than cuBLAS) runs that kernel."""
+    tiles = _dense_tiles(x, weight)
+    if tiles is None:
+        return F.linear(x, weight, bias)
+    y = _triton("triton_gemv").gemv(x, weight, *tiles)
+    return y if bias is None else y + bias
+
+
+def _dense_tiles(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...] | None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return None
+    gemv = _triton("triton_gemv") if _impl(x) is not reference and weight.stride(-1) == 1 else None
+    if gemv is None or not 0 < x.shape[0] <= gemv.DENSE_ROWS:
+        return None
+    return gemv.DENSE_TILES.get(tuple(weight.shape))

@@ -34,6 +34,7 @@ def _add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # issued with x's load
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +42,6 @@ def _add_rms_norm_kernel(
         tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
         x = s.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, ((x * rstd) * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -25,6 +25,18 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 64
+GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, warps, stages, split_k
+
+# bf16 weights [N, K] whose few-row matmuls this kernel ran faster than cuBLAS (one call's
+# share of a graph over distinct weights, H200, 2026-12-01 and 2026-12-02): the 8B o
+# projection (12.0 against 13.8 us at one row), the Llama-3 LM head (241.8 against 252.0)
+# and the EAGLE-3 drafter's head. Every other shape stays with cuBLAS.
+DENSE_TILES: dict[tuple[int, int], GemvTiles] = {
+    (4096, 4096): (32, 256, 4, 4, 1),
+    (128256, 4096): (64, 128, 4, 3, 1),
+    (32000, 4096): (64, 128, 4, 3, 1),
+}
+DENSE_ROWS = 16  # up to one padded dot block: a row's result does not depend on the others
 
 
 @triton.jit
@@ -76,7 +88,7 @@ def gemv(
     num_stages: int = 4,
     split_k: int = 1,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 64), weight [N, K] row-major -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 64), weight [N, K] with unit stride along K -> [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.ops import paged_attention, write_kv
+from kvcore.ops import paged_attention, write_kv, write_rotated_kv
 from services.engine import kernels
 from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
 from services.engine.models.layers import RMSNorm, merge_linears
@@ -34,6 +34,11 @@ from services.engine.parallel import (
 
 
 class KVContext(Protocol):
+    """Attends q to the keys before it; a paged context first writes k and v. A paged
+    context also offers ``attend_packed(layer, qkv, num_q_heads, rope, scale)``: the
+    merged q/k/v before RoPE, which it rotates as it writes (kvcore's
+    ``write_rotated_kv``, one kernel on CUDA)."""
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor: ...
@@ -56,6 +61,21 @@ class PagedContext:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
+        return self._attend_written(layer, q, scale)
+
+    def attend_packed(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE."""
+        q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, *rope, self.slot_mapping)
+        return self._attend_written(layer, q, scale)
+
+    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         return paged_attention(
             q,
             self.kv_pool,
@@ -164,8 +184,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
-        q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
-        out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
+        packed = getattr(ctx, "attend_packed", None)
+        if self.qkv is not None and not self.qk_norm and packed is not None:
+            qkv = linear(x, *self.qkv).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            out = packed(layer, qkv, self.num_heads, rope, self.scale)
+        else:
+            q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
+            out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
     def _separate_qkv(

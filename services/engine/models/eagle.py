@@ -19,12 +19,11 @@ optionally ``lm_head`` with ``d2t``/``t2d`` (a reduced draft vocabulary) and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import NUM_AUX_LAYERS, EagleConfig
-from services.engine.models.fp8 import fp8_linear_of
+from services.engine.models.fp8 import fp8_linear_of, linear
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from services.engine.parallel import SINGLE, TensorParallel
@@ -141,8 +140,8 @@ class Eagle3Drafter(nn.Module):
         ids outside a reduced draft vocabulary get -inf."""
         h = self.norm(g)
         if self.lm_head is None:
-            return F.linear(h, target.head_weight).float()
-        logits = self.lm_head(h).float()  # [num_rows, draft_vocab_size]
+            return target.head(h).float()
+        logits = linear(h, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, draft_vocab_size]
         if self.config.draft_vocab_size == self.config.vocab_size:
             return logits
         full = logits.new_full((h.shape[0], self.config.vocab_size), float("-inf"))

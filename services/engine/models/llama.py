@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.engine import kernels
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] logits in
         the model's dtype."""
-        return F.linear(hidden, self.head_weight)
+        return kernels.linear(hidden, self.head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] float32:

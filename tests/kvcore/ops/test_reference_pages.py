@@ -54,6 +54,43 @@ def test_write_kv_fp8_saturates():
     assert torch.equal(pool[1, 0, 1, :, 1].float(), torch.full((4, 8), -448.0))
 
 
+def rope_tables(n: int, head_dim: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, 1, head_dim] float32 whose halves repeat, as the models' Rotary gives."""
+    angles = torch.rand(n, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_rotated_kv_is_rotation_then_write(dtype):
+    """q and k turn by pairs (i, i + head_dim / 2) in float32, rounded to qkv's dtype; the
+    rotated k and the untouched v land where write_kv puts them."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(5, 8 + 2 * 4, 8, generator=gen) * 3).to(torch.bfloat16)  # 8 q, 4 k, 4 v heads
+    cos, sin = rope_tables(5, 8)
+    slots = torch.tensor([9, -1, 0, 23, -1])
+    pool, expected = random_pool(dtype), random_pool(dtype)
+    q = ref.write_rotated_kv(pool, 1, qkv, 8, cos, sin, slots)
+    x = qkv[:, :12].float()
+    x1, x2 = x[..., :4], x[..., 4:]
+    c, s = cos[..., :4], sin[..., :4]
+    turned = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(torch.bfloat16)
+    ref.write_kv(expected, 1, turned[:, 8:], qkv[:, 12:], slots)
+    assert q.shape == (5, 8, 8) and torch.equal(q, turned[:, :8])
+    assert torch.equal(bits(pool[:, 0]), bits(expected[:, 0])) and torch.equal(
+        bits(pool[:, 2]), bits(expected[:, 2])
+    )
+
+
+def test_write_rotated_kv_rejects_a_qkv_of_other_heads():
+    pool = random_pool(torch.float32)
+    cos, sin = rope_tables(2, 8)
+    with pytest.raises(ValueError, match="^qkv:"):
+        ref.write_rotated_kv(pool, 0, torch.zeros(2, 8 + 4, 8), 8, cos, sin, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="^cos:"):
+        ref.write_rotated_kv(pool, 0, torch.zeros(2, 16, 8), 8, cos[:1], sin, torch.tensor([0, 1]))
+
+
 def test_write_kv_rejects_mismatched_shapes():
     pool = random_pool(torch.float32)
     with pytest.raises(ValueError, match="^key:"):

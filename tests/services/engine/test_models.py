@@ -161,3 +161,23 @@ def test_drafter_must_fit_the_target():
     )
     with pytest.raises(ValueError, match="aux_layer_ids"):
         config.check_target(target_config())
+
+
+def test_merged_projections_write_the_same_pages_as_separate_ones():
+    """A merged q/k/v goes through the paged context's ``attend_packed`` (RoPE applied as
+    the KV is written, kvcore's ``write_rotated_kv``); separate ones rotate, then write.
+    Same hidden states, same pages."""
+    model = LlamaForCausalLM(target_config()).eval()
+    randomize(model, 5)
+    c = model.config
+    ids, positions = torch.randint(0, c.vocab_size, (10,)), torch.arange(10)
+    contexts = [
+        paged_context(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, [(0, 10)]) for _ in "ab"
+    ]
+    with torch.inference_mode():
+        separate = model(ids, positions, contexts[0]).hidden
+        model.merge_projections()
+        merged = model(ids, positions, contexts[1]).hidden
+    torch.testing.assert_close(merged, separate, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(contexts[1].kv_pool, contexts[0].kv_pool, rtol=1e-5, atol=1e-5)
+    assert contexts[1].kv_pool[:3].abs().sum() > 0

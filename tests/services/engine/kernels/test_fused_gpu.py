@@ -138,6 +138,25 @@ def test_fp8_gemv_matches_reference_and_is_deterministic(m, n, k, split_k):
     assert torch.equal(out[:1], fp8_gemv(x[:1], w.data, w.scale, tiles))  # rows alone
 
 
+@pytest.mark.parametrize("n, k", [(4096, 4096), (32000, 4096), (128256, 4096)])
+def test_dense_linear_streams_the_listed_shapes_and_rows_stay_alone(n, k):
+    """``kernels.linear`` runs the GEMV for 1..DENSE_ROWS rows of a listed shape: within
+    one bf16 ulp of cuBLAS, and a row's bits do not depend on the rows beside it; past
+    DENSE_ROWS it is cuBLAS exactly."""
+    from services.engine import kernels
+    from services.engine.kernels.triton_gemv import DENSE_ROWS, DENSE_TILES, gemv
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(DENSE_ROWS + 1, k, device="cuda", generator=g).to(torch.bfloat16)
+    for m in (1, 5, DENSE_ROWS):
+        out = kernels.linear(x[:m], w)
+        assert torch.equal(out, gemv(x[:m], w, *DENSE_TILES[(n, k)]))
+        assert close(out, torch.nn.functional.linear(x[:m], w))
+        assert torch.equal(out[:1], kernels.linear(x[:1], w))
+    assert torch.equal(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+
+
 def test_fp8_linear_takes_the_kernel_for_bf16_on_cuda():
     from services.engine import kernels
     from services.engine.models.fp8 import quantize_fp8

@@ -47,3 +47,15 @@ def test_merged_projections_keep_names_values_and_outputs():
     assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr()  # a view, not a copy
     torch.testing.assert_close(out.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.aux, ref.aux, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_is_f_linear_off_cuda():
+    """On the CPU ``kernels.linear`` is ``F.linear``, for a shape the GEMV lists too."""
+    from services.engine import kernels
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
+    assert torch.equal(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    xb = torch.randn(2, 4096, generator=g).to(torch.bfloat16)
+    wb = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
+    assert torch.equal(kernels.linear(xb, wb), torch.nn.functional.linear(xb, wb))
