@@ -2,6 +2,7 @@
 
 import torch
 
+from services.engine import kernels
 from services.engine.kernels import reference
 from services.engine.models import DenseContext, LlamaConfig, LlamaForCausalLM
 
@@ -51,8 +52,6 @@ def test_merged_projections_keep_names_values_and_outputs():
 
 def test_linear_is_f_linear_off_cuda():
     """On the CPU ``kernels.linear`` is ``F.linear``, for a shape the GEMV lists too."""
-    from services.engine import kernels
-
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
     assert torch.equal(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b))
