@@ -131,8 +131,12 @@ def _write_rotated_kernel(
         if slot >= 0:
             kv_head = head - NUM_Q
             v_src = qkv_ptr + token * stride_t + (NUM_Q + NUM_KV + kv_head) * stride_h
-            v1 = tl.load(v_src + d, mask=m, other=0.0)
-            v2 = tl.load(v_src + HALF + d, mask=m, other=0.0)
+            k1, k2 = r1.to(tl.float32), r2.to(tl.float32)  # new names: r1/r2 keep their type
+            v1 = tl.load(v_src + d, mask=m, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + HALF + d, mask=m, other=0.0).to(tl.float32)
+            if FP8_MAX > 0:  # saturate instead of overflowing to NaN
+                k1, k2 = tl.clamp(k1, -FP8_MAX, FP8_MAX), tl.clamp(k2, -FP8_MAX, FP8_MAX)
+                v1, v2 = tl.clamp(v1, -FP8_MAX, FP8_MAX), tl.clamp(v2, -FP8_MAX, FP8_MAX)
             dst = (
                 kv_ptr
                 + layer_offset
@@ -140,14 +144,9 @@ def _write_rotated_kernel(
                 + (slot % PAGE) * (2 * HALF)
                 + kv_head * stride_head
             )
-            if FP8_MAX > 0:  # saturate instead of overflowing to NaN
-                r1 = tl.clamp(r1.to(tl.float32), -FP8_MAX, FP8_MAX)
-                r2 = tl.clamp(r2.to(tl.float32), -FP8_MAX, FP8_MAX)
-                v1 = tl.clamp(v1.to(tl.float32), -FP8_MAX, FP8_MAX)
-                v2 = tl.clamp(v2.to(tl.float32), -FP8_MAX, FP8_MAX)
             out_ty = kv_ptr.dtype.element_ty
-            tl.store(dst + d, r1.to(out_ty), mask=m)
-            tl.store(dst + HALF + d, r2.to(out_ty), mask=m)
+            tl.store(dst + d, k1.to(out_ty), mask=m)
+            tl.store(dst + HALF + d, k2.to(out_ty), mask=m)
             tl.store(dst + stride_kv + d, v1.to(out_ty), mask=m)
             tl.store(dst + stride_kv + HALF + d, v2.to(out_ty), mask=m)
 
