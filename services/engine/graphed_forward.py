@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.ops import decode_attention, uniform_slots, verify_attention, write_kv, write_rotated_kv
+from kvcore.ops import decode_attention, uniform_slots, verify_attention
 from kvcore.spec import NULL_PAGE
 from services.engine.batch import Span
+from services.engine.models.attention import WritesPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -48,7 +49,7 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 @dataclass(slots=True)
-class UniformContext:
+class UniformContext(WritesPages):
     """KV context of a batch whose sequences all have ``q_len`` query tokens, the last
     ``q_len`` positions of their ``seq_lens``. Padding rows: seq_len 0, slots -1."""
 
@@ -59,25 +60,6 @@ class UniformContext:
     q_len: int
     window: int = 0
     key_start: int = 0
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """q [batch * q_len, num_heads, head_dim], k/v [batch * q_len, num_kv_heads, head_dim]."""
-        write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
-        return self._attend_written(layer, q, scale)
-
-    def attend_packed(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        num_q_heads: int,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        scale: float,
-    ) -> torch.Tensor:
-        """qkv [batch * q_len, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE."""
-        q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, *rope, self.slot_mapping)
-        return self._attend_written(layer, q, scale)
 
     def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window, self.key_start)

@@ -34,32 +34,27 @@ from services.engine.parallel import (
 
 
 class KVContext(Protocol):
-    """Attends q to the keys before it; a paged context first writes k and v. A paged
-    context also offers ``attend_packed(layer, qkv, num_q_heads, rope, scale)``: the
-    merged q/k/v before RoPE, which it rotates as it writes (kvcore's
-    ``write_rotated_kv``, one kernel on CUDA)."""
+    """Attends q to the keys before it; a paged context (:class:`WritesPages`) first
+    writes k and v, and also takes the merged q/k/v before RoPE (``attend_packed``)."""
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor: ...
 
 
-@dataclass(slots=True)
-class PagedContext:
-    """One forward's view of one layer group. Queries of sequence b are the positions
-    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; their K/V are written before attending."""
+class WritesPages:
+    """The writing half of a paged context: K/V go to ``self.kv_pool`` at
+    ``self.slot_mapping`` (slot -1: not written), then ``self._attend_written(layer, q,
+    scale)`` attends over the pages. Tensors are flat over tokens."""
 
-    kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
-    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
-    query_start_loc: torch.Tensor  # [batch + 1] int32
-    seq_lens: torch.Tensor  # [batch] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
-    window: int = 0
-    key_start: int = 0  # positions below it are written but never attended
+    __slots__ = ()
+    kv_pool: torch.Tensor
+    slot_mapping: torch.Tensor
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]."""
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
         return self._attend_written(layer, q, scale)
 
@@ -71,9 +66,27 @@ class PagedContext:
         rope: tuple[torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor:
-        """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE."""
+        """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE; rope:
+        cos, sin [num_tokens, 1, head_dim] float32. q and k are rotated as k is written."""
         q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, *rope, self.slot_mapping)
         return self._attend_written(layer, q, scale)
+
+    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class PagedContext(WritesPages):
+    """One forward's view of one layer group. Queries of sequence b are the positions
+    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; their K/V are written before attending."""
+
+    kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
+    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    window: int = 0
+    key_start: int = 0  # positions below it are written but never attended
 
     def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         return paged_attention(
@@ -184,10 +197,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
-        packed = getattr(ctx, "attend_packed", None)
-        if self.qkv is not None and not self.qk_norm and packed is not None:
+        if self.qkv is not None and not self.qk_norm and isinstance(ctx, WritesPages):
             qkv = linear(x, *self.qkv).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            out = packed(layer, qkv, self.num_heads, rope, self.scale)
+            out = ctx.attend_packed(layer, qkv, self.num_heads, rope, self.scale)
         else:
             q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
             out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
