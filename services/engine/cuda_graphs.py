@@ -24,7 +24,7 @@ from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
 from services.engine.chain_catch_up import pad_fits
-from services.engine.draft_chain import ChainShape, GraphedDraftChain
+from services.engine.draft_chain import ChainHead, ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import (
     BATCH_BUCKETS,
     GraphedForward,
@@ -236,7 +236,8 @@ class DecodeGraphs:
             capture,
         )
         drafter = lambda ids, hidden, positions, ctx: r.drafter(ids, hidden, positions, ctx, r.target)
-        return GraphedDraftChain(drafter, r.draft_logits, r.kv_pools.tensor(DRAFT_GROUP), k, shape)
+        head = ChainHead(r.draft_logits, r.draft_greedy())
+        return GraphedDraftChain(drafter, head, r.kv_pools.tensor(DRAFT_GROUP), k, shape)
 
     def _batch(
         self,

@@ -46,6 +46,20 @@ from services.engine.sampler import RowParams, argmax_rows, probs_for_rows, samp
 # (input_ids [b], hidden [b, hidden_size], positions [b], ctx) -> g [b, hidden_size]
 DrafterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, UniformContext], torch.Tensor]
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # g [b, hidden_size] -> logits [b, vocab] float32
+GreedyFn = Callable[[torch.Tensor], torch.Tensor]  # g [b, hidden_size] -> argmax of HeadFn's [b] int64
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHead:
+    """The drafter's head: ``logits``, and optionally ``greedy``, their argmax by a cheaper
+    route (the same ids)."""
+
+    logits: HeadFn
+    greedy: GreedyFn | None = None
+
+    def argmax(self, g: torch.Tensor) -> torch.Tensor:
+        """g [b, hidden_size] -> [b] int64: the first maximum of ``logits(g)``."""
+        return self.greedy(g) if self.greedy is not None else argmax_rows(self.logits(g))
 
 
 class Draw(enum.Enum):
@@ -84,7 +98,7 @@ class GraphedDraftChain:
     def __init__(
         self,
         drafter: DrafterFn,
-        head: HeadFn,
+        head: ChainHead,
         kv_pool: torch.Tensor,
         k: int,
         shape: ChainShape,
@@ -176,10 +190,10 @@ class GraphedDraftChain:
             if s:
                 positions, ctx = inputs[s - 1]
                 g = self.drafter(drafts[-1], g, positions, ctx)
-            logits = self.head(g)  # [bucket, vocab]
             if draw is Draw.GREEDY:
-                drafts.append(argmax_rows(logits))
+                drafts.append(self.head.argmax(g))
                 continue
+            logits = self.head.logits(g)  # [bucket, vocab]
             q = probs_for_rows(logits, self._row_params(bucket, draw))
             seeds, starts = self._i64_row(0, bucket), self._i64_row(2, bucket)
             drafts.append(sample(q, seeds, starts + s + 1, DRAFT))

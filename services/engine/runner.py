@@ -7,6 +7,8 @@ decode-step batches go through ``graphs`` when the engine set them (CUDA graphs)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP, KVCacheManager, KVPools, Owner
@@ -15,6 +17,7 @@ from services.engine.batch import GraphedForwards, Span, TargetRun
 from services.engine.lockstep import Lockstep
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
 from services.engine.models.eagle import DRAFT_KEY_START
+from services.engine.sampler import argmax_rows
 
 __all__ = ["DRAFT_GROUP", "TARGET_GROUP", "ModelRunner", "Span", "TargetRun"]
 
@@ -67,6 +70,21 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.drafter.compute_logits(g, self.target)
+
+    def draft_greedy(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """g [b, hidden_size] -> [b] int64, the argmax of ``draft_logits(g)``, taken over
+        the drafter's own vocabulary: no full-vocabulary logits are built. None when its
+        draft-to-target map is not increasing (the first maximum could then differ)."""
+        ids = self.drafter.target_ids()
+        if ids is not None and not bool((ids[1:] > ids[:-1]).all()):
+            return None
+
+        @torch.inference_mode()
+        def greedy(g: torch.Tensor) -> torch.Tensor:
+            best = argmax_rows(self.drafter.own_logits(g, self.target))  # [b] draft ids
+            return best if ids is None else ids[best]
+
+        return greedy
 
     def context(self, group: str, spans: list[Span], window: int, key_start: int = 0) -> PagedContext:
         lengths = [len(s.token_ids) for s in spans]

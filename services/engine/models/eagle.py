@@ -138,13 +138,24 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over target ids;
         ids outside a reduced draft vocabulary get -inf."""
+        logits, ids = self.own_logits(g, target), self.target_ids()
+        if ids is None:
+            return logits
+        full = logits.new_full((g.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, ids] = logits
+        return full
+
+    def own_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """g [num_rows, hidden_size] -> [num_rows, draft_vocab_size] float32: the logits over
+        the drafter's own vocabulary, draft id i being target id ``target_ids()[i]``."""
         h = self.norm(g)
         if self.lm_head is None:
             return target.head(h).float()
-        logits = linear(h, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, draft_vocab_size]
+        return linear(h, self.lm_head.weight, self.lm_head.bias).float()
+
+    def target_ids(self) -> torch.Tensor | None:
+        """[draft_vocab_size] int64: each draft id's target id (i + d2t[i]); None when the
+        draft vocabulary is the target's."""
         if self.config.draft_vocab_size == self.config.vocab_size:
-            return logits
-        full = logits.new_full((h.shape[0], self.config.vocab_size), float("-inf"))
-        ids = torch.arange(self.config.draft_vocab_size, device=h.device) + self.d2t
-        full[:, ids] = logits
-        return full
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t

@@ -5,11 +5,14 @@ cover."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from services.engine.device_step import device_step_fits
 from services.engine.draft_chain import Draw
+from services.engine.models import Eagle3Drafter
 from services.engine.rejection import greedy_accepted, greedy_tokens, greedy_verdict
 from services.engine.sampling import SamplingParams
 from tests.services.engine.chain_helpers import compare_chains
@@ -117,3 +120,28 @@ def test_greedy_verdict_rows_give_the_emitted_tokens():
     assert greedy_tokens(forced.tolist(), 4) == [[1, 2], [4, 50], [7, 8]]
     plain = greedy_verdict(ids[:, :1], best[:, :1])  # a step without drafts
     assert greedy_tokens(plain.tolist(), 1) == [[1], [4], [70]]
+
+
+def test_greedy_head_over_a_reduced_vocabulary_is_the_full_argmax(pair):
+    """With a draft vocabulary smaller than the target's (EAGLE-3's d2t), the chain's greedy
+    head takes the argmax over the drafter's own logits and maps it: the same ids as the
+    argmax of the full-vocabulary logits, ties (first maximum) included. A map that is not
+    increasing gets no such head."""
+    engine = make_engine(pair, k=2)
+    runner, drafter = engine.runner, engine.runner.drafter
+    c = drafter.config
+    reduced = Eagle3Drafter(replace(c, draft_vocab_size=c.vocab_size // 2))
+    reduced.load_state_dict(
+        {k: v for k, v in drafter.state_dict().items() if not k.startswith("lm_head")}, strict=False
+    )
+    kept = torch.randperm(c.vocab_size, generator=torch.Generator().manual_seed(0))[: c.vocab_size // 2]
+    reduced.d2t.copy_(kept.sort().values - torch.arange(c.vocab_size // 2))
+    runner.drafter = reduced
+    g = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reduced.lm_head.weight[1] = reduced.lm_head.weight[0]  # draft ids 0 and 1 tie on every row
+        g[5] = 0
+        greedy = runner.draft_greedy()
+        assert torch.equal(greedy(g), runner.draft_logits(g).argmax(dim=-1))
+        reduced.d2t[:2] = torch.stack([kept.sort().values[1], kept.sort().values[0]]) - torch.arange(2)
+        assert runner.draft_greedy() is None
