@@ -121,10 +121,11 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)  # [head_dim]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] float32."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, hd / 2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] float32, whose two
+        halves repeat (the position, made float32, times each frequency)."""
+        angles = positions[:, None, None] * self.inv_freq  # [num_tokens, 1, head_dim] float32
         return angles.cos(), angles.sin()
