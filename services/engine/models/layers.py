@@ -127,5 +127,5 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] float32, whose two
         halves repeat (the position, made float32, times each frequency)."""
-        angles = positions[:, None, None] * self.inv_freq  # [num_tokens, 1, head_dim] float32
+        angles = positions[:, None, None] * self.inv_freq.float()  # [num_tokens, 1, head_dim]
         return angles.cos(), angles.sin()
