@@ -17,7 +17,7 @@ from services.engine.models import (
     load_target,
     save_model,
 )
-from services.engine.models.layers import rope_inv_freq
+from services.engine.models.layers import Rotary, rope_inv_freq
 from tests.services.engine.helpers import drafter_config, randomize, target_config
 
 PAGE = 4
@@ -181,3 +181,15 @@ def test_merged_projections_write_the_same_pages_as_separate_ones():
     torch.testing.assert_close(merged, separate, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(contexts[1].kv_pool, contexts[0].kv_pool, rtol=1e-5, atol=1e-5)
     assert contexts[1].kv_pool[:3].abs().sum() > 0
+
+
+def test_rope_tables_stay_float32_in_a_bf16_model():
+    """cos/sin are float32 whatever the model's dtype (its frequency buffer is cast with it),
+    halves repeating: what kvcore's write_rotated_kv and the rotate kernels take."""
+    rotary = Rotary(16, 10000.0, None).to(torch.bfloat16)
+    positions = torch.tensor([0, 5, 4095])
+    cos, sin = rotary(positions)
+    angles = positions.float()[:, None] * rotary.inv_freq[:8].float()[None, :]
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (3, 1, 16)
+    assert torch.equal(cos[:, 0, :8], angles.cos()) and torch.equal(cos[:, 0, 8:], angles.cos())
+    assert torch.equal(sin[:, 0, 8:], angles.sin())
