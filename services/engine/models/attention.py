@@ -198,8 +198,7 @@ class Attention(nn.Module):
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
         if self.qkv is not None and not self.qk_norm and isinstance(ctx, WritesPages):
-            qkv = linear(x, *self.qkv).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            out = ctx.attend_packed(layer, qkv, self.num_heads, rope, self.scale)
+            out = ctx.attend_packed(layer, self._merged_qkv(x), self.num_heads, rope, self.scale)
         else:
             q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
             out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
@@ -216,12 +215,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return kernels.rotate_heads(q, *rope), kernels.rotate_heads(k, *rope), v
 
+    def _merged_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, input_size] -> [n, num_heads + 2 * num_kv_heads, head_dim]: q heads, k heads,
+        v heads from the one merged matmul, before RoPE."""
+        heads = self.num_heads + 2 * self.num_kv_heads
+        return linear(x, *self.qkv).view(x.shape[0], heads, self.head_dim)
+
     def _rotated_qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The merged path: one matmul; q and k rotated by one launch (after their norms)."""
-        n, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, *self.qkv).view(n, hq + 2 * hk, d)  # q heads, k heads, v heads
+        hq, hk = self.num_heads, self.num_kv_heads
+        qkv = self._merged_qkv(x)
         qk = qkv[:, : hq + hk]
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
