@@ -53,6 +53,7 @@ class ChainCatchUp:
         self.host = torch.zeros(2 * self.tokens + 2 * self.max_batch, dtype=torch.int64, pin_memory=pinned)
         self.host[2 * self.tokens + self.max_batch :] = q_len  # pad: every request padding
         self.dev = self.host.to(device)
+        self.np_host = self.host.numpy()
         self.offsets = torch.arange(q_len, device=device)  # [L]
         self.row_ids = torch.arange(self.max_batch, device=device)[:, None]  # [max_batch, 1]
         self.copied = torch.cuda.Event() if pinned else None
@@ -67,7 +68,7 @@ class ChainCatchUp:
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffer is free again
         L, t, mb, b = self.q_len, self.tokens, self.max_batch, len(pending.starts)
-        host = self.host.numpy()
+        host = self.np_host
         ids = host[:t].reshape(mb, L)
         lens = np.fromiter(map(len, pending.tokens), np.int64, b)
         pad = L - lens
