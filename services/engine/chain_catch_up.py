@@ -53,7 +53,6 @@ class ChainCatchUp:
         self.host = torch.zeros(2 * self.tokens + 2 * self.max_batch, dtype=torch.int64, pin_memory=pinned)
         self.host[2 * self.tokens + self.max_batch :] = q_len  # pad: every request padding
         self.dev = self.host.to(device)
-        self.np_host = self.host.numpy()
         self.offsets = torch.arange(q_len, device=device)  # [L]
         self.row_ids = torch.arange(self.max_batch, device=device)[:, None]  # [max_batch, 1]
         self.copied = torch.cuda.Event() if pinned else None
@@ -68,7 +67,7 @@ class ChainCatchUp:
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffer is free again
         L, t, mb, b = self.q_len, self.tokens, self.max_batch, len(pending.starts)
-        host = self.np_host
+        host = self.host.numpy()
         ids = host[:t].reshape(mb, L)
         lens = np.fromiter(map(len, pending.tokens), np.int64, b)
         pad = L - lens

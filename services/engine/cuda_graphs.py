@@ -100,8 +100,6 @@ class DecodeGraphs:
             capture=capture,
         )
         self.target = target_graph(verify_len)
-        t = self.target  # its input ids as [max_batch, K + 1]; the drafts go to columns 1..K
-        self.draft_ids = t.dev_i64[: t.max_tokens].view(t.max_batch, t.q_len)[:, 1:]
         self.plain = target_graph(1) if verify_len > 1 else None  # steps without drafts
         self.drafter = self.catch_up = self.lagged = None
         self.chain: GraphedDraftChain | None = None  # drafts on the device, K >= 1
@@ -196,7 +194,8 @@ class DecodeGraphs:
             return None
         bucket = target.load(batch)
         if drafts.shape[1]:
-            self.draft_ids[: batch.batch].copy_(drafts)
+            ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
+            ids[:, 1:].copy_(drafts)
         target.replay(bucket)
         return self._target_run(target, batch.num_tokens)
 

@@ -87,12 +87,12 @@ class ChainSampling:
 class GraphedDraftChain:
     """K drafts per request from g_n, captured per bucket and Draw.
 
-    Static layout: one byte buffer (one copy uploads it) of float32 ``[temperature |
-    top_p | min_p]`` (uploaded for sampled draws only), int64 ``[seeds | top_k | starts]``
-    (starts: each request's n, -1 on a padding row), each ``[max_batch]``, and the int32
-    block table [max_batch, max_pages]; ``g0`` [max_batch, hidden_size]; ``out``
-    [max_batch, K] int64; ``q`` [max_batch, K, vocab] float32; and the catch-up stage's
-    own (``catch``, over K + 1 tokens per request).
+    Static layout: int64 ``[seeds | top_k | starts]``, each ``[max_batch]`` (starts: each
+    request's n, -1 on a padding row); int32 block table [max_batch, max_pages]; float32
+    ``[temperature | top_p | min_p]``, each ``[max_batch]`` (uploaded for sampled draws
+    only); ``g0`` [max_batch, hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch,
+    K, vocab] float32; and the catch-up stage's own (``catch``, over K + 1 tokens per
+    request).
     """
 
     def __init__(
@@ -107,18 +107,13 @@ class GraphedDraftChain:
         steps, mb = k - 1, shape.max_batch
         device = kv_pool.device
         pinned = shape.capture and device.type == "cuda"
-        self.i64_at = -(-3 * mb * 4 // 8) * 8  # byte offsets in the one staging buffer
-        self.i32_at = self.i64_at + 3 * mb * 8
-        self.host = torch.zeros(self.i32_at + mb * shape.max_pages * 4, dtype=torch.uint8, pin_memory=pinned)
-        self.host_f32, self.host_i64, self.host_i32 = self._views(self.host)
+        self.host_i64 = torch.zeros(3 * mb, dtype=torch.int64, pin_memory=pinned)
         self.host_i64[2 * mb :] = -1  # every row padding
-        self.host_i32.fill_(NULL_PAGE)
+        self.host_i32 = torch.full((mb * shape.max_pages,), NULL_PAGE, dtype=torch.int32, pin_memory=pinned)
+        self.host_f32 = torch.zeros(3 * mb, dtype=torch.float32, pin_memory=pinned)
         self.host_f32[mb : 2 * mb] = 1.0  # top_p off
-        self.dev = self.host.to(device)
-        self.dev_f32, self.dev_i64, self.dev_i32 = self._views(self.dev)
-        self.np_i64 = self.host_i64.numpy().reshape(3, mb)  # seeds, top_k, n
-        self.np_f32 = self.host_f32.numpy().reshape(3, mb)  # temperature, top_p, min_p
-        self.np_i32 = self.host_i32.numpy().reshape(mb, shape.max_pages)
+        self.dev_i64, self.dev_i32 = self.host_i64.to(device), self.host_i32.to(device)
+        self.dev_f32 = self.host_f32.to(device)
         self.row_ids = torch.arange(mb, device=device)  # [max_batch]
         self.step_offsets = torch.arange(1, steps + 1, device=device)[:, None]  # [K - 1, 1]
         self.g0 = torch.zeros(mb, shape.hidden_size, dtype=shape.dtype, device=device)
@@ -257,34 +252,28 @@ class GraphedDraftChain:
         tensor costs several us), then uploaded."""
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
-        b, width = len(starts), host_table.shape[1]
-        seeds, top_k, n = self.np_i64
+        mb, b, width = self.shape.max_batch, len(starts), host_table.shape[1]
+        seeds, top_k, n = self.host_i64.numpy().reshape(3, mb)
         n[:b], n[b:bucket] = starts, -1
         if sampling is not None:
-            params = self.np_f32
+            params = self.host_f32.numpy().reshape(3, mb)  # temperature, top_p, min_p
             seeds[:b], top_k[:b], seeds[b:bucket], top_k[b:bucket] = sampling.seeds, sampling.top_k, 0, 0
             params[:, :b] = (sampling.temperature, sampling.top_p, sampling.min_p)
             params[:, b:bucket] = ((0.0,), (1.0,), (0.0,))
-        rows = self.np_i32[:bucket]
+        rows = self.host_i32.numpy()[: bucket * self.shape.max_pages].reshape(bucket, self.shape.max_pages)
         rows[:b, :width] = host_table
         rows[:b, width:] = NULL_PAGE
         rows[b:] = NULL_PAGE
         self._upload(bucket, sampling is not None)
 
     def _upload(self, bucket: int, sampled: bool) -> None:
-        """One copy: the int64 rows and ``bucket``'s table rows, and the float32 rows before
-        them for sampled draws."""
-        lo, hi = 0 if sampled else self.i64_at, self.i32_at + bucket * self.shape.max_pages * 4
-        self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
+        used = bucket * self.shape.max_pages
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_i32[:used].copy_(self.host_i32[:used], non_blocking=True)
+        if sampled:
+            self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-
-    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(float32 [3 * max_batch], int64 [3 * max_batch], int32 [max_batch * max_pages])
-        views of a staging byte buffer."""
-        mb = self.shape.max_batch
-        i64 = buffer[self.i64_at : self.i32_at].view(torch.int64)
-        return buffer[: 3 * mb * 4].view(torch.float32), i64, buffer[self.i32_at :].view(torch.int32)
 
     def _table(self, bucket: int) -> torch.Tensor:
         """[bucket, max_pages] view of the block table on the device."""

@@ -140,7 +140,6 @@ class GraphedForward:
         self.host_i64[2 * self.max_tokens :] = -1
         self.dev_i64 = self.host_i64.to(device)
         self.dev_i32 = self.host_i32.to(device)
-        self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()  # numpy writes cost less
         self.hidden = (
             torch.zeros(self.max_tokens, hidden_size, dtype=hidden_dtype, device=device)
             if hidden_size
@@ -178,7 +177,7 @@ class GraphedForward:
         if self.copied is not None:
             self.copied.synchronize()  # the staging buffers are free again
         n, t = batch.num_tokens, self.max_tokens
-        h64, h32 = self.np_i64, self.np_i32
+        h64, h32 = self.host_i64.numpy(), self.host_i32.numpy()  # views: numpy writes cost less
         h64[:n] = batch.input_ids.numpy()
         h64[t : t + n] = batch.positions.numpy()
         h64[2 * t : 2 * t + n] = batch.slot_mapping.numpy()
