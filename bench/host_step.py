@@ -3,8 +3,8 @@
 A replayed CUDA graph costs the host little; what it costs is filling the graph's static
 inputs: ``uniform_batch`` (ids, positions, slots of spans of one length), the
 ``GraphedForward.load`` of those into the pinned staging buffers, and the draft chain's
-``_load`` and its catch-up stage's ``load``. A speculative step runs each of them for its
-catch-up, chain and verify graphs; on a small model they are most of the step. The same
+``_load`` and its catch-up and verify stages' ``load``. A speculative step runs the chain's
+three (one graph for catch-up, chain and verify); a step without drafts, the first two. The same
 Python runs on any host, so this needs no GPU (buffers are not pinned and nothing is
 uploaded here).
 
@@ -20,6 +20,7 @@ import torch
 
 from services.engine.batch import Span
 from services.engine.chain_catch_up import PendingSpans
+from services.engine.chain_verify import ChainVerify
 from services.engine.cuda_graphs import pad_front
 from services.engine.draft_chain import ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import GraphedForward, batch_buckets, uniform_batch
@@ -38,7 +39,7 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
     buckets = batch_buckets(batch)
     forward = GraphedForward(lambda *a: (torch.zeros(1),), pool, k + 1, 0, buckets, WIDTH, capture=False)
     shape = ChainShape(buckets, WIDTH, 8, torch.float32, 0, 1, PAGE, 32, capture=False)
-    chain = GraphedDraftChain(None, None, pool, k, shape)
+    chain = GraphedDraftChain(None, None, pool, shape, ChainVerify(forward, PAGE))
     table = torch.randint(0, 4096, (batch, WIDTH), dtype=torch.int32)
     host_table = table.numpy()
     spans = [Span(f"r{i}", CONTEXT + 7 * i, list(range(k + 1)), CONTEXT + 7 * i) for i in range(batch)]
@@ -52,6 +53,7 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
         "GraphedForward.load": per_call_us(lambda: forward.load(filled), calls),
         "chain _load": per_call_us(lambda: chain._load(starts, host_table, bucket), calls),
         "chain catch-up stage load": per_call_us(lambda: chain.catch.load(pending, bucket), calls),
+        "chain verify stage load": per_call_us(lambda: chain.verify.load(starts, host_table, bucket), calls),
         "pad_front": per_call_us(lambda: pad_front(short, k + 1), calls),
     }
 

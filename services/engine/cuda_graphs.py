@@ -5,7 +5,9 @@ tokens per request, the drafter's catch-up over at most K + 1 tokens per request
 at the front to K + 1) and its chain steps over one token per request. Each is one
 :class:`~services.engine.graphed_forward.GraphedForward`, captured per batch bucket. The
 target's graphs also run its head and the greedy verdict (``rejection.greedy_verdict``), so
-a greedy step reads back one small tensor and launches nothing after the replay.
+a greedy step reads back one small tensor and launches nothing after the replay. A drafting
+device-resident step replays the draft chain's graph alone: it ends with the target's verify
+forward (``chain_verify.py``), into the target graph's outputs.
 
 Everything else runs eagerly: target spans not all of the captured length (prefill
 chunks, unless they happen to be), drafter spans longer than K + 1 or too close to
@@ -24,6 +26,7 @@ from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
 from services.engine.chain_catch_up import pad_fits
+from services.engine.chain_verify import ChainVerify
 from services.engine.draft_chain import ChainHead, ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import (
     BATCH_BUCKETS,
@@ -120,7 +123,7 @@ class DecodeGraphs:
             if verify_len > 1:
                 self.catch_up = drafter_graph(verify_len)
                 self.lagged = drafter_graph(LAG_TOKENS) if LAG_TOKENS > verify_len else None
-                self.chain = self._draft_chain(verify_len - 1, buckets, max_pages, capture)
+                self.chain = self._draft_chain(buckets, max_pages, capture)
         self._capture = capture
 
     def capture(self) -> None:
@@ -199,6 +202,10 @@ class DecodeGraphs:
         target.replay(bucket)
         return self._target_run(target, batch.num_tokens)
 
+    def verified(self, batch: int) -> TargetRun:
+        """The verify forward of the draft chain's last run, over ``batch`` requests."""
+        return self._target_run(self.target, batch * self.target.q_len)
+
     def _target_run(self, graphed: GraphedForward, n: int) -> TargetRun:
         """The target graph's outputs for its first ``n`` tokens: copies of the hidden rows
         and features, views of the logits and verdict (read before its next replay)."""
@@ -220,9 +227,7 @@ class DecodeGraphs:
             return True
         return self.chain.bucket_for(batch) is not None and draft_width <= self.chain.shape.max_pages
 
-    def _draft_chain(
-        self, k: int, buckets: tuple[int, ...], max_pages: int, capture: bool
-    ) -> GraphedDraftChain:
+    def _draft_chain(self, buckets: tuple[int, ...], max_pages: int, capture: bool) -> GraphedDraftChain:
         r = self.runner
         shape = ChainShape(
             tuple(buckets),
@@ -237,7 +242,8 @@ class DecodeGraphs:
         )
         drafter = lambda ids, hidden, positions, ctx: r.drafter(ids, hidden, positions, ctx, r.target)
         head = ChainHead(r.draft_logits, r.draft_greedy())
-        return GraphedDraftChain(drafter, head, r.kv_pools.tensor(DRAFT_GROUP), k, shape)
+        verify = ChainVerify(self.target, r.manager.tokens_per_page)
+        return GraphedDraftChain(drafter, head, r.kv_pools.tensor(DRAFT_GROUP), shape, verify)
 
     def _batch(
         self,

@@ -3,17 +3,17 @@
 Device work, in stream order, with no read back in between:
 1. the drafter's catch-up forward over each request's pending slots (g_n);
 2. the draft chain (``draft_chain.py``): K drafts [batch, K], and for a sampled batch the
-   drafter's q [batch, K, vocab]. 1 and 2 are one graph replay when every pending span
-   fits the chain's catch-up stage (at most K + 1 slots, the usual case), else two;
-3. the target's verify forward (its graph), the drafts copied into its input ids on the
-   device;
-4. the target head and the verdict: for a greedy batch, inside the verify graph
+   drafter's q [batch, K, vocab];
+3. the target's verify forward over [t_n, drafts] (``chain_verify.py``);
+4. the target head and the verdict: for a greedy batch, inside the same graph
    (``rejection.greedy_verdict``), a = the length of the longest run of drafts equal to the
    target's argmax, next = the target's argmax at position a (the bonus token when a = K);
    for a sampled one, the target's p over the K + 1 rows and ``rejection_sample`` with the
    draws keyed by position (``noise.py``);
-then one ``tolist`` per step: of the verify graph's verdict (greedy), or of
-[drafts | a | next] (sampled).
+1 to 4 are one graph replay when every pending span fits the chain's catch-up stage (at
+most K + 1 slots, the usual case), else an eager catch-up and one replay; a step without
+drafts replays the target's one-token graph. Then one ``tolist`` per step: of the verdict
+(greedy), or of [drafts | a | next] (sampled).
 
 For greedy rows the argmax rule is exactly what ``verify`` + ``rejection_sample`` give (p
 and q one-hot), so greedy speculation stays token-for-token equal to target-only. A sampled
@@ -36,7 +36,7 @@ from kvcore import DRAFT_GROUP, TARGET_GROUP
 from services.engine.batch import Span, StepResult
 from services.engine.chain_catch_up import PendingSpans
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.draft_chain import ChainSampling
+from services.engine.draft_chain import ChainRows, ChainSampling
 from services.engine.rejection import Draws, Verdict, forced_verdict, greedy_tokens, rejection_sample
 from services.engine.request import Request
 from services.engine.row_sampling import request_seeds, row_params
@@ -72,6 +72,8 @@ def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> Devi
     graphs = runner.graphs
     if not isinstance(graphs, DecodeGraphs) or not all(on_device(r, k) for r in decode):
         return None
+    if k and any(r.target_write_start > r.num_computed for r in decode):
+        return None  # the chain's verify stage writes the target's KV from n on
     ids = [r.request_id for r in decode]
     target = runner.manager.block_tables(ids, TARGET_GROUP)
     draft = runner.manager.block_tables(ids, DRAFT_GROUP) if k else None
@@ -96,22 +98,25 @@ def device_step(
     if k:
         pending = pending_spans(decode)
         first = pending if graphs.chain.catch.fits(pending) else catch_up(runner, decode)  # or g_n
-        chained = graphs.chain.run(
-            [r.num_computed for r in decode], plan.draft_table, first, chain_sampling(decode, greedy)
+        rows = ChainRows(
+            [r.num_computed for r in decode],
+            [r.tokens[-1] for r in decode],
+            plan.draft_table,
+            plan.target_table,
         )
+        chained = graphs.chain.run(rows, first, chain_sampling(decode, greedy))
         if chained is None:
             return None
         drafts, q = chained  # [batch, K] int64 (and [batch, K, vocab] float32) on the device
+        run = graphs.verified(len(decode))
     else:  # a step without drafts: the catch-up (now or later) keeps the drafter's KV exact
         if runner.drafter is not None and not lagging:
             catch_up(runner, decode)
         drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
-    spans = [
-        Span(r.request_id, r.num_computed, [r.tokens[-1], *[0] * k], r.target_write_start) for r in decode
-    ]
-    run = graphs.run_verify(spans, drafts, plan.target_table)
-    if run is None:
-        return None
+        spans = [Span(r.request_id, r.num_computed, [r.tokens[-1]], r.target_write_start) for r in decode]
+        run = graphs.run_verify(spans, drafts, plan.target_table)
+        if run is None:
+            return None
     if greedy:
         emitted = greedy_tokens(run.verdict.tolist(), k + 1)  # the one host read
     else:

@@ -25,6 +25,9 @@ never read. The chain is token-for-token the eager chain of ``speculative.draft`
 rows: the same drafter forward at the same bucket shape, and argmax of the head's logits is
 the token the eager chain's one-hot sampling picks; the sampled variants draw with the
 eager chain's keys.
+
+The graph ends with the target's verify forward over [t_n, d_1 .. d_K] (``chain_verify.py``):
+catch-up, chain and verify are one upload of each stage's rows and one replay.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from kvcore.ops import slots_at
 from kvcore.spec import NULL_PAGE
 from services.engine.chain_catch_up import ChainCatchUp, PendingSpans
+from services.engine.chain_verify import ChainVerify
 from services.engine.graphed_forward import UniformContext
 from services.engine.noise import DRAFT
 from services.engine.sampler import RowParams, argmax_rows, probs_for_rows, sample
@@ -84,15 +88,27 @@ class ChainSampling:
         return Draw.FILTERED if filtered else Draw.SAMPLED
 
 
+@dataclass(frozen=True, slots=True)
+class ChainRows:
+    """A drafting step's requests, on the host: each one's slot n and token t_n there, and
+    its draft and target block-table rows [batch, width] int32."""
+
+    starts: list[int]
+    last_tokens: list[int]
+    draft_table: torch.Tensor
+    target_table: torch.Tensor
+
+
 class GraphedDraftChain:
-    """K drafts per request from g_n, captured per bucket and Draw.
+    """K drafts per request from g_n, then the target's verify of them, captured per bucket
+    and Draw; K is the verify stage's.
 
     Static layout: int64 ``[seeds | top_k | starts]``, each ``[max_batch]`` (starts: each
     request's n, -1 on a padding row); int32 block table [max_batch, max_pages]; float32
     ``[temperature | top_p | min_p]``, each ``[max_batch]`` (uploaded for sampled draws
     only); ``g0`` [max_batch, hidden_size]; ``out`` [max_batch, K] int64; ``q`` [max_batch,
-    K, vocab] float32; and the catch-up stage's own (``catch``, over K + 1 tokens per
-    request).
+    K, vocab] float32; the catch-up stage's own (``catch``, over K + 1 tokens per request) and
+    the verify stage's (``verify``).
     """
 
     def __init__(
@@ -100,10 +116,11 @@ class GraphedDraftChain:
         drafter: DrafterFn,
         head: ChainHead,
         kv_pool: torch.Tensor,
-        k: int,
         shape: ChainShape,
+        verify: ChainVerify,
     ) -> None:
-        self.drafter, self.head, self.kv_pool, self.k, self.shape = drafter, head, kv_pool, k, shape
+        self.drafter, self.head, self.kv_pool, self.shape, self.verify = drafter, head, kv_pool, shape, verify
+        k = self.k = verify.k
         steps, mb = k - 1, shape.max_batch
         device = kv_pool.device
         pinned = shape.capture and device.type == "cuda"
@@ -129,25 +146,24 @@ class GraphedDraftChain:
         return next((b for b in self.shape.buckets if b >= batch), None)
 
     def run(
-        self,
-        starts: list[int],
-        table: torch.Tensor,
-        first: torch.Tensor | PendingSpans,
-        sampling: ChainSampling | None = None,
+        self, rows: ChainRows, first: torch.Tensor | PendingSpans, sampling: ChainSampling | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(drafts [batch, K] int64, q [batch, K, vocab] float32 or None when greedy) on the
-        device (views of ``out`` and ``q``: read them before the next run) for requests
-        whose slot n is ``starts[i]``; ``first``: g_n [batch, hidden_size], or the pending
-        spans whose catch-up gives it (which ``self.catch.fits``), run in the same graph;
-        ``table`` [batch, width] is their draft block-table rows (host); ``sampling`` None:
-        greedy. None when the batch does not fit the captured shapes."""
-        batch = len(starts)
+        device (views of ``out`` and ``q``: read them before the next run) for ``rows``,
+        and the target's verify of them in its verify graph's outputs; ``first``: g_n
+        [batch, hidden_size], or the pending spans whose catch-up gives it (which
+        ``self.catch.fits``), run in the same graph; ``sampling`` None: greedy. None when
+        the batch does not fit the captured shapes."""
+        batch, table = len(rows.starts), rows.draft_table
         bucket = self.bucket_for(batch)
         if bucket is None or table.shape[1] > self.shape.max_pages:
             return None
+        if not self.verify.fits(batch, rows.target_table.shape[1]):
+            return None
         draw = sampling.draw if sampling is not None else Draw.GREEDY
-        host_table = table.cpu().numpy()
-        self._load(starts, host_table, bucket, sampling)
+        self._load(rows.starts, table.cpu().numpy(), bucket, sampling)
+        self.verify.load(rows.last_tokens, rows.target_table.cpu().numpy(), bucket)
+        self.verify.target.replays[bucket] += 1  # the target's verify forward, in this graph
         catching_up = isinstance(first, PendingSpans)
         if catching_up:
             self.catch.load(first, bucket)
@@ -167,6 +183,7 @@ class GraphedDraftChain:
         for bucket in reversed(self.shape.buckets):
             for draw, catching_up in ((d, c) for d in Draw for c in (False, True)):
                 self._load([], np.zeros((0, 0), dtype=np.int32), bucket)
+                self.verify.load([], np.zeros((0, 0), dtype=np.int32), bucket)
                 self._chain(bucket, draw, catching_up)  # eager once: Triton compiles here
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -182,7 +199,8 @@ class GraphedDraftChain:
 
     def _chain(self, bucket: int, draw: Draw, catching_up: bool) -> None:
         """The chain over the static inputs of ``bucket``, from the catch-up stage's g_n or
-        from ``g0``; drafts into ``out[:bucket]`` (and q into ``q[:bucket]`` unless GREEDY)."""
+        from ``g0``; drafts into ``out[:bucket]`` (and q into ``q[:bucket]`` unless GREEDY),
+        then the target's verify forward of them."""
         g = self._catch_up(bucket) if catching_up else self.g0[:bucket]
         inputs = self._step_inputs(bucket)
         drafts = []
@@ -199,6 +217,7 @@ class GraphedDraftChain:
             drafts.append(sample(q, seeds, starts + s + 1, DRAFT))
             self.q[:bucket, s].copy_(q)
         self.out[:bucket].copy_(torch.stack(drafts, dim=1))
+        self.verify.run(bucket, self._i64_row(2, bucket), self.out[:bucket])
 
     def _catch_up(self, bucket: int) -> torch.Tensor:
         """g_n [bucket, hidden_size]: the drafter over each request's pending span widened

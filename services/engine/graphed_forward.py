@@ -215,7 +215,20 @@ class GraphedForward:
             self.key_start,
         )
         hidden = self.hidden[:n] if self.hidden is not None else None
-        results = self.forward(self.dev_i64[:n], self.dev_i64[t : t + n], hidden, ctx)
+        self.forward_into(self.dev_i64[:n], self.dev_i64[t : t + n], hidden, ctx)
+
+    def forward_into(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: UniformContext,
+    ) -> None:
+        """The forward over n = len(input_ids) <= max_tokens tokens, its outputs into the
+        static outputs' first n rows (allocated by the first call, at max_tokens: before any
+        capture, so outside every graph pool)."""
+        n = input_ids.shape[0]
+        results = self.forward(input_ids, positions, hidden, ctx)
         if not self.outputs:
             self.outputs = tuple(r.new_empty((self.max_tokens, *r.shape[1:])) for r in results)
         for out, r in zip(self.outputs, results, strict=True):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import DRAFT_GROUP
+from kvcore import DRAFT_GROUP, TARGET_GROUP
 from services.engine.device_step import chain_sampling, pending_spans
+from services.engine.draft_chain import ChainRows
 from services.engine.engine import Engine
 from services.engine.speculative import catch_up, draft
 
@@ -16,20 +17,23 @@ def both_chains(engine: Engine) -> tuple[list[list[int]], ...] | None:
     """(eager drafts, graphed-chain drafts from a separate catch-up, graphed-chain drafts
     with its own catch-up stage, or None where a pending span does not fit it) [batch][K]
     of the next step's decode batch, or None when the next step decodes nothing. All write
-    the same drafter KV (same inputs, same values), so running one after the other leaves
-    the engine's state as one would."""
+    the same drafter KV (same inputs, same values), and the graphed chains' verify stage
+    writes the target's KV at n .. n + K, which the step's own verify writes again before
+    anything reads it, so running one after the other leaves the engine's state as one
+    would."""
     decode = engine.scheduler.schedule().decode  # pages for the step are held from here
     if not decode:
         return None
     runner, chain = engine.runner, engine.runner.graphs.chain
     eager = draft(runner, decode, engine.k, engine.out.eos_ids).token_ids.tolist()
-    starts = [r.num_computed for r in decode]
-    table = runner.manager.block_tables([r.request_id for r in decode], DRAFT_GROUP)
+    ids = [r.request_id for r in decode]
+    tables = [runner.manager.block_tables(ids, group) for group in (DRAFT_GROUP, TARGET_GROUP)]
+    rows = ChainRows([r.num_computed for r in decode], [r.tokens[-1] for r in decode], *tables)
     sampling = chain_sampling(decode, all(r.sampling.greedy for r in decode))
-    graphed, _ = chain.run(starts, table, catch_up(runner, decode), sampling)
+    graphed, _ = chain.run(rows, catch_up(runner, decode), sampling)
     graphed = graphed.tolist()
     pending = pending_spans(decode)
-    fused = chain.run(starts, table, pending, sampling)[0].tolist() if chain.catch.fits(pending) else None
+    fused = chain.run(rows, pending, sampling)[0].tolist() if chain.catch.fits(pending) else None
     return eager, graphed, fused
 
 
