@@ -43,6 +43,7 @@ from bench.spec_shapes import make_engine as engine_8b  # noqa: E402
 from bench.spec_shapes import random_models, random_prompts  # noqa: E402
 from bench.spec_speedup import make_engine as tiny_engine  # noqa: E402
 from services.engine.chain_catch_up import ChainCatchUp  # noqa: E402
+from services.engine.chain_verify import ChainVerify  # noqa: E402
 from services.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.engine.draft_chain import GraphedDraftChain  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
@@ -61,6 +62,8 @@ MARKED = (  # (owner, attribute): the host functions a gap or a launch is charge
     (GraphedDraftChain, "run"),
     (GraphedDraftChain, "_load"),
     (ChainCatchUp, "load"),
+    (ChainVerify, "load"),
+    (DecodeGraphs, "verified"),
     (DecodeGraphs, "run_verify"),
     (DecodeGraphs, "_batch"),
     (GraphedForward, "load"),
