@@ -183,22 +183,16 @@ class DecodeGraphs:
         batch = self._batch(graphed, padded_spans, DRAFT_GROUP, padded_hidden)
         return graphed.run(batch)[0][rows] if batch is not None else None
 
-    def run_verify(
-        self, spans: list[Span], drafts: torch.Tensor, table: torch.Tensor | None = None
-    ) -> TargetRun | None:
-        """The target's forward over spans [t_n, K placeholders] whose drafts are ``drafts``
-        [batch, K] int64 on the device (K = the chain's, or 0: the one-token graph): they are
-        copied into the graph's input ids after the host upload (stream order), so no draft
-        is read back. ``table``: the spans' target block-table rows, when the caller has
-        them. None when the spans do not fit the graph."""
-        target = self.target if drafts.shape[1] + 1 == self.target.q_len else self.plain
+    def run_verify(self, spans: list[Span], table: torch.Tensor | None = None) -> TargetRun | None:
+        """The target's one-token graph over ``spans`` [t_n] (a step without drafts; a
+        drafting step's verify runs inside the chain's graph, :meth:`verified`). ``table``:
+        the spans' target block-table rows, when the caller has them. None when the spans
+        do not fit the graph."""
+        target = self.target if self.target.q_len == 1 else self.plain
         batch = self._batch(target, spans, TARGET_GROUP, table=table) if target is not None else None
         if batch is None:
             return None
         bucket = target.load(batch)
-        if drafts.shape[1]:
-            ids = target.dev_i64[: batch.num_tokens].view(batch.batch, target.q_len)  # [batch, K + 1]
-            ids[:, 1:].copy_(drafts)
         target.replay(bucket)
         return self._target_run(target, batch.num_tokens)
 

@@ -114,7 +114,7 @@ def device_step(
             catch_up(runner, decode)
         drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
         spans = [Span(r.request_id, r.num_computed, [r.tokens[-1]], r.target_write_start) for r in decode]
-        run = graphs.run_verify(spans, drafts, plan.target_table)
+        run = graphs.run_verify(spans, plan.target_table)
         if run is None:
             return None
     if greedy:
