@@ -42,7 +42,10 @@ class AuxState:
     def from_bytes(data: bytes | bytearray) -> AuxState:
         """Parse :meth:`to_bytes`; ValueError when the hidden values disagree with the header."""
         prompt_len, first_token_id, n, sender = _HEADER.unpack_from(data)
-        hidden = torch.frombuffer(bytearray(data[_HEADER.size :]), dtype=torch.float32)
+        values = bytearray(data[_HEADER.size :])
+        if len(values) % 4:
+            raise ValueError(f"aux state: {len(values)} bytes of hidden values are not float32s")
+        hidden = torch.frombuffer(values, dtype=torch.float32) if values else torch.zeros(0)
         if hidden.numel() != n:
             raise ValueError(f"aux state: {hidden.numel()} hidden values, header says {n}")
         return AuxState(prompt_len, first_token_id, hidden, sender.rstrip(b"\0").decode())

@@ -7,7 +7,8 @@ reservation from :meth:`TransferAgent.transfer_tag`):
     sender (prefill)                              receiver (decode)
     rank 0: aux state  -> send (AUX, 0)  ----->   rank 0: recv (AUX, 0): sender, tokens
     every rank: pages  -> send (g', 0..) ----->   every rank: recv into reserved pages
-    rank 0: recv (ACK, 0)                <-----   rank 0: send (ACK, 0) once all landed
+    rank 0: recv (ACK, 0)                <-----   rank 0: send (ACK, 0) once all landed,
+                                                  or a refusal naming why they did not
 
 - Both sides take the pages from ``KVCacheManager.transfer_pages(request_id, num_tokens,
   held)``: the same block-table indices (windowed groups only inside the window, the
@@ -19,10 +20,15 @@ reservation from :meth:`TransferAgent.transfer_tag`):
   ``g'`` is the group's index offset by the sender's rank (:mod:`kvcore.transfer.rank`).
 - Every receive and the sender's wait for the ack have a timeout: the fast UCX path
   reports no dead peer. Cancelling a transfer cancels every rank's part of it.
+- A receiver that knows its sender and fails (a page timed out, an aux state it cannot
+  take, its reservation released) answers the ack with a refusal and its reason; the
+  sender listens for it from the start, so it fails at once rather than at its deadline,
+  even while a page send waits for a receive that will never be posted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import struct
@@ -34,9 +40,12 @@ from kvcore.transfer.jobs import PeerRank, TransferKey, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES
 from kvcore.transfer.rank import PagePools, RankTransfer
 from kvcore.transfer.tags import ACK_GROUP, AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import STREAM_SPIN_S, EndpointInfo, TransferError, UcxTransport
+from kvcore.transfer.ucx import POLL_S, EndpointInfo, TransferError, TransferTimeout, UcxTransport
 
-_ACK = struct.Struct("<q")  # the tokens acknowledged
+_ACK = struct.Struct("<q256s")  # tokens acknowledged (REFUSED: none), the refusal's reason (UTF-8)
+REFUSED = -1
+REFUSAL_TIMEOUT_S = 1.0  # a refusal is a courtesy: the sender's own deadline bounds it anyway
+NO_DEADLINE_S = 1e9  # the ack listener's: the sends' deadlines and the final wait bound it
 
 
 class TransferAgent:
@@ -58,8 +67,9 @@ class TransferAgent:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         """``pools``: the tensors ``manager``'s page ids index (the engine's KVPools);
-        ``max_message_bytes``: the cap of one page message rank 0 sends (ranks 1.. keep
-        their own :class:`RankTransfer`'s)."""
+        ``hidden_size``: the hidden values an aux state carries (the drafter's input
+        features; 0 when no drafter runs); ``max_message_bytes``: the cap of one page
+        message rank 0 sends (ranks 1.. keep their own :class:`RankTransfer`'s)."""
         self.manager, self.hidden_size = manager, hidden_size
         links = links or NoLinks()
         groups = manager.config.groups
@@ -70,6 +80,7 @@ class TransferAgent:
         self._peers: dict[str, list[PeerRank]] = {}
         self._salt = secrets.token_hex(8)  # this agent's, so two workers' tags differ too
         self._reserves = itertools.count()
+        self._refusals: set[asyncio.Future] = set()  # refusals sent as a receive was cancelled
 
     async def start(self) -> None:
         await self.rank0.start()
@@ -102,6 +113,11 @@ class TransferAgent:
         await self.rank0.disconnect(peer_id)
         await self.fanout.disconnect(self._peers.pop(peer_id, []))
 
+    async def test_pages(self, peer_id: str, nonce: str, lead: bool) -> None:
+        """Rank 0's page test with the peer's rank 0 (after the side channel's ping):
+        page-sized messages from and into device memory, echoed; ``lead`` on the sender."""
+        await self.rank0.test_pages(peer_id, nonce, lead)
+
     async def test_links(self, peer: list[PeerRank], lead: bool, nonce: str) -> None:
         """The pairing test of every other rank pair that will exchange pages with
         ``peer`` (rank 0's was the side channel's ping); ``lead`` on the page sender."""
@@ -128,12 +144,25 @@ class TransferAgent:
         - Raises TransferError (TransferTimeout past ``timeout_s`` on any message).
         """
         peer, key = self._peer(peer_id), TransferKey(request_id, tag or request_tag(request_id))
+        self._check_aux(request_id, aux)
         pages = self.manager.transfer_pages(request_id, num_tokens, held)
-        await self.rank0.transport.send(
-            peer_id, aux.to_bytes(), message_tag(key.tag, AUX_GROUP, 0), timeout_s
-        )
-        usage = await self.fanout.send(key, pages, peer, timeout_s, dest)
-        await self._wait_ack(key, num_tokens, timeout_s)
+        answer = asyncio.ensure_future(self._answer(key, num_tokens))  # a refusal may come any time
+        sends: asyncio.Future | None = None
+        try:
+            await self.rank0.transport.send(
+                peer_id, aux.to_bytes(), message_tag(key.tag, AUX_GROUP, 0), timeout_s
+            )
+            sends = asyncio.ensure_future(self.fanout.send(key, pages, peer, timeout_s, dest))
+            await asyncio.wait((sends, answer), return_when=asyncio.FIRST_COMPLETED)
+            if answer.done() and not sends.done():
+                answer.result()  # a refusal raises here; an early ack cannot be (nothing landed)
+            usage = await sends
+            await _within(answer, timeout_s, f"request {request_id!r}: acknowledgement from {peer_id!r}")
+        finally:
+            for task in (answer, sends):
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
         return _counted(usage, pages, held)
 
     async def receive_request(
@@ -147,44 +176,91 @@ class TransferAgent:
         once its prefill is done. Every message after it has ``timeout_s``, counted from
         when the transfer started. Raises TransferError / TransferTimeout."""
         key = TransferKey(request_id, tag or request_tag(request_id))
-        aux = await self._receive_aux(key, num_tokens, wait_s or timeout_s)
-        peer = self._peer(aux.sender_id)
-        held = self.manager.held_pages(request_id)
-        pages = self.manager.transfer_pages(request_id, num_tokens, held)
-        usage = await self.fanout.recv(key, pages, len(peer), timeout_s)
+        aux = await self._receive_aux(key, wait_s or timeout_s)
+        try:
+            _check_prompt_len(request_id, aux, num_tokens)
+            self._check_aux(request_id, aux)
+            peer = self._peer(aux.sender_id)
+            held = self.manager.held_pages(request_id)
+            pages = self.manager.transfer_pages(request_id, num_tokens, held)
+            usage = await self.fanout.recv(key, pages, len(peer), timeout_s)
+        except TransferError as e:
+            await self._refuse(aux.sender_id, key, str(e))
+            raise
+        except asyncio.CancelledError:  # the reservation was released: tell the sender now
+            refusal = asyncio.ensure_future(self._refuse(aux.sender_id, key, "the reservation was released"))
+            self._refusals.add(refusal)
+            refusal.add_done_callback(self._refusals.discard)
+            raise
         ack = message_tag(key.tag, ACK_GROUP, 0)
-        await self.rank0.transport.send(aux.sender_id, _ACK.pack(num_tokens), ack, timeout_s)
+        await self.rank0.transport.send(aux.sender_id, _ACK.pack(num_tokens, b""), ack, timeout_s)
         return aux, _counted(usage, pages, held)
 
-    async def _receive_aux(self, key: TransferKey, num_tokens: int, timeout_s: float) -> AuxState:
-        request_id = key.request_id
-        data = bytearray(AuxState.wire_size(self.hidden_size))
-        await self.rank0.transport.recv(data, message_tag(key.tag, AUX_GROUP, 0), timeout_s)
+    async def _receive_aux(self, key: TransferKey, timeout_s: float) -> AuxState:
+        """The aux state, whatever hidden width it carries (checked by the caller, who can
+        then refuse it to its sender)."""
+        tag, most = message_tag(key.tag, AUX_GROUP, 0), AuxState.wire_size(max(self.hidden_size, MAX_HIDDEN))
+        data = await self.rank0.transport.recv_message(tag, most, timeout_s)
         try:
-            aux = AuxState.from_bytes(data)
-        except ValueError as e:
-            raise TransferError(f"request {request_id!r}: {e}") from e
-        if aux.prompt_len != num_tokens:
-            raise TransferError(
-                f"request {request_id!r}: aux state is for {aux.prompt_len} tokens, reserved {num_tokens}"
-            )
-        return aux
+            return AuxState.from_bytes(data)
+        except (ValueError, struct.error) as e:
+            raise TransferError(f"request {key.request_id!r}: {e}") from e
 
-    async def _wait_ack(self, key: TransferKey, num_tokens: int, timeout_s: float) -> None:
-        ack = bytearray(_ACK.size)
-        # the ack follows the last page at once: spin, not the 1 ms back-off
-        await self.rank0.transport.recv(ack, message_tag(key.tag, ACK_GROUP, 0), timeout_s, STREAM_SPIN_S)
-        (acked,) = _ACK.unpack(ack)
+    def _check_aux(self, request_id: str, aux: AuxState) -> None:
+        """The aux state carries this pair's hidden width (the drafter's features, or none)."""
+        if aux.hidden.numel() != self.hidden_size:
+            raise TransferError(
+                f"request {request_id!r}: aux state carries {aux.hidden.numel()} hidden values, "
+                f"this worker takes {self.hidden_size}"
+            )
+
+    async def _answer(self, key: TransferKey, num_tokens: int) -> None:
+        """The receiver's answer: returns on its ack of ``num_tokens``, raises TransferError
+        on its refusal (with its reason) or another count. Bounded by the caller."""
+        data = bytearray(_ACK.size)
+        tag = message_tag(key.tag, ACK_GROUP, 0)
+        await self.rank0.transport.recv(data, tag, NO_DEADLINE_S, spin_s=POLL_S)
+        acked, reason = _ACK.unpack(data)
+        if acked == REFUSED:
+            why = reason.rstrip(b"\0").decode(errors="replace")
+            raise TransferError(f"the receiver refused the transfer: {why}")
         if acked != num_tokens:
             raise TransferError(
                 f"request {key.request_id!r}: peer acknowledged {acked} tokens, sent {num_tokens}"
             )
+
+    async def _refuse(self, sender_id: str, key: TransferKey, reason: str) -> None:
+        """Tell the sender this transfer failed here (best effort: it has its own deadline)."""
+        message = _ACK.pack(REFUSED, reason.encode()[: _ACK.size - 8])
+        tag = message_tag(key.tag, ACK_GROUP, 0)
+        try:
+            await self.rank0.transport.send(sender_id, message, tag, REFUSAL_TIMEOUT_S)
+        except (TransferError, ValueError):
+            pass
 
     def _peer(self, peer_id: str) -> list[PeerRank]:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(f"peer {peer_id!r}: not paired (its ranks are unknown)")
         return peer
+
+
+MAX_HIDDEN = 1 << 16  # the widest aux state a receiver reads before refusing it
+
+
+def _check_prompt_len(request_id: str, aux: AuxState, num_tokens: int) -> None:
+    if aux.prompt_len != num_tokens:
+        raise TransferError(
+            f"request {request_id!r}: aux state is for {aux.prompt_len} tokens, reserved {num_tokens}"
+        )
+
+
+async def _within(answer: asyncio.Future, timeout_s: float, what: str) -> None:
+    """``answer``'s outcome within ``timeout_s``; TransferTimeout naming ``what`` after."""
+    try:
+        await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+    except TimeoutError:
+        raise TransferTimeout(f"{what}: nothing within {timeout_s} s") from None
 
 
 def _counted(

@@ -12,6 +12,7 @@ sender ranks tells them apart.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -20,7 +21,7 @@ import torch
 
 from kvcore.transfer.jobs import LinkTest, RecvJob, SendJob, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES, receive_group, send_group
-from kvcore.transfer.side_channel import SideChannel
+from kvcore.transfer.side_channel import SideChannel, probe_message
 from kvcore.transfer.tags import PING_GROUP, request_tag
 from kvcore.transfer.ucx import SPIN_S, STREAM_SPIN_S, EndpointInfo, TransferError, UcxTransport
 
@@ -85,9 +86,10 @@ class RankTransfer:
             dest = job.dest.get(group) if job.dest else None
             tag = (base, self.tag_index(group, job.src_rank))
             pool, cap = self.pools.tensor(group), self.max_message_bytes
-            usage.bytes[group] = await send_group(
-                self.transport, pool, job.peer_id, tag, sent, route, dest, job.timeout_s, cap
-            )
+            with _naming(group, len(sent.page_ids), pool, start):
+                usage.bytes[group] = await send_group(
+                    self.transport, pool, job.peer_id, tag, sent, route, dest, job.timeout_s, cap
+                )
             usage.seconds[group] = time.perf_counter() - start
         return usage
 
@@ -99,11 +101,36 @@ class RankTransfer:
         return total
 
     async def test(self, job: LinkTest) -> None:
-        """Connect afresh to the peer rank, then ping it or echo its ping."""
+        """Connect afresh to the peer rank, then ping it or echo its ping, then the page test."""
         await self.disconnect(job.peer.instance_id)  # a re-registering peer has a new address
         await self.connect(job.peer.instance_id, job.peer.endpoint)
         run = self.side_channel.ping if job.lead else self.side_channel.pong
         await run(job.peer.instance_id, job.nonce, LINK_TEST_TIMEOUT_S)
+        await self.test_pages(job.peer.instance_id, job.nonce, job.lead)
+
+    async def test_pages(self, peer_id: str, nonce: str, lead: bool) -> None:
+        """The side channel's page test with a connected peer rank: one message of a
+        whole page (at most the message cap) per layer group, from and into memory on
+        this rank's pool device; ``lead`` on the page sender."""
+        side, t = self.side_channel, LINK_TEST_TIMEOUT_S
+        if not lead:
+            await side.pong_pages(peer_id, nonce, self.device, t)
+            return
+        messages = [
+            probe_message(
+                f"{nonce}/{group}", min(self._page_bytes(group), self.max_message_bytes), self.device
+            )
+            for group in self._index
+        ]
+        await side.ping_pages(peer_id, nonce, messages, t)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools.tensor(next(iter(self._index))).device
+
+    def _page_bytes(self, group: str) -> int:
+        pool = self.pools.tensor(group)
+        return pool[0].numel() * pool.element_size()
 
     def tag_index(self, group: str, src_rank: int) -> int:
         """Tag group index of ``group``'s messages from sender rank ``src_rank``."""
@@ -120,10 +147,23 @@ class RankTransfer:
             if route is None:
                 continue
             start = time.perf_counter()
-            tag = (base, self.tag_index(group, src_rank))
-            usage.bytes[group] = await receive_group(
-                self.transport, self.pools.tensor(group), tag, landing, route, job.timeout_s, header_spin
-            )
+            tag, pool = (base, self.tag_index(group, src_rank)), self.pools.tensor(group)
+            with _naming(group, len(landing.page_ids), pool, start):
+                usage.bytes[group] = await receive_group(
+                    self.transport, pool, tag, landing, route, job.timeout_s, header_spin
+                )
             header_spin = STREAM_SPIN_S  # the next group follows this one at once
             usage.seconds[group] = time.perf_counter() - start
         return usage
+
+
+@contextlib.contextmanager
+def _naming(group: str, num_pages: int, pool: torch.Tensor, start: float):
+    """A TransferError inside names the group, its pages and bytes, and the seconds spent
+    on it (the same error type: a timeout stays a TransferTimeout)."""
+    try:
+        yield
+    except TransferError as e:
+        nbytes = num_pages * pool[0].numel() * pool.element_size()
+        spent = time.perf_counter() - start
+        raise type(e)(f"group {group!r} ({num_pages} pages, {nbytes} bytes, {spent:.2f} s in): {e}") from e

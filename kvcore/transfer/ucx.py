@@ -210,18 +210,21 @@ class UcxTransport:
         array = as_ucx_array(buffer, writable=False)
         tag = _check_tag(tag)
         endpoint = await self._endpoint(peer_id)
-        request = _background(endpoint.send(array, tag=tag, force_tag=True))
         try:
+            request = _background(endpoint.send(array, tag=tag, force_tag=True))
             await self._drive(request, timeout_s)
         except TimeoutError:
             self._drop(peer_id)
             raise TransferTimeout(
                 f"send of tag {tag:#x} to {peer_id!r} not done after {timeout_s} s; endpoint aborted"
             ) from None
-        except Exception as e:
+        except asyncio.CancelledError:  # a send left in flight would read the buffer later
+            self._drop(peer_id)
+            raise
+        except Exception as e:  # ucxx raises its own error types (UCXXCanceledError, ...)
             self._check_open()
             self._drop(peer_id)
-            raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {e}") from e
+            raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {_status(e)}") from e
 
     async def recv(self, buffer: Any, tag: int, timeout_s: float, spin_s: float = SPIN_S) -> None:
         """Receive the message tagged ``tag`` into ``buffer``, whose size must match.
@@ -234,21 +237,49 @@ class UcxTransport:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         array = as_ucx_array(buffer, writable=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length != array.nbytes:
             await self._discard(probe)
             raise TransferError(
                 f"recv of tag {tag:#x}: message has {probe.length} bytes, buffer has {array.nbytes}"
             )
-        request = _background(self._context.recv_with_handle(array, probe))
+        await self._land(array, probe, tag, deadline, timeout_s)
+
+    async def recv_message(
+        self, tag: int, max_bytes: int, timeout_s: float, spin_s: float = SPIN_S
+    ) -> bytearray:
+        """Receive the message tagged ``tag``, whatever its length up to ``max_bytes``, into
+        host memory; as :meth:`recv` otherwise. A longer message is drained and refused
+        with a TransferError naming both lengths."""
+        self._check_open()
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
+        if probe.length > max_bytes:
+            await self._discard(probe)
+            raise TransferError(
+                f"recv of tag {tag:#x}: message has {probe.length} bytes, at most {max_bytes}"
+            )
+        data = bytearray(max(probe.length, 1))
+        await self._land(as_ucx_array(data, writable=True), probe, tag, deadline, timeout_s)
+        return data[: probe.length]
+
+    async def _land(self, array: Any, probe: Any, tag: int, deadline: float, timeout_s: float) -> None:
+        """Receive the matched message ``probe`` into ``array`` by ``deadline``."""
         try:
-            await self._drive(request, max(deadline - loop.time(), 0))
+            request = _background(self._context.recv_with_handle(array, probe))
+            await self._drive(request, max(deadline - asyncio.get_running_loop().time(), 0))
         except TimeoutError:
             raise TransferTimeout(
                 f"recv of tag {tag:#x}: message matched but its data did not land within {timeout_s} s"
             ) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # ucxx raises its own error types
+            self._check_open()
+            raise TransferError(f"recv of tag {tag:#x} failed: {_status(e)}") from e
 
     async def _wait_for_message(self, tag: int, deadline: float, timeout_s: float, spin_s: float) -> Any:
         """Probe (and dequeue) the message tagged ``tag``: every loop turn for ``spin_s``
@@ -283,7 +314,12 @@ class UcxTransport:
 
     async def _discard(self, probe: Any) -> None:
         """Drain a dequeued message that will not be delivered (UCX requires it)."""
-        await self._context.recv_with_handle(as_ucx_array(bytearray(probe.length), writable=True), probe)
+        array = as_ucx_array(bytearray(max(probe.length, 1)), writable=True)  # a larger buffer takes it
+        try:
+            await self._context.recv_with_handle(array, probe)
+        except Exception as e:  # ucxx raises its own error types
+            self._check_open()
+            raise TransferError(f"draining a refused message failed: {_status(e)}") from e
 
     def _check_open(self) -> None:
         if self._closed:
@@ -296,6 +332,11 @@ def _check_tag(tag: int) -> int:
     if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
         raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
     return tag
+
+
+def _status(error: BaseException) -> str:
+    """A UCX failure as text: the error's type (ucxx names the UCS status by it) and message."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _background(coro: Any) -> asyncio.Task:

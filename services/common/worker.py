@@ -43,7 +43,7 @@ class WorkerBase:
         self.agent = TransferAgent(
             e.manager,
             e.kv_pools,
-            e.target.config.hidden_size,
+            e.aux_hidden_size,
             links=self.group,
             total_heads=engine_kv_heads(e),
         )

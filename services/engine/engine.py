@@ -192,6 +192,12 @@ class Engine:
         self.progress.finish(req)
         return True
 
+    @property
+    def aux_hidden_size(self) -> int:
+        """Hidden values a prefilled request's aux state carries: the drafter's input
+        features at the last prompt position, or none when no drafter runs."""
+        return self.drafter.config.hidden_size if self.drafter is not None else 0
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.out.has_pending()
 

@@ -15,8 +15,10 @@ from kvcore.transfer import (
     PairingMessage,
     PeerRank,
     TransferAgent,
+    TransferError,
     TransferTimeout,
 )
+from kvcore.transfer.tags import request_tag
 from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
 from tests.kvcore.conftest import make_config
 from tests.kvcore.transfer.sessions import HIDDEN, NUM_TOKENS, TIMEOUT_S, landed, seeded
@@ -30,6 +32,8 @@ CASES = {  # name -> (layout, target window, decode holds the prompt's first 12 
 }
 PAIR_CONFIG = dict(page=4, window=8, k=2, target_pages=16, draft_pages=16, draft_dtype="bfloat16")
 NONCE = "pair-1"
+WIDE = HIDDEN + 1  # a sender whose aux state is wider than the receiver takes
+REFUSED_TAG = request_tag("refused")
 
 
 def pair_config(case: str) -> CacheConfig:
@@ -93,7 +97,8 @@ async def _send_cases(agents: dict[str, TransferAgent], reservations) -> dict:
         dest = None if case == "separate" else rows
         usage = await agent.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S, dest, held)
         report[case] = (usage.bytes, usage.pages, usage.held)
-    side = agents["unified"].side_channel
+    report["refused"] = await _refused_send(agents["unified"])
+    side = agents["unified"].side_channel  # the link the refusal aborted connects again
     await side.ping("decode", NONCE, TIMEOUT_S)
     await side.send_message("decode", NONCE, PairingMessage.SENDER_RANKS, b"ranks", TIMEOUT_S)
     report["verdict"] = await side.receive_message(NONCE, PairingMessage.RECEIVER_VERDICT, TIMEOUT_S)
@@ -111,6 +116,7 @@ async def _receive_cases(agents: dict[str, TransferAgent], states) -> dict:
         aux_fields = (aux.prompt_len, aux.first_token_id, aux.hidden.tolist(), aux.sender_id)
         report[case] = (usage.bytes, usage.pages, usage.held, got, aux_fields)
         manager.free("r")
+    report["refusing"] = await _refusing_receive(agents["unified"], states["unified"][0])
     side = agents["unified"].side_channel
     await side.pong("prefill", NONCE, TIMEOUT_S)
     report["ranks"] = await side.receive_message(NONCE, PairingMessage.SENDER_RANKS, TIMEOUT_S)
@@ -130,4 +136,31 @@ async def _silent_receive(agent: TransferAgent, manager: KVCacheManager) -> str:
     except TransferTimeout:
         outcome = "TransferTimeout"
     manager.free("s")
+    return outcome
+
+
+async def _refused_send(agent: TransferAgent) -> str:
+    """A sender of WIDE hidden values: the receiver refuses it, and the sender hears why
+    (rather than waiting out TIMEOUT_S for an acknowledgement)."""
+    wide = TransferAgent(agent.manager, agent.fanout.rank0.pools, WIDE, agent.rank0.transport)
+    wide.pair("decode", agent._peers["decode"])
+    aux = AuxState(NUM_TOKENS, 42, torch.zeros(WIDE), "prefill")
+    try:
+        await wide.send_request("r", NUM_TOKENS, "decode", aux, TIMEOUT_S, tag=REFUSED_TAG)
+    except TransferTimeout as e:
+        return f"timed out: {e}"
+    except TransferError as e:
+        return str(e)
+    return "no error"
+
+
+async def _refusing_receive(agent: TransferAgent, manager: KVCacheManager) -> str:
+    """Receives the WIDE sender's request: refused, its pages freed."""
+    manager.reserve_for_transfer("r", NUM_TOKENS)
+    try:
+        await agent.receive_request("r", NUM_TOKENS, TIMEOUT_S, tag=REFUSED_TAG)
+        outcome = "no error"
+    except TransferError as e:
+        outcome = str(e)
+    manager.free("r")
     return outcome

@@ -166,3 +166,13 @@ def test_a_receive_nobody_sends_times_out_and_leaks_nothing(pair_reports):
     _, got = pair_reports
     assert got["silent"] == "TransferTimeout"
     assert got["used"] == {"target": 0, "draft": 0}
+
+
+def test_a_receiver_that_cannot_take_the_aux_state_refuses_it_and_the_sender_hears_why(pair_reports):
+    """Without the refusal the sender would wait out its deadline for an acknowledgement
+    (and, with pages of MiBs, inside a send that no receive ever matches)."""
+    sent, got = pair_reports
+    wide, takes = pair_session.WIDE, sessions.HIDDEN
+    why = f"request 'r': aux state carries {wide} hidden values, this worker takes {takes}"
+    assert got["refusing"] == why
+    assert sent["refused"] == f"the receiver refused the transfer: {why}"
