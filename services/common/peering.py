@@ -8,11 +8,19 @@ sends and waits for the echo. Then the two rank-0s exchange their groups' RankIn
 decode side answers with its group and its verdict, the prefill side checks too, tests
 every other rank pair that will exchange pages, and tells the decode side the outcome.
 Only then is the peer accepted and may take traffic; a refusal names every mismatch.
+
+Each attempt runs under its own nonce (``RegisterRequest.pairing_nonce``, the router's),
+so messages of an attempt that was aborted midway never match a later one's. The test
+transfer is the side channel's ping plus a page test: one message per layer group of a
+real page's size, from and into device memory, echoed. Whatever the transport raises
+refuses the pair as a ``ucx`` mismatch (a transient failure the router retries), logged
+once here with its cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import grpc
@@ -22,14 +30,17 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.metrics import Metrics
-from services.common.peer_check import Mismatch, check_peer, mismatches_to_proto
+from services.common.peer_check import Mismatch, check_peer, format_mismatches, mismatches_to_proto
 from services.common.tp_check import check_peer_group, group_from_bytes, group_to_bytes
 
 PAIR_TEST_TIMEOUT_S = 10.0
+MAX_NONCE_BYTES = 128
+log = logging.getLogger(__name__)
 
 
-def pair_nonce(prefill_id: str, decode_id: str) -> str:
-    return f"pair:{prefill_id}->{decode_id}"
+def pair_nonce(prefill_id: str, decode_id: str, attempt: str = "") -> str:
+    """The pairing test's nonce: the router's ``attempt`` nonce, else one derived from the ids."""
+    return f"pair:{prefill_id}->{decode_id}" + (f"#{attempt}" if attempt else "")
 
 
 def endpoint_of(info: rpb.RankInfo) -> EndpointInfo:
@@ -66,16 +77,21 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"rank_info.instance_id: {peer.instance_id!r} is this worker",
             )
+        if len(request.pairing_nonce.encode()) > MAX_NONCE_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"pairing_nonce: over {MAX_NONCE_BYTES} bytes"
+            )
         mismatches = check_peer(local, peer)
         if not mismatches:
             try:
-                mismatches = await self._connect_and_test(local, peer)
-            except (TransferError, ValueError) as e:
-                mismatches = [
-                    Mismatch("ucx", local.instance_id, peer.instance_id, f"test transfer failed: {e}")
-                ]
+                mismatches = await self._connect_and_test(local, peer, request.pairing_nonce)
+            except Exception as e:  # ucxx raises its own types besides TransferError
+                why = f"test transfer failed: {type(e).__name__}: {e}"
+                mismatches = [Mismatch("ucx", local.instance_id, peer.instance_id, why)]
         if mismatches:
+            log.warning("refused %s as a peer: %s", peer.instance_id, format_mismatches(mismatches))
             self.metrics.registrations.labels("refused").inc()
+            self.peers.pop(peer.instance_id, None)  # a peer that fails a new test is no longer one
             return reg.RegisterResponse(
                 accepted=False, mismatches=mismatches_to_proto(mismatches), peer=local
             )
@@ -83,17 +99,19 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         self.metrics.registrations.labels("accepted").inc()
         return reg.RegisterResponse(accepted=True, peer=local)
 
-    async def _connect_and_test(self, local: rpb.RankInfo, peer: rpb.RankInfo) -> list[Mismatch]:
+    async def _connect_and_test(
+        self, local: rpb.RankInfo, peer: rpb.RankInfo, attempt: str
+    ) -> list[Mismatch]:
         """Connect anew and run the pairing test (the decode side: in the background, once
         its turn comes). Tests of one peer run one at a time, each side in arrival order:
-        every router replica pairs the same two workers, under the same nonce."""
+        every router replica pairs the same two workers, each attempt under its own nonce."""
         turn = self._turns.setdefault(peer.instance_id, asyncio.Lock())
         if local.role != rpb.ROLE_DECODE:
             async with turn:
                 await self._connect(peer)
-                return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id))
+                return await self._lead(peer, pair_nonce(local.instance_id, peer.instance_id, attempt))
         task = asyncio.ensure_future(
-            self._answer_in_turn(turn, peer, pair_nonce(peer.instance_id, local.instance_id))
+            self._answer_in_turn(turn, peer, pair_nonce(peer.instance_id, local.instance_id, attempt))
         )
         self._pongs.add(task)
         task.add_done_callback(self._pongs.discard)
@@ -103,6 +121,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         """Prefill side: test transfer, groups out and in, every rank checked and tested."""
         side, t = self.agent.side_channel, PAIR_TEST_TIMEOUT_S
         await side.ping(peer.instance_id, nonce, t)
+        await self.agent.test_pages(peer.instance_id, nonce, lead=True)
         mine = group_to_bytes(self.local_ranks())
         await side.send_message(peer.instance_id, nonce, PairingMessage.SENDER_RANKS, mine, t)
         ranks = group_from_bytes(await side.receive_message(nonce, PairingMessage.RECEIVER_RANKS, t))
@@ -142,7 +161,8 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         async with turn:
             try:
                 await self._connect(peer)
-            except (TransferError, ValueError):
+            except Exception as e:  # ucxx raises its own types besides TransferError
+                log.warning("pairing with %s failed: connect: %s: %s", peer.instance_id, type(e).__name__, e)
                 self.peers.pop(peer.instance_id, None)
                 return
             await self._answer(peer, nonce)
@@ -153,8 +173,10 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         accepted = False
         try:
             accepted = await self._answer_steps(peer, nonce)
-        except TransferError:
-            pass
+        except Exception as e:  # ucxx raises its own types besides TransferError
+            log.warning(
+                "pairing with %s failed: test transfer: %s: %s", peer.instance_id, type(e).__name__, e
+            )
         finally:
             if not accepted:
                 self.peers.pop(peer.instance_id, None)
@@ -163,6 +185,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
     async def _answer_steps(self, peer: rpb.RankInfo, nonce: str) -> bool:
         side, t = self.agent.side_channel, PAIR_TEST_TIMEOUT_S
         await side.pong(peer.instance_id, nonce, t)
+        await self.agent.test_pages(peer.instance_id, nonce, lead=False)
         ranks = group_from_bytes(await side.receive_message(nonce, PairingMessage.SENDER_RANKS, t))
         mismatches = check_peer_group(self.local_ranks(), ranks)
         if not mismatches:

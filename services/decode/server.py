@@ -11,6 +11,7 @@ freed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from services.common.outputs import OutputStream
 from services.common.transfer_failure import describe_landing
 from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 from services.engine.checks import RequestExists
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -95,8 +98,19 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         make one transfer time out."""
         if stall := once("decode.before_receive_once"):
             await asyncio.sleep(stall)
-        timeout_s = min(lease_s, self.worker.config.transfer_timeout_s)
-        return await self.worker.agent.receive_request(rid, n, timeout_s, tag, wait_s=lease_s)
+        timeout_s, start = min(lease_s, self.worker.config.transfer_timeout_s), time.monotonic()
+        try:
+            return await self.worker.agent.receive_request(rid, n, timeout_s, tag, wait_s=lease_s)
+        except (TransferError, ValueError) as e:
+            log.warning(
+                "transfer of request %s (%d tokens) into %s failed after %.2f s: %s",
+                rid,
+                n,
+                self.worker.config.instance_id,
+                time.monotonic() - start,
+                e,
+            )
+            raise
 
     def _reservation_proto(self, res: Reservation, lease_s: float, tag: int) -> wpb.Reservation:
         w, rid = self.worker, res.request_id
@@ -117,6 +131,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     def _expire(self, rid: str) -> None:
         res = self.reserved.get(rid)
         if res is not None and not res.decoding:
+            log.warning("reservation of request %s expired: no Decode within its lease", rid)
             self.worker.metrics.timeouts.labels("lease").inc()
             asyncio.ensure_future(self._drop(rid))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 import grpc
@@ -27,6 +28,7 @@ from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
 
 TAG_LOW_BITS = (1 << 24) - 1  # a base tag's group and chunk bits, zero in a transfer_tag
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
@@ -111,6 +113,15 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             )
         except (TransferError, ValueError) as e:  # every transfer failure is retryable elsewhere
             self._count_failure(e)
+            log.warning(
+                "transfer of request %s (%d tokens) %s->%s failed after %.2f s: %s",
+                request.request_id,
+                n,
+                w.config.instance_id,
+                decode_id,
+                time.monotonic() - start,
+                e,
+            )
             await context.abort(grpc.StatusCode.UNAVAILABLE, describe(decode_id, e))
         w.metrics.transfer_seconds.observe(time.monotonic() - start)
         self._count_moved(moved)

@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,8 @@ from services.router.registry import Registry
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from services.tokenization.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -107,11 +110,15 @@ class RouterAPI:
         try:
             async for message in flow.run():
                 yield message
-                if message.WhichOneof("payload") == "complete":
+                kind = message.WhichOneof("payload")
+                if kind == "complete":
                     status = cpb.FinishReason.Name(message.complete.finish_reason).split("_")[-1]
                     self._count_tokens(message.complete.usage)
-        except RouterError:
+                elif kind == "error":
+                    log.warning("request %s failed: %s", flow.rid, message.error.message)
+        except RouterError as e:
             status = "unavailable"
+            log.warning("request %s failed: %s", flow.rid, e)
             raise
         finally:
             flow.finish()

@@ -176,6 +176,8 @@ class RequestFlow:
             self.first = await self.call
             self.usage.prefill = self.first.usage
             self.prefilled_by = prefill.id
+            if self.first.usage.transfers:
+                self.cluster.registry.transfer_ok(prefill.id, decode.id)
             self.cluster.registry.index.record(prefill.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             release = self.cluster.release(decode.id, self.rid)

@@ -8,8 +8,10 @@ Invariants:
 - Losing a worker marks it unhealthy (its pairs get no traffic) and cancels every call
   that depends on it: requests that emitted nothing are retried elsewhere, the others fail
   UNAVAILABLE (dispatch.py).
-- A DEGRADED pair (a transfer on it failed) of healthy workers is re-paired in the
-  background (``heal``), one attempt per pair at a time, each round until it is READY.
+- A DEGRADED pair (a transfer on it failed) or FAILED pair (its pairing failed for a
+  transient reason) of healthy workers is re-paired in the background (``heal``), one
+  attempt per pair at a time, once its retry delay is over (registry.retry_delay), until
+  it is READY.
 - The readiness service (``READY_SERVICE``) is SERVING exactly while a request can be
   served: a READY pair of healthy workers, or a healthy aggregated worker.
 """
@@ -17,6 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
@@ -32,6 +36,7 @@ from services.router.registry import PairState, Registry, Worker
 STATS_INTERVAL_S = 0.5
 STATS_TIMEOUT_S = 2.0
 STATS_MISSES = 2  # Stats polls a worker may miss (time out) before it counts as unhealthy
+log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
@@ -64,15 +69,16 @@ class HealthMonitor:
         no other's poll), then readiness."""
         workers = [w for w in self.cluster.registry.workers.values() if w.id in self.cluster.channels]
         await asyncio.gather(*(self._poll(w) for w in workers))
-        self._heal_degraded()
+        self._retry_pairs()
         if self.readiness is not None:
             serving = self.cluster.registry.is_serving()
             await self.readiness.set(READY_SERVICE, SERVING if serving else NOT_SERVING)
 
-    def _heal_degraded(self) -> None:
-        """Start re-pairing every degraded pair of healthy workers not being re-paired."""
+    def _retry_pairs(self) -> None:
+        """Start re-pairing every due DEGRADED or FAILED pair of healthy workers not being
+        re-paired."""
         registry = self.cluster.registry
-        for key in registry.degraded_pairs():
+        for key in registry.due_pairs(time.monotonic()):
             if self.heal is None or key in self.healing:
                 continue
             if all(registry.workers[w].healthy for w in key):
@@ -97,9 +103,14 @@ class HealthMonitor:
             worker.missed += 1
             gone = isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
             if worker.healthy and (gone or worker.missed >= self.misses):
+                why = "its process is gone" if gone else f"{worker.missed} Stats polls timed out"
+                cause = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                log.warning("lost worker %s: %s (%s)", worker.id, why, cause)
                 self.lose(worker.id)
                 worker.healthy = False
             return
+        if not worker.healthy:
+            log.warning("worker %s answers again", worker.id)
         if stats.groups:
             target = stats.groups[0]
             busy = target.num_pages_used - target.num_pages_cached
@@ -121,7 +132,7 @@ def health_response(registry: Registry) -> cpb.HealthResponse:
     serving = registry.is_serving()
     both = len(registry.ids(rpb.ROLE_BOTH))
     refused = [
-        f"{p}->{d}: " + ("degraded: " if pair.state == PairState.DEGRADED else "") + pair.reason
+        f"{p}->{d}: " + ("degraded: " if pair.state == PairState.DEGRADED else "") + pair.describe()
         for (p, d), pair in registry.pairs.items()
         if pair.state in (PairState.REFUSED, PairState.FAILED, PairState.DEGRADED)
     ]
@@ -139,7 +150,7 @@ def pair_statuses(registry: Registry) -> list[cpb.PairStatus]:
     """Every prefill/decode pair with its state and reason, as Health and ModelInfo report."""
     return [
         cpb.PairStatus(
-            prefill_instance_id=p, decode_instance_id=d, state=pair.state.value, reason=pair.reason
+            prefill_instance_id=p, decode_instance_id=d, state=pair.state.value, reason=pair.describe()
         )
         for (p, d), pair in registry.pairs.items()
     ]

@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import secrets
+
 import grpc
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
@@ -97,23 +99,22 @@ class Registration:
         self.metrics.registrations.labels("accepted" if state == PairState.READY else "refused").inc()
 
     async def heal(self, prefill_id: str, decode_id: str) -> bool:
-        """Re-run a DEGRADED pair's pairing (both workers reconnect and test the transfer
-        again): READY if it passes; else it stays DEGRADED, the new failure its reason."""
+        """Re-run a DEGRADED or FAILED pair's pairing (both workers reconnect and test the
+        transfer again): READY if it passes; else it keeps its state (REFUSED if a RankInfo
+        now differs), the first failure and the latest attempt's as its reason."""
         workers, key = self.registry.workers, (prefill_id, decode_id)
         if prefill_id not in workers or decode_id not in workers:
             return False
         pair = self.registry.pairs.get(key)
-        first = pair.reason.split("; re-pairing: ")[0] if pair is not None else ""  # the transfer's failure
+        first = pair.reason.split("; re-pairing: ")[0] if pair is not None else ""  # what broke it
         prefill, decode = workers[prefill_id].info, workers[decode_id].info
         state, reason = await pair_workers(self.cluster.channels, prefill, decode)
-        pair = self.registry.pairs.get(key)
-        if pair is None or pair.state != PairState.DEGRADED:  # re-registered or removed meanwhile
+        now = self.registry.pairs.get(key)
+        if now is not pair:  # re-registered, removed or changed meanwhile
             return False
         healed = state == PairState.READY
         again = f"{first}; re-pairing: {reason}" if first else f"re-pairing: {reason}"
-        self.registry.set_pair(
-            prefill_id, decode_id, state if healed else PairState.DEGRADED, "" if healed else again
-        )
+        self.registry.set_pair(prefill_id, decode_id, state, "" if healed else again)
         self.metrics.registrations.labels("healed" if healed else "refused").inc()
         return healed
 
@@ -156,17 +157,23 @@ def check_identity(info: rpb.RankInfo, identity: str, registered: Worker | None)
 async def pair_workers(
     channels: dict[str, grpc.aio.Channel], prefill: rpb.RankInfo, decode: rpb.RankInfo
 ) -> tuple[PairState, str]:
-    """Run both registrations, decode side first. Returns the pair's state and why."""
+    """Run both registrations, decode side first, under a fresh pairing nonce. Returns the
+    pair's state and why: FAILED for a transient failure (an RPC, the test transfer: the
+    ``ucx`` field), REFUSED for a RankInfo mismatch."""
     steps = ((decode, prefill), (prefill, decode))  # (who checks, whose info)
+    nonce = secrets.token_hex(8)
     for checker, peer in steps:
         stub = reg_grpc.RegistrationStub(channels[checker.instance_id])
+        request = reg.RegisterRequest(rank_info=peer, pairing_nonce=nonce)
         try:
-            response = await stub.Register(reg.RegisterRequest(rank_info=peer), timeout=PAIR_TIMEOUT_S)
+            response = await stub.Register(request, timeout=PAIR_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             return PairState.FAILED, f"{checker.instance_id}: {e.code().name}: {e.details()}"
         if not response.accepted:
+            transient = all(m.field == "ucx" for m in response.mismatches)
             mismatches = describe_mismatches(response)
-            return PairState.REFUSED, f"{checker.instance_id} refused {peer.instance_id}: {mismatches}"
+            state = PairState.FAILED if transient else PairState.REFUSED
+            return state, f"{checker.instance_id} refused {peer.instance_id}: {mismatches}"
     return PairState.READY, ""
 
 

@@ -4,16 +4,34 @@ Invariants: a request goes only to a pair in state READY (both sides accepted ea
 RankInfo and the test transfer between them succeeded) whose workers are healthy; a
 refused pair keeps its mismatches for Health/ModelInfo and gets no traffic. A READY pair
 whose transfer failed is DEGRADED, with the failure as its reason: it gets no traffic until
-a new pairing test passes (``HealthMonitor`` re-runs it) and makes it READY again.
+a new pairing test passes (``HealthMonitor`` re-runs it) and makes it READY again. A pair
+whose pairing failed for a transient reason (an RPC, the test transfer) is FAILED and
+re-tried alike; only a RankInfo mismatch (REFUSED) waits for a worker to register again.
+
+Failures in a row: every failed transfer and pairing attempt since the pair last moved a
+request's pages counts; the next re-pairing waits ``retry_delay(failures)``, so a pair
+whose tests pass but whose real transfers fail spends its time DEGRADED, not READY. Each
+change of state is logged once, at WARNING when it is a failure or a recovery.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.router.prefix_index import PrefixIndex, page_hashes
+
+RETRY_BASE_S = 0.5  # the first re-pairing's delay after a failure
+RETRY_MAX_S = 4.0  # the longest: a pair is tried again this soon after its fault ends
+log = logging.getLogger(__name__)
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds before the next re-pairing of a pair with ``failures`` failures in a row."""
+    return min(RETRY_BASE_S * 2 ** max(failures - 1, 0), RETRY_MAX_S)
 
 
 class PairState(enum.Enum):
@@ -43,10 +61,23 @@ class Worker:
         return self.info.role
 
 
+RETRIED = (PairState.DEGRADED, PairState.FAILED)  # re-paired in the background until READY
+
+
 @dataclass(slots=True)
 class Pair:
     state: PairState = PairState.PENDING
     reason: str = ""  # mismatches or the failure, for humans
+    failures: int = 0  # failed transfers and pairing attempts since it last moved a request's pages
+    since: float = 0.0  # monotonic seconds: when it entered this state
+    retry_at: float = 0.0  # monotonic seconds: the earliest next re-pairing (RETRIED states)
+
+    def describe(self) -> str:
+        """The state's reason as Health and PairStatus show it."""
+        if self.state not in RETRIED:
+            return self.reason
+        every = retry_delay(self.failures)
+        return f"{self.reason} (failures in a row: {self.failures}; re-pairing every {every} s)"
 
 
 @dataclass(slots=True)
@@ -83,19 +114,60 @@ class Registry:
         return [w.id for w in self.workers.values() if w.role == role]
 
     def set_pair(self, prefill_id: str, decode_id: str, state: PairState, reason: str = "") -> None:
-        if (prefill_id, decode_id) in self.pairs:
-            self.pairs[(prefill_id, decode_id)] = Pair(state, reason)
+        """A pairing attempt's outcome: READY, or a failure counted towards the next
+        attempt's delay (a DEGRADED pair whose re-pairing failed stays DEGRADED)."""
+        key = (prefill_id, decode_id)
+        old = self.pairs.get(key)
+        if old is None:
+            return
+        if state == PairState.FAILED and old.state == PairState.DEGRADED:
+            state = PairState.DEGRADED
+        failures = old.failures + (state != PairState.READY)
+        self._move(
+            key, old, Pair(state, reason, failures, old.since, time.monotonic() + retry_delay(failures))
+        )
 
     def degrade(self, prefill_id: str, decode_id: str, reason: str) -> bool:
-        """Mark a READY pair DEGRADED for ``reason``; True if it was READY."""
-        pair = self.pairs.get((prefill_id, decode_id))
-        if pair is None or pair.state != PairState.READY:
+        """Mark a READY pair DEGRADED for ``reason`` (a request's transfer failed on it);
+        True if it was READY."""
+        key = (prefill_id, decode_id)
+        old = self.pairs.get(key)
+        if old is None or old.state != PairState.READY:
             return False
-        self.pairs[(prefill_id, decode_id)] = Pair(PairState.DEGRADED, reason)
+        failures = old.failures + 1
+        self._move(
+            key,
+            old,
+            Pair(PairState.DEGRADED, reason, failures, 0.0, time.monotonic() + retry_delay(failures)),
+        )
         return True
 
-    def degraded_pairs(self) -> list[tuple[str, str]]:
-        return [k for k, p in self.pairs.items() if p.state == PairState.DEGRADED]
+    def transfer_ok(self, prefill_id: str, decode_id: str) -> None:
+        """A request's pages moved over the pair: its failures in a row are over."""
+        pair = self.pairs.get((prefill_id, decode_id))
+        if pair is not None and pair.state == PairState.READY:
+            pair.failures = 0
+
+    def retried_pairs(self) -> list[tuple[str, str]]:
+        """The DEGRADED and FAILED pairs, re-paired in the background until READY."""
+        return [k for k, p in self.pairs.items() if p.state in RETRIED]
+
+    def due_pairs(self, now: float) -> list[tuple[str, str]]:
+        """The retried pairs whose next re-pairing is due at ``now`` (monotonic seconds)."""
+        return [k for k in self.retried_pairs() if self.pairs[k].retry_at <= now]
+
+    def _move(self, key: tuple[str, str], old: Pair, new: Pair) -> None:
+        """Replace ``old`` with ``new`` (its ``since`` now if the state changed); logged once."""
+        if new.state != old.state:
+            new.since = time.monotonic()
+        self.pairs[key] = new
+        name = f"{key[0]}->{key[1]}"
+        if new.state == PairState.READY and old.state in RETRIED:
+            log.warning("pair %s is ready again (was %s: %s)", name, old.state.value, old.reason)
+        elif new.state == PairState.READY:
+            log.info("pair %s is ready", name)
+        elif new.state != old.state or new.reason != old.reason:
+            log.warning("pair %s is %s: %s", name, new.state.value, new.describe())
 
     def ready_pairs(self) -> list[tuple[str, str]]:
         return [

@@ -10,8 +10,10 @@ a degraded one.
   the pair is out of service until it is re-paired, its workers may serve other pairs.
 - A Decode whose pages did not land degrades its pair too; after the first token it still
   ends the request UNAVAILABLE, as does a Decode stream past its idle deadline.
-- A request with no READY pair waits, as a queued one, for a DEGRADED pair of workers it
-  has not excluded, for at most HEAL_WAIT_S from its start.
+- A request with no READY pair waits, as a queued one, for a DEGRADED or FAILED pair of
+  workers it has not excluded, for at most HEAL_WAIT_S from its start or from that pair's
+  failure, whichever is later (a request whose own transfer timed out may wait for the
+  pair it broke on).
 """
 
 from __future__ import annotations
@@ -49,11 +51,16 @@ HEAL_WAIT_S = 10.0  # how long a request waits for a degraded pair when no pair 
 
 
 def may_heal(registry: Registry, start: float, excluded: set[str]) -> bool:
-    """Whether a DEGRADED pair of workers not in ``excluded`` may come back for a request
-    that started at ``start`` (monotonic seconds)."""
-    if time.monotonic() - start > HEAL_WAIT_S:
-        return False
-    return any(p not in excluded and d not in excluded for p, d in registry.degraded_pairs())
+    """Whether a DEGRADED or FAILED pair of workers not in ``excluded`` may come back for a
+    request that started at ``start`` (monotonic seconds): within HEAL_WAIT_S of the later
+    of its start and the pair's failure."""
+    now = time.monotonic()
+    return any(
+        p not in excluded
+        and d not in excluded
+        and now - max(start, registry.pairs[(p, d)].since) <= HEAL_WAIT_S
+        for p, d in registry.retried_pairs()
+    )
 
 
 def prefill_failure(

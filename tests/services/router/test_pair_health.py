@@ -35,10 +35,11 @@ def test_a_degraded_pair_is_not_ready_and_health_names_its_reason():
     assert registry.degrade("p0", "d0", "again") is False  # only a READY pair degrades
     health = health_response(registry)
     assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_SERVING, 1)
-    assert health.message == "p0->d0: degraded: p0: transfer failed"
+    why = "p0: transfer failed (failures in a row: 1; re-pairing every 0.5 s)"
+    assert health.message == f"p0->d0: degraded: {why}"
     assert registry.ready_pairs() == [("p1", "d0")]
     assert [(s.prefill_instance_id, s.state, s.reason) for s in health.pairs] == [
-        ("p0", "degraded", "p0: transfer failed"),
+        ("p0", "degraded", why),
         ("p1", "ready", ""),
     ]
     registry.degrade("p1", "d0", "p1: transfer failed")
@@ -137,4 +138,6 @@ def test_re_pairing_that_fails_keeps_the_pair_degraded_with_both_reasons():
     assert pair.reason.startswith("p0: transfer failed; re-pairing: d0: UNAVAILABLE: ")
     assert pair.reason.count("re-pairing") == 1  # the failure and the latest attempt only
     (status,) = asyncio.run(api.model_info()).pairs
-    assert (status.decode_instance_id, status.state, status.reason) == ("d0", "degraded", pair.reason)
+    assert (status.decode_instance_id, status.state, status.reason) == ("d0", "degraded", pair.describe())
+    # its first pairing (unreachable), the failed transfer and two re-pairings: no request moved since
+    assert status.reason.endswith("(failures in a row: 4; re-pairing every 4.0 s)")

@@ -163,7 +163,8 @@ def test_a_pair_that_cannot_be_reached_fails_naming_the_decode_side_first():
     pair = registry.pairs[("p0", "d0")]
     assert pair.state == PairState.FAILED and pair.reason.startswith("d0: UNAVAILABLE: ")
     assert (_registrations(api, "accepted"), _registrations(api, "refused")) == (2, 1)
-    assert health.message == f"no ready prefill/decode pair. p0->d0: {pair.reason}"
+    assert health.message == f"no ready prefill/decode pair. p0->d0: {pair.describe()}"
+    assert pair.describe() == f"{pair.reason} (failures in a row: 1; re-pairing every 0.5 s)"
     assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (1, 1, 0)
 
 
