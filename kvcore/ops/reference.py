@@ -12,6 +12,7 @@ gathered; NULL entries inside the gathered range are replaced by zeros, never re
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvcore.ops.checks import check_attention, check_write, check_write_rotated
 from kvcore.ops.slots import uniform_query_start_loc
@@ -161,24 +162,23 @@ def _masked_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [batch, max_q, num_q_heads, hd]; keys/values [batch, num_kv_heads, num_keys, hd];
-    mask [batch, max_q, num_keys]. Query head h reads kv head h // group."""
+    mask [batch, max_q, num_keys]. Query head h reads kv head h // group; a row that sees
+    no key outputs zeros. torch's fused attention: the same function as the softmax
+    written out, in a few passes over the scores instead of six."""
     batch, max_q, num_q_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    group = num_q_heads // num_kv_heads
     if keys.shape[2] == 0:
         return q.new_zeros(q.shape)
-    q = q.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)  # rows: (g, i)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kvh, group*max_q, keys]
-    scores = scores.view(batch, num_kv_heads, group, max_q, -1)
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    probs = torch.exp(scores - row_max)
-    denom = probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    probs = (probs / denom).view(batch, num_kv_heads, group * max_q, -1)
-    out = torch.matmul(probs, values).view(batch, num_kv_heads, group, max_q, head_dim)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_q_heads, head_dim)
+    seen = mask.any(dim=-1)  # [batch, max_q]
+    attend = mask | ~seen[:, :, None]  # a row that sees nothing attends all, then is zeroed
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [batch, num_q_heads, max_q, hd]
+        keys,
+        values,
+        attn_mask=attend[:, None],
+        scale=scale,
+        enable_gqa=num_q_heads != keys.shape[1],
+    )  # [batch, num_q_heads, max_q, hd]
+    return torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0)
 
 
 def decode_attention(
