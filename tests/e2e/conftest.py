@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +17,7 @@ from tests.services.engine.helpers import write_pair
 
 K = 3
 PAGE = 4
+_pair_ids = itertools.count()
 ENGINE = dict(tokens_per_page=PAGE, kv_cache_bytes=8 << 20, max_num_seqs=16)
 
 
@@ -72,6 +75,51 @@ def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
             else:
                 raise AssertionError(f"error message: {message.error}")
     return tokens, complete
+
+
+def run_on_pair(
+    cluster: LocalCluster,
+    pair: tuple[str, str],
+    prompt: list[int],
+    max_tokens: int,
+    reserve_prompt: bool = False,
+):
+    """Reserve on ``decode`` (sending the prompt's tokens, so its prefix cache counts, when
+    ``reserve_prompt``), prefill on ``prefill``, decode: what the router does, on a chosen
+    pair (prefill, decode). Returns (tokens, prefill usage, decode usage)."""
+    prefill, decode = pair
+    rid = f"pair-{next(_pair_ids)}"
+    sampling = cpb.SamplingParams(max_tokens=max_tokens)
+    address = {p.name: p.grpc for p in cluster.processes}
+    with grpc.insecure_channel(address[decode]) as d, grpc.insecure_channel(address[prefill]) as p:
+        decoder = wpb_grpc.DecodeWorkerStub(d)
+        reservation = decoder.Reserve(
+            wpb.ReserveRequest(
+                request_id=rid, prompt_len=len(prompt), prompt_token_ids=prompt if reserve_prompt else []
+            ),
+            timeout=30,
+        ).reservation
+        first = wpb_grpc.PrefillWorkerStub(p).Prefill(
+            wpb.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation
+            ),
+            timeout=60,
+        )
+        tokens, usage = [first.first_token_id], None
+        for message in decoder.Decode(
+            wpb.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                first_token_id=first.first_token_id,
+                sampling=sampling,
+            ),
+            timeout=60,
+        ):
+            if message.HasField("chunk"):
+                tokens += list(message.chunk.token_ids)
+            elif message.HasField("complete"):
+                usage = message.complete.usage
+    return tokens, first.usage, usage
 
 
 def metric_sample(text: str, name: str, **labels: str) -> float:

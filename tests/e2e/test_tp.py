@@ -13,20 +13,16 @@ not move, and neither do the accepted drafts. The longest prompt runs past the d
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
-import grpc
 import pytest
 
 from deploy.local import LocalCluster
 from models.byte_tokenizer import byte_ids
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from proto.tandem.v1 import worker_pb2 as wpb
-from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.engine import Engine, EngineConfig, SamplingParams
-from tests.e2e.conftest import assert_no_request_holds_pages, generate
+from tests.e2e.conftest import assert_no_request_holds_pages, generate, run_on_pair
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +34,6 @@ PROMPTS = [byte_ids(t) for t in ("class Stack:\n    def __init__(self):", SOURCE
 ROLES = {"prefill-0": 1, "prefill-1": 2, "decode-2": 1, "decode-3": 2}  # name -> TP size
 PAIRS = [("prefill-0", "decode-3"), ("prefill-1", "decode-2"), ("prefill-1", "decode-3")]
 # TP 1->2, 2->1 and 2->2 (1->1 is every other e2e test's)
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -79,46 +74,6 @@ def cluster(reference):  # the reference first: idle cluster processes still tak
     cluster.stop()
 
 
-def run_on_pair(
-    cluster: LocalCluster, prefill: str, decode: str, prompt: list[int], reserve_prompt: bool = False
-):
-    """Reserve on ``decode`` (sending the prompt's tokens, so its prefix cache counts, when
-    ``reserve_prompt``), prefill on ``prefill``, decode: what the router does, on a chosen
-    pair. Returns (tokens, prefill usage, decode usage)."""
-    rid = f"tp-{next(_ids)}"
-    sampling = cpb.SamplingParams(max_tokens=MAX_TOKENS)
-    address = {p.name: p.grpc for p in cluster.processes}
-    with grpc.insecure_channel(address[decode]) as d, grpc.insecure_channel(address[prefill]) as p:
-        decoder = wpb_grpc.DecodeWorkerStub(d)
-        reservation = decoder.Reserve(
-            wpb.ReserveRequest(
-                request_id=rid, prompt_len=len(prompt), prompt_token_ids=prompt if reserve_prompt else []
-            ),
-            timeout=30,
-        ).reservation
-        first = wpb_grpc.PrefillWorkerStub(p).Prefill(
-            wpb.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation
-            ),
-            timeout=60,
-        )
-        tokens, usage = [first.first_token_id], None
-        for message in decoder.Decode(
-            wpb.DecodeRequest(
-                request_id=rid,
-                prompt_token_ids=prompt,
-                first_token_id=first.first_token_id,
-                sampling=sampling,
-            ),
-            timeout=60,
-        ):
-            if message.HasField("chunk"):
-                tokens += list(message.chunk.token_ids)
-            elif message.HasField("complete"):
-                usage = message.complete.usage
-    return tokens, first.usage, usage
-
-
 def test_every_rank_registered_and_every_pair_is_ready(cluster):
     with cluster.channel() as channel:
         stub = cpb_grpc.TandemStub(channel)
@@ -138,7 +93,7 @@ def test_every_rank_registered_and_every_pair_is_ready(cluster):
 def test_each_tp_pair_decodes_what_tp1_aggregated_decodes(cluster, reference, prefill, decode):
     moved = []
     for prompt, ref in zip(PROMPTS, reference, strict=True):
-        tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, prompt)
+        tokens, prefilled, decoded = run_on_pair(cluster, (prefill, decode), prompt, MAX_TOKENS)
         assert tokens == ref.token_ids, len(prompt)
         assert decoded.acceptance_length == pytest.approx(ref.usage.acceptance_length, rel=0.01)
         moved.append({t.group: t.num_bytes for t in prefilled.transfers})
@@ -165,9 +120,11 @@ def test_a_continuation_skips_the_pages_each_decode_rank_holds(cluster, referenc
     """Turn 2 extends turn 1 (prompt and answer), which the decode group cached: only the
     pages after the held prefix travel, re-sliced as before, and the tokens still agree."""
     first = PROMPTS[0] + [ord(decode[-1])]  # a turn 1 of this decode worker's own
-    answer, _, _ = run_on_pair(cluster, prefill, decode, first, reserve_prompt=True)
+    answer, _, _ = run_on_pair(cluster, (prefill, decode), first, MAX_TOKENS, reserve_prompt=True)
     second = first + answer + byte_ids("\n    def push(self, x):")
-    tokens, prefilled, decoded = run_on_pair(cluster, prefill, decode, second, reserve_prompt=True)
+    tokens, prefilled, decoded = run_on_pair(
+        cluster, (prefill, decode), second, MAX_TOKENS, reserve_prompt=True
+    )
     engine = Engine(
         EngineConfig(
             model=str(MODEL),
