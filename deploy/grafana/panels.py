@@ -253,7 +253,15 @@ ROWS = (
                 "did not land or were not acknowledged in time.",
                 ((rate("tandem_timeouts_total", "kind"), "{{kind}}"),),
                 unit="ops",
-                width=24,
+                width=12,
+            ),
+            Panel(
+                "Event loop lag",
+                "How late each process's event loop ran a 0.25 s timer: a second or more means a "
+                "call blocked the loop (every gRPC answer and UCX message waited); logged too.",
+                quantiles("tandem_event_loop_lag_seconds", by="instance"),
+                unit="s",
+                width=12,
             ),
         ),
     ),

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.metrics_http import serve_registry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 
 
@@ -160,6 +161,13 @@ class Metrics:
             "(reserved pages freed unused), transfer (pages did not land or "
             "were not acknowledged in time)",
             ["kind"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "tandem_event_loop_lag_seconds",
+            "How late the process's event loop ran a 0.25 s timer: long turns (a blocking "
+            "call) delay every gRPC answer and UCX progress",
+            buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common.access import router_policy
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
+from services.common.loop_watch import watch_loop
 from services.common.metrics import Metrics, serve_metrics
 from services.router.api import ModelLimits, RouterAPI, RouterOptions
 from services.router.chat_template import ChatTemplate, load_chat_template
@@ -97,10 +98,12 @@ async def run_router(
     if bound is not None:
         bound.update(port=port, metrics_port=metrics_port, router=router, http_port=http_port)
     poll = asyncio.ensure_future(router.health_monitor.poll_forever())
+    watch = asyncio.ensure_future(watch_loop(metrics.loop_lag.observe))
     if ready is not None:
         ready.set()
     await wait_for_stop(stop)
     poll.cancel()
+    watch.cancel()
     if http is not None:
         await http.close()
     await router.close()
