@@ -21,6 +21,9 @@ Invariants:
 - ``call`` is the RPC in flight (Reserve, Prefill, Decode or Generate) and ``workers`` the
   workers it depends on: ``abort`` and ``lose`` cancel it. Reserve and Prefill have the
   deadlines of ``Cluster.deadlines``, a Decode stream its idle deadline.
+- Workers know an attempt, not the request: every attempt (a pair tried, or an aggregated
+  worker) sends its own id, ``<request id>#<n>``, so a retry that lands on a worker still
+  holding an earlier attempt (a transfer stalled, a prefill parked) never meets its state.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ class RequestFlow:
     scheduled: bool = False  # a Reserve succeeded: its wait is in tandem_request_queue_seconds
     reserved_on: str = ""
     prefilled_by: str = ""  # the prefill worker whose transfer fed the decode worker
+    attempts: int = 0  # attempts begun: Reserves sent, or forwards to an aggregated worker
+
+    @property
+    def attempt(self) -> str:
+        """The id the workers know the current attempt by."""
+        return f"{self.rid}#{self.attempts}"
 
     # ------------------------------------------------------------------ control
 
@@ -98,7 +107,7 @@ class RequestFlow:
     def finish(self) -> None:
         """The flow ended: release, in the background, a reservation no Decode completed."""
         if self.reserved_on and self.reserved_on in self.cluster.channels:
-            self.cluster.spawn(self.cluster.release(self.reserved_on, self.rid))
+            self.cluster.spawn(self.cluster.release(self.reserved_on, self.attempt))
 
     # ------------------------------------------------------------------ the steps
 
@@ -146,10 +155,11 @@ class RequestFlow:
         """Reserve pages for the prompt (plus headroom) on ``decode``, within the call
         deadline; ``lose`` and ``abort`` cancel it (reserve_failure says what follows)."""
         self.reserved_on = decode.id  # before the call: a cancel may land after it reserved
+        self.attempts += 1
         stub, self.workers, self.lost = self.cluster.decode_stub(decode.id), (decode.id,), ""
         try:
             self.call = stub.Reserve(
-                msg.reserve_request(self.rid, self.token_ids), timeout=self.cluster.deadlines.call_s
+                msg.reserve_request(self.attempt, self.token_ids), timeout=self.cluster.deadlines.call_s
             )
             reserved = await self.call
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -170,7 +180,7 @@ class RequestFlow:
         self.workers, self.lost = (prefill.id, decode.id), ""
         try:
             self.call = self.cluster.prefill_stub(prefill.id).Prefill(
-                msg.prefill_request(self.rid, self.token_ids, self.request, reservation),
+                msg.prefill_request(self.attempt, self.token_ids, self.request, reservation),
                 timeout=self.cluster.deadlines.prefill_s,
             )
             self.first = await self.call
@@ -180,7 +190,7 @@ class RequestFlow:
                 self.cluster.registry.transfer_ok(prefill.id, decode.id)
             self.cluster.registry.index.record(prefill.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            release = self.cluster.release(decode.id, self.rid)
+            release = self.cluster.release(decode.id, self.attempt)
             if self.lost == decode.id:  # a stalled worker's Release would hold up the retry
                 self.cluster.spawn(release)
             else:
@@ -198,14 +208,14 @@ class RequestFlow:
         yield self._first_chunk()
         self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
         if self.aborted or self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
-            await self.cluster.release(decode.id, self.rid)
+            await self.cluster.release(decode.id, self.attempt)
             self.reserved_on = ""
             reason = cpb.FINISH_REASON_ABORT if self.aborted else self.first.finish_reason
             yield msg.complete(self.rid, reason, self.usage.merged())
             return
         decode.inflight += 1
         call = self.cluster.decode_stub(decode.id).Decode(
-            msg.decode_request(self.rid, self.token_ids, self.request, self.first.first_token_id)
+            msg.decode_request(self.attempt, self.token_ids, self.request, self.first.first_token_id)
         )
         # reserved_on stays set until the stream completes: a Decode call cancelled before the
         # worker saw it would otherwise orphan the reservation until its lease ran out
@@ -225,8 +235,9 @@ class RequestFlow:
     async def forward(self, worker: Worker) -> Messages:
         """Aggregated serving: the worker runs the whole request behind its own client API."""
         self._mark_scheduled()  # the worker's engine queues it from here
+        self.attempts += 1
         call = self.cluster.tandem_stub(worker.id).Generate(
-            msg.forward_request(self.rid, self.token_ids, self.request)
+            msg.forward_request(self.attempt, self.token_ids, self.request)
         )
         self.call, self.workers, self.lost = call, (worker.id,), ""
         worker.inflight += 1

@@ -39,6 +39,7 @@ class RequestFlow(Protocol):
     """What the failure handlers read of a request's state (dispatch.RequestFlow)."""
 
     rid: str
+    attempt: str  # the id the workers know the current attempt by
     aborted: bool
     lost: str  # the worker the health check lost mid-call, or ""
     reserved_on: str  # the decode worker holding a reservation no Decode owns, or ""
@@ -91,7 +92,7 @@ def reserve_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> 
         return error  # the router's own task was cancelled: the flow's end releases
     flow.reserved_on = ""
     if flow.lost or timed_out:
-        flow.cluster.spawn(flow.cluster.release(decode_id, flow.rid))
+        flow.cluster.spawn(flow.cluster.release(decode_id, flow.attempt))
         return Retry(decode_id)
     return classify(error, decode_id)
 

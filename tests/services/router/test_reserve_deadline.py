@@ -109,8 +109,8 @@ def test_a_reserve_on_a_worker_the_health_check_loses_is_cancelled_and_retried_e
     assert {first, second} == {"d0", "d1"} and (t1, t2) == (3.0, 3.0)
     assert stubs.prefill_timeouts == [7.0]
     # the lost worker's, in case it comes back holding pages; the second's, as the request
-    # ended at its first token
-    assert sorted(stubs.releases) == [("d0", "r"), ("d1", "r")]
+    # ended at its first token: each attempt under its own id
+    assert sorted(stubs.releases) == sorted([(first, "r#1"), (second, "r#2")])
 
 
 def test_a_reserve_past_its_deadline_is_retried_elsewhere_and_released():
@@ -122,4 +122,4 @@ def test_a_reserve_past_its_deadline_is_retried_elsewhere_and_released():
     assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
     (first, _), (second, _) = stubs.reserves
     assert first != second
-    assert sorted(stubs.releases) == [("d0", "r"), ("d1", "r")]
+    assert sorted(stubs.releases) == sorted([(first, "r#1"), (second, "r#2")])
