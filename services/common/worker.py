@@ -98,6 +98,7 @@ class WorkerBase:
             groups=groups,
             num_running=running,
             num_waiting=waiting,
+            rank_info=self.rank_info(),
         )
 
     async def register_forever(self, ready: Callable[[bool], Awaitable[None]] | None = None) -> None:

@@ -24,7 +24,7 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.security import TlsConfig, aio_channel, worker_token
-from services.router.registry import Registry
+from services.router.registry import Registry, Worker
 
 CALL_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 120.0
@@ -65,6 +65,13 @@ class Cluster:
 
     def prefill_stub(self, worker_id: str) -> wpb_grpc.PrefillWorkerStub:
         return wpb_grpc.PrefillWorkerStub(self.channels[worker_id])
+
+    def stats_stub(self, worker: Worker) -> wpb_grpc.DecodeWorkerStub | wpb_grpc.PrefillWorkerStub:
+        """Where ``worker`` answers Stats: DecodeWorker on decode workers, PrefillWorker on
+        prefill and aggregated ones."""
+        if worker.role == rpb.ROLE_DECODE:
+            return self.decode_stub(worker.id)
+        return self.prefill_stub(worker.id)
 
     def tandem_stub(self, worker_id: str) -> cpb_grpc.TandemStub:
         """An aggregated worker's client API."""

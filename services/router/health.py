@@ -98,7 +98,7 @@ class HealthMonitor:
 
     async def _poll(self, worker: Worker) -> None:
         try:
-            stats = await self._stub(worker).Stats(wpb.StatsRequest(), timeout=self.timeout_s)
+            stats = await self.cluster.stats_stub(worker).Stats(wpb.StatsRequest(), timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, AttributeError) as e:
             worker.missed += 1
             gone = isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -118,12 +118,6 @@ class HealthMonitor:
             worker.busy_pages = busy
         worker.healthy = True
         worker.missed = 0
-
-    def _stub(self, worker: Worker):
-        """Decode workers serve Stats on DecodeWorker; prefill and aggregated on PrefillWorker."""
-        if worker.role == rpb.ROLE_DECODE:
-            return self.cluster.decode_stub(worker.id)
-        return self.cluster.prefill_stub(worker.id)
 
 
 def health_response(registry: Registry) -> cpb.HealthResponse:

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 import grpc
@@ -29,14 +30,17 @@ import grpc
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
+from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
-from services.common.peer_check import check_contract, mismatches_to_proto
+from services.common.peer_check import check_contract, format_mismatches, mismatches_to_proto
 from services.router.cluster import Cluster
 from services.router.errors import ErrorCode, RouterError
 from services.router.registry import PairState, Worker
 
 PAIR_TIMEOUT_S = 30.0
+CONFIRM_TIMEOUT_S = 5.0  # a live worker's answer to the Stats that confirms its re-registration
 HEARTBEAT_INTERVAL_MS = 1000
+log = logging.getLogger(__name__)
 
 
 class Registration:
@@ -51,10 +55,17 @@ class Registration:
         """Accept a worker (again, if it was known) and start testing its new pairs;
         ``identity``: the caller's (services/common/access.py)."""
         info = request.rank_info
-        _check_registration(request)
-        check_identity(info, identity, self.registry.workers.get(info.instance_id))
+        try:
+            _check_registration(request)
+            registered = self.registry.workers.get(info.instance_id)
+            check_identity(info, identity, registered)
+            await self._confirm_live(info, registered)
+        except RouterError as e:
+            log.warning("refused the registration of %r from %s: %s", info.instance_id, info.grpc_address, e)
+            raise
         mismatches = check_contract(self.contract, info)
         if mismatches:
+            log.warning("refused worker %s: %s", info.instance_id, format_mismatches(mismatches))
             self.metrics.registrations.labels("refused").inc()
             return reg.RegisterResponse(accepted=False, mismatches=mismatches_to_proto(mismatches))
         await self.cluster.connect(info)
@@ -62,6 +73,36 @@ class Registration:
             self.cluster.spawn(self.pair(prefill_id, decode_id))
         self.metrics.registrations.labels("accepted").inc()
         return reg.RegisterResponse(accepted=True)
+
+    async def _confirm_live(self, info: rpb.RankInfo, registered: Worker | None) -> None:
+        """A live worker registered again (at its own address: ``check_identity``): the
+        process at that address must report this very RankInfo (a restart does; a second
+        caller with the same identity, or none, cannot replace a live worker's UCX address
+        or geometry). RouterError otherwise, naming what differs."""
+        if registered is None or not registered.healthy or info.instance_id not in self.cluster.channels:
+            return
+        if registered.info == info:  # the same registration again: nothing changes
+            return
+        where = f"the live worker {info.instance_id!r} at {info.grpc_address}"
+        try:
+            stats = await self.cluster.stats_stub(registered).Stats(
+                wpb.StatsRequest(), timeout=CONFIRM_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            raise RouterError(
+                ErrorCode.UNAVAILABLE,
+                f"rank_info: {where} did not confirm it ({e.code().name}: {e.details()})",
+            ) from None
+        if stats.rank_info != info:
+            fields = [
+                f.name
+                for f in rpb.RankInfo.DESCRIPTOR.fields
+                if getattr(stats.rank_info, f.name) != getattr(info, f.name)
+            ]
+            raise RouterError(
+                ErrorCode.PERMISSION_DENIED,
+                f"rank_info: {', '.join(fields)} differ from what {where} reports",
+            )
 
     async def deregister(self, instance_id: str, identity: str = "") -> bool:
         """Forget a worker and its pairs; True if it was registered."""

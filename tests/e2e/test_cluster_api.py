@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
+from proto.tandem.v1 import registration_pb2 as reg
+from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import (
@@ -234,3 +236,24 @@ def _decode_requests_seen(cluster) -> dict[str, float]:
                 if line.startswith("tandem_requests_total{") and 'role="decode"' in line
             )
     return out
+
+
+def test_a_live_workers_registration_cannot_be_replaced_by_another_caller(mixed):
+    """Without credentials every caller has the same identity: a Register of the live
+    decode-1 at its own address, with a garbled UCX address, would have taken its place
+    (its pair FAILED for good). The router asks the worker at that address, which reports
+    its own RankInfo: refused, naming what differs; the pair keeps serving."""
+    with grpc.insecure_channel(mixed.router_address) as channel:
+        workers = cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=5).workers
+        forged = next(w for w in workers if w.instance_id == "decode-1")
+        forged.ucx.worker_address = b"\x00" * len(forged.ucx.worker_address)
+        with pytest.raises(grpc.RpcError) as refused:
+            reg_grpc.RegistrationStub(channel).Register(reg.RegisterRequest(rank_info=forged), timeout=10)
+        health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details() == (
+        f"rank_info: ucx differ from what the live worker 'decode-1' at {forged.grpc_address} reports"
+    )
+    assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_SERVING, 1)
+    tokens, _ = generate(mixed.router_address, PROMPT, 4, temperature=0)
+    assert len(tokens) == 4
