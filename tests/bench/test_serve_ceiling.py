@@ -1,0 +1,23 @@
+"""The engine's own decode ceiling (bench.serve_ceiling) over a tiny random pair on the CPU:
+a forced AL is exact, and the batch is capped by max_num_seqs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.random_model import build
+from bench.random_shapes import PRESETS
+from bench.serve_ceiling import CeilingSpec, measure
+from bench.serve_workload import Lengths
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("random"), PRESETS["tiny"], shards=5, device="cpu")
+
+
+def test_the_ceiling_at_a_forced_al_keeps_exactly_n_drafts_and_caps_the_batch(pair):
+    spec = CeilingSpec(str(pair[0]), str(pair[1]), k=3, forced=2, device="cpu", max_num_seqs=4, kv_mb=64)
+    rows = measure(spec, [Lengths(16, 10)], [2, 8])  # 9 decode tokens: 3 steps of AL 3
+    assert [(r["batch"], r["ceiling_batch"], r["al"]) for r in rows] == [(2, 2, 3.0), (8, 4, 3.0)]
+    assert all(r["tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows)
