@@ -121,10 +121,11 @@ class HealthMonitor:
 
 
 def health_response(registry: Registry) -> cpb.HealthResponse:
-    """The router's Health: serving or not, the workers and ready pairs (degraded ones not
-    counted), and every refused, failed or degraded pair with its reason."""
+    """The router's Health: serving or not, the live workers (those the health check has not
+    lost) and ready pairs (degraded ones not counted), and every refused, failed or degraded
+    pair with its reason."""
     serving = registry.is_serving()
-    both = len(registry.ids(rpb.ROLE_BOTH))
+    both = len(registry.live_ids(rpb.ROLE_BOTH))
     refused = [
         f"{p}->{d}: " + ("degraded: " if pair.state == PairState.DEGRADED else "") + pair.describe()
         for (p, d), pair in registry.pairs.items()
@@ -132,8 +133,8 @@ def health_response(registry: Registry) -> cpb.HealthResponse:
     ]
     return cpb.HealthResponse(
         status=cpb.SERVING_STATUS_SERVING if serving else cpb.SERVING_STATUS_NOT_SERVING,
-        num_prefill_workers=len(registry.ids(rpb.ROLE_PREFILL)) + both,
-        num_decode_workers=len(registry.ids(rpb.ROLE_DECODE)) + both,
+        num_prefill_workers=len(registry.live_ids(rpb.ROLE_PREFILL)) + both,
+        num_decode_workers=len(registry.live_ids(rpb.ROLE_DECODE)) + both,
         num_ready_pairs=len(registry.ready_pairs()),
         message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused),
         pairs=pair_statuses(registry),

@@ -113,6 +113,10 @@ class Registry:
     def ids(self, role: int) -> list[str]:
         return [w.id for w in self.workers.values() if w.role == role]
 
+    def live_ids(self, role: int) -> list[str]:
+        """The workers of ``role`` the health check has not lost."""
+        return [w.id for w in self.workers.values() if w.role == role and w.healthy]
+
     def set_pair(self, prefill_id: str, decode_id: str, state: PairState, reason: str = "") -> None:
         """A pairing attempt's outcome: READY, or a failure counted towards the next
         attempt's delay (a DEGRADED pair whose re-pairing failed stays DEGRADED)."""

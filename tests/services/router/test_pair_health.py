@@ -141,3 +141,13 @@ def test_re_pairing_that_fails_keeps_the_pair_degraded_with_both_reasons():
     assert (status.decode_instance_id, status.state, status.reason) == ("d0", "degraded", pair.describe())
     # its first pairing (unreachable), the failed transfer and two re-pairings: no request moved since
     assert status.reason.endswith("(failures in a row: 4; re-pairing every 4.0 s)")
+
+
+def test_health_counts_only_the_workers_it_has_not_lost():
+    registry = _registry(("p0", "d0"), ("p1", "d0"))
+    registry.workers["p1"].healthy = False
+    health = health_response(registry)
+    assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (1, 1, 1)
+    registry.workers["d0"].healthy = False
+    health = health_response(registry)
+    assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (1, 0, 0)
