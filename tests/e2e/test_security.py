@@ -134,13 +134,15 @@ def test_a_worker_with_a_certificate_from_another_ca_never_joins(secure):
     assert health.num_ready_pairs == 1
 
 
-def test_the_http_api_needs_the_token(secure):
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
+def test_the_http_api_needs_the_token(secure, path):
     if not secure.http_address:
         pytest.skip("the router runs no HTTP server")
-    url = f"{secure.http_address}/v1/models"
-    with pytest.raises(urllib.error.HTTPError) as raised:
-        urllib.request.urlopen(url, timeout=10)
-    assert raised.value.code == 401
+    url = f"{secure.http_address}{path}"
+    for wrong in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {TOKEN}x"}):
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(urllib.request.Request(url, headers=wrong), timeout=10)
+        assert raised.value.code == 401
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
     assert urllib.request.urlopen(request, timeout=10).status == 200
 
