@@ -6,13 +6,14 @@ served-load sweep's "served / ceiling" column.
 
 One ``Engine`` in this process (the served workers' engine, with their K, forced acceptance
 and batch limit; prefix cache off), no router, no RPC, no transfer: for each ISL/OSL and
-batch B it decodes B random prompts of ISL ids for OSL tokens each, greedy with EOS ignored,
+batch B it decodes the served point's first B prompts at C = B (same seed: ISL random ids)
+for OSL tokens each, greedy with EOS ignored,
 through ``bench.decode_run.decode_run`` (bench.spec_speedup's), whose tokens/s counts only the
 steps where every request decodes: B x AL / step time. B is capped at ``--max-num-seqs`` and
 at the requests of ISL + OSL tokens the KV memory holds at once (both also bound the served
 batch); the cap is reported as ``ceiling_batch``. Prints one JSON list on its last line of
-stdout. The sweep runs it as a subprocess (:func:`run_ceiling`) before it starts a cluster,
-so its device memory is free again when the workers start.
+stdout. The sweep runs it as a subprocess (``bench.serve_ceiling_spec.run_ceiling``) before
+it starts a cluster, so its device memory is free again when the workers start.
 """
 
 from __future__ import annotations
@@ -20,38 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
-from dataclasses import dataclass
 
 from bench.decode_run import decode_run
+from bench.serve_ceiling_spec import CeilingSpec
 from bench.serve_workload import Lengths, parse_grid, parse_numbers, point_seed, prompts
 from kvcore.spec import cdiv
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 
 CHUNK = 4096  # tokens per prefill chunk and step: the prompts' prefill only, not the decode timed
-
-
-@dataclass(frozen=True, slots=True)
-class CeilingSpec:
-    """``drafter`` "" = none; ``forced`` drafts kept per step, 0 = natural acceptance."""
-
-    model: str
-    drafter: str
-    k: int
-    forced: int
-    device: str
-    max_num_seqs: int
-    kv_mb: int
-    seed: int = 0  # the sweep's: the ceiling at B decodes the first B prompts of the served point C = B
-
-    def argv(self) -> list[str]:
-        return [
-            "--model", self.model, "--drafter", self.drafter or "none", "-k", str(self.k),
-            "--forced-accept", str(self.forced), "--device", self.device,
-            "--max-num-seqs", str(self.max_num_seqs), "--kv-mb", str(self.kv_mb), "--seed", str(self.seed),
-        ]  # fmt: skip
 
 
 def make_engine(spec: CeilingSpec) -> Engine:
@@ -110,18 +88,6 @@ def timed(run: dict) -> dict:
         "ms_per_step": run["ms_per_step"] if fine else math.nan,
         "al": run["al"],
     }
-
-
-def run_ceiling(spec: CeilingSpec, grid: list[Lengths], batches: list[int]) -> tuple[dict, str]:
-    """Run this module as a subprocess; returns ({(isl, osl, batch): row}, "") or ({}, the
-    failure's last lines)."""
-    command = [sys.executable, "-m", "bench.serve_ceiling", *spec.argv()]
-    command += ["--grid", ",".join(g.name for g in grid), "--batches", ",".join(map(str, batches))]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        return {}, "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    return {(r["isl"], r["osl"], r["batch"]): r for r in rows}, ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,8 +47,8 @@ def point_seed(seed: int, lengths: Lengths, label: str) -> int:
 
 def prompts(count: int, isl: int, vocab: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``isl`` ids drawn uniformly from [0, vocab)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(isl)] for _ in range(count)]
+    rng, ids = random.Random(seed), range(vocab)
+    return [rng.choices(ids, k=isl) for _ in range(count)]
 
 
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:

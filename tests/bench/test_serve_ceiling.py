@@ -7,7 +7,8 @@ import pytest
 
 from bench.random_model import build
 from bench.random_shapes import PRESETS
-from bench.serve_ceiling import CeilingSpec, measure
+from bench.serve_ceiling import measure
+from bench.serve_ceiling_spec import CeilingSpec
 from bench.serve_workload import Lengths
 
 
