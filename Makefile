@@ -65,7 +65,9 @@ bench-agentic: proto
 soak: proto
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-# aiperf (in its own .venv-aiperf) against a local cluster's OpenAI endpoint; prints its table
+# aiperf (in its own .venv-aiperf) against a local cluster's OpenAI endpoint; prints its table.
+# SERVE_ARGS="sweep ..." runs the served-load sweep instead (bench/serve_sweep.py; on a GPU:
+# SERVE_ARGS="sweep --model DIR/target --drafter DIR/drafter", DIR from bench.random_model)
 bench-serve: proto
 	$(BIN)/python -m bench.serve $(SERVE_ARGS)
 

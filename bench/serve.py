@@ -1,4 +1,8 @@
-"""`make bench-serve`: aiperf against a local cluster, its summary as a markdown table.
+"""`make bench-serve`: aiperf against a local cluster, its summary as a markdown table; with
+``sweep`` first, the served-load sweep instead (``bench/serve_sweep.py``).
+
+    python -m bench.serve [aiperf] [--concurrency 4 ...]   # aiperf, the bundled pair, CPU
+    python -m bench.serve sweep [--device cuda|cpu ...]     # the sweep: python -m bench.serve sweep -h
 
 Starts ``tandem up`` with the bundled pair (router, one prefill and one decode worker on
 127.0.0.1), runs ``aiperf profile`` on the OpenAI completions endpoint with the bundled
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import serve_sweep
 from deploy.local import LocalCluster
 
 AIPERF_VERSION = "0.13.0"
@@ -84,15 +89,26 @@ def _number(value) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """``sweep ...``: bench.serve_sweep; ``aiperf ...`` or no subcommand: aiperf."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:
+        serve_sweep.main(argv[1:])
+        return
+    aiperf_main(argv[1:] if argv[:1] == ["aiperf"] else argv)
+
+
+def aiperf_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve [aiperf]", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="the aiperf executable")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--isl", type=int, default=128, help="input tokens per request")
     parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
     parser.add_argument("-k", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     aiperf = aiperf_binary(args.aiperf)
     cluster = LocalCluster(
         ["--model", MODEL, "--drafter", DRAFTER, "-k", str(args.k)],
