@@ -20,11 +20,12 @@ DEVICE_DEFAULTS = {
         grid="512/128,2048/256,8192/256", concurrency="1,8,32,64,128", rates="1,2,4,8", forced_accept=3,
         worker_args="--max-num-seqs 128", aggregated_args="--kv-cache-mb 65536",
         prefill_args="--kv-cache-mb 24576", decode_args="--kv-cache-mb 49152", client_procs=4,
-        ceiling_kv_mb=65536, start_timeout_s=900.0,
+        ceiling_kv_mb=65536, ceiling_repeats=1, start_timeout_s=900.0,
     ),
     "cpu": dict(
         grid="128/32", concurrency="1,4", rates="", forced_accept=0, worker_args="", aggregated_args="",
-        prefill_args="", decode_args="", client_procs=1, ceiling_kv_mb=256, start_timeout_s=180.0,
+        prefill_args="", decode_args="", client_procs=1, ceiling_kv_mb=256, ceiling_repeats=3,
+        start_timeout_s=180.0,
     ),
 }  # fmt: skip
 COMMON_DEFAULTS = dict(k=4, poisson_seconds=30.0)
@@ -101,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
     add("--client-procs", type=int, help="client processes sharing each point's streams (cuda 4, cpu 1)")
     add("--ceiling", default="on", choices=("on", "off"), help="the engine's own decode ceiling per batch")
     add("--ceiling-kv-mb", type=int, help="the ceiling engine's KV memory, MiB (cuda 65536, cpu 256)")
+    add("--ceiling-repeats", type=int, help="timed runs per batch, the fastest kept (cuda 1, cpu 3)")
     add("--request-timeout-s", type=float, default=600.0)
     add("--start-timeout-s", type=float, help="cluster start deadline (cuda 900, cpu 180)")
     add("--seed", type=int, default=0)
@@ -136,6 +138,7 @@ def _readers(a: argparse.Namespace) -> list[tuple[str, str, bool]]:
         ("--prefill-args", "prefill_args", "1p1d" in layouts),
         ("--decode-args", "decode_args", "1p1d" in layouts),
         ("--ceiling-kv-mb", "ceiling_kv_mb", a.ceiling == "on"),
+        ("--ceiling-repeats", "ceiling_repeats", a.ceiling == "on"),
         ("--poisson-seconds", "poisson_seconds", a.rates.strip() != ""),
     ]
 
@@ -170,8 +173,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(
             f"{', '.join(owned)}: set by the sweep itself (--model, --drafter, -k, --forced-accept, --device)"
         )
-    if min(a.rounds, a.min_requests, a.client_procs) < 1 or a.warmup < 0:
-        p.error("--rounds, --min-requests and --client-procs must be >= 1, --warmup >= 0")
+    if min(a.rounds, a.min_requests, a.client_procs, a.ceiling_repeats) < 1 or a.warmup < 0:
+        p.error("--rounds, --min-requests, --client-procs and --ceiling-repeats must be >= 1, --warmup >= 0")
 
 
 def configs(a: argparse.Namespace) -> list[Config]:

@@ -75,6 +75,7 @@ def ceilings(a: argparse.Namespace, spec: bool) -> tuple[dict, str]:
         max_num_seqs=flag_of(common, "--max-num-seqs", 64),
         kv_mb=a.ceiling_kv_mb,
         seed=a.seed,
+        repeats=a.ceiling_repeats,
     )
     return run_ceiling(ceiling, a.grid, a.concurrency)
 

@@ -3,11 +3,13 @@ a forced AL is exact, and the batch is capped by max_num_seqs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.random_model import build
 from bench.random_shapes import PRESETS
-from bench.serve_ceiling import measure
+from bench.serve_ceiling import fastest, measure
 from bench.serve_ceiling_spec import CeilingSpec
 from bench.serve_workload import Lengths
 
@@ -22,3 +24,9 @@ def test_the_ceiling_at_a_forced_al_keeps_exactly_n_drafts_and_caps_the_batch(pa
     rows = measure(spec, [Lengths(16, 10)], [2, 8])  # 9 decode tokens: 3 steps of AL 3
     assert [(r["batch"], r["ceiling_batch"], r["al"]) for r in rows] == [(2, 2, 3.0), (8, 4, 3.0)]
     assert all(r["tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows)
+
+
+def test_the_fastest_run_is_kept_and_nan_only_when_every_run_is():
+    runs = [{"tok_s": math.nan}, {"tok_s": 5.0}, {"tok_s": 3.0}]
+    assert fastest(runs) == {"tok_s": 5.0}
+    assert math.isnan(fastest([{"tok_s": math.nan}])["tok_s"])
