@@ -112,6 +112,38 @@ def check_fits(prompt_len: int, max_tokens: int, max_model_len: int, manager: KV
             raise ValueError(f"prompt: needs {need} KV pages of group {name}, the cache holds {total}")
 
 
+def check_context_fits(max_model_len: int, manager: KVCacheManager) -> None:
+    """One request of ``max_model_len`` tokens (prompt plus completion) fits an otherwise
+    empty cache, in every layer group: ValueError naming max_model_len, with the longest
+    that fits, when it does not."""
+    longest = longest_fitting(manager)
+    if max_model_len > longest:
+        raise ValueError(
+            f"max_model_len: {max_model_len} tokens do not fit the KV cache: it holds one request "
+            f"of at most {longest} tokens ({_page_counts(manager)}, {manager.config.headroom_tokens} "
+            "tokens of headroom); lower --max-model-len or give the KV cache more memory "
+            "(--gpu-memory-utilization, --kv-cache-mb)"
+        )
+
+
+def longest_fitting(manager: KVCacheManager) -> int:
+    """The longest request (prompt plus completion, tokens) that :func:`check_fits` takes
+    into an empty cache: every full-attention group's pages less the headroom; a windowed
+    group bounds it only when it cannot hold its window's span."""
+    p, headroom = manager.tokens_per_page, manager.config.headroom_tokens
+    longest = []
+    for name, spec in manager.groups.items():
+        pages = manager.num_pages(name)
+        if spec.window > 0 and cdiv(_window_tokens(name, manager), p) <= pages:
+            continue  # holds what any length needs at once
+        longest.append(pages * p - headroom)
+    return max(0, min(longest, default=1 << 62))
+
+
+def _page_counts(manager: KVCacheManager) -> str:
+    return ", ".join(f"{manager.num_pages(g)} pages of group {g}" for g in manager.groups)
+
+
 def _window_tokens(group: str, manager: KVCacheManager) -> int:
     """Most positions of a windowed group one request holds at once: its window (plus one
     for a target feeding a drafter), the longer of a prefill chunk and, for the target,

@@ -15,10 +15,15 @@ DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 @dataclass(slots=True)
 class EngineConfig:
     """``num_spec_tokens`` is K, the drafts per verify step; 0 (or no ``drafter``) runs
-    the target alone. KV memory is ``num_pages`` (target, draft) pages when given, else
-    ``kv_cache_bytes`` split by kvcore's capacity rule. Token counts are per step:
-    decode takes K + 1 per request, prefill chunks take the rest of
-    ``max_num_batched_tokens``, at most ``max_prefill_chunk`` per request."""
+    the target alone. KV memory is ``num_pages`` (target, draft) pages when given, else a
+    byte budget split by kvcore's capacity rule: ``kv_cache_bytes``, or, when
+    ``gpu_memory_utilization`` > 0 (CUDA only), what that fraction of the device's memory
+    leaves after the weights, a profile forward's activations and the CUDA graphs
+    (services/engine/memory_profile.py). Token counts are per step: decode takes K + 1 per
+    request, prefill chunks take the rest of ``max_num_batched_tokens``, at most
+    ``max_prefill_chunk`` per request. ``max_model_len`` > 0 must fit the KV cache (one
+    request of that many tokens, every layer group) or the engine refuses to start; 0 takes
+    the model's ``max_position_embeddings`` unchecked (requests are still checked)."""
 
     model: str
     drafter: str | None = None
@@ -29,6 +34,7 @@ class EngineConfig:
     tokens_per_page: int = 16
     num_pages: tuple[int, ...] = ()
     kv_cache_bytes: int = 256 << 20
+    gpu_memory_utilization: float = 0.0  # > 0: the KV cache from this fraction of the GPU instead
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_prefill_chunk: int = 512
@@ -75,6 +81,7 @@ class EngineConfig:
             raise ValueError(f"host_kv_cache_bytes: must be >= 0, got {self.host_kv_cache_bytes}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len: must be >= 0, got {self.max_model_len}")
+        check_gpu_memory_utilization(self.gpu_memory_utilization, torch.device(self.device).type)
         if not isinstance(self.layout, KVLayout):
             raise ValueError(f"layout: must be a KVLayout, got {self.layout!r}")
         if self.tp_size < 1:
@@ -101,6 +108,25 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
+
+
+def check_gpu_memory_utilization(fraction: float, device_type: str) -> None:
+    """A fraction in (0, 1] of a CUDA device's memory, or 0 for none (size by bytes)."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], or 0 for none, got {fraction}")
+    if fraction and device_type != "cuda":
+        raise ValueError(
+            f"gpu_memory_utilization: sizes the KV cache from a CUDA device's memory, not {device_type}'s"
+        )
+
+
+def forced_acceptance_banner(accept: int) -> str:
+    """What a process running with forced acceptance ``accept`` (>= 0) says at start."""
+    return (
+        f"UNSAFE FORCED ACCEPTANCE (--unsafe-forced-acceptance {accept}), BENCHMARKS ONLY: every "
+        f"step keeps exactly {accept} drafts whatever the target says, so the acceptance length is "
+        f"forced to {accept + 1} and the outputs are NOT the target model's"
+    )
 
 
 def check_forced_acceptance(accept: int, unsafe: bool) -> None:

@@ -17,12 +17,16 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
 from services.engine.adaptive_k import AdaptiveK, greedy_only
 from services.engine.batch import Span, StepResult
 from services.engine.checks import (
     RequestExists,
+    check_context_fits,
     check_fits,
     check_prompt_ids,
     check_prompt_len,
@@ -35,6 +39,8 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import capture_decode_graphs
 from services.engine.device_step import device_step, device_step_fits
 from services.engine.lockstep import attach_lockstep
+from services.engine.memory_budget import MemoryReadings
+from services.engine.memory_profile import derive_kv_bytes, graphs_taken
 from services.engine.models import load_drafter, load_target
 from services.engine.noise import SEED_BITS, request_seed
 from services.engine.parallel import rank_device, tensor_parallel
@@ -43,7 +49,7 @@ from services.engine.request import PrefillSpan, Request, RequestOutput, Status
 from services.engine.runner import ModelRunner
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.setup import build_cache, cache_config
+from services.engine.setup import build_cache, cache_config, log_groups
 from services.engine.speculative import draft, draft_prefill, verify_spans
 from services.engine.step_outputs import StepOutputs
 from services.engine.verify import sample_first, verify
@@ -65,16 +71,19 @@ class Engine:
         self.k = config.num_spec_tokens if self.drafter is not None else 0
         self.max_model_len = config.max_model_len or self.target.config.max_position_embeddings
         cache = cache_config(config, self.target, self.drafter, self.k)
+        self.memory: MemoryReadings | None = None  # the readings behind gpu_memory_utilization
+        if config.gpu_memory_utilization:  # the KV cache gets what the GPU's fraction leaves
+            kv_bytes, self.memory = derive_kv_bytes(self, cache)
+            cache = replace(cache, memory_bytes=kv_bytes)
         self.manager, self.kv_pools = build_cache(cache, self.target, self.drafter, self.device, self.tp)
+        log_groups(self.manager)
+        if config.max_model_len:  # asked for: one request of it must fit, every group
+            check_context_fits(config.max_model_len, self.manager)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.kv_pools, self.device)
         attach_lockstep(self.runner, self.tp)
         self.adaptive: AdaptiveK | None = None  # the per-step K rule, with graphs and K > 0
         if config.cuda_graphs:
-            self.runner.graphs = capture_decode_graphs(
-                self.runner, self.k + 1, config.max_num_seqs, self.max_model_len
-            )
-            if config.adaptive_k and self.k:
-                self.adaptive = AdaptiveK(self.k, config.max_num_seqs)
+            self._capture_graphs()
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,
@@ -288,6 +297,19 @@ class Engine:
             self.progress.start_decode(req, token, lp)
 
     # ------------------------------------------------------------ setup and checks
+
+    def _capture_graphs(self) -> None:
+        """The decode step's CUDA graphs (and the adaptive K rule they enable); what they
+        took is logged against the KV budget's estimate when that was derived."""
+        c = self.config
+        reserved = torch.cuda.memory_reserved(self.device)
+        self.runner.graphs = capture_decode_graphs(
+            self.runner, self.k + 1, c.max_num_seqs, self.max_model_len
+        )
+        if self.memory is not None:
+            graphs_taken(self.device, reserved, self.memory.graphs)
+        if c.adaptive_k and self.k:
+            self.adaptive = AdaptiveK(self.k, c.max_num_seqs)
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

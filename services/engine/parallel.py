@@ -49,6 +49,15 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` any rank passes (every rank must call it): what the whole
+        group can agree on, e.g. a KV budget that gives every rank the same page counts."""
+        if self.size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.object_group)
+        return int(x.item())
+
 
 SINGLE = TensorParallel()
 _current: TensorParallel = SINGLE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvcore import (
@@ -15,8 +17,11 @@ from kvcore import (
     Owner,
 )
 from services.engine.config import EngineConfig
+from services.engine.memory_budget import group_line
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM
 from services.engine.parallel import TensorParallel, shard_cache_config
+
+log = logging.getLogger(__name__)
 
 
 def layer_groups(dtype: str, target: LlamaForCausalLM, drafter: Eagle3Drafter | None) -> list[LayerGroupSpec]:
@@ -89,3 +94,10 @@ def build_cache(
     config = shard_cache_config(config, totals, tp)
     pools = KVPools.allocate(config, device, record=tp.size > 1 and tp.rank == 0)
     return KVCacheManager(config, pools), pools
+
+
+def log_groups(manager: KVCacheManager) -> None:
+    """One INFO line per layer group: its pages, the tokens they hold, their MiB (this rank's)."""
+    p = manager.tokens_per_page
+    for name, spec in manager.groups.items():
+        log.info("%s", group_line(name, manager.num_pages(name), p, spec.page_bytes(p)))
