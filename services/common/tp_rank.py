@@ -18,6 +18,7 @@ import sys
 import threading
 
 from kvcore.transfer import RankTransfer
+from services.common.log_setup import configure_logging
 from services.common.rank_info import engine_rank_info
 from services.common.tp_check import rank_instance_id
 from services.common.tp_control import encode_bytes, rank_handlers, serve_rank
@@ -29,6 +30,7 @@ from services.engine.parallel import TensorParallel, backend_for, init_tensor_pa
 
 def run_rank(config: WorkerConfig, rank: int, dist_address: str, control_port: int) -> None:
     """Process entry of rank ``rank`` of the worker ``config`` describes."""
+    configure_logging(config.log_level, rank_instance_id(config.instance_id, rank))
     device = config.engine.device
     tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address, backend_for(device), device)
     engine = Engine(config.engine)

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
+from services.common.log_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS
 from services.common.security import TlsConfig, worker_token
 from services.engine.config import EngineConfig
 
@@ -30,6 +31,9 @@ class WorkerConfig:
     service_secret: str = ""  # the cluster's service secret; this worker derives its token from it
     worker_token: str = ""  # or this worker's own token (``tandem worker-token``); "" = none
     tls: TlsConfig | None = None  # mutual TLS on every gRPC hop; None = plaintext
+    # the logging level of the process's entry point, which configures it (the CLI, the Ray
+    # actor); the other TP ranks' processes configure theirs from it (tp_rank.py)
+    log_level: str = DEFAULT_LOG_LEVEL
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,6 +44,8 @@ class WorkerConfig:
         for name in ("transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of {LOG_LEVELS}, got {self.log_level!r}")
 
     def _check_worker_token(self) -> None:
         """A worker token names its instance id: it sets an empty one, and must match a given one."""
