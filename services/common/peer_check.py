@@ -30,8 +30,9 @@ _FIELDS = (
     "num_draft_layers",
     "num_spec_tokens",
     "draft_block_width",
+    "unsafe_forced_acceptance",
 )
-"""RankInfo fields that must be equal."""
+"""RankInfo fields that must be equal (an unset optional field differs from any set value)."""
 
 _GROUP_FIELDS = (
     "owner",
@@ -87,7 +88,7 @@ def check_peer(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> l
 
 def check_contract(contract: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
     """Every field the router's ``contract`` sets (non-zero) that ``peer`` differs in; [] = accept."""
-    return [m for m in _diff(contract, peer, _CONTRACT_FIELDS, prefix="") if _value(contract, m.field)]
+    return [m for m in _diff(contract, peer, _CONTRACT_FIELDS, prefix="") if field_value(contract, m.field)]
 
 
 def format_mismatches(mismatches: list[Mismatch]) -> str:
@@ -117,8 +118,8 @@ def _check_role(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> 
     return [
         Mismatch(
             "role",
-            _show(local, "role"),
-            _show(peer, "role"),
+            field_text(local, "role"),
+            field_text(peer, "role"),
             "roles must be complementary: prefill with decode, or both",
         )
     ]
@@ -188,21 +189,28 @@ def _heads_text(group: rank_info_pb2.LayerGroupInfo, tp_size: int) -> str:
 
 def _diff(local: Message, peer: Message, fields: tuple[str, ...], prefix: str) -> list[Mismatch]:
     return [
-        Mismatch(prefix + name, _show(local, name), _show(peer, name))
+        Mismatch(prefix + name, field_text(local, name), field_text(peer, name))
         for name in fields
-        if _value(local, name) != _value(peer, name)
+        if field_value(local, name) != field_value(peer, name)
     ]
 
 
-def _value(message: Message, name: str) -> object:
-    value = getattr(message, name)
-    return list(value) if message.DESCRIPTOR.fields_by_name[name].is_repeated else value
-
-
-def _show(message: Message, name: str) -> str:
-    """A field's value as text: enum value names, lists as [a, b], strings quoted."""
+def field_value(message: Message, name: str) -> object:
+    """A field's value to compare: a list for a repeated field, None for an unset optional."""
     descriptor = message.DESCRIPTOR.fields_by_name[name]
-    value = _value(message, name)
+    if descriptor.has_presence and not message.HasField(name):
+        return None
+    value = getattr(message, name)
+    return list(value) if descriptor.is_repeated else value
+
+
+def field_text(message: Message, name: str) -> str:
+    """A field's value as text: enum value names, lists as [a, b], strings quoted, an unset
+    optional field as ``unset``."""
+    descriptor = message.DESCRIPTOR.fields_by_name[name]
+    value = field_value(message, name)
+    if value is None:
+        return "unset"
     if descriptor.enum_type is not None:
         known = descriptor.enum_type.values_by_number.get(value)
         return known.name if known is not None else str(value)

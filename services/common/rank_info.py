@@ -128,7 +128,7 @@ def engine_rank_info(
 ) -> rank_info_pb2.RankInfo:
     """The RankInfo of the rank running ``engine``: its own pools' heads, TP size and rank."""
     e = engine
-    return build_rank_info(
+    info = build_rank_info(
         e.manager.config,
         role=role,
         instance_id=instance_id,
@@ -141,6 +141,9 @@ def engine_rank_info(
         total_kv_heads=engine_kv_heads(e),
         num_pages=tuple(e.manager.num_pages(g) for g in e.manager.groups),
     )
+    if e.config.forced_acceptance >= 0:  # benchmarks only: say so to every peer and the router
+        info.unsafe_forced_acceptance = e.config.forced_acceptance
+    return info
 
 
 def num_draft_layers(cache_config: CacheConfig) -> int:

@@ -8,6 +8,7 @@ none of them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 
@@ -19,6 +20,9 @@ from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, sta
 from services.common.metrics import serve_metrics
 from services.common.peering import PeerRegistry
 from services.common.worker import WorkerBase, WorkerConfig
+from services.engine.config import forced_acceptance_banner
+
+log = logging.getLogger(__name__)
 
 AddServicers = Callable[[grpc.aio.Server, WorkerBase, PeerRegistry], None]
 """Adds a role's servicers to the worker's gRPC server, given the started worker and its
@@ -34,7 +38,10 @@ async def run_worker(
 ) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints.
     ``add_servicers``: the role's (``WORKER_ROLES[config.role]``); ``model_name``: the
-    metrics' model_name label; "" = the model folder's name."""
+    metrics' model_name label; "" = the model folder's name. A worker forcing acceptance
+    (benchmarks only) says so in a WARNING banner before anything else."""
+    if config.engine.forced_acceptance >= 0:
+        warn_forced_acceptance(config.engine.forced_acceptance)
     worker = WorkerBase(config)
     worker.metrics.model_name = model_name or os.path.basename(os.path.normpath(config.engine.model))
     await worker.start()
@@ -67,3 +74,10 @@ async def run_worker(
     registration.cancel()
     await server.stop(grace=1)
     await worker.stop()
+
+
+def warn_forced_acceptance(accept: int) -> None:
+    """The banner of a process that forces acceptance: a WARNING, framed so it stands out."""
+    rule = "!" * 100
+    for line in (rule, forced_acceptance_banner(accept), rule):
+        log.warning("%s", line)

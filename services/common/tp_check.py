@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
-from services.common.peer_check import Mismatch, check_peer
+from services.common.peer_check import Mismatch, check_peer, field_text, field_value
 
 _SAME_IN_GROUP = (
     "schema_version",
@@ -28,6 +28,7 @@ _SAME_IN_GROUP = (
     "num_draft_layers",
     "num_spec_tokens",
     "draft_block_width",
+    "unsafe_forced_acceptance",
 )
 """RankInfo fields every rank of a group shares with its rank 0."""
 
@@ -69,12 +70,9 @@ def _rank_mismatches(first: rpb.RankInfo, r: rpb.RankInfo) -> list[Mismatch]:
     """Where rank ``r`` disagrees with its rank 0 ``first``."""
     path, out = f"ranks[{r.tp_rank}]", []
     for name in _SAME_IN_GROUP:
-        if getattr(r, name) != getattr(first, name):
-            out.append(
-                Mismatch(
-                    f"{path}.{name}", str(getattr(first, name)), str(getattr(r, name)), "differs from rank 0"
-                )
-            )
+        if field_value(r, name) != field_value(first, name):
+            mine, theirs = field_text(first, name), field_text(r, name)
+            out.append(Mismatch(f"{path}.{name}", mine, theirs, "differs from rank 0"))
     if _geometry(r) != _geometry(first):
         out.append(
             Mismatch(

@@ -35,7 +35,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Prints the completion (or its JSON record); bad input exits with status 2."""
+    """Prints the completion (or its JSON record); bad input exits with status 2. Forced
+    acceptance (benchmarks only) is announced on stderr first."""
+    from services.engine.config import forced_acceptance_banner  # noqa: PLC0415 (torch, as Engine)
     from services.engine.engine import Engine  # noqa: PLC0415 (torch: only this subcommand needs it)
 
     if not args.offline:
@@ -43,6 +45,8 @@ def run_generate(args: argparse.Namespace, config: EngineConfig) -> int:
         return 2
     if args.no_spec:
         config = dataclasses.replace(config, drafter=None, num_spec_tokens=0)
+    if config.forced_acceptance >= 0:
+        print(f"WARNING: {forced_acceptance_banner(config.forced_acceptance)}", file=sys.stderr)
     try:
         sampling = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed

@@ -148,11 +148,12 @@ class RouterAPI:
         return health_response(self.cluster.registry)
 
     async def model_info(self) -> cpb.ModelInfoResponse:
-        """The served model and its limits; the drafter as the first registered worker says."""
+        """The served model and its limits; the drafter as the first registered worker says;
+        forced acceptance (benchmarks only) as the first worker that forces it says."""
         lim = self.limits
         workers = [w.info for w in self.cluster.registry.workers.values()]
         first = workers[0] if workers else rpb.RankInfo()
-        return cpb.ModelInfoResponse(
+        info = cpb.ModelInfoResponse(
             model_id=lim.model_id or first.model_id,
             drafter_id=first.drafter_id,
             drafter_kind=first.drafter_kind,
@@ -163,6 +164,10 @@ class RouterAPI:
             workers=workers,
             pairs=pair_statuses(self.cluster.registry),
         )
+        forced = [w.unsafe_forced_acceptance for w in workers if w.HasField("unsafe_forced_acceptance")]
+        if forced:
+            info.unsafe_forced_acceptance = forced[0]
+        return info
 
     async def close(self) -> None:
         await self.cluster.close()

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.common.security import same_token
 from services.router.api import RouterAPI
 from services.router.chat_template import ChatTemplate
 from services.router.errors import ErrorCode, RouterError
@@ -52,7 +53,7 @@ class OpenAIServer:
             "/v1/chat/completions": {"POST": guard(self.chat_completions)},
             "/v1/models": {"GET": guard(self.models)},
             "/health": {"GET": self.health},
-            "/metrics": {"GET": self.metrics},
+            "/metrics": {"GET": guard(self.metrics)},
         }
 
     def _authorized(self, handler):
@@ -60,7 +61,7 @@ class OpenAIServer:
 
         async def checked(http: Request):
             token = self.router.token
-            if token and http.headers.get("authorization") != f"Bearer {token}":
+            if token and not same_token(http.headers.get("authorization", ""), f"Bearer {token}"):
                 raise HttpError(
                     401,
                     {
@@ -98,6 +99,11 @@ class OpenAIServer:
                 "drafter_id": info.drafter_id,
                 "drafter_kind": info.drafter_kind,
                 "num_spec_tokens": info.num_spec_tokens,
+                # benchmarks only: N when a worker forces acceptance (outputs are NOT the
+                # target's, AL = N + 1); null when every worker verifies losslessly
+                "unsafe_forced_acceptance": (
+                    info.unsafe_forced_acceptance if info.HasField("unsafe_forced_acceptance") else None
+                ),
             },
         }
         return Response.json({"object": "list", "data": [model]})

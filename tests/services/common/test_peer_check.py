@@ -68,6 +68,8 @@ FIELD_CASES = [
     (set_field("groups[0].window", 4096), "groups[target].window", "0", "4096"),
     (set_field("groups[0].total_num_kv_heads", 16), "groups[target].total_num_kv_heads", "8", "16"),
     (set_field("role", pb.ROLE_PREFILL), "role", "ROLE_PREFILL", "ROLE_PREFILL"),
+    # forced acceptance (benchmarks only): unset (lossless) is not 0 (every draft rejected)
+    (set_field("unsafe_forced_acceptance", 0), "unsafe_forced_acceptance", "unset", "0"),
 ]
 
 
@@ -190,3 +192,13 @@ def test_check_is_symmetric_and_names_each_mutated_field(case_indices):
     backward = {(m.field, m.peer, m.local) for m in check_peer(peer, local)}
     assert forward == backward
     assert {m[0] for m in forward} == {FIELD_CASES[i][1] for i in case_indices}
+
+
+def test_forced_acceptance_must_be_the_same_on_both_sides():
+    local, peer = prefill_and_decode()
+    local.unsafe_forced_acceptance = peer.unsafe_forced_acceptance = 2
+    assert check_peer(local, peer) == []
+    peer.unsafe_forced_acceptance = 3
+    assert check_peer(local, peer) == [Mismatch("unsafe_forced_acceptance", "2", "3")]
+    peer.ClearField("unsafe_forced_acceptance")
+    assert check_peer(local, peer) == [Mismatch("unsafe_forced_acceptance", "2", "unset")]

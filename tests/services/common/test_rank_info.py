@@ -5,7 +5,8 @@ import pytest
 from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner
 from proto.tandem.v1 import rank_info_pb2 as pb
 from services.common.peer_check import check_peer
-from services.common.rank_info import SCHEMA_VERSION, build_rank_info
+from services.common.rank_info import SCHEMA_VERSION, build_rank_info, engine_rank_info
+from tests.services.engine.helpers import make_engine, write_pair
 
 TARGET = LayerGroupSpec("target", Owner.TARGET, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
 DRAFT = LayerGroupSpec(
@@ -186,3 +187,13 @@ def test_bad_pool_sizes_name_the_field(num_pages):
     config = make_config(num_pages=(), memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="^num_pages: "):
         build(config, num_pages=num_pages)
+
+
+def test_an_engine_forcing_acceptance_publishes_it_and_a_lossless_one_does_not(tmp_path):
+    pair = write_pair(tmp_path)
+    forced = make_engine(pair, k=2, forced_acceptance=1, unsafe_forced_acceptance=True)
+    info = engine_rank_info(forced, "decode", "decode-0", b"")
+    assert info.HasField("unsafe_forced_acceptance") and info.unsafe_forced_acceptance == 1
+    lossless = engine_rank_info(make_engine(pair, k=2), "prefill", "prefill-0", b"")
+    assert not lossless.HasField("unsafe_forced_acceptance")
+    assert [m.field for m in check_peer(info, lossless)] == ["unsafe_forced_acceptance"]

@@ -97,3 +97,13 @@ def test_a_mismatch_of_every_rank_pair_is_named_once():
     fields = [m.field for m in check_peer_group(group("prefill", "p", 2), decode)]
     assert fields.count("num_spec_tokens") == 1
     assert not [f for f in fields if f.endswith("num_spec_tokens") and f != "num_spec_tokens"]
+
+
+def test_a_rank_forcing_acceptance_unlike_rank_0_is_named():
+    ranks = group("decode", "d0", 2)
+    ranks[1].unsafe_forced_acceptance = 0  # rank 0 leaves it unset: lossless
+    assert [(m.field, m.local, m.peer) for m in check_group(ranks)] == [
+        ("ranks[1].unsafe_forced_acceptance", "unset", "0")
+    ]
+    ranks[0].unsafe_forced_acceptance = 0
+    assert check_group(ranks) == []

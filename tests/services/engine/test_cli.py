@@ -36,3 +36,12 @@ def test_json_output_with_and_without_speculation(capsys):
 def test_bad_temperature_exits_with_the_field_named(capsys):
     rc, _, err = generate(capsys, "--temperature", "-1")
     assert rc == 2 and "temperature" in err
+
+
+def test_forced_acceptance_is_announced_and_forces_the_acceptance_length(capsys):
+    rc, out, err = generate(capsys, "--json", "--unsafe-forced-acceptance", "2")
+    assert rc == 0 and err.startswith("WARNING: UNSAFE FORCED ACCEPTANCE (--unsafe-forced-acceptance 2)")
+    assert "the acceptance length is forced to 3 and the outputs are NOT the target model's" in err
+    assert json.loads(out)["usage"]["acceptance_length"] == 3.0
+    _, _, err = generate(capsys, "--json")
+    assert "FORCED" not in err

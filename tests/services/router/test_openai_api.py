@@ -180,7 +180,12 @@ def test_models_lists_the_served_model_with_its_drafter():
         "tandem",
         64,
     )
-    assert model["tandem"] == {"drafter_id": "draft", "drafter_kind": "eagle3", "num_spec_tokens": 3}
+    assert model["tandem"] == {
+        "drafter_id": "draft",
+        "drafter_kind": "eagle3",
+        "num_spec_tokens": 3,
+        "unsafe_forced_acceptance": None,  # every worker verifies losslessly
+    }
 
 
 def test_health_is_503_without_a_ready_pair():
