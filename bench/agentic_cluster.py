@@ -76,6 +76,8 @@ def worker_args(config: ClusterConfig, args: argparse.Namespace) -> list[str]:
         layout,
         "--max-num-seqs",
         str(args.max_num_seqs),
+        "--max-model-len",  # what the workload grows to; the model's own may not fit the KV
+        str(args.max_context),
         "--device",
         args.device,
     ]
@@ -93,7 +95,7 @@ def start_cluster(config: ClusterConfig, args: argparse.Namespace) -> LocalClust
     roles = [("both", both)] if config.layout == "aggregated" else [("prefill", prefill), ("decode", decode)]
     cluster = LocalCluster(
         worker_args(config, args),
-        ["--model", args.model, "-k", str(args.k)],
+        ["--model", args.model, "-k", str(args.k), "--max-model-len", str(args.max_context)],
         roles,
         start_timeout_s=180,
         env={"OMP_NUM_THREADS": str(args.threads)},

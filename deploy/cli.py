@@ -31,6 +31,7 @@ from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
     EngineOptions,
+    ProcessOptions,
     ServingOptions,
     TransferOptions,
     add_args,
@@ -42,6 +43,7 @@ from deploy.options import (
     served_model_name,
     to_argv,
 )
+from services.common.log_setup import configure_logging
 from services.common.security import worker_token
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterOptions
@@ -54,6 +56,7 @@ def add_up_parser(sub) -> None:
     )
     add_engine_args(up)
     add_args(up, ServingOptions)
+    add_args(up, ProcessOptions)
     up.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decode", type=int, default=1, help="decode worker processes")
     up.add_argument(
@@ -98,6 +101,7 @@ def add_router_parser(sub) -> None:
     router = sub.add_parser("router", help="run the router")
     add_engine_args(router, ROUTER_ENGINE_OPTIONS)
     add_args(router, ServingOptions)
+    add_args(router, ProcessOptions)
     router.add_argument("--host", default="127.0.0.1", help="address the gRPC, HTTP and metrics ports bind")
     router.add_argument(
         "--port", type=int, default=50051, help="gRPC port (clients and workers); 0 = any free"
@@ -129,6 +133,7 @@ def add_worker_parser(sub) -> None:
     )
     add_engine_args(worker)
     add_args(worker, ServingOptions, ("served_model_name",))
+    add_args(worker, ProcessOptions)
     worker.add_argument("--router", default="", help="router host:port to register with")
     worker.add_argument("--host", default="127.0.0.1", help="address the gRPC, metrics and UCX ports bind")
     worker.add_argument("--port", type=int, default=0, help="gRPC port; 0 = any free")
@@ -227,8 +232,9 @@ def checked_engine_config(args: argparse.Namespace):
 
 
 def run_router_command(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, "router")
     name = served_model_name(args.model, args.served_model_name)
-    limits = model_limits(args.model, args.num_spec_tokens, served_model_name=name)
+    limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
     try:
         options = RouterOptions(
@@ -279,9 +285,11 @@ def run_worker_command(args: argparse.Namespace) -> int:
             tls=tls_config(args),
             transfer_timeout_s=args.transfer_timeout_s,
             lease_s=args.lease_s,
+            log_level=args.log_level,
         )
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
+    configure_logging(config.log_level, config.instance_id)
     name = served_model_name(args.model, args.served_model_name)
     asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=name))
     return 0
@@ -317,6 +325,7 @@ def run_ray_command(args: argparse.Namespace) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, "up")
     checked_engine_config(args)  # refuse a configuration the workers would refuse, before starting any
     router_text(args.model, args.tokenizer, args.chat_template)
     cluster = LocalCluster.from_args(args)

@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deploy.options import ROUTER_ENGINE_OPTIONS, EngineOptions, ServingOptions, from_args, to_argv
-from deploy.placement import on_gpus, visible_gpus
+from deploy.options import (
+    ROUTER_ENGINE_OPTIONS,
+    EngineOptions,
+    ProcessOptions,
+    ServingOptions,
+    from_args,
+    to_argv,
+)
+from deploy.placement import place_workers
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 
@@ -74,22 +81,20 @@ class LocalCluster:
     def from_args(cls, args) -> LocalCluster:
         """The cluster ``tandem up`` parsed into ``args``. Workers get every engine flag but
         the TP size (given per role), and the served name; the router gets the engine flags
-        it reads and every serving flag. Flags at their defaults are left out."""
+        it reads and every serving flag; both get the process flags (the log level). Flags
+        at their defaults are left out."""
         engine = from_args(EngineOptions, args)
         serving = from_args(ServingOptions, args)
-        worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=("chat_template",))
-        router = to_argv(engine, names=ROUTER_ENGINE_OPTIONS) + to_argv(serving)
+        process = to_argv(from_args(ProcessOptions, args))
+        worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=("chat_template",)) + process
+        router = to_argv(engine, names=ROUTER_ENGINE_OPTIONS) + to_argv(serving) + process
         tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp, "decode": args.decode_tp or args.tp}
         names = (
             ["both"] * args.aggregated
             if args.aggregated
             else ["prefill"] * args.prefill + ["decode"] * args.decode
         )
-        roles = [(role, ["--tp", str(tp[role])]) for role in names]
-        if args.gpus and engine.device != "cuda":
-            raise SystemExit(f"tandem up: gpus: places workers with --device cuda, not {engine.device!r}")
-        if engine.device == "cuda":  # one GPU (or TP group) per worker: deploy/placement.py
-            roles = on_gpus(roles, [tp[role] for role in names], args.gpus or visible_gpus())
+        roles = place_workers(engine, [(role, ["--tp", str(tp[role])]) for role in names], args.gpus)
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT

@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from deploy.option_rules import (
+    Rule,
+    at_least,
+    check_engine,
+    drafter_of,
+    fraction_or_zero,
+    is_cuda,
+    positive,
+    rule_problem,
+    type_problem,
+)
+from services.common.log_setup import LOG_LEVELS
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig
@@ -24,22 +38,13 @@ if TYPE_CHECKING:
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the Tandem source tree
 DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
 DEFAULT_DRAFTER = os.path.join(HERE, "models", "tiny-drafter")
-NO_DRAFTER = ("", "none")
 LAYOUTS = ("auto", "unified", "separate")
 DRAFT_QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
 # what the router takes of the engine options: its limits, its text, its page hashing
-ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page")
-
-Rule = Callable[[Any], str]  # "" when the value is fine, else what is wrong with it
-
-
-def at_least(low: int) -> Rule:
-    return lambda value: "" if value >= low else f"must be >= {low}, got {value}"
-
-
-def positive(value: float) -> str:
-    return "" if value > 0 else f"must be > 0, got {value}"
+ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page", "max_model_len")
+CPU_KV_CACHE_MB = 256  # the KV cache off CUDA when --kv-cache-mb is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of a CUDA device's memory, when not given (as vLLM's)
 
 
 def _option(
@@ -77,7 +82,33 @@ class EngineOptions:
     device: str = _option("cpu", "torch device (default: cpu)")
     dtype: str = _option("", "KV/model dtype; default float32 on CPU, bf16 on CUDA")
     tokens_per_page: int = _option(16, "KV page size in tokens; every worker must agree", at_least(1))
-    kv_cache_mb: int = _option(256, "KV memory per worker, MiB", at_least(1))
+    kv_cache_mb: int = _option(
+        0,
+        "KV memory per worker, MiB, all layer groups; default 0 = derived: from "
+        f"--gpu-memory-utilization on CUDA, {CPU_KV_CACHE_MB} MiB elsewhere",
+        at_least(0),
+    )
+    gpu_memory_utilization: float = _option(
+        0.0,
+        "CUDA only: the fraction of the GPU's total memory this worker may use; its KV cache gets "
+        "what is left of it after the weights, the peak activations of a profile forward at "
+        "--max-num-batched-tokens and the CUDA graphs (as vLLM's); default 0 = "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION}, which `tandem up` splits evenly among the workers it "
+        "places on one GPU; give it or --kv-cache-mb",
+        fraction_or_zero,
+    )
+    max_model_len: int = _option(
+        0,
+        "tokens of one request, prompt plus completion; a worker refuses to start when its KV "
+        "cache cannot hold one request this long; default 0 = the model's max_position_embeddings",
+        at_least(0),
+    )
+    max_num_batched_tokens: int = _option(
+        2048,
+        "tokens one engine step runs: a decode step's K + 1 per request, then prompt chunks up to "
+        "this budget (one prompt's chunk may take all of it, as in vLLM's chunked prefill)",
+        at_least(1),
+    )
     host_kv_cache_mb: int = _option(
         0,
         "host-memory tier under the prefix cache, MiB (evicted pages are kept there and recalled); 0 = none",
@@ -118,6 +149,27 @@ class EngineOptions:
         "tensor-parallel ranks per worker, one process each (gloo on CPU, NCCL on GPU: rank r "
         "takes GPU r of --device)",
         at_least(1),
+    )
+    unsafe_forced_acceptance: int = _option(
+        -1,
+        "BENCHMARKS ONLY: the verifier keeps exactly N drafts per step whatever the target says, so "
+        "AL is forced to N + 1 and outputs are NOT the target's; the workers say so at start, in "
+        "their RankInfo, the router's ModelInfo and /v1/models; needs a drafter and N <= K; "
+        "default -1 = off",
+        at_least(-1),
+    )
+
+
+@dataclass(slots=True)
+class ProcessOptions:
+    """What every Tandem process takes, whatever its role: the router, the workers (and
+    their TP ranks), and ``tandem up``, which passes it on to the processes it starts."""
+
+    log_level: str = _option(
+        "INFO",
+        "the least severe Python logging level printed (to stderr, one line each: time, level, "
+        "the process, the logger)",
+        choices=LOG_LEVELS,
     )
 
 
@@ -189,11 +241,11 @@ def check(options) -> None:
         if "help" not in f.metadata:
             continue
         value = getattr(options, f.name)
-        problem = _type_problem(value, f.default) or _rule_problem(value, f.metadata)
+        problem = type_problem(value, f.default) or rule_problem(value, f.metadata)
         if problem:
             raise ValueError(f"{f.name}: {problem}")
     if isinstance(options, EngineOptions):
-        _check_engine(options)
+        check_engine(options)
 
 
 def engine_config(options: EngineOptions) -> EngineConfig:
@@ -203,16 +255,20 @@ def engine_config(options: EngineOptions) -> EngineConfig:
     from services.engine.config import EngineConfig  # noqa: PLC0415
 
     check(options)
-    drafter = _drafter(options)
+    forced = options.unsafe_forced_acceptance
     return EngineConfig(
         model=options.model,
-        drafter=drafter,
+        drafter=drafter_of(options),
         tokenizer=options.tokenizer,
         num_spec_tokens=options.num_spec_tokens,
         device=options.device,
         dtype=options.dtype,
         tokens_per_page=options.tokens_per_page,
-        kv_cache_bytes=options.kv_cache_mb << 20,
+        kv_cache_bytes=(options.kv_cache_mb or CPU_KV_CACHE_MB) << 20,
+        gpu_memory_utilization=gpu_memory_fraction(options),
+        max_model_len=options.max_model_len or model_max_len(options.model),
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_prefill_chunk=options.max_num_batched_tokens,  # one prompt may take the whole step
         host_kv_cache_bytes=options.host_kv_cache_mb << 20,
         host_kv_write_policy=options.host_kv_write_policy,
         host_kv_recall_min_pages=options.host_kv_recall_min_pages,
@@ -223,7 +279,28 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         adaptive_k=options.adaptive_k,
         draft_quantization="" if options.draft_quantization == "none" else options.draft_quantization,
         tp_size=options.tp,
+        forced_acceptance=forced,
+        unsafe_forced_acceptance=forced >= 0,
     )
+
+
+def gpu_memory_fraction(options: EngineOptions) -> float:
+    """The fraction of its GPU a worker sizes its KV cache from: the option, else the default
+    on CUDA; 0 (size it by kv_cache_mb) when kv_cache_mb is given or the device is not CUDA."""
+    if options.kv_cache_mb or not is_cuda(options.device):
+        return 0.0
+    return options.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def model_max_len(model: str) -> int:
+    """The model folder's ``max_position_embeddings`` (config.json); ValueError naming
+    ``model`` when it cannot be read."""
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model: cannot read max_position_embeddings from {path}: {e}") from None
 
 
 def served_model_name(model: str, name: str = "") -> str:
@@ -244,40 +321,11 @@ def positive_int(text: str) -> int:
 # ---------------------------------------------------------------------- internals
 
 
-def _drafter(options: EngineOptions) -> str | None:
-    return None if options.drafter in NO_DRAFTER else options.drafter
-
-
-def _check_engine(options: EngineOptions) -> None:
-    speculative = _drafter(options) is not None and options.num_spec_tokens > 0
-    if options.layout == "unified" and not speculative:
-        raise ValueError(
-            "layout: unified keeps the drafter's KV pages in the target's cache manager and "
-            f"transfer, but no drafter runs here (drafter {options.drafter!r}, num_spec_tokens "
-            f"{options.num_spec_tokens}); use layout separate or auto, or give a drafter and "
-            "num_spec_tokens > 0"
-        )
-    if options.draft_quantization != "none" and not speculative:
-        raise ValueError(
-            f"draft_quantization: {options.draft_quantization} quantizes the drafter, and none "
-            f"runs here (drafter {options.drafter!r}, num_spec_tokens {options.num_spec_tokens})"
-        )
-    if options.tp > 1 and options.host_kv_cache_mb:
-        raise ValueError(
-            "host_kv_cache_mb: the host KV tier's page copies are not mirrored to "
-            f"tensor-parallel ranks; use it with tp 1, not {options.tp}"
-        )
-
-
-def _rule_problem(value: Any, metadata) -> str:
-    choices = metadata["choices"]
-    if choices and value not in choices:
-        return f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}"
-    return metadata["rule"](value) if metadata["rule"] else ""
-
-
 def _flags(f: dataclasses.Field) -> tuple[str, ...]:
     return f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+
+
+METAVARS = {int: "N", float: "F"}
 
 
 def _parsing(f: dataclasses.Field) -> dict:
@@ -285,7 +333,11 @@ def _parsing(f: dataclasses.Field) -> dict:
     if isinstance(f.default, bool):
         return {"action": "store_false" if f.default else "store_true", "default": f.default}
     kind, rule, choices = type(f.default), f.metadata["rule"], f.metadata["choices"]
-    return {"type": _parsed(kind, rule) if rule else kind, "default": f.default, "choices": choices or None}
+    parsing = {"type": _parsed(kind, rule) if rule else kind, "default": f.default}
+    parsing["choices"] = choices or None
+    if kind in METAVARS:  # --max-model-len N, --gpu-memory-utilization F
+        parsing["metavar"] = METAVARS[kind]
+    return parsing
 
 
 def _parsed(kind: type, rule: Rule) -> Callable[[str], Any]:
@@ -298,14 +350,3 @@ def _parsed(kind: type, rule: Rule) -> Callable[[str], Any]:
 
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
     return parse
-
-
-def _type_problem(value: Any, default: Any) -> str:
-    """What is wrong with ``value``'s type for a field defaulting to ``default`` ("" if nothing);
-    an int may stand for a float, a bool never for a number."""
-    want = type(default)
-    ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
-    if want is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return "" if ok else f"must be {names[want]}, got {value!r}"

@@ -16,8 +16,9 @@ from collections.abc import Callable, Coroutine
 import ray
 
 from deploy.options import engine_config, served_model_name
-from deploy.ray_launcher.config import ClusterConfig, ModelOptions, RouterOptions
+from deploy.ray_launcher.config import ClusterConfig
 from proto.tandem.v1 import client_pb2 as cpb
+from services.common.log_setup import configure_logging
 from services.router.api import RouterOptions as RouterAPIOptions
 from services.router.chat_template import load_chat_template
 from services.router.main import RouterConfig, model_limits, run_router
@@ -86,11 +87,14 @@ class ServiceActor:
         self.service: ServiceThread | None = None
         self.bound: dict = {}
 
-    def start_router(self, model: ModelOptions, options: RouterOptions, timeout_s: float) -> dict:
-        """Start the router; returns its endpoints (grpc host:port, http and metrics URLs)."""
+    def start_router(self, cluster: ClusterConfig) -> dict:
+        """Start ``cluster``'s router; returns its endpoints (grpc host:port, http and
+        metrics URLs)."""
+        configure_logging(cluster.log_level, "router")
+        model, options = cluster.model, cluster.router
         engine = model.engine_options()
         name = served_model_name(engine.model, model.served_model_name)
-        limits = model_limits(engine.model, engine.num_spec_tokens, served_model_name=name)
+        limits = model_limits(engine.model, engine.num_spec_tokens, engine.max_model_len, name)
         tokenizer = load_tokenizer(engine.model, engine.tokenizer)  # ValueError names what is wrong
         chat = load_chat_template(tokenizer, model.chat_template_path)
         http_port = None if options.http_port < 0 else options.http_port
@@ -111,7 +115,7 @@ class ServiceActor:
             )
             return run_router(config, ready, stop, self.bound)
 
-        self._start("router", serve, timeout_s)
+        self._start("router", serve, cluster.ready_timeout_s)
         b = self.bound
         return {
             "name": "router",
@@ -129,8 +133,9 @@ class ServiceActor:
         from services.common.worker import WorkerConfig  # noqa: PLC0415
         from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
+        configure_logging(cluster.log_level, instance_id)
         options = getattr(cluster, role)
-        engine = engine_config(cluster.model.engine_options())
+        engine = engine_config(cluster.worker_engine_options(role))
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)
         config = WorkerConfig(
@@ -143,6 +148,7 @@ class ServiceActor:
             instance_id=instance_id,
             transfer_timeout_s=options.transfer_timeout_s,
             lease_s=options.lease_s,
+            log_level=cluster.log_level,
         )
         name = served_model_name(engine.model, cluster.model.served_model_name)
         self._start(

@@ -7,12 +7,23 @@ are refused with their path, so a typo does not silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
 import yaml
 
-from deploy.options import DEFAULT_DRAFTER, DEFAULT_MODEL, HERE, EngineOptions, TransferOptions, check
+from deploy.option_rules import is_cuda
+from deploy.options import (
+    DEFAULT_DRAFTER,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MODEL,
+    HERE,
+    EngineOptions,
+    TransferOptions,
+    check,
+)
+from services.common.log_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS
 
 
 class ConfigError(ValueError):
@@ -83,10 +94,24 @@ class ClusterConfig:
     prefill: WorkerOptions = field(default_factory=WorkerOptions)
     decode: WorkerOptions = field(default_factory=WorkerOptions)
     ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
+    log_level: str = DEFAULT_LOG_LEVEL  # every actor's Python logging (tandem --log-level)
 
     @property
     def expected_pairs(self) -> int:
         return self.prefill.replicas * self.decode.replicas
+
+    def worker_engine_options(self, role: str) -> EngineOptions:
+        """The engine options of a ``role`` worker: the model section's, and, when neither
+        gpu_memory_utilization nor kv_cache_mb is given, on CUDA, the default fraction times
+        the share of a GPU each of its ranks reserves (``num_gpus`` / ``tp`` below 1: actors
+        that share a GPU split its memory, as `tandem up` does)."""
+        engine = self.model.engine_options()
+        share = getattr(self, role).num_gpus / engine.tp
+        sized = engine.gpu_memory_utilization or engine.kv_cache_mb
+        if sized or not is_cuda(engine.device) or not 0 < share < 1:
+            return engine
+        engine.gpu_memory_utilization = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION * share * 10_000) / 10_000
+        return engine
 
 
 def load_config(path: str) -> ClusterConfig:
@@ -100,7 +125,7 @@ def parse_config(data: dict) -> ClusterConfig:
     if not isinstance(data, dict):
         raise ConfigError("cluster.yaml: must be a mapping of sections")
     _refuse_unknown(data, ClusterConfig, "")
-    config = ClusterConfig(**{k: v for k, v in data.items() if k == "ready_timeout_s"})
+    config = ClusterConfig(**{k: v for k, v in data.items() if k in ("ready_timeout_s", "log_level")})
     for name in ("ray", "model", "router", "prefill", "decode"):
         section = {} if data.get(name) is None else data[name]
         if not isinstance(section, dict):
@@ -142,6 +167,10 @@ def _check(config: ClusterConfig) -> None:
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s: must be > 0, got {config.ready_timeout_s}")
+    if config.log_level not in LOG_LEVELS:
+        raise ConfigError(
+            f"log_level: must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}, got {config.log_level!r}"
+        )
 
 
 def _from_tree(path: str) -> str:

@@ -53,7 +53,7 @@ def up(config: ClusterConfig) -> list[dict]:
         )
     try:
         router = _place(config, config.router, ROUTER)
-        endpoint = ray.get(router.start_router.remote(config.model, config.router, config.ready_timeout_s))
+        endpoint = ray.get(router.start_router.remote(config))
         started = [
             _start_worker(config, role, i, endpoint["grpc"])
             for role in ("prefill", "decode")

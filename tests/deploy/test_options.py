@@ -35,7 +35,10 @@ NON_DEFAULT = {
     "host_kv_write_policy": "through",
     "host_kv_recall_min_pages": 2,
     "max_num_seqs": 5,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 512,
     "prefix_cache": False,
+    "unsafe_forced_acceptance": 2,
 }
 
 
@@ -71,7 +74,24 @@ def test_engine_config_maps_every_option():
     assert config.kv_cache_bytes == 8 << 20 and config.layout is KVLayout.SEPARATE
     assert (config.num_spec_tokens, config.tokens_per_page, config.max_num_seqs) == (3, 4, 5)
     assert (config.host_kv_recall_min_pages, config.tokenizer, config.dtype) == (2, "/tok", "float32")
+    assert (config.max_model_len, config.max_num_batched_tokens, config.max_prefill_chunk) == (1024, 512, 512)
+    assert (config.forced_acceptance, config.unsafe_forced_acceptance) == (2, True)
     assert engine_config(EngineOptions(drafter="none", layout="auto")).drafter is None
+
+
+def test_the_defaults_size_as_today_on_cpu_and_from_the_gpu_on_cuda():
+    cpu = engine_config(EngineOptions())
+    assert (cpu.kv_cache_bytes, cpu.gpu_memory_utilization) == (256 << 20, 0.0)
+    assert cpu.max_model_len == 32768  # the bundled target's max_position_embeddings
+    assert (cpu.max_num_batched_tokens, cpu.max_prefill_chunk) == (2048, 2048)
+    assert (cpu.forced_acceptance, cpu.unsafe_forced_acceptance) == (-1, False)
+    assert engine_config(EngineOptions(device="cuda")).gpu_memory_utilization == 0.9
+    assert (
+        engine_config(EngineOptions(device="cuda:1", gpu_memory_utilization=0.5)).gpu_memory_utilization
+        == 0.5
+    )
+    given = engine_config(EngineOptions(device="cuda", kv_cache_mb=64))
+    assert (given.kv_cache_bytes, given.gpu_memory_utilization) == (64 << 20, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +100,32 @@ def test_engine_config_maps_every_option():
         ({"drafter": "none", "layout": "unified"}, "layout: unified keeps the drafter's KV pages"),
         ({"num_spec_tokens": 0, "layout": "unified"}, "layout: unified keeps the drafter's KV pages"),
         ({"tp": 2, "host_kv_cache_mb": 4}, "host_kv_cache_mb: the host KV tier's page copies"),
-        ({"kv_cache_mb": 0}, "kv_cache_mb: must be >= 1, got 0"),
+        ({"kv_cache_mb": -1}, "kv_cache_mb: must be >= 0, got -1"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization: must be in (0, 1], or 0 for the default"),
+        (
+            {"gpu_memory_utilization": 0.5},
+            "gpu_memory_utilization: 0.5 sizes the KV cache from a CUDA device's memory; device is 'cpu'",
+        ),
+        (
+            {"gpu_memory_utilization": 0.5, "device": "cuda", "kv_cache_mb": 64},
+            "gpu_memory_utilization: 0.5 sizes the KV cache from the GPU's memory, and kv_cache_mb 64",
+        ),
+        ({"max_model_len": -1}, "max_model_len: must be >= 0, got -1"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens: must be >= 1, got 0"),
+        ({"model": "/nowhere"}, "model: cannot read max_position_embeddings from /nowhere/config.json"),
+        ({"unsafe_forced_acceptance": -2}, "unsafe_forced_acceptance: must be >= -1, got -2"),
+        (
+            {"unsafe_forced_acceptance": 1, "drafter": "none", "layout": "separate"},
+            "unsafe_forced_acceptance: 1 forces the acceptance of drafts, and no drafter drafts here",
+        ),
+        (
+            {"unsafe_forced_acceptance": 0, "num_spec_tokens": 0, "layout": "separate"},
+            "unsafe_forced_acceptance: 0 forces the acceptance of drafts, and no drafter drafts here",
+        ),
+        (
+            {"unsafe_forced_acceptance": 5},
+            "unsafe_forced_acceptance: 5 drafts kept per step, but only num_spec_tokens 4",
+        ),
         ({"layout": "mixed"}, "layout: must be auto, unified or separate, got 'mixed'"),
         ({"host_kv_write_policy": "back"}, "host_kv_write_policy: must be evict or through"),
         ({"kv_cache_mb": "8"}, "kv_cache_mb: must be an integer, got '8'"),
@@ -98,6 +143,10 @@ def test_a_refused_option_is_named(changes, message):
 def test_the_ray_config_refuses_by_section_and_option_before_placing_anything():
     for data, message in [
         ({"model": {"tp": 2, "host_kv_cache_mb": 4}}, "model.host_kv_cache_mb: "),
+        (
+            {"model": {"unsafe_forced_acceptance": 2, "drafter": "none", "layout": "separate"}},
+            "model.unsafe_forced_acceptance: 2 forces",
+        ),
         ({"model": {"drafter": "none", "layout": "unified"}}, "model.layout: unified keeps"),
         ({"decode": {"lease_s": 0}}, "decode.lease_s: must be > 0, got 0"),
         ({"prefill": {"transfer_timeout_s": "soon"}}, "prefill.transfer_timeout_s: must be a number"),
@@ -110,8 +159,14 @@ def test_the_ray_config_refuses_by_section_and_option_before_placing_anything():
 
 def test_the_cli_refuses_a_bad_value_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
-        _worker(["--kv-cache-mb", "0"])
-    assert "argument --kv-cache-mb: must be >= 1, got 0" in capsys.readouterr().err
+        _worker(["--kv-cache-mb", "-1"])
+    assert "argument --kv-cache-mb: must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _worker(["--gpu-memory-utilization", "2"])
+    assert "argument --gpu-memory-utilization: must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _worker(["--log-level", "LOUD"])
+    assert "argument --log-level: invalid choice: 'LOUD'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _worker(["--lease-s", "-1"])
     assert "argument --lease-s: must be > 0" in capsys.readouterr().err
@@ -129,6 +184,60 @@ def test_up_gives_the_workers_every_engine_flag_and_each_role_its_tp():
     assert cluster.worker_args == ["--kv-cache-mb", "32"]
     assert cluster.extra == [["--tp", "2"], ["--tp", "1"]]
     assert cluster.router_args == []
+
+
+SIZING = ["--max-model-len", "1024", "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+UNSAFE = ["--unsafe-forced-acceptance", "1"]
+
+
+def test_up_gives_the_workers_the_sizing_flags_and_forced_acceptance_and_the_router_its_limit():
+    args = build_parser().parse_args(
+        ["up", *SIZING, "--gpu-memory-utilization", "0.8", "--device", "cuda", *UNSAFE]
+    )
+    cluster = LocalCluster.from_args(args)
+    worker = from_args(EngineOptions, _worker([*cluster.worker_args, *cluster.extra[0]]))
+    assert (worker.max_model_len, worker.max_num_batched_tokens, worker.max_num_seqs) == (1024, 512, 8)
+    assert (worker.gpu_memory_utilization, worker.unsafe_forced_acceptance) == (0.8, 1)
+    assert cluster.router_args == ["--max-model-len", "1024"]
+    router = build_parser().parse_args(["router", *cluster.router_args])
+    assert router.max_model_len == 1024
+
+
+def test_up_gives_every_process_its_log_level():
+    cluster = LocalCluster.from_args(build_parser().parse_args(["up", "--log-level", "ERROR"]))
+    assert cluster.router_args == ["--log-level", "ERROR"] and cluster.worker_args == ["--log-level", "ERROR"]
+    assert _worker(cluster.worker_args).log_level == "ERROR"
+    default = LocalCluster.from_args(build_parser().parse_args(["up"]))
+    assert default.router_args == default.worker_args == []  # INFO, each process's default
+
+
+def test_the_ray_config_reaches_the_sizing_options_and_the_log_level():
+    config = parse_config(
+        {"model": {"max_model_len": 1024, "max_num_batched_tokens": 512, "unsafe_forced_acceptance": 1}}
+    )
+    engine = engine_config(config.worker_engine_options("decode"))
+    assert (engine.max_model_len, engine.max_num_batched_tokens, engine.forced_acceptance) == (1024, 512, 1)
+    assert parse_config({"log_level": "DEBUG"}).log_level == "DEBUG"
+    assert parse_config({}).log_level == "INFO"
+    with pytest.raises(ConfigError, match=r"^log_level: must be DEBUG, INFO, WARNING or ERROR, got 'LOUD'"):
+        parse_config({"log_level": "LOUD"})
+
+
+def test_ray_workers_that_share_a_gpu_split_the_default_fraction():
+    cuda = {"device": "cuda"}
+    half = parse_config({"model": cuda, "prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 1}})
+    assert half.worker_engine_options("prefill").gpu_memory_utilization == 0.45
+    assert engine_config(half.worker_engine_options("decode")).gpu_memory_utilization == 0.9
+    tp = parse_config({"model": cuda | {"tp": 2}, "prefill": {"num_gpus": 1}})
+    assert tp.worker_engine_options("prefill").gpu_memory_utilization == 0.45  # 2 ranks on 1 GPU
+    given = parse_config({"model": cuda | {"gpu_memory_utilization": 0.3}, "prefill": {"num_gpus": 0.5}})
+    assert given.worker_engine_options("prefill").gpu_memory_utilization == 0.3  # each worker's own
+    sized = parse_config({"model": cuda | {"kv_cache_mb": 512}, "prefill": {"num_gpus": 0.5}})
+    assert engine_config(sized.worker_engine_options("prefill")).gpu_memory_utilization == 0.0
+    with pytest.raises(
+        ConfigError, match=r"^model\.gpu_memory_utilization: 0.5 sizes the KV cache from a CUDA"
+    ):
+        parse_config({"model": {"gpu_memory_utilization": 0.5}})  # on the CPU
 
 
 def test_host_write_policies_are_kvcores():

@@ -1,4 +1,5 @@
-"""Where `tandem up --device cuda` puts each worker: its own GPU, or TP group of GPUs."""
+"""Where `tandem up --device cuda` puts each worker: its own GPU, or TP group of GPUs, and
+which share of a GPU's memory each worker that shares one takes by default."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.local import LocalCluster
-from deploy.placement import gpu_bases, visible_gpus
+from deploy.placement import gpu_bases, memory_shares, visible_gpus
 
 
 @pytest.mark.parametrize(
@@ -61,3 +62,48 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_set(monkeypatch):
 def test_gpus_without_device_cuda_is_refused_naming_it():
     with pytest.raises(SystemExit, match="gpus: places workers with --device cuda, not 'cuda:1'"):
         _worker_devices(["--device", "cuda:1", "--gpus", "2"])
+
+
+@pytest.mark.parametrize(
+    "bases, sizes, shares",
+    [
+        ([0, 1], [1, 1], [0.9, 0.9]),  # a GPU each: the whole default
+        ([0, 0], [1, 1], [0.45, 0.45]),  # two on GPU 0
+        ([0, 1, 0], [1, 1, 1], [0.45, 0.9, 0.45]),  # wrapped: GPU 0 holds two, GPU 1 one
+        ([0, 0], [2, 1], [0.45, 0.45]),  # TP 2 on GPUs 0-1 and one more on GPU 0
+        ([0, 0, 0], [1, 1, 1], [0.3, 0.3, 0.3]),
+        ([3] * 7, [1] * 7, [0.1285] * 7),  # 0.9 / 7 = 0.128571..., rounded down
+    ],
+)
+def test_the_default_fraction_is_split_among_the_ranks_on_a_gpu(bases, sizes, shares):
+    assert memory_shares(bases, sizes, 0.9) == shares
+
+
+def _worker_fractions(argv: list[str]) -> list[str | None]:
+    """Each worker's --gpu-memory-utilization (the last one given), None without one."""
+    cluster = LocalCluster.from_args(build_parser().parse_args(["up", *argv]))
+    out = []
+    for extra in cluster.extra:
+        flags = [*cluster.worker_args, *extra]
+        given = [flags[i + 1] for i, f in enumerate(flags) if f == "--gpu-memory-utilization"]
+        out.append(given[-1] if given else None)
+    return out
+
+
+def test_up_gives_workers_that_share_a_gpu_their_share_of_the_default_and_says_so(capsys):
+    assert _worker_fractions(["--device", "cuda", "--gpus", "1"]) == ["0.45", "0.45"]
+    assert "a prefill worker shares GPU 0: --gpu-memory-utilization 0.45" in capsys.readouterr().err
+    assert _worker_fractions(["--device", "cuda", "--gpus", "2"]) == [None, None]  # the worker's 0.9
+    assert _worker_fractions(["--device", "cuda:1", "--prefill", "2"]) == ["0.3", "0.3", "0.3"]
+    # prefill TP 2 on GPUs 0-1, decode on GPU 2, the second decode wraps to GPU 0
+    wrapped = ["--device", "cuda", "--gpus", "3", "--prefill-tp", "2", "--decode", "2"]
+    assert _worker_fractions(wrapped) == ["0.45", None, "0.45"]
+
+
+def test_a_given_fraction_or_kv_size_is_each_workers_own():
+    assert _worker_fractions(["--device", "cuda", "--gpus", "1", "--gpu-memory-utilization", "0.4"]) == [
+        "0.4",
+        "0.4",
+    ]
+    assert _worker_fractions(["--device", "cuda", "--gpus", "1", "--kv-cache-mb", "4096"]) == [None, None]
+    assert _worker_fractions([]) == [None, None]  # CPU: 256 MiB each, no fraction

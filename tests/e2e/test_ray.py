@@ -101,6 +101,8 @@ def test_ray_up_serves_a_request_and_down_stops_every_actor(tiny_pair, tmp_path)
     assert len(report["tokens"]) == MAX_TOKENS
     assert report["finish_reason"] == "FINISH_REASON_LENGTH"
     assert report["http_completion_tokens"] == MAX_TOKENS
+    assert report["max_model_len"] == 256  # model.max_model_len reached the router
+    assert report["worker_log_lines"] == 1  # the decode actor logs as `decode-0` at log_level INFO
     assert report["down_rc"] == 0 and "stopped 3 actors" in report["down_output"]
     assert report["actors_down"] == []
 
@@ -123,6 +125,10 @@ def scenario(target: str, drafter: str, workdir: Path) -> dict:
         report.update(tokens=tokens, finish_reason=cpb.FinishReason.Name(complete.finish_reason))
         http = re.search(r"\(OpenAI-compatible: (\S+)/v1\)", up.stdout).group(1)
         report["http_completion_tokens"] = _retried(report["endpoint"], lambda: _http_completion(http))
+        report["max_model_len"] = _model_info(report["endpoint"]).max_model_len
+        report["worker_log_lines"] = _worker_log_lines(
+            ray, "INFO decode-0 services.engine.setup: KV cache group target:"
+        )
     down = _tandem("down", config)
     report.update(down_rc=down.returncode, down_output=down.stdout + down.stderr, actors_down=_actors(ray))
     return report
@@ -143,11 +149,13 @@ def _config(address: str, target: str, drafter: str) -> dict:
             "tokens_per_page": 4,
             "kv_cache_mb": 8,
             "max_num_seqs": 16,
+            "max_model_len": 256,
         },
         "router": {"port": 0, "http_port": 0, "num_cpus": 0},
         "prefill": worker,
         "decode": worker,
         "ready_timeout_s": 90,
+        "log_level": "INFO",
     }
 
 
@@ -179,6 +187,19 @@ def _retried(endpoint: str, request, attempts: int = 3):
                 and stub.Health(cpb.HealthRequest(), timeout=10).status != cpb.SERVING_STATUS_SERVING
             ):
                 time.sleep(0.2)
+
+
+def _model_info(endpoint: str) -> cpb.ModelInfoResponse:
+    import grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        return cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=10)
+
+
+def _worker_log_lines(ray, text: str) -> int:
+    """Lines holding ``text`` in the stderr files of this Ray session's workers (the actors)."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return sum(line.count(text) for f in logs.glob("worker-*.err") for line in f.read_text().splitlines())
 
 
 def _tandem(command: str, config: Path) -> subprocess.CompletedProcess:

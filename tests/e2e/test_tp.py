@@ -65,8 +65,10 @@ def cluster(reference):  # the reference first: idle cluster processes still tak
         "32",
         "--max-num-seqs",
         "16",
+        "--max-model-len",  # 32 MiB hold ~4K tokens, not the model's 32768: the workers would refuse
+        "1024",
     ]
-    router = ["--model", str(MODEL), "-k", str(K)]
+    router = ["--model", str(MODEL), "-k", str(K), "--max-model-len", "1024"]
     roles = [(name.split("-")[0], ["--tp", str(tp)]) for name, tp in ROLES.items()]
     cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
     cluster.start()

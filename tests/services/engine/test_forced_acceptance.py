@@ -1,5 +1,5 @@
 """Forced acceptance: a benchmark switch that keeps exactly N drafts per step, refused
-unless its unsafe flag is given, and never reachable from serving's options."""
+unless its unsafe flag is given; serving reaches it only through --unsafe-forced-acceptance."""
 
 from __future__ import annotations
 
@@ -56,11 +56,13 @@ def test_refused_without_its_unsafe_flag():
     assert EngineConfig(model="m").forced_acceptance == -1  # off by default
 
 
-def test_serving_cannot_turn_it_on():
+def test_serving_turns_it_on_only_by_its_unsafe_option():
     names = {f.name for f in dataclasses.fields(EngineOptions)}
-    assert not any("forced" in n or "accept" in n for n in names)  # no serving option reaches it
+    assert [n for n in names if "forced" in n or "accept" in n] == ["unsafe_forced_acceptance"]
     config = engine_config(EngineOptions())
     assert config.forced_acceptance == -1 and not config.unsafe_forced_acceptance
+    forced = engine_config(EngineOptions(unsafe_forced_acceptance=0))
+    assert forced.forced_acceptance == 0 and forced.unsafe_forced_acceptance
 
 
 def test_cli_flag_says_it_is_not_lossless():
