@@ -1,6 +1,7 @@
 """Every engine option reaches the workers through the chart: each field of EngineOptions has a
-chart value, and the chart with every one of them off its default renders the command lines
-that the real `tandem` parser reads back as those options (issue 16, one option set)."""
+chart value (but the benchmarks-only forced acceptance, which the chart refuses), and the chart
+with every one of them off its default renders the command lines that the real `tandem` parser
+reads back as those options (issue 16, one option set)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ CHART_VALUES: dict[str, ChartValue] = {
     "dtype": ChartValue("engine.dtype", "float16"),
     "tokens_per_page": ChartValue("engine.tokensPerPage", 32),
     "kv_cache_mb": ChartValue("{role}.kvCacheMb", by_role(12288, 24576)),
+    "gpu_memory_utilization": ChartValue("{role}.gpuMemoryUtilization", by_role(0.85, 0.8)),
+    "max_model_len": ChartValue("engine.maxModelLen", 4096),
+    "max_num_batched_tokens": ChartValue("engine.maxNumBatchedTokens", 4096),
     "host_kv_cache_mb": ChartValue("{role}.hostKvCache.mb", by_role(2048, 4096)),
     "host_kv_write_policy": ChartValue("{role}.hostKvCache.writePolicy", by_role("through", "through")),
     "host_kv_recall_min_pages": ChartValue("{role}.hostKvCache.recallMinPages", by_role(3, 5)),
@@ -54,12 +58,15 @@ CHART_VALUES: dict[str, ChartValue] = {
     "draft_quantization": ChartValue("engine.draftQuantization", "fp8"),
     "tp": ChartValue("{role}.tp", by_role(2, 4)),
 }
-# The chart, like the worker, refuses the host tier with tp > 1, so each role has one of the two
-# at its default in each render; the two renders swap them.
-CONFLICTING = ("tp", "host_kv_cache_mb")
-RENDERS = {
-    "prefill-tp": by_role("host_kv_cache_mb", "tp"),  # the field each role leaves at its default
-    "decode-tp": by_role("tp", "host_kv_cache_mb"),
+# Options the chart refuses (tests/helm/test_value_sets.py shows how), at their defaults here.
+CHART_REFUSED = ("unsafe_forced_acceptance",)
+# The chart, like the worker, refuses the host tier with tp > 1, and the KV size given both
+# ways, so each role has one of each pair at its default in each render; the renders swap them.
+CONFLICTING = (("tp", "host_kv_cache_mb"), ("kv_cache_mb", "gpu_memory_utilization"))
+PREFILL_TP = {"host_kv_cache_mb", "gpu_memory_utilization"}
+RENDERS = {  # the fields each role leaves at their defaults
+    "prefill-tp": by_role(PREFILL_TP, {"tp", "kv_cache_mb"}),
+    "decode-tp": by_role({"tp", "kv_cache_mb"}, PREFILL_TP),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(EngineOptions)}
 
@@ -72,8 +79,8 @@ def option(name: str, role: str) -> Any:
 
 def expected(role: str, render_name: str) -> EngineOptions:
     """What ``role`` should run with in the render ``render_name``."""
-    left = RENDERS[render_name][role]
-    return EngineOptions(**{n: FIELDS[n].default if n == left else option(n, role) for n in FIELDS})
+    left = RENDERS[render_name][role] | set(CHART_REFUSED)
+    return EngineOptions(**{n: FIELDS[n].default if n in left else option(n, role) for n in FIELDS})
 
 
 def values(render_name: str) -> dict:
@@ -82,7 +89,7 @@ def values(render_name: str) -> dict:
     out: dict = {"model": {"source": "pvc", "mountPath": MOUNT, "pvc": {"claimName": "weights"}}}
     for name, v in CHART_VALUES.items():
         for role in WORKERS if "{role}" in v.path else (None,):
-            if role and RENDERS[render_name][role] == name:
+            if role and name in RENDERS[render_name][role]:
                 continue
             *parents, key = v.path.format(role=role).split(".")
             node = out
@@ -93,14 +100,15 @@ def values(render_name: str) -> dict:
 
 
 def test_every_engine_option_has_a_chart_value_off_its_default():
-    assert sorted(CHART_VALUES) == sorted(FIELDS)
-    for name, f in FIELDS.items():
+    assert sorted(CHART_VALUES) == sorted(set(FIELDS) - set(CHART_REFUSED))
+    for name in CHART_VALUES:
         for role in WORKERS:
-            assert option(name, role) != f.default, f"{name}: the test must set it off its default"
+            assert option(name, role) != FIELDS[name].default, f"{name}: the test must set it off its default"
     for role in WORKERS:  # each role runs every option off its default in one render or the other
         off = {n for r in RENDERS for n in FIELDS if getattr(expected(role, r), n) != FIELDS[n].default}
-        assert off == set(FIELDS), role
-        assert {RENDERS[r][role] for r in RENDERS} == set(CONFLICTING)
+        assert off == set(CHART_VALUES), role
+        for pair in CONFLICTING:  # one of each pair left in each render
+            assert all(len(RENDERS[r][role] & set(pair)) == 1 for r in RENDERS), (role, pair)
 
 
 @pytest.mark.parametrize("render_name", sorted(RENDERS))
@@ -123,12 +131,19 @@ def test_the_router_runs_its_engine_options_set_in_the_chart(render_name, monkey
 
 
 def test_the_chart_defaults_are_the_options_defaults_where_it_passes_no_flag():
-    """The workers get the host tier flags, --no-prefix-cache and --tp only off the options'
-    defaults, so the chart's defaults for them must be those defaults."""
+    """The workers get the host tier flags, --no-prefix-cache, --tp and the KV size flags only
+    off the options' defaults, so the chart's defaults for them must be those defaults; the
+    sizing values it always passes default to the options' defaults too."""
     with open(f"{CHART}/values.yaml") as f:
         chart = yaml.safe_load(f)
     d = {n: f.default for n, f in FIELDS.items()}
-    assert (chart["engine"]["prefixCache"], chart["engine"]["tp"]) == (d["prefix_cache"], d["tp"])
+    e = chart["engine"]
+    assert (e["prefixCache"], e["tp"]) == (d["prefix_cache"], d["tp"])
+    assert (e["maxNumSeqs"], e["maxNumBatchedTokens"], e["maxModelLen"]) == (
+        d["max_num_seqs"],
+        d["max_num_batched_tokens"],
+        d["max_model_len"],
+    )
     for role in WORKERS:
         host = chart[role]["hostKvCache"]
         assert (host["mb"], host["writePolicy"], host["recallMinPages"]) == (
@@ -136,10 +151,12 @@ def test_the_chart_defaults_are_the_options_defaults_where_it_passes_no_flag():
             d["host_kv_write_policy"],
             d["host_kv_recall_min_pages"],
         )
+        assert (chart[role]["kvCacheMb"], chart[role]["gpuMemoryUtilization"]) == (d["kv_cache_mb"], None)
     m = render()
+    skipped = (*HOST_FLAGS, "--no-prefix-cache", "--tp", "--kv-cache-mb", "--gpu-memory-utilization")
     for role in WORKERS:
         args = effective_args(m, role)
-        assert not [a for a in args if a in (*HOST_FLAGS, "--no-prefix-cache", "--tp")], role
+        assert not [a for a in args if a in skipped], role
 
 
 def test_each_host_tier_flag_is_passed_only_off_its_default():

@@ -135,6 +135,17 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
             "/decode/hostKvCache/writePolicy",
             "value must be one of",
         ),
+        ({"decode": {"gpuMemoryUtilization": 0}}, "/decode/gpuMemoryUtilization", "exclusiveMinimum: got 0"),
+        ({"prefill": {"gpuMemoryUtilization": 1.5}}, "/prefill/gpuMemoryUtilization", "maximum: got 1.5"),
+        ({"prefill": {"kvCacheMb": -1}}, "/prefill/kvCacheMb", "minimum: got -1, want 0"),
+        ({"engine": {"maxNumBatchedTokens": 0}}, "/engine/maxNumBatchedTokens", "minimum: got 0, want 1"),
+        ({"engine": {"maxModelLen": -1}}, "/engine/maxModelLen", "minimum: got -1, want 0"),
+        ({"logLevel": "LOUD"}, "/logLevel", "value must be one of"),
+        (  # benchmarks only: no value of the chart turns it on
+            {"engine": {"unsafeForcedAcceptance": 2}},
+            "/engine",
+            "additional properties 'unsafeForcedAcceptance' not allowed",
+        ),
     ],
 )
 def test_schema_refuses_values_naming_the_key(values, where, problem):
@@ -162,6 +173,16 @@ def test_schema_refuses_values_naming_the_key(values, where, problem):
             {"engine": {"tp": 2}, "decode": {"hostKvCache": {"mb": 64}}},
             "decode.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel "
             "ranks; use it with tp 1, not 2",
+        ),
+        (
+            {"decode": {"gpuMemoryUtilization": 0.5, "kvCacheMb": 4096}},
+            "decode.gpuMemoryUtilization: 0.5 sizes the KV cache from the GPU's memory, and "
+            "decode.kvCacheMb 4096 sizes it already; give one of them",
+        ),
+        (
+            {"engine": {"device": "cpu"}, "prefill": {"gpuMemoryUtilization": 0.5}},
+            "prefill.gpuMemoryUtilization: sizes the KV cache from a GPU's memory, and engine.device "
+            "is cpu: give prefill.kvCacheMb",
         ),
     ],
 )

@@ -46,11 +46,12 @@ def free_port() -> int:
 
 def values(tls_dir: Path | None, server_name: str = "") -> dict:
     """TOKENS from Secrets and a worker token for the decode role (or, with ``tls_dir``, TLS,
-    checking ``server_name`` when given), on CPU with small caches and UCX over loopback."""
+    checking ``server_name`` when given), on CPU with small caches (and a context they hold:
+    the bundled target's 32768 tokens would not fit 8 MiB) and UCX over loopback."""
     small = {"kvCacheMb": 8}
     chosen = {
         **TOKENS,
-        "engine": {"device": "cpu", "maxNumSeqs": 8},
+        "engine": {"device": "cpu", "maxNumSeqs": 8, "maxModelLen": 512},
         "ucx": {"env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}},
         "prefill": small,
         "decode": small,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helm_python
 import pytest
 
 from tests.helm.chart import (
@@ -114,7 +115,7 @@ def test_two_prefill_four_decode():
     assert [gpus(m, c) for c in WORKERS] == [1, 1]
     assert [flag(effective_args(m, c), "-k") for c in ("router", *WORKERS)] == ["3", "3", "3"]
     assert flag(effective_args(m, "decode"), "--kv-cache-mb") == "65536"
-    assert flag(effective_args(m, "prefill"), "--kv-cache-mb") == "8192"
+    assert flag(effective_args(m, "prefill"), "--kv-cache-mb") is None  # 0.9 of its GPU, as vLLM
     for role in WORKERS:
         pod = deployment(m, role)["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == {"pool": f"h200-{role}"}
@@ -231,3 +232,44 @@ def test_monitors_are_off_by_default_and_scrape_metrics_ports_when_on():
     ]
     service_monitor = one(m, "ServiceMonitor", FULLNAME)
     assert service_monitor["spec"]["endpoints"][0]["interval"] == "30s"
+
+
+def test_the_kv_memory_is_the_workers_default_fraction_unless_a_role_sets_it():
+    m = render({"prefill": {"gpuMemoryUtilization": 0.6}, "decode": {"kvCacheMb": 4096}})
+    prefill, decode = effective_args(m, "prefill"), effective_args(m, "decode")
+    assert (flag(prefill, "--gpu-memory-utilization"), flag(prefill, "--kv-cache-mb")) == ("0.6", None)
+    assert (flag(decode, "--gpu-memory-utilization"), flag(decode, "--kv-cache-mb")) == (None, "4096")
+    defaults = render()
+    for role in WORKERS:  # neither flag: the worker takes 0.9 of its GPU
+        args = effective_args(defaults, role)
+        assert flag(args, "--gpu-memory-utilization") is None and flag(args, "--kv-cache-mb") is None
+
+
+def test_the_sizing_values_reach_the_workers_and_the_router_its_context():
+    m = render({"engine": {"maxModelLen": 8192, "maxNumBatchedTokens": 4096, "maxNumSeqs": 32}})
+    for role in WORKERS:
+        args = effective_args(m, role)
+        assert [flag(args, f) for f in ("--max-model-len", "--max-num-batched-tokens", "--max-num-seqs")] == [
+            "8192",
+            "4096",
+            "32",
+        ]
+    assert flag(effective_args(m, "router"), "--max-model-len") == "8192"
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "WARNING", "ERROR"])
+def test_log_level_reaches_every_process(level):
+    m = render({"logLevel": level})
+    assert [flag(effective_args(m, c), "--log-level") for c in ("router", *WORKERS)] == [level] * 3
+    assert config(m)["TANDEM_LOG_LEVEL"] == level
+
+
+@pytest.mark.parametrize("component", ["router", "prefill", "decode"])
+@pytest.mark.parametrize("args", [["--unsafe-forced-acceptance", "2"], ["--unsafe-forced-acceptance=0"]])
+def test_forced_acceptance_is_refused_through_extra_args(component, args):
+    with pytest.raises(helm_python.HelmRenderError) as e:
+        render({component: {"extraArgs": ["--enforce-eager", *args]}})
+    assert (
+        f"{component}.extraArgs: --unsafe-forced-acceptance is for benchmarks only (the outputs are not "
+        "the target model's); the chart refuses it" in str(e.value)
+    )

@@ -73,6 +73,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (gt (int ($host.mb | default 0)) 0) (gt $tp 1) }}
 {{- fail (printf "%s.hostKvCache.mb: the host KV tier's page copies are not mirrored to tensor-parallel ranks; use it with tp 1, not %d" $role $tp) }}
 {{- end }}
+{{- include "tandem.validateMemory" (dict "root" $ "role" $role) }}
+{{- end }}
+{{- range $component := list "router" "prefill" "decode" }}
+{{- range (index $.Values $component).extraArgs }}
+{{- if hasPrefix "--unsafe-forced-acceptance" . }}
+{{- fail (printf "%s.extraArgs: --unsafe-forced-acceptance is for benchmarks only (the outputs are not the target model's); the chart refuses it: run it with tandem up or tandem worker" $component) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A worker role's KV memory: kvCacheMb or gpuMemoryUtilization, the second on cuda only. */}}
+{{- define "tandem.validateMemory" -}}
+{{- $w := index .root.Values .role }}
+{{- $fraction := $w.gpuMemoryUtilization }}
+{{- if not (kindIs "invalid" $fraction) }}
+{{- if gt (int ($w.kvCacheMb | default 0)) 0 }}
+{{- fail (printf "%s.gpuMemoryUtilization: %v sizes the KV cache from the GPU's memory, and %s.kvCacheMb %v sizes it already; give one of them" .role $fraction .role $w.kvCacheMb) }}
+{{- end }}
+{{- if ne .root.Values.engine.device "cuda" }}
+{{- fail (printf "%s.gpuMemoryUtilization: sizes the KV cache from a GPU's memory, and engine.device is %s: give %s.kvCacheMb" .role .root.Values.engine.device .role) }}
+{{- end }}
 {{- end }}
 {{- end }}
 

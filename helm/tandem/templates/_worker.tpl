@@ -97,8 +97,21 @@ spec:
             - $(TANDEM_DTYPE)
             - --max-num-seqs
             - $(TANDEM_MAX_NUM_SEQS)
+            - --max-num-batched-tokens
+            - $(TANDEM_MAX_NUM_BATCHED_TOKENS)
+            - --max-model-len
+            - $(TANDEM_MAX_MODEL_LEN)
+            - --log-level
+            - $(TANDEM_LOG_LEVEL)
+            {{- /* the KV memory: kvCacheMb, else gpuMemoryUtilization of the GPU (the worker's default without either) */}}
+            {{- if gt (int ($w.kvCacheMb | default 0)) 0 }}
             - --kv-cache-mb
             - {{ $w.kvCacheMb | quote }}
+            {{- end }}
+            {{- if not (kindIs "invalid" $w.gpuMemoryUtilization) }}
+            - --gpu-memory-utilization
+            - {{ $w.gpuMemoryUtilization | quote }}
+            {{- end }}
             {{- /* each host tier flag only off its default (deploy/options.py EngineOptions) */}}
             {{- $host := $w.hostKvCache | default dict }}
             {{- if gt (int ($host.mb | default 0)) 0 }}
