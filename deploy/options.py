@@ -7,6 +7,7 @@ its ``tandem`` flag (``add_engine_args``), and the Helm values map onto the same
 loading torch; ``engine_config`` is the one place the options become an ``EngineConfig``.
 
 Units: ``*_mb`` are MiB, ``*_s`` seconds. Paths are taken as given (launchers resolve them).
+The flags themselves are deploy/option_flags.py's, the value rules deploy/option_rules.py's.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ import argparse
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deploy.option_flags import add_args
+from deploy.option_flags import from_args as from_args  # re-exported: the launchers' one import
+from deploy.option_flags import positive_float as positive_float
+from deploy.option_flags import positive_int as positive_int
+from deploy.option_flags import to_argv as to_argv
 from deploy.option_rules import (
     Rule,
     at_least,
@@ -207,32 +213,6 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
     add_args(parser, EngineOptions, names)
 
 
-def add_args(parser: argparse.ArgumentParser, kind: type, names: Iterable[str] | None = None) -> None:
-    """One flag per field of the options dataclass ``kind`` (or of the fields ``names``)."""
-    chosen = set(names) if names is not None else None
-    for f in dataclasses.fields(kind):
-        if chosen is None or f.name in chosen:
-            parser.add_argument(*_flags(f), dest=f.name, help=f.metadata["help"], **_parsing(f))
-
-
-def from_args(kind: type, args: argparse.Namespace):
-    """The ``kind`` options (a dataclass above) parsed into ``args``."""
-    return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})
-
-
-def to_argv(options, names: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
-    """The flags that give ``options`` (its fields ``names``, but not ``exclude``) again:
-    only the values other than the defaults."""
-    argv: list[str] = []
-    for f in dataclasses.fields(options):
-        value = getattr(options, f.name)
-        if (names is not None and f.name not in names) or f.name in exclude or value == f.default:
-            continue
-        flag = _flags(f)[-1]
-        argv += [flag] if isinstance(f.default, bool) else [flag, str(value)]
-    return argv
-
-
 def check(options) -> None:
     """Each option field's type and rule; for EngineOptions also the rules between fields.
     Raises ValueError starting with the field's name. Loads no torch. Fields that a
@@ -306,47 +286,3 @@ def model_max_len(model: str) -> int:
 def served_model_name(model: str, name: str = "") -> str:
     """The model's name in the API and the metrics: ``name``, else the model folder's name."""
     return name or os.path.basename(os.path.normpath(model))
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a float > 0."""
-    return _parsed(float, positive)(text)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    return _parsed(int, at_least(1))(text)
-
-
-# ---------------------------------------------------------------------- internals
-
-
-def _flags(f: dataclasses.Field) -> tuple[str, ...]:
-    return f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
-
-
-METAVARS = {int: "N", float: "F"}
-
-
-def _parsing(f: dataclasses.Field) -> dict:
-    """add_argument's keywords for a field: a switch for a bool, else a checked type."""
-    if isinstance(f.default, bool):
-        return {"action": "store_false" if f.default else "store_true", "default": f.default}
-    kind, rule, choices = type(f.default), f.metadata["rule"], f.metadata["choices"]
-    parsing = {"type": _parsed(kind, rule) if rule else kind, "default": f.default}
-    parsing["choices"] = choices or None
-    if kind in METAVARS:  # --max-model-len N, --gpu-memory-utilization F
-        parsing["metavar"] = METAVARS[kind]
-    return parsing
-
-
-def _parsed(kind: type, rule: Rule) -> Callable[[str], Any]:
-    def parse(text: str):
-        value = kind(text)
-        problem = rule(value)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
