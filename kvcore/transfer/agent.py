@@ -98,7 +98,7 @@ class TransferAgent:
         return request_tag(f"{request_id}\x00{self._salt}:{next(self._reserves)}")
 
     async def connect(self, peer_id: str, info: EndpointInfo) -> None:
-        """Open the send direction to a peer worker's rank 0 (unless open already)."""
+        """Open the send direction to a peer worker's rank 0 (kept if open to that address)."""
         await self.rank0.connect(peer_id, info)
 
     def pair(self, peer_id: str, ranks: list[PeerRank]) -> None:

@@ -68,9 +68,8 @@ class RankTransfer:
         return self.transport.local_info()
 
     async def connect(self, peer_id: str, info: EndpointInfo) -> None:
-        """Open the send direction to ``peer_id`` unless it is open already."""
-        if not self.transport.is_connected(peer_id):
-            await self.transport.connect(peer_id, info)
+        """Open the send direction to ``peer_id`` (kept when open to that address already)."""
+        await self.transport.connect(peer_id, info)
 
     async def disconnect(self, peer_id: str) -> None:
         await self.transport.disconnect(peer_id)
@@ -101,8 +100,8 @@ class RankTransfer:
         return total
 
     async def test(self, job: LinkTest) -> None:
-        """Connect afresh to the peer rank, then ping it or echo its ping, then the page test."""
-        await self.disconnect(job.peer.instance_id)  # a re-registering peer has a new address
+        """Connect to the peer rank (anew if it registered again at a new address), then
+        ping it or echo its ping, then the page test."""
         await self.connect(job.peer.instance_id, job.peer.endpoint)
         run = self.side_channel.ping if job.lead else self.side_channel.pong
         await run(job.peer.instance_id, job.nonce, LINK_TEST_TIMEOUT_S)

@@ -16,9 +16,15 @@ A matched message cannot be cancelled (UCX cancels only unmatched receives): if
 its data has not landed by the deadline (the sender stalled or died mid-message),
 the receive raises ``TransferTimeout`` and UCX may still write the buffer later.
 
-A send that times out or fails aborts the endpoint (which cancels its in-flight
-sends, so the source buffers are free again) but keeps the peer's ``EndpointInfo``:
-the next send to that peer connects again first. Only ``disconnect`` forgets a peer.
+Endpoints are never closed while the transport runs. A send that times out, fails or
+is cancelled leaves its UCX request to finish in the background, on the same endpoint,
+its buffer kept alive with it. Closing instead waited, in UCX's flush mode, for the peer
+to take every message in flight: a stopped peer blocked the whole event loop for as long
+as it stayed stopped (gRPC unanswered, the worker lost), and a closed endpoint broke the
+peer's rendezvous sends back (``Request canceled``) even after both sides reconnected,
+so a pair never healed. ``connect`` keeps the endpoint of a peer whose address is
+unchanged; one of a peer at a new address (a restart), or one ``disconnect`` forgets, is
+retired: kept referenced (ucxx's finalizer would close it, waiting) until ``close``.
 
 One transport per process (``ucxx`` keeps one UCX worker per process), progressed in
 ucxx's "blocking" mode by the event loop, and by every send or receive in flight each loop
@@ -72,6 +78,7 @@ class UcxTransport:
         self._endpoints: dict[str, Any] = {}  # peer id -> ucxx Endpoint (send direction)
         self._known: dict[str, tuple[EndpointInfo, UcxPath]] = {}  # peer id -> how to reach it
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
+        self._retired: list[Any] = []  # endpoints replaced or forgotten; never closed before close()
         self._started = self._closed = False
 
     async def start(self) -> None:
@@ -102,13 +109,13 @@ class UcxTransport:
         return EndpointInfo(address, self._host if port else "", port)
 
     async def close(self) -> None:
-        """Abort every endpoint (cancelling their in-flight sends) and stop listening.
+        """Stop: close every endpoint without waiting for its peer, and stop listening.
         Idempotent; receives waiting for a message raise ``TransportClosed``."""
         if self._closed:
             return
         self._closed = True
-        for endpoint in [*self._endpoints.values(), *self._accepted]:
-            endpoint.abort()
+        for endpoint in [*self._endpoints.values(), *self._retired, *self._accepted]:
+            _close_without_waiting(endpoint)
         self._endpoints.clear()
         self._known.clear()
         self._accepted.clear()
@@ -117,62 +124,53 @@ class UcxTransport:
             self._listener = None
 
     async def connect(self, peer_id: str, info: EndpointInfo, path: UcxPath = UcxPath.WORKER_ADDRESS) -> None:
-        """Open the send direction to ``peer_id``; ValueError naming the bad field."""
+        """Open the send direction to ``peer_id``: a no-op when it is open to the same
+        address; a new address (a restarted peer) retires the old endpoint. ValueError
+        naming the bad field."""
         self._check_open()
         if not peer_id:
             raise ValueError("peer_id: must be non-empty")
-        if peer_id in self._endpoints:
-            raise ValueError(f"peer_id: {peer_id!r} is already connected")
         if not isinstance(path, UcxPath):
             raise ValueError(f"path: must be a UcxPath, got {path!r}")
-        await self._open(peer_id, info, path)
-        self._known[peer_id] = (info, path)
+        if self._known.get(peer_id) == (info, path) and peer_id in self._endpoints:
+            return
+        endpoint = await self._open(info, path)
+        self._retire(peer_id)
+        self._endpoints[peer_id], self._known[peer_id] = endpoint, (info, path)
 
-    async def _open(self, peer_id: str, info: EndpointInfo, path: UcxPath) -> None:
-        if path == UcxPath.WORKER_ADDRESS:
-            endpoint = await self._connect_by_address(info)
-        else:
-            endpoint = await self._connect_by_listener(info)
-        if self._closed:  # closed while connecting
-            endpoint.abort()
-            raise TransportClosed("transport: closed while connecting")
-        self._endpoints[peer_id] = endpoint
-
-    async def _endpoint(self, peer_id: str) -> Any:
-        """The endpoint to ``peer_id``, reconnected first if a failed send dropped it.
-        ValueError for a peer never connected; TransferError if reconnecting fails."""
-        endpoint = self._endpoints.get(peer_id)
-        if endpoint is not None:
-            return endpoint
-        if peer_id not in self._known:
-            raise ValueError(f"peer_id: {peer_id!r} is not connected")
+    async def _open(self, info: EndpointInfo, path: UcxPath) -> Any:
         try:
-            await self._open(peer_id, *self._known[peer_id])
-        except (ValueError, TransferError) as e:
-            raise TransferError(f"reconnect to {peer_id!r} failed: {e}") from e
+            if path == UcxPath.WORKER_ADDRESS:
+                endpoint = await self._connect_by_address(info)
+            else:
+                endpoint = await self._connect_by_listener(info)
+        except (ValueError, TransferError):
+            raise
         except Exception as e:  # ucxx raises its own error types
             self._check_open()
-            raise TransferError(f"reconnect to {peer_id!r} failed: {e}") from e
-        return self._endpoints[peer_id]
+            raise TransferError(f"connect failed: {_status(e)}") from e
+        if self._closed:  # closed while connecting
+            _close_without_waiting(endpoint)
+            raise TransportClosed("transport: closed while connecting")
+        return endpoint
 
     def is_connected(self, peer_id: str) -> bool:
         return peer_id in self._endpoints
 
     def is_known(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` was connected and not disconnected since (its endpoint may
-        be dropped, to be reopened by the next send)."""
+        """Whether ``peer_id`` was connected and not disconnected since."""
         return peer_id in self._known
 
     async def disconnect(self, peer_id: str) -> None:
-        """Forget ``peer_id``: abort its endpoint (cancels its in-flight sends); no-op if absent."""
+        """Forget ``peer_id`` (its endpoint retired, its sends in flight left to finish);
+        no-op if absent."""
         self._known.pop(peer_id, None)
-        self._drop(peer_id)
+        self._retire(peer_id)
 
-    def _drop(self, peer_id: str) -> None:
-        """Abort the endpoint to ``peer_id`` but keep knowing how to reach it."""
+    def _retire(self, peer_id: str) -> None:
         endpoint = self._endpoints.pop(peer_id, None)
         if endpoint is not None:
-            endpoint.abort()
+            self._retired.append(endpoint)
 
     async def _connect_by_address(self, info: EndpointInfo) -> Any:
         if not info.worker_address:
@@ -193,7 +191,7 @@ class UcxTransport:
     async def _on_accept(self, endpoint: Any) -> None:
         """Keep peers' listener endpoints alive (dropping one closes the peer's side)."""
         if self._closed:
-            endpoint.abort()
+            _close_without_waiting(endpoint)
             return
         self._accepted = [ep for ep in self._accepted if not ep.closed]
         self._accepted.append(endpoint)
@@ -202,28 +200,28 @@ class UcxTransport:
         """Send ``buffer``'s bytes to ``peer_id`` under ``tag``.
 
         Returns once the buffer may be reused. On timeout (``timeout_s`` seconds, None =
-        wait forever) raises ``TransferTimeout``, on a UCX error ``TransferError``; either
-        way the peer's endpoint is aborted, and the next send to it reconnects (a failed
-        reconnect is a ``TransferError`` too). ValueError for a peer never connected.
+        wait forever) raises ``TransferTimeout``, on a UCX error ``TransferError``; a send
+        timed out or cancelled is left to finish in the background (the buffer stays
+        referenced until it does: a pool page may still be read). ValueError for a peer
+        not connected.
         """
         self._check_open()
         array = as_ucx_array(buffer, writable=False)
         tag = _check_tag(tag)
-        endpoint = await self._endpoint(peer_id)
+        endpoint = self._endpoints.get(peer_id)
+        if endpoint is None:
+            raise ValueError(f"peer_id: {peer_id!r} is not connected")
         try:
             request = _background(endpoint.send(array, tag=tag, force_tag=True))
             await self._drive(request, timeout_s)
-        except TimeoutError:
-            self._drop(peer_id)
+        except TimeoutError:  # the request finishes in the background, if ever
             raise TransferTimeout(
-                f"send of tag {tag:#x} to {peer_id!r} not done after {timeout_s} s; endpoint aborted"
+                f"send of tag {tag:#x} to {peer_id!r} not taken within {timeout_s} s"
             ) from None
-        except asyncio.CancelledError:  # a send left in flight would read the buffer later
-            self._drop(peer_id)
+        except asyncio.CancelledError:
             raise
         except Exception as e:  # ucxx raises its own error types (UCXXCanceledError, ...)
             self._check_open()
-            self._drop(peer_id)
             raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: {_status(e)}") from e
 
     async def recv(self, buffer: Any, tag: int, timeout_s: float, spin_s: float = SPIN_S) -> None:
@@ -332,6 +330,13 @@ def _check_tag(tag: int) -> int:
     if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
         raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
     return tag
+
+
+def _close_without_waiting(endpoint: Any) -> None:
+    """Start closing a ucxx endpoint and return at once (``abort`` waits, in UCX's flush
+    mode, for the peer to take what is in flight: forever, for a stopped peer)."""
+    if getattr(endpoint, "_ep", None) is not None:
+        endpoint._ep.close()  # ucxx's non-blocking close; its Endpoint wrapper has none
 
 
 def _status(error: BaseException) -> str:

@@ -152,9 +152,9 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         return []
 
     async def _connect(self, peer: rpb.RankInfo) -> None:
-        """The send direction to ``peer``, opened anew: a restarted peer has a new address,
-        and a re-pairing after a failed transfer starts from a fresh endpoint."""
-        await self.agent.disconnect(peer.instance_id)
+        """The send direction to ``peer``: kept when its address is unchanged (closing an
+        endpoint breaks the peer's replies: kvcore/transfer/ucx.py), opened anew when it
+        registered again at a new address (a restart)."""
         await self.agent.connect(peer.instance_id, endpoint_of(peer))
 
     async def _answer_in_turn(self, turn: asyncio.Lock, peer: rpb.RankInfo, nonce: str) -> None:
