@@ -17,6 +17,7 @@ import grpc
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.access import worker_policy
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server, wait_for_stop
+from services.common.loop_watch import watch_loop
 from services.common.metrics import serve_metrics
 from services.common.peering import PeerRegistry
 from services.common.worker import WorkerBase, WorkerConfig
@@ -68,10 +69,12 @@ async def run_worker(
         await health.set(READY_SERVICE, SERVING if flag else NOT_SERVING)
 
     registration = asyncio.ensure_future(worker.register_forever(report_ready))
+    watch = asyncio.ensure_future(watch_loop(worker.metrics.loop_lag.observe))
     if ready is not None:
         ready.set()
     await wait_for_stop(stop)
     registration.cancel()
+    watch.cancel()
     await server.stop(grace=1)
     await worker.stop()
 
