@@ -4,8 +4,8 @@ A point is a plain dict (the JSON's ``points`` entries): the configuration (``co
 ``label``, ``layout``, ``spec``, ``forced_al``), the load (``isl``, ``osl``, ``mode``
 "closed" with ``concurrency`` or "poisson" with ``rate`` in requests/s), the fields of
 ``bench.serve_stats.PointStats`` and the engine's ceiling (``ceiling_tok_s`` at
-``ceiling_batch``, ``served_over_ceiling``; NaN for Poisson points and where none was
-measured). NaN is written to JSON as null.
+``ceiling_batch`` with its own AL ``ceiling_al``, ``served_over_ceiling``; NaN for Poisson
+points and where none was measured). NaN is written to JSON as null.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from bench.serve_stats import PointStats
 COLUMNS = (
     "configuration", "load", "requests", "errors", "output tok/s per GPU", "requests/s",
     "TTFT p50 / p90 / p99 ms", "TPOT p50 / p90 / p99 ms", "ITL p99 ms", "AL",
-    "transfer per request (ms, MB)", "goodput req/s (SLO met)", "ceiling tok/s (B)", "served / ceiling",
+    "transfer per request (ms, MB)", "goodput req/s (SLO met)", "ceiling tok/s (B, AL)", "served / ceiling",
 )  # fmt: skip
 
 
@@ -30,6 +30,7 @@ def point(base: dict, stats: PointStats, ceiling: dict | None) -> dict:
     tok_s = ceiling["tok_s"] if ceiling else math.nan
     out["ceiling_tok_s"] = tok_s
     out["ceiling_batch"] = ceiling["ceiling_batch"] if ceiling else 0
+    out["ceiling_al"] = ceiling["al"] if ceiling else math.nan
     out["served_over_ceiling"] = stats.output_tok_s / tok_s if tok_s and math.isfinite(tok_s) else math.nan
     return out
 
@@ -57,17 +58,18 @@ def quantile_cell(q: dict) -> str:
     return " / ".join(number(q[k]) for k in ("p50", "p90", "p99"))
 
 
+def ceiling_cell(p: dict) -> str:
+    if p["ceiling_tok_s"] is None or not math.isfinite(p["ceiling_tok_s"]):
+        return "–"
+    return f"{number(p['ceiling_tok_s'], 0)} (B {p['ceiling_batch']}, AL {number(p['ceiling_al'], 2)})"
+
+
 def row(p: dict) -> str:
-    ceiling = (
-        "–"
-        if not math.isfinite(p["ceiling_tok_s"] or math.nan)
-        else (f"{number(p['ceiling_tok_s'], 0)} ({p['ceiling_batch']})")
-    )
     cells = (
         p["label"], load_cell(p), str(p["requests"]), str(p["errors"]), number(p["output_tok_s_per_gpu"]),
         number(p["requests_per_s"], 2), quantile_cell(p["ttft_ms"]), quantile_cell(p["tpot_ms"]),
         number(p["itl_p99_ms"]), number(p["acceptance_length"], 2), transfer_cell(p),
-        f"{number(p['goodput_req_s'], 2)} ({number(100 * p['slo_attainment'], 0)}%)", ceiling,
+        f"{number(p['goodput_req_s'], 2)} ({number(100 * p['slo_attainment'], 0)}%)", ceiling_cell(p),
         number(p["served_over_ceiling"], 2),
     )  # fmt: skip
     return "| " + " | ".join(cells) + " |"

@@ -130,7 +130,7 @@ def points() -> list[dict]:
     s = summarize(records(), SLO)
     base = dict(config="agg-spec", label="aggregated, forced AL 4 (K 4)", layout="agg", spec=True,
                 forced_al=4, isl=32, osl=8, mode="closed", concurrency=2, rate=0.0)  # fmt: skip
-    ceiling = {"tok_s": 8.0, "ceiling_batch": 2}
+    ceiling = {"tok_s": 8.0, "ceiling_batch": 2, "al": 4.0}
     poisson = dict(base, mode="poisson", concurrency=0, rate=2.0)
     return [point(base, s, ceiling), point(poisson, s, None), point(dict(base, isl=64), s, None)]
 
@@ -139,7 +139,7 @@ def test_the_table_has_a_row_per_point_and_a_table_per_isl_osl(tmp_path):
     text = tables(points(), (500.0, 25.0))
     assert text.count("| configuration |") == 2
     assert "| aggregated, forced AL 4 (K 4) | C=2 | 3 | 1 | 4.0 | 1.00 | 375.0 / 475.0 / 497.5 |" in text
-    assert "| 8 (2) | 0.50 |" in text  # ceiling 8 tok/s at B 2; served 4.0 / 8
+    assert "| 8 (B 2, AL 4.00) | 0.50 |" in text  # ceiling 8 tok/s at B 2; served 4.0 / 8
     assert "| Poisson 2.00 req/s | 3 | 1 |" in text and "| – | – |" in text
     assert "target 3.00 ms 0.00 MB; draft" not in text and "draft 1.00 ms 0.00 MB; target 3.00 ms" in text
     write_json(tmp_path / "p.json", {"points": points()})

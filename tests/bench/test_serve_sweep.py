@@ -96,7 +96,11 @@ def test_one_tiny_point_end_to_end(tmp_path):
         assert (
             p["goodput_req_s"] <= p["requests_per_s"] and p["ceiling_batch"] == 2 and p["ceiling_tok_s"] > 0
         )
-        assert 1.0 <= p["acceptance_length"] <= 5.0 and 0 < p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"]
+        assert (
+            1.0 <= p["ceiling_al"] <= 5.0
+            and 1.0 <= p["acceptance_length"] <= 5.0
+            and 0 < p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"]
+        )
         assert p["served_over_ceiling"] == pytest.approx(p["output_tok_s"] / p["ceiling_tok_s"])
     assert agg["transfers"] == {}
     transfers = disagg["transfers"]  # 32 prompt tokens: two whole pages per group
