@@ -8,6 +8,7 @@ import argparse
 import os
 
 from deploy.local import DEFAULT_HTTP_PORT
+from deploy.option_flags import non_negative_float
 from deploy.options import positive_float, positive_int
 from services.common.security import TlsConfig, tls_from
 from services.router.cluster import Deadlines
@@ -84,6 +85,12 @@ def add_deadline_args(parser) -> None:
         help="deadline of each Prefill call: its queue, the prompt's run and the page transfer",
     )
     parser.add_argument(
+        "--prefill-timeout-per-1k-tokens-s",
+        type=non_negative_float,
+        default=defaults.prefill_per_1k_s,
+        help="added to --prefill-timeout-s per 1,000 prompt tokens: a long prompt's deadline grows with it",
+    )
+    parser.add_argument(
         "--stream-idle-timeout-s",
         type=positive_float,
         default=defaults.stream_idle_s,
@@ -122,7 +129,12 @@ def tls_config(args: argparse.Namespace) -> TlsConfig | None:
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
     """The deadlines of the router's calls to workers, from its ``--*-timeout-s`` flags."""
-    return Deadlines(args.worker_call_timeout_s, args.prefill_timeout_s, args.stream_idle_timeout_s)
+    return Deadlines(
+        args.worker_call_timeout_s,
+        args.prefill_timeout_s,
+        args.stream_idle_timeout_s,
+        args.prefill_timeout_per_1k_tokens_s,
+    )
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:

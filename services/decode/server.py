@@ -2,10 +2,13 @@
 
 Reserve -> pages for prompt + headroom in every group, and a receive posted for them,
 under a lease; with the prompt's tokens, the pages its prefix cache holds are reused and
-named held in the reservation, and the sender skips them. Decode -> waits for the pages
-and aux state to land, then streams tokens; Release -> gives back a reservation that will
-not be decoded. A reservation whose transfer or Decode does not come within the lease is
-freed.
+named held in the reservation, and the sender skips them. Renew -> the lease again from
+now (the router renews it while its Prefill runs: a long prompt keeps its pages, a dead
+router's are freed). Decode -> waits for the pages and aux state to land, then streams
+tokens; Release -> gives back a reservation that will not be decoded. A reservation whose
+Decode does not come within its lease is freed; a Decode that comes later is told so.
+The receive waits for the transfer's first message for as long as the reservation lives
+(its lease, renewed); from that message on every message has ``transfer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,17 @@ from services.engine.checks import RequestExists
 log = logging.getLogger(__name__)
 
 
+EXPIRED_KEPT = 4096  # ids of expired reservations remembered, to tell a late Decode why
+NO_WAIT_LIMIT_S = 1e9  # the first message's wait: the reservation's lease bounds it (it cancels the receive)
+
+
 @dataclass(slots=True)
 class _Reservation:
     prompt_len: int
-    deadline: float  # monotonic seconds
+    deadline: float  # monotonic seconds; renewed by Renew
     receive: asyncio.Task  # -> (AuxState, TransferUsage)
     prompt: list[int]  # the reserved prompt's tokens; empty when Reserve did not send them
+    lease_s: float = 0.0  # the lease it was given, for messages
     decoding: bool = False
 
 
@@ -46,6 +54,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.reserved: dict[str, _Reservation] = {}
         self.reserving: dict[str, asyncio.Future] = {}  # Reserve calls still taking pages
+        self.expired: dict[str, float] = {}  # request id -> the lease it outlived (s), latest last
 
     async def Reserve(self, request: wpb.ReserveRequest, context) -> wpb.ReserveResponse:
         w, rid, n = self.worker, request.request_id, request.prompt_len
@@ -85,22 +94,23 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if reservation is None:
             return None
         tag = w.agent.transfer_tag(rid)  # fresh per Reserve: a retry never meets a stale message
-        receive = asyncio.ensure_future(self._receive(rid, n, lease_s, tag))
+        receive = asyncio.ensure_future(self._receive(rid, n, tag))
         receive.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt)
+        self.reserved[rid] = _Reservation(n, time.monotonic() + lease_s, receive, prompt, lease_s)
         asyncio.get_running_loop().call_later(lease_s, self._expire, rid)
         return self._reservation_proto(reservation, lease_s, tag)
 
-    async def _receive(self, rid: str, n: int, lease_s: float, tag: int):
-        """The reservation's receive (under its tag): the transfer may start any time in the
-        lease (the prefill runs first); from its start, ``transfer_timeout_s`` per message.
+    async def _receive(self, rid: str, n: int, tag: int):
+        """The reservation's receive (under its tag): the transfer may start any time while
+        the reservation lives (the prefill runs first; dropping the reservation cancels this
+        wait); from its start, ``transfer_timeout_s`` per message.
         ``decode.before_receive_once`` stalls the first one of this process, so a test can
         make one transfer time out."""
         if stall := once("decode.before_receive_once"):
             await asyncio.sleep(stall)
-        timeout_s, start = min(lease_s, self.worker.config.transfer_timeout_s), time.monotonic()
+        timeout_s, start = self.worker.config.transfer_timeout_s, time.monotonic()
         try:
-            return await self.worker.agent.receive_request(rid, n, timeout_s, tag, wait_s=lease_s)
+            return await self.worker.agent.receive_request(rid, n, timeout_s, tag, wait_s=NO_WAIT_LIMIT_S)
         except (TransferError, ValueError) as e:
             log.warning(
                 "transfer of request %s (%d tokens) into %s failed after %.2f s: %s",
@@ -130,10 +140,35 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
 
     def _expire(self, rid: str) -> None:
         res = self.reserved.get(rid)
-        if res is not None and not res.decoding:
-            log.warning("reservation of request %s expired: no Decode within its lease", rid)
-            self.worker.metrics.timeouts.labels("lease").inc()
-            asyncio.ensure_future(self._drop(rid))
+        if res is None or res.decoding:
+            return
+        left = res.deadline - time.monotonic()
+        if left > 0:  # renewed meanwhile
+            asyncio.get_running_loop().call_later(left, self._expire, rid)
+            return
+        log.warning("reservation of request %s expired: no Decode within its %.0f s lease", rid, res.lease_s)
+        self.worker.metrics.timeouts.labels("lease").inc()
+        self.expired[rid] = res.lease_s
+        while len(self.expired) > EXPIRED_KEPT:
+            self.expired.pop(next(iter(self.expired)))
+        asyncio.ensure_future(self._drop(rid))
+
+    async def Renew(self, request: wpb.RenewRequest, context) -> wpb.RenewResponse:
+        rid, cap_ms = request.request_id, int(self.worker.config.lease_s * 1000)
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+        if request.lease_ms > cap_ms:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ms: {request.lease_ms} is over this worker's cap of {cap_ms} ms (--lease-s)",
+            )
+        res = self.reserved.get(rid)
+        if res is None or res.decoding:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _not_reserved(rid, self.expired))
+        lease_s = request.lease_ms / 1000 if request.lease_ms else self.worker.config.lease_s
+        res.deadline = max(res.deadline, time.monotonic() + lease_s)
+        left = res.deadline - time.monotonic()
+        return wpb.RenewResponse(lease_deadline_unix_ms=int((time.time() + left) * 1000))
 
     async def _drop(self, rid: str) -> bool:
         """Free a reservation no Decode took; shielded: once it is out of ``reserved`` no
@@ -165,7 +200,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
     async def _decode(self, request: wpb.DecodeRequest, context):
         w, rid = self.worker, request.request_id
         res = self.reserved.get(rid)
-        refusal = _refusal(request, res)
+        refusal = _refusal(request, res, self.expired)
         if refusal is not None:
             await context.abort(*refusal)
         try:
@@ -211,10 +246,19 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         return await self.worker.stats_reply()
 
 
-def _refusal(request: wpb.DecodeRequest, res: _Reservation | None) -> tuple[grpc.StatusCode, str] | None:
+def _not_reserved(rid: str, expired: dict[str, float]) -> str:
+    if rid in expired:
+        lease = f"{expired[rid]:.0f} s"
+        return f"request_id: {rid!r} is not reserved: its lease of {lease} ran out first (--lease-s)"
+    return f"request_id: {rid!r} is not reserved"
+
+
+def _refusal(
+    request: wpb.DecodeRequest, res: _Reservation | None, expired: dict[str, float]
+) -> tuple[grpc.StatusCode, str] | None:
     """Why a Decode of ``request`` against its reservation is refused, or None."""
     if res is None or res.decoding:
-        return grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is not reserved"
+        return grpc.StatusCode.NOT_FOUND, _not_reserved(request.request_id, expired)
     if len(request.prompt_token_ids) != res.prompt_len:
         n = len(request.prompt_token_ids)
         return grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {n} tokens, {res.prompt_len} reserved"

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 
@@ -28,16 +29,29 @@ from services.router.registry import Registry, Worker
 
 CALL_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 120.0
+PREFILL_PER_1K_TOKENS_S = 10.0  # a slow CPU prefills a 32K-token prompt of the tiny pair in minutes
 STREAM_IDLE_TIMEOUT_S = 300.0  # a queued or preempted request sends nothing meanwhile: generous
+MIN_RENEW_S = 0.5  # the shortest wait between two renewals of a lease
 
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
     """Seconds the router waits on each call to a worker before it retries elsewhere."""
 
-    call_s: float = CALL_TIMEOUT_S  # Reserve, Release: a live worker answers between two engine steps
+    call_s: float = CALL_TIMEOUT_S  # Reserve, Release, Renew: a live worker answers between two steps
     prefill_s: float = PREFILL_TIMEOUT_S  # Prefill: its queue, the prompt's run and the page transfer
     stream_idle_s: float = STREAM_IDLE_TIMEOUT_S  # Decode: from one message to the next
+    prefill_per_1k_s: float = PREFILL_PER_1K_TOKENS_S  # added to prefill_s per 1,000 prompt tokens
+
+    def prefill_for(self, num_tokens: int) -> float:
+        """The Prefill deadline of a prompt of ``num_tokens``: it grows with the prompt."""
+        return self.prefill_s + self.prefill_per_1k_s * num_tokens / 1000
+
+    def describe_prefill(self, num_tokens: int) -> str:
+        return (
+            f"{self.prefill_for(num_tokens):.0f} s (--prefill-timeout-s {self.prefill_s:g} plus "
+            f"--prefill-timeout-per-1k-tokens-s {self.prefill_per_1k_s:g} per 1,000 tokens)"
+        )
 
 
 class Cluster:
@@ -85,6 +99,22 @@ class Cluster:
         release = wpb.ReleaseRequest(request_id=request_id)
         call = self.decode_stub(decode_id).Release(release, timeout=self.deadlines.call_s)
         await asyncio.shield(self.spawn(_quietly(call)))
+
+    async def keep_reserved(self, decode_id: str, request_id: str, lease_deadline_unix_ms: int) -> None:
+        """Renew a reservation's lease on ``decode_id`` a third of the way into each lease,
+        until cancelled (its Prefill answered) or the worker says it is gone. A router that
+        dies stops renewing, so the lease still frees what it held."""
+        left_s = max(lease_deadline_unix_ms / 1000 - time.time(), MIN_RENEW_S * 3)
+        renew = wpb.RenewRequest(request_id=request_id)
+        while decode_id in self.channels:
+            await asyncio.sleep(left_s / 3)
+            try:
+                answer = await self.decode_stub(decode_id).Renew(renew, timeout=self.deadlines.call_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    return
+                continue  # slow or briefly unreachable: the lease left covers the next try
+            left_s = max(answer.lease_deadline_unix_ms / 1000 - time.time(), MIN_RENEW_S * 3)
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run ``coro`` in the background, kept alive until it ends or ``close``."""

@@ -178,10 +178,13 @@ class RequestFlow:
         prefill.inflight += 1
         decode.inflight += 1
         self.workers, self.lost = (prefill.id, decode.id), ""
+        lease = self.cluster.spawn(
+            self.cluster.keep_reserved(decode.id, self.attempt, reservation.lease_deadline_unix_ms)
+        )
         try:
             self.call = self.cluster.prefill_stub(prefill.id).Prefill(
                 msg.prefill_request(self.attempt, self.token_ids, self.request, reservation),
-                timeout=self.cluster.deadlines.prefill_s,
+                timeout=self.cluster.deadlines.prefill_for(len(self.token_ids)),
             )
             self.first = await self.call
             self.usage.prefill = self.first.usage
@@ -198,6 +201,7 @@ class RequestFlow:
             self.reserved_on = ""
             raise prefill_failure(self, e, prefill.id, decode.id) from None
         finally:
+            lease.cancel()
             self.call, self.workers = None, ()
             prefill.inflight -= 1
             decode.inflight -= 1

@@ -40,6 +40,7 @@ class RequestFlow(Protocol):
 
     rid: str
     attempt: str  # the id the workers know the current attempt by
+    token_ids: list[int]  # the prompt's
     aborted: bool
     lost: str  # the worker the health check lost mid-call, or ""
     reserved_on: str  # the decode worker holding a reservation no Decode owns, or ""
@@ -77,6 +78,10 @@ def prefill_failure(
     if error.code() in RETRYABLE and is_transfer_failure(error.details() or ""):
         flow.cluster.registry.degrade(prefill_id, decode_id, f"{prefill_id}: {error.details()}")
         return Retry(f"{prefill_id}->{decode_id}")  # counts as an attempt; the pair is out
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # slow here would be slow elsewhere
+        n = len(flow.token_ids)
+        deadline = flow.cluster.deadlines.describe_prefill(n)
+        return Fail(f"prefill of {n} tokens on {prefill_id} did not finish within its deadline, {deadline}")
     return classify(error, prefill_id)
 
 

@@ -101,5 +101,7 @@ def test_the_routers_deadlines_default_to_the_clusters_and_take_their_flags():
     plain = build_parser().parse_args(["router", "--model", str(TINY)])
     assert deadlines(plain) == Deadlines()
     flags = ["--worker-call-timeout-s", "3", "--prefill-timeout-s", "40", "--stream-idle-timeout-s", "9"]
+    flags += ["--prefill-timeout-per-1k-tokens-s", "2.5"]
     args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
-    assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0, stream_idle_s=9.0)
+    assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0, stream_idle_s=9.0, prefill_per_1k_s=2.5)
+    assert deadlines(args).prefill_for(4000) == 50.0

@@ -28,6 +28,7 @@ from tests.services.common.proto_samples import full_rank_info
         (registration_pb2, "Registration", "ListPeers", False),
         (registration_pb2, "Registration", "Heartbeat", False),
         (worker_pb2, "DecodeWorker", "Reserve", False),
+        (worker_pb2, "DecodeWorker", "Renew", False),
         (worker_pb2, "DecodeWorker", "Release", False),
         (worker_pb2, "DecodeWorker", "Decode", True),
         (worker_pb2, "DecodeWorker", "Stats", False),

@@ -81,7 +81,7 @@ def _run(stubs: _Stubs, lose_first: bool) -> list[cpb.GenerateResponse]:
     async def scenario():
         await unreachable_ready_pairs(api, ["p0"], ["d0", "d1"])
         api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
-        api.cluster.deadlines = Deadlines(call_s=3.0, prefill_s=7.0)
+        api.cluster.deadlines = Deadlines(call_s=3.0, prefill_s=7.0, prefill_per_1k_s=0.0)
         task = asyncio.ensure_future(_collect(api.generate(_request())))
         if lose_first:
             await until(lambda: len(stubs.reserves) == 1)
