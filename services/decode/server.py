@@ -146,7 +146,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         if left > 0:  # renewed meanwhile
             asyncio.get_running_loop().call_later(left, self._expire, rid)
             return
-        log.warning("reservation of request %s expired: no Decode within its %.0f s lease", rid, res.lease_s)
+        log.warning("reservation of request %s expired: no Decode within its %g s lease", rid, res.lease_s)
         self.worker.metrics.timeouts.labels("lease").inc()
         self.expired[rid] = res.lease_s
         while len(self.expired) > EXPIRED_KEPT:
@@ -248,7 +248,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
 
 def _not_reserved(rid: str, expired: dict[str, float]) -> str:
     if rid in expired:
-        lease = f"{expired[rid]:.0f} s"
+        lease = f"{expired[rid]:g} s"
         return f"request_id: {rid!r} is not reserved: its lease of {lease} ran out first (--lease-s)"
     return f"request_id: {rid!r} is not reserved"
 

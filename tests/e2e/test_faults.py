@@ -112,6 +112,31 @@ def test_an_expired_lease_frees_the_reservation(slow):
     assert metric_sample(text, "tandem_timeouts_total", kind="lease") == 1.0
 
 
+def test_a_renewed_lease_keeps_the_reservation_and_a_late_decode_is_told_why(slow):
+    decode = next(p for p in slow.processes if p.name.startswith("decode"))
+    with grpc.insecure_channel(decode.grpc) as channel:
+        stub = wpb_grpc.DecodeWorkerStub(channel)
+        stub.Reserve(wpb.ReserveRequest(request_id="renewed", prompt_len=40, lease_ms=600), timeout=5)
+        for _ in range(3):  # 1.2 s in all, twice the lease
+            time.sleep(0.4)
+            stub.Renew(wpb.RenewRequest(request_id="renewed", lease_ms=600), timeout=5)
+        kept = stub.Release(wpb.ReleaseRequest(request_id="renewed"), timeout=5).released
+        stub.Reserve(wpb.ReserveRequest(request_id="lapsed", prompt_len=40, lease_ms=300), timeout=5)
+        wait_no_request_holds_pages(slow, timeout_s=3)
+        with pytest.raises(grpc.RpcError) as renew:
+            stub.Renew(wpb.RenewRequest(request_id="lapsed"), timeout=5)
+        decode_call = stub.Decode(
+            wpb.DecodeRequest(request_id="lapsed", prompt_token_ids=list(range(1, 41))), timeout=5
+        )
+        with pytest.raises(grpc.RpcError) as late:
+            list(decode_call)
+    assert kept
+    assert renew.value.code() == late.value.code() == grpc.StatusCode.NOT_FOUND
+    assert late.value.details() == (
+        "request_id: 'lapsed' is not reserved: its lease of 0.3 s ran out first (--lease-s)"
+    )
+
+
 def test_client_cancel_mid_transfer_frees_pages_everywhere(tiny_pair):
     cluster = start_cluster(tiny_pair, ["prefill", "decode"], env={"TANDEM_FAULTS": "prefill.before_send=2"})
     try:
