@@ -235,7 +235,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "router")
     name = served_model_name(args.model, args.served_model_name)
     limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name)
-    tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template)
+    tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)
     try:
         options = RouterOptions(
             tokens_per_page=args.tokens_per_page,

@@ -19,6 +19,7 @@ import grpc
 
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
+    ROUTER_ONLY_SERVING,
     EngineOptions,
     ProcessOptions,
     ServingOptions,
@@ -86,7 +87,7 @@ class LocalCluster:
         engine = from_args(EngineOptions, args)
         serving = from_args(ServingOptions, args)
         process = to_argv(from_args(ProcessOptions, args))
-        worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=("chat_template",)) + process
+        worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=ROUTER_ONLY_SERVING) + process
         router = to_argv(engine, names=ROUTER_ENGINE_OPTIONS) + to_argv(serving) + process
         tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp, "decode": args.decode_tp or args.tp}
         names = (

@@ -47,6 +47,8 @@ DEFAULT_DRAFTER = os.path.join(HERE, "models", "tiny-drafter")
 LAYOUTS = ("auto", "unified", "separate")
 DRAFT_QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
+PROMPT_SPECIAL_TOKENS = ("text", "parse")
+ROUTER_ONLY_SERVING = ("chat_template", "prompt_special_tokens")  # serving options workers do not take
 # what the router takes of the engine options: its limits, its text, its page hashing
 ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page", "max_model_len")
 CPU_KV_CACHE_MB = 256  # the KV cache off CUDA when --kv-cache-mb is not given
@@ -192,6 +194,13 @@ class ServingOptions:
         "",
         "Jinja chat template file for /v1/chat/completions; default: the tokenizer's "
         "(chat_template.jinja or tokenizer_config.json's chat_template); without one, chat is refused",
+    )
+    prompt_special_tokens: str = _option(
+        "text",
+        "special-token text (e.g. <|im_start|>, </s>) in prompts and chat messages: text = encoded "
+        "as the plain text it is, so no client forges a control token; parse = as the special "
+        "token (transformers' default for trusted text)",
+        choices=PROMPT_SPECIAL_TOKENS,
     )
 
 

@@ -96,6 +96,7 @@ class ServiceActor:
         name = served_model_name(engine.model, model.served_model_name)
         limits = model_limits(engine.model, engine.num_spec_tokens, engine.max_model_len, name)
         tokenizer = load_tokenizer(engine.model, engine.tokenizer)  # ValueError names what is wrong
+        tokenizer.special_in_text = model.prompt_special_tokens == "parse"
         chat = load_chat_template(tokenizer, model.chat_template_path)
         http_port = None if options.http_port < 0 else options.http_port
 

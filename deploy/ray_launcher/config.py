@@ -19,6 +19,7 @@ from deploy.options import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MODEL,
     HERE,
+    PROMPT_SPECIAL_TOKENS,
     EngineOptions,
     TransferOptions,
     check,
@@ -50,6 +51,7 @@ class ModelOptions(EngineOptions):
     drafter: str = ""  # "none" = no drafter
     served_model_name: str = ""  # the API's model name and metrics label; "" = folder name
     chat_template: str = ""  # a Jinja file for chat; "" = the tokenizer's
+    prompt_special_tokens: str = "text"  # "parse": clients' text may hold special tokens
 
     def engine_options(self) -> EngineOptions:
         """The engine options with the paths resolved."""
@@ -163,6 +165,10 @@ def _check(config: ClusterConfig) -> None:
             check(options)
         except ValueError as e:
             raise ConfigError(f"{section}.{e}") from None
+    if config.model.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
+        raise ConfigError(
+            f"model.prompt_special_tokens: must be text or parse, got {config.model.prompt_special_tokens!r}"
+        )
     if not isinstance(config.ray.env, dict):
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:

@@ -27,6 +27,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from services.router.special_text import encode_guarded, guard
 from services.tokenization.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -64,8 +65,13 @@ class ChatTemplate:
 
     def token_ids(self, messages: list[dict]) -> list[int]:
         """Rendered with the generation prompt, tokenized without special tokens (the
-        template writes them), as transformers' ``apply_chat_template(tokenize=True)``."""
-        return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        template writes them), as transformers' ``apply_chat_template(tokenize=True)``;
+        but special-token text inside the messages' contents stays plain text unless the
+        tokenizer allows it (``special_in_text``): services/router/special_text.py."""
+        if self.tokenizer.special_in_text:
+            return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        guarded, originals = guard(messages, self.tokenizer.special_texts())
+        return encode_guarded(self.tokenizer, self.render(guarded), originals)
 
 
 def load_chat_template(tokenizer: Tokenizer, override: str = "") -> ChatTemplate | None:

@@ -37,12 +37,14 @@ def model_limits(
 
 
 def router_text(
-    model_dir: str, tokenizer_path: str = "", chat_template: str = ""
+    model_dir: str, tokenizer_path: str = "", chat_template: str = "", prompt_special_tokens: str = "text"
 ) -> tuple[Tokenizer, ChatTemplate | None]:
     """The model's tokenizer and chat template (see load_tokenizer, load_chat_template);
-    exits naming what is missing or malformed."""
+    ``prompt_special_tokens``: "parse" lets clients' text hold special tokens. Exits
+    naming what is missing or malformed."""
     try:
         tokenizer = load_tokenizer(model_dir, tokenizer_path)
+        tokenizer.special_in_text = prompt_special_tokens == "parse"
         return tokenizer, load_chat_template(tokenizer, chat_template)
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None

@@ -102,7 +102,7 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: in
             check_text_length("messages", len(text), max_model_len)
         except RequestError as e:
             raise invalid("messages", str(e).partition(": ")[2]) from None
-    request.generate.token_ids.ids.extend(chat.tokenizer.encode(text, add_special_tokens=False))
+    request.generate.token_ids.ids.extend(chat_ids(messages, chat))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request.generate.sampling.max_tokens = integer(body, limit, 0, low=1)
     top = integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
@@ -135,6 +135,14 @@ def render_chat(messages: list[dict], chat: ChatTemplate) -> str:
     """The prompt text of ``chat_messages(...)``; a template error is a 400 on messages."""
     try:
         return chat.render(messages)
+    except ChatTemplateError as e:
+        raise invalid("messages", f"the chat template refused them: {e}") from None
+
+
+def chat_ids(messages: list[dict], chat: ChatTemplate) -> list[int]:
+    """The prompt's token ids (the messages' own special-token text as plain text)."""
+    try:
+        return chat.token_ids(messages)
     except ChatTemplateError as e:
         raise invalid("messages", f"the chat template refused them: {e}") from None
 

@@ -58,7 +58,7 @@ def _prompt_ids(request: cpb.GenerateRequest, limits, tokenizer) -> list[int]:
         check_text_length("prompt.text", len(request.text), limits.max_model_len)
         if tokenizer is None:
             raise RequestError("prompt.text: this router has no tokenizer; send token_ids")
-        ids = tokenizer.encode(request.text)  # with the special tokens the model's adds
+        ids = tokenizer.encode_text(request.text)  # the model's BOS added; typed specials are text
         if not ids:
             raise RequestError("prompt.text: encodes to no tokens")
         if max(ids) >= limits.vocab_size:

@@ -9,8 +9,10 @@ compare with): the ``tokenizer.json`` post-processor adds special tokens as writ
 a ``tokenizer.json`` present, transformers ignores ``add_bos_token`` / ``add_eos_token`` of
 ``tokenizer_config.json``, and so do we); the named special tokens of
 ``tokenizer_config.json`` (bos, eos, unk, pad) are added as special tokens when the vocabulary
-lacks them; special-token text in a prompt is parsed as the special token; padding and
-truncation stored in ``tokenizer.json`` are off. Nothing is downloaded: a folder without
+lacks them; special-token text is parsed as the special token by ``encode`` (the model's
+own text: templates) but encoded as plain text by ``encode_text`` (what users type), unless
+``special_in_text`` says users may write special tokens; padding and truncation stored in
+``tokenizer.json`` are off. Nothing is downloaded: a folder without
 ``tokenizer.json`` is refused. Decoding skips special tokens and never applies
 ``clean_up_tokenization_spaces`` (transformers skips it for BPE; for other models it is
 refused, since it rewrites text across tokens and streamed text could then not equal the
@@ -42,6 +44,7 @@ class Tokenizer:
     config: dict = field(default_factory=dict)
     special_tokens: dict[str, str] = field(default_factory=dict)
     byte_piece_ids: frozenset[int] = frozenset()  # see _byte_pieces
+    special_in_text: bool = False  # encode_text parses special-token text as the token
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +65,25 @@ class Tokenizer:
         return None if text is None else self.backend.token_to_id(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Trusted text (a chat template's own): special-token text becomes the token."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A user's text: special-token text in it (``<|im_start|>``, ``</s>``) is encoded
+        as the plain text it is, so no user forges a control token, unless
+        ``special_in_text``. ``add_special_tokens``: the model's own (a BOS) are added."""
+        if self.special_in_text:
+            return self.encode(text, add_special_tokens)
+        self.backend.encode_special_tokens = True
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self.backend.encode_special_tokens = False
+
+    def special_texts(self) -> list[str]:
+        """The texts of the special tokens, longest first (one may contain another)."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return sorted(texts, key=len, reverse=True)
 
     def decode(self, token_ids: list[int]) -> str:
         """Special tokens skipped; invalid byte sequences become U+FFFD."""

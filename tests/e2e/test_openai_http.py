@@ -86,6 +86,25 @@ def test_a_completion_equals_the_grpc_answer_and_reports_usage(client, cluster, 
     assert tandem["acceptance_length"] >= 1
 
 
+def test_special_token_text_a_client_types_is_counted_as_plain_text(client, model):
+    """``<eos>``, ``<bos>``, ``<pad>`` typed in a prompt or a chat message are the bytes they
+    are (until 2026-12-04 they became the model's control tokens: 24 prompt tokens for
+    text of 28 bytes)."""
+    typed, plain = "a<eos>b<bos>c<pad>d", "a<xyz>b<xyz>c<xyz>d"
+    counts = [
+        client.completions.create(model=model, prompt=p, max_tokens=1, **GREEDY).usage.prompt_tokens
+        for p in (typed, plain)
+    ]
+    assert counts == [len(byte_ids(plain))] * 2
+    chats = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], max_tokens=1, **GREEDY
+        ).usage.prompt_tokens
+        for p in (typed, plain)
+    ]
+    assert chats[0] == chats[1]
+
+
 def test_a_streamed_completion_joins_to_the_same_text(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
     stream = client.completions.create(
