@@ -67,3 +67,11 @@ def test_offline_generate_refuses_the_client_options(flags, named, monkeypatch):
         text=True,
     )
     assert out.returncode != 0 and f"tandem: {named}: a client option, for --endpoint only" in out.stderr
+
+
+def test_up_gives_prompt_special_tokens_to_the_router_only():
+    cluster = LocalCluster.from_args(build_parser().parse_args(["up", "--prompt-special-tokens", "parse"]))
+    assert cluster.router_args[-2:] == ["--prompt-special-tokens", "parse"]
+    assert "--prompt-special-tokens" not in cluster.worker_args
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--prompt-special-tokens", "maybe"])

@@ -248,3 +248,10 @@ def test_the_options_and_the_ray_config_load_no_torch():
     code = "import sys, deploy.options, deploy.ray_launcher.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_ray_takes_prompt_special_tokens_and_refuses_another_value():
+    assert parse_config({"model": {"prompt_special_tokens": "parse"}}).model.prompt_special_tokens == "parse"
+    assert parse_config({}).model.prompt_special_tokens == "text"
+    with pytest.raises(ConfigError, match=r"^model\.prompt_special_tokens: must be text or parse, got 'yes'"):
+        parse_config({"model": {"prompt_special_tokens": "yes"}})

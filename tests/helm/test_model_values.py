@@ -78,3 +78,11 @@ def test_a_model_image_copies_the_tokenizer_and_template_overrides_for_the_route
         "cp -a /weights/chat.jinja /model-volume/chat.jinja"
     )
     assert flag(effective_args(m, "router"), "--tokenizer") == "/models/tok/llama3"
+
+
+def test_prompt_special_tokens_reaches_the_router_only():
+    m = render({"model": {"promptSpecialTokens": "parse"}})
+    assert flag(effective_args(m, "router"), "--prompt-special-tokens") == "parse"
+    for role in WORKERS:
+        assert flag(effective_args(m, role), "--prompt-special-tokens") is None
+    assert flag(effective_args(render(), "router"), "--prompt-special-tokens") is None  # text: the default
