@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from bench.serve_workload import parse_grid, parse_numbers
 
 TINY = ("models/tiny-target", "models/tiny-drafter")
+# cuda: both configurations take 0.9 of the one GPU (1P+1D: 0.3 prefill, 0.6 decode), each
+# worker's KV cache what its share leaves after weights, activations and graphs
 DEVICE_DEFAULTS = {
     "cuda": dict(
         grid="512/128,2048/256,8192/256", concurrency="1,8,32,64,128", rates="1,2,4,8", forced_accept=3,
-        worker_args="--max-num-seqs 128", aggregated_args="--kv-cache-mb 65536",
-        prefill_args="--kv-cache-mb 24576", decode_args="--kv-cache-mb 49152", client_procs=4,
-        ceiling_kv_mb=65536, ceiling_repeats=1, start_timeout_s=900.0,
+        worker_args="--max-num-seqs 128", aggregated_args="--gpu-memory-utilization 0.9",
+        prefill_args="--gpu-memory-utilization 0.3", decode_args="--gpu-memory-utilization 0.6",
+        client_procs=4, ceiling_kv_mb=65536, ceiling_repeats=1, start_timeout_s=900.0,
     ),
     "cpu": dict(
         grid="128/32", concurrency="1,4", rates="", forced_accept=0, worker_args="", aggregated_args="",
@@ -95,10 +97,17 @@ def parser() -> argparse.ArgumentParser:
         "(default: cuda '--max-num-seqs 128'; cpu none)",
     )
     add(
-        "--aggregated-args", help="more flags for the aggregated worker (default: cuda '--kv-cache-mb 65536')"
+        "--aggregated-args",
+        help="more flags for the aggregated worker (default: cuda '--gpu-memory-utilization 0.9')",
     )
-    add("--prefill-args", help="more flags for the prefill worker (default: cuda '--kv-cache-mb 24576')")
-    add("--decode-args", help="more flags for the decode worker (default: cuda '--kv-cache-mb 49152')")
+    add(
+        "--prefill-args",
+        help="more flags for the prefill worker (default: cuda '--gpu-memory-utilization 0.3')",
+    )
+    add(
+        "--decode-args",
+        help="more flags for the decode worker (default: cuda '--gpu-memory-utilization 0.6')",
+    )
     add("--client-procs", type=int, help="client processes sharing each point's streams (cuda 4, cpu 1)")
     add("--ceiling", default="on", choices=("on", "off"), help="the engine's own decode ceiling per batch")
     add("--ceiling-kv-mb", type=int, help="the ceiling engine's KV memory, MiB (cuda 65536, cpu 256)")

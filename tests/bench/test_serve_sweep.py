@@ -56,9 +56,11 @@ def test_worker_arguments_of_each_configuration():
     spec, roles = worker_roles(Config("1p1d", True, 4, 3), a)
     assert spec == ["--model", "m", "--device", "cuda", "--drafter", "d", "-k", "4",
                     "--unsafe-forced-acceptance", "3", "--max-num-seqs", "32"]  # fmt: skip
-    assert roles == [("prefill", ["--kv-cache-mb", "24576"]), ("decode", ["--dtype", "x"])]
+    assert roles == [("prefill", ["--gpu-memory-utilization", "0.3"]), ("decode", ["--dtype", "x"])]
     plain, roles = worker_roles(Config("agg", False, 4, 3), a)
-    assert plain[4:8] == ["--drafter", "none", "-k", "0"] and roles == [("both", ["--kv-cache-mb", "65536"])]
+    assert plain[4:8] == ["--drafter", "none", "-k", "0"] and roles == [
+        ("both", ["--gpu-memory-utilization", "0.9"])
+    ]
     assert Config("agg", True, 4, 3).label == "aggregated, forced AL 4 (K 4)"
     assert Config("1p1d", False, 4, 3).label == "1P+1D, no drafter"
     assert (flag_of(spec, "--max-num-seqs", 64), flag_of(["--max-num-seqs=8"], "--max-num-seqs", 64)) == (
