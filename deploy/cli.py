@@ -43,6 +43,7 @@ from deploy.options import (
     served_model_name,
     to_argv,
 )
+from services.common.file_limit import raise_file_limit
 from services.common.log_setup import configure_logging
 from services.common.security import worker_token
 from services.engine.cli import add_generate_args, run_generate
@@ -233,6 +234,7 @@ def checked_engine_config(args: argparse.Namespace):
 
 def run_router_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "router")
+    raise_file_limit()
     name = served_model_name(args.model, args.served_model_name)
     limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)

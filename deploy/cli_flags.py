@@ -8,7 +8,7 @@ import argparse
 import os
 
 from deploy.local import DEFAULT_HTTP_PORT
-from deploy.option_flags import non_negative_float
+from deploy.option_flags import non_negative_float, non_negative_int
 from deploy.options import positive_float, positive_int
 from services.common.security import TlsConfig, tls_from
 from services.router.cluster import Deadlines
@@ -104,7 +104,15 @@ def add_http_limit_args(parser) -> None:
         "--http-max-connections",
         type=positive_int,
         default=defaults.max_connections,
-        help="open HTTP connections at most; the next is answered 503 and closed",
+        help="open HTTP connections at most (fewer if the open-file limit leaves fewer); a new one "
+        "closes the longest-idle connection, else is answered 503 and closed",
+    )
+    parser.add_argument(
+        "--http-max-connections-per-client",
+        type=non_negative_int,
+        default=defaults.max_per_client,
+        help="open HTTP connections of one client address at most (0 = no such limit); a new one "
+        "closes that client's longest-idle connection, else is answered 503",
     )
     parser.add_argument(
         "--http-header-timeout-s",
@@ -140,4 +148,4 @@ def deadlines(args: argparse.Namespace) -> Deadlines:
 def http_limits(args: argparse.Namespace) -> HttpLimits:
     """The router's HTTP limits from its ``--http-*`` flags."""
     timeouts = ReadTimeouts(args.http_header_timeout_s, args.http_body_timeout_s)
-    return HttpLimits(args.http_max_connections, timeouts)
+    return HttpLimits(args.http_max_connections, timeouts, args.http_max_connections_per_client)

@@ -50,6 +50,11 @@ def non_negative_float(text: str) -> float:
     return _parsed(float, at_least(0))(text)
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _parsed(int, at_least(0))(text)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     return _parsed(int, at_least(1))(text)

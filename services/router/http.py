@@ -6,12 +6,22 @@ whole and strictly (http_read.py: ``Content-Length`` or chunked bodies of at mos
 returns a ``Response`` (sent with ``Content-Length``) or a ``StreamingResponse`` (sent
 with ``Transfer-Encoding: chunked``, one HTTP chunk per item, e.g. one SSE event).
 Connections stay open between requests unless the client asks to close them.
+
+Connections are a shared resource no client may take whole: a client (its address) holds
+at most ``max_per_client``, and the server ``max_connections`` (lowered to fit the
+process's file limit). A connection waiting for a request (idle keep-alive, or one that
+has not sent its request line yet) is evicted, the longest idle first, to make room for a
+new one: the client's own at its limit, anyone's at the server's. Only when every held
+connection is serving a request is a new one answered 503 and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -39,6 +49,8 @@ __all__ = [
 
 IDLE_TIMEOUT_S = 75.0  # a keep-alive connection with no new request is closed after this
 DISCONNECT_POLL_S = 0.2  # how often a running request checks that its client is still there
+FD_RESERVE = 256  # file descriptors kept for gRPC, worker channels, logs: not for HTTP clients
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -66,11 +78,21 @@ Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """What one client may hold of the server: connections beyond ``max_connections`` are
-    answered 503 and closed at once; ``timeouts`` bound a request's headers and body."""
+    """What the clients may hold of the server: ``max_connections`` in all (at most the
+    file limit less FD_RESERVE), ``max_per_client`` of one address (0 = no such limit);
+    ``timeouts`` bound a request's headers and body."""
 
     max_connections: int = 1024
     timeouts: ReadTimeouts = ReadTimeouts()
+    max_per_client: int = 256
+
+
+@dataclass(slots=True)
+class _Held:
+    """One open connection: whose, and since when it waits for a request (None: serving one)."""
+
+    client: str
+    idle_since: float | None
 
 
 class HttpServer:
@@ -82,11 +104,21 @@ class HttpServer:
     def __init__(self, routes: dict[str, dict[str, Handler]], limits: HttpLimits | None = None) -> None:
         self.routes = routes
         self.limits = limits or HttpLimits()
+        self.max_connections = self.limits.max_connections
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.StreamWriter, _Held] = {}
 
     async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0 = any free port); returns the port."""
+        """Listen on ``host:port`` (0 = any free port); returns the port. The connection
+        cap is lowered to what the process's file limit leaves (refused cleanly, not EMFILE)."""
+        fit = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
+        if 0 < fit < self.max_connections:
+            log.warning(
+                "HTTP connections capped at %d, not %d: the file limit leaves no more",
+                fit,
+                self.max_connections,
+            )
+            self.max_connections = fit
         self._server = await asyncio.start_server(self._serve_connection, host, port)
         return self._server.sockets[0].getsockname()[1]
 
@@ -99,22 +131,48 @@ class HttpServer:
             await self._server.wait_closed()
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        full = len(self._connections) >= self.limits.max_connections
-        self._connections.add(writer)
+        peer = writer.get_extra_info("peername")
+        held = _Held(str(peer[0]) if peer else "", time.monotonic())
+        refusal = self._admit(held.client)
+        self._connections[writer] = held
         try:
-            if full:
-                message = f"connections: the server holds its limit of {self.limits.max_connections}"
-                await _send(writer, _error_response(503, message), keep_alive=False)
+            if refusal:
+                await _send(writer, _error_response(503, refusal), keep_alive=False)
                 return
-            await self._serve_requests(reader, writer)
+            await self._serve_requests(reader, writer, held)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
-            self._connections.discard(writer)
+            self._connections.pop(writer, None)
             writer.close()
 
-    async def _serve_requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _admit(self, client: str) -> str:
+        """Make room for a new connection of ``client`` (evicting an idle one where a limit
+        is reached); "" when admitted, else why it is refused."""
+        per_client = self.limits.max_per_client
+        if per_client and sum(h.client == client for h in self._connections.values()) >= per_client:
+            if not self._evict(client):
+                return f"connections: this client holds its limit of {per_client}, none idle"
+        if len(self._connections) >= self.max_connections and not self._evict(None):
+            return f"connections: the server holds its limit of {self.max_connections}, none idle"
+        return ""
+
+    def _evict(self, client: str | None) -> bool:
+        """Close the longest-idle connection (of ``client``, or anyone's); False if none is idle."""
+        idle = [(h.idle_since, w) for w, h in self._connections.items() if h.idle_since is not None]
+        idle = [(since, w) for since, w in idle if client is None or self._connections[w].client == client]
+        if not idle:
+            return False
+        _, writer = min(idle, key=lambda pair: pair[0])
+        self._connections.pop(writer, None)
+        writer.close()
+        return True
+
+    async def _serve_requests(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, held: _Held
+    ) -> None:
         while True:
+            held.idle_since = time.monotonic()
             try:
                 request = await _read_request(reader, writer, self.limits.timeouts)
             except BadRequest as e:
@@ -122,6 +180,7 @@ class HttpServer:
                 return
             if request is None:
                 return
+            held.idle_since = None
             keep_alive = _wants_keep_alive(request)
             response = await self._answer(request, reader, writer)
             head_only = request.method == "HEAD"

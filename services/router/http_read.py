@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from services.router import json_body
 
-MAX_BODY_BYTES = 16 << 20
+MAX_BODY_BYTES = 4 << 20  # a 128K-token prompt is under 1 MiB of JSON; every held body counts
 MAX_HEADERS = 100
 _DIGITS = re.compile(rb"[0-9]+")
 _HEX = re.compile(rb"[0-9a-fA-F]+")
@@ -74,7 +74,7 @@ class ReadTimeouts:
     whole body; past either the request is answered 408 and the connection closed."""
 
     headers_s: float = 30.0
-    body_s: float = 60.0  # 16 MiB in 60 s: a client slower than 280 KB/s cannot send the cap
+    body_s: float = 60.0  # 4 MiB in 60 s: a client slower than 70 KB/s cannot send the cap
 
 
 async def read_request(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import resource
 import time
 
 from services.router.http import HttpError, HttpLimits, HttpServer, ReadTimeouts, Response, StreamingResponse
@@ -182,21 +183,110 @@ def test_a_body_not_sent_in_time_is_a_408():
     assert (status, body["error"]["message"]) == (408, "body: not received within 0.3 s")
 
 
-def test_connections_over_the_cap_are_answered_503():
+def _blocked_routes(release: asyncio.Event) -> dict:
+    async def slow(request):
+        await release.wait()
+        return Response.json({"done": True})
+
+    return {**ROUTES, "/slow": {"GET": slow}}
+
+
+async def _connect(port: int, client: str = "127.0.0.1"):
+    """A connection from ``client`` (any 127.x address: loopback on Linux)."""
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(client, 0))
+
+
+async def _get(reader, writer, path: str = "/refuse") -> bytes:
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = b""
+    while not _complete(data):
+        chunk = await asyncio.wait_for(reader.read(65536), 10)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_connections_over_the_cap_are_answered_503_when_none_is_idle():
     async def scenario():
-        server = HttpServer(ROUTES, HttpLimits(max_connections=1))
+        release = asyncio.Event()
+        server = HttpServer(_blocked_routes(release), HttpLimits(max_connections=1))
         port = await server.start("127.0.0.1", 0)
-        held = await asyncio.open_connection("127.0.0.1", port)
+        busy = await _connect(port)
+        busy[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.sleep(0.1)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _connect(port, "127.0.0.2")
         reply = await asyncio.wait_for(reader.read(65536), 10)
-        for w in (held[1], writer):
+        release.set()
+        for w in (busy[1], writer):
             w.close()
         await server.close()
         return reply
 
     status, body = _status_and_error(asyncio.run(scenario()))
-    assert (status, body["error"]["message"]) == (503, "connections: the server holds its limit of 1")
+    assert (status, body["error"]["message"]) == (
+        503,
+        "connections: the server holds its limit of 1, none idle",
+    )
+
+
+def test_idle_connections_make_room_for_a_new_client_longest_idle_first():
+    """A client holding every connection idle (keep-alive, or never sending a request)
+    locked everyone else out for 70 s; now the longest-idle one is closed for a newcomer."""
+
+    async def scenario():
+        server = HttpServer(ROUTES, HttpLimits(max_connections=3, max_per_client=0))
+        port = await server.start("127.0.0.1", 0)
+        hog = [await _connect(port) for _ in range(3)]
+        for r, w in hog[1:]:  # two served once, then idle; the first never sent anything
+            await _get(r, w)
+        newcomer = await _get(*await _connect(port, "127.0.0.2"))
+        evicted = await asyncio.wait_for(hog[0][0].read(), 5)  # EOF: closed for the newcomer
+        kept = await _get(*hog[2])
+        await server.close()
+        return newcomer, evicted, kept
+
+    newcomer, evicted, kept = asyncio.run(scenario())
+    assert newcomer.startswith(b"HTTP/1.1 400") and evicted == b"" and kept.startswith(b"HTTP/1.1 400")
+
+
+def test_one_client_holds_at_most_its_share_and_others_are_served():
+    async def scenario():
+        release = asyncio.Event()
+        server = HttpServer(_blocked_routes(release), HttpLimits(max_connections=8, max_per_client=2))
+        port = await server.start("127.0.0.1", 0)
+        busy = [await _connect(port) for _ in range(2)]
+        for _, w in busy:
+            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        third = await _connect(port)
+        refused = await asyncio.wait_for(third[0].read(65536), 10)
+        other = await _get(*await _connect(port, "127.0.0.2"))
+        release.set()
+        await server.close()
+        return refused, other
+
+    refused, other = asyncio.run(scenario())
+    status, body = _status_and_error(refused)
+    assert (status, body["error"]["message"]) == (
+        503,
+        "connections: this client holds its limit of 2, none idle",
+    )
+    assert other.startswith(b"HTTP/1.1 400")  # served (the route answers 400 by design)
+
+
+def test_the_cap_fits_the_file_limit():
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+    async def scenario():
+        server = HttpServer(ROUTES, HttpLimits(max_connections=10**9))
+        await server.start("127.0.0.1", 0)
+        await server.close()
+        return server.max_connections
+
+    fit = soft - 256
+    assert asyncio.run(scenario()) == (fit if 0 < fit < 10**9 else 10**9)
 
 
 def test_a_client_that_leaves_cancels_its_running_handler():
