@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from bench import serve_svg
-from bench.serve_client import Load, split
+from bench.serve_client import Load, count_error, split, take
 from bench.serve_report import point, tables, write_json
 from bench.serve_stats import RequestRecord, Slo, Transfer, meets_slo, percentile, summarize, weighted_al
 from bench.serve_workload import (
@@ -23,6 +23,7 @@ from bench.serve_workload import (
     poisson_arrivals,
     prompts,
 )
+from proto.tandem.v1 import client_pb2 as cpb
 
 SLO = Slo(ttft_ms=300.0, tpot_ms=300.0)
 
@@ -155,3 +156,30 @@ def test_the_svg_is_well_formed_with_a_line_per_configuration_and_mode():
     lines = [e for e in root.iter() if e.tag.endswith("polyline")]
     assert len(lines) == 2 * (2 + 1)  # 2 panels x (ISL 32: closed, poisson; ISL 64: closed); no NaN line
     assert serve_svg.log_ticks(15.0, 600.0) == [20, 50, 100, 200, 500]
+
+
+def test_streamed_messages_fold_into_a_record_and_counts_must_be_exact():
+    r = RequestRecord(sent=0.0, prompt_tokens=4)
+    take(r, cpb.GenerateResponse(chunk=cpb.Chunk(token_ids=[7])), 0.25)
+    take(r, cpb.GenerateResponse(chunk=cpb.Chunk(text="tail")), 0.3)  # no tokens: not a chunk time
+    take(r, cpb.GenerateResponse(chunk=cpb.Chunk(token_ids=[8, 9, 10])), 0.5)
+    usage = cpb.Usage(prompt_tokens=4, completion_tokens=4, acceptance_length=3.0, num_drafts=1,
+                      transfers=[cpb.GroupTransfer(group="target", num_bytes=64, seconds=0.001)])  # fmt: skip
+    take(
+        r,
+        cpb.GenerateResponse(complete=cpb.Complete(finish_reason=cpb.FINISH_REASON_LENGTH, usage=usage)),
+        0.75,
+    )
+    assert (r.chunk_times, r.tokens, r.end, r.error) == ([0.25, 0.5], 4, 0.75, "")
+    assert (r.acceptance_length, r.decode_steps, r.transfers) == (3.0, 1, [Transfer("target", 64, 0.001)])
+    assert count_error(r, 4) == ""
+    assert (
+        count_error(r, 5) == "4 tokens streamed, usage 4 completion and 4 prompt tokens; asked for 5 after 4"
+    )
+    stopped = RequestRecord(sent=0.0, prompt_tokens=4)
+    take(stopped, cpb.GenerateResponse(complete=cpb.Complete(finish_reason=cpb.FINISH_REASON_STOP)), 0.5)
+    assert stopped.error == "finished FINISH_REASON_STOP"
+    failed = RequestRecord(sent=0.0, prompt_tokens=4)
+    take(failed, cpb.GenerateResponse(error=cpb.Error(message="boom")), 0.5)
+    take(failed, cpb.GenerateResponse(complete=cpb.Complete(finish_reason=cpb.FINISH_REASON_ERROR)), 0.6)
+    assert failed.error == "error message: boom"
