@@ -92,8 +92,9 @@ class RouterAPI:
         self.queue_timeout_s = options.queue_timeout_s
         self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.service_secret)
         self.registration = Registration(self.cluster, metrics, model_contract(options))
-        self.flows: dict[str, RequestFlow] = {}  # the requests in flight, by id
-        self.owners: dict[str, str] = {}  # who each request in flight runs for, by id
+        # the requests in flight, by (owner, request id): one client's ids are its own, so
+        # another's running id is no answer (ALREADY_EXISTS only for the same client's)
+        self.flows: dict[tuple[str, str], RequestFlow] = {}
         self.health_monitor = HealthMonitor(
             self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )
@@ -103,8 +104,8 @@ class RouterAPI:
     ) -> AsyncIterator[cpb.GenerateResponse]:
         """One request's messages: chunks (text trimmed of stop strings), maybe an error,
         then its complete. ``owner``: the client it runs for; only it may ``abort`` it."""
-        flow = self._admit(request)
-        self.flows[flow.rid], self.owners[flow.rid] = flow, owner
+        flow = self._admit(request, owner)
+        self.flows[(owner, flow.rid)] = flow
         self.metrics.running.labels("router").inc()
         status = "error"
         try:
@@ -122,8 +123,7 @@ class RouterAPI:
             raise
         finally:
             flow.finish()
-            self.flows.pop(flow.rid, None)
-            self.owners.pop(flow.rid, None)
+            self.flows.pop((owner, flow.rid), None)
             self.metrics.running.labels("router").dec()
             self.metrics.requests.labels("router", status.lower()).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - flow.start)
@@ -135,14 +135,14 @@ class RouterAPI:
     async def abort(self, request_id: str, owner: str = "") -> bool:
         """Abort a running request of ``owner`` (it ends with FINISH_REASON_ABORT); False if
         none of its requests runs under that id (another client's is not told apart)."""
-        flow = self.flows.get(request_id)
-        if flow is None or self.owners.get(request_id) != owner:
+        flow = self.flows.get((owner, request_id))
+        if flow is None:
             return False
         flow.abort()
         return True
 
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self.flows
+    def is_running(self, request_id: str, owner: str = "") -> bool:
+        return (owner, request_id) in self.flows
 
     async def health(self) -> cpb.HealthResponse:
         return health_response(self.cluster.registry)
@@ -172,10 +172,10 @@ class RouterAPI:
     async def close(self) -> None:
         await self.cluster.close()
 
-    def _admit(self, request: cpb.GenerateRequest) -> RequestFlow:
-        """The request's flow, once its id is free and its fields are valid."""
+    def _admit(self, request: cpb.GenerateRequest, owner: str) -> RequestFlow:
+        """The request's flow, once its id is free (among ``owner``'s) and its fields are valid."""
         rid = request.request_id or uuid.uuid4().hex
-        if rid in self.flows:
+        if (owner, rid) in self.flows:
             raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
         try:
             token_ids = validate_generate(request, self.limits, self.tokenizer)
@@ -185,7 +185,9 @@ class RouterAPI:
         if self.tokenizer is not None:
             sampling = request.sampling
             text = StreamText(self.tokenizer, list(sampling.stop), sampling.min_tokens)
-        return RequestFlow(rid, token_ids, request, text, self.cluster, self.metrics, self.queue_timeout_s)
+        flow = RequestFlow(rid, token_ids, request, text, self.cluster, self.metrics, self.queue_timeout_s)
+        flow.serial = self.cluster.next_serial()
+        return flow
 
 
 def model_contract(options: RouterOptions) -> rpb.RankInfo:

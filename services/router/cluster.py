@@ -14,6 +14,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -62,6 +64,12 @@ class Cluster:
         self.service_secret = service_secret  # calls to worker X carry X's worker token
         self.channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._salt, self._serials = secrets.token_hex(3), itertools.count(1)
+
+    def next_serial(self) -> str:
+        """A request flow's serial: never the same twice in this process, nor (a random
+        salt) in a restarted router's, whose workers may still hold the old one's attempts."""
+        return f"{self._salt}{next(self._serials)}"
 
     async def connect(self, info: rpb.RankInfo) -> None:
         """Open the channel to a (re-)registering worker, closing the one it had."""

@@ -22,8 +22,10 @@ Invariants:
   workers it depends on: ``abort`` and ``lose`` cancel it. Reserve and Prefill have the
   deadlines of ``Cluster.deadlines``, a Decode stream its idle deadline.
 - Workers know an attempt, not the request: every attempt (a pair tried, or an aggregated
-  worker) sends its own id, ``<request id>#<n>``, so a retry that lands on a worker still
-  holding an earlier attempt (a transfer stalled, a prefill parked) never meets its state.
+  worker) sends its own id, ``<request id>#<serial>.<n>`` (``serial`` unique to the flow in
+  this router process, and to the process), so a retry that lands on a worker still
+  holding an earlier attempt (a transfer stalled, a prefill parked) never meets its state,
+  nor do two clients' requests under one id, nor a restarted router's.
 """
 
 from __future__ import annotations
@@ -84,11 +86,12 @@ class RequestFlow:
     reserved_on: str = ""
     prefilled_by: str = ""  # the prefill worker whose transfer fed the decode worker
     attempts: int = 0  # attempts begun: Reserves sent, or forwards to an aggregated worker
+    serial: str = "0"  # unique to this flow in this router process (Cluster.next_serial)
 
     @property
     def attempt(self) -> str:
         """The id the workers know the current attempt by."""
-        return f"{self.rid}#{self.attempts}"
+        return f"{self.rid}#{self.serial}.{self.attempts}"
 
     # ------------------------------------------------------------------ control
 

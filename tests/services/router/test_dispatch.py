@@ -81,6 +81,22 @@ def test_a_running_request_id_is_refused_and_freed_when_it_ends():
     assert _requests(api, "error") == 2
 
 
+def test_a_request_id_is_the_clients_own_another_clients_running_id_is_no_answer():
+    """A client's running id refused another client too: an oracle of which ids others run."""
+    api = router()
+
+    async def scenario():
+        mine = api.generate(_request("shared"), owner="alice")
+        await anext(mine)  # admitted, running
+        theirs = [m async for m in api.generate(_request("shared"), owner="bob")]
+        found = (await api.abort("shared", owner="bob"), await api.abort("shared", owner="alice"))
+        return theirs, found, [m async for m in mine]
+
+    theirs, found, _ = asyncio.run(scenario())
+    assert theirs == _failed("shared", "no ready prefill/decode pair")  # admitted as any request
+    assert found == (False, True)  # bob's ended; only alice may abort hers
+
+
 def test_an_invalid_request_is_refused_naming_the_field_before_it_runs():
     api = router()
     with pytest.raises(RouterError) as refused:

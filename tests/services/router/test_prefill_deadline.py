@@ -87,7 +87,8 @@ def test_the_lease_is_renewed_while_the_prefill_runs_and_the_deadline_grows_with
     messages = _run(stubs)
     assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
     assert stubs.prefill_timeouts == [30.0]  # 20 s + 5 s per 1,000 of 2,000 tokens
-    assert len(stubs.renewals) >= 2 and set(stubs.renewals) == {"r#1"}  # every LEASE_S / 3
+    assert len(stubs.renewals) >= 2 and len(set(stubs.renewals)) == 1  # every LEASE_S / 3, one attempt
+    assert stubs.renewals[0].startswith("r#") and stubs.renewals[0].endswith(".1")
 
 
 def test_a_prefill_past_its_deadline_ends_the_request_naming_it():
@@ -98,4 +99,5 @@ def test_a_prefill_past_its_deadline_ends_the_request_naming_it():
         "prefill of 2000 tokens on p0 did not finish within its deadline, 30 s "
         "(--prefill-timeout-s 20 plus --prefill-timeout-per-1k-tokens-s 5 per 1,000 tokens)"
     )
-    assert len(stubs.prefill_timeouts) == 1 and stubs.releases == ["r#1"]  # not retried
+    assert len(stubs.prefill_timeouts) == 1 and len(stubs.releases) == 1  # not retried
+    assert stubs.releases[0].startswith("r#") and stubs.releases[0].endswith(".1")
