@@ -28,6 +28,7 @@ from deploy.cli_flags import (
 from deploy.cli_parser import TandemParser
 from deploy.client import add_client_args, run_remote
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
+from deploy.option_flags import non_negative_int
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
     EngineOptions,
@@ -108,6 +109,13 @@ def add_router_parser(sub) -> None:
         "--port", type=int, default=50051, help="gRPC port (clients and workers); 0 = any free"
     )
     router.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = any free")
+    router.add_argument(
+        "--default-max-tokens",
+        type=non_negative_int,
+        default=0,
+        help="what a request without max_tokens gets: 0 = the room its prompt leaves in the context "
+        "(vLLM's default), else at most this many",
+    )
     router.add_argument(
         "--health-timeout-s",
         type=positive_float,
@@ -236,7 +244,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "router")
     raise_file_limit()
     name = served_model_name(args.model, args.served_model_name)
-    limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name)
+    limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name, args.default_max_tokens)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)
     try:
         options = RouterOptions(

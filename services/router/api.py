@@ -39,6 +39,7 @@ from services.router.health import (
 )
 from services.router.registration import Registration
 from services.router.registry import Registry
+from services.router.step_failures import STARTUP_WAIT_S
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from services.tokenization.tokenizer import Tokenizer
@@ -65,6 +66,7 @@ class RouterOptions:
     health_timeout_s: float = STATS_TIMEOUT_S  # each Stats poll's deadline
     health_misses: int = STATS_MISSES  # timed-out polls in a row before a worker is lost
     queue_timeout_s: float = QUEUE_TIMEOUT_S  # how long a request waits for free pages
+    startup_wait_s: float = STARTUP_WAIT_S  # how long a new router's requests wait for its first workers
 
     def __post_init__(self) -> None:
         if self.token and not (self.service_secret or self.tls):
@@ -91,6 +93,7 @@ class RouterAPI:
         self.tokenizer = tokenizer
         self.queue_timeout_s = options.queue_timeout_s
         self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.service_secret)
+        self.cluster.startup_wait_s = options.startup_wait_s
         self.registration = Registration(self.cluster, metrics, model_contract(options))
         # the requests in flight, by (owner, request id): one client's ids are its own, so
         # another's running id is no answer (ALREADY_EXISTS only for the same client's)
@@ -149,9 +152,11 @@ class RouterAPI:
 
     async def model_info(self) -> cpb.ModelInfoResponse:
         """The served model and its limits; the drafter as the first registered worker says;
-        forced acceptance (benchmarks only) as the first worker that forces it says."""
+        forced acceptance (benchmarks only) as the first worker that forces it says. The
+        workers' RankInfos without where to reach them (gRPC and UCX addresses): this is a
+        client call, and clients have no business with the workers' endpoints."""
         lim = self.limits
-        workers = [w.info for w in self.cluster.registry.workers.values()]
+        workers = [_without_addresses(w.info) for w in self.cluster.registry.workers.values()]
         first = workers[0] if workers else rpb.RankInfo()
         info = cpb.ModelInfoResponse(
             model_id=lim.model_id or first.model_id,
@@ -188,6 +193,14 @@ class RouterAPI:
         flow = RequestFlow(rid, token_ids, request, text, self.cluster, self.metrics, self.queue_timeout_s)
         flow.serial = self.cluster.next_serial()
         return flow
+
+
+def _without_addresses(info: rpb.RankInfo) -> rpb.RankInfo:
+    shown = rpb.RankInfo()
+    shown.CopyFrom(info)
+    shown.ClearField("grpc_address")
+    shown.ClearField("ucx")
+    return shown
 
 
 def model_contract(options: RouterOptions) -> rpb.RankInfo:

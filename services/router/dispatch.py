@@ -127,7 +127,7 @@ class RequestFlow:
         backoff = QUEUE_BACKOFF_S
         while len(excluded) < MAX_ATTEMPTS:
             pair = self.cluster.registry.choose_pair(self.token_ids, excluded)
-            if pair is None and not may_heal(self.cluster.registry, self.start, excluded):
+            if pair is None and not may_heal(self.cluster, self.start, excluded):
                 break
             try:
                 if pair is None:  # only a degraded pair may serve it: wait for it as for pages

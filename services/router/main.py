@@ -21,10 +21,15 @@ from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
 def model_limits(
-    model_dir: str, num_spec_tokens: int, max_model_len: int = 0, served_model_name: str = ""
+    model_dir: str,
+    num_spec_tokens: int,
+    max_model_len: int = 0,
+    served_model_name: str = "",
+    default_max_tokens: int = 0,
 ) -> ModelLimits:
     """Limits the router validates against, from the target's config.json. The model is
-    served as ``served_model_name``, by default the folder's name."""
+    served as ``served_model_name``, by default the folder's name; ``default_max_tokens``:
+    what an unset max_tokens means (0 = the room the prompt leaves, as vLLM)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
@@ -33,6 +38,7 @@ def model_limits(
         vocab_size=config["vocab_size"],
         max_model_len=max_model_len or config["max_position_embeddings"],
         num_spec_tokens=num_spec_tokens,
+        default_max_tokens=default_max_tokens,
     )
 
 

@@ -31,7 +31,6 @@ from services.router.cluster import Cluster
 from services.router.errors import ErrorCode, RouterError
 from services.router.failures import RETRYABLE, Abort, Fail, Retry, classify
 from services.router.messages import Usage
-from services.router.registry import Registry
 from services.router.streams import StreamStalled
 
 
@@ -50,13 +49,18 @@ class RequestFlow(Protocol):
 
 
 HEAL_WAIT_S = 10.0  # how long a request waits for a degraded pair when no pair is READY
+STARTUP_WAIT_S = 10.0  # how long a new router's requests wait for its first workers
 
 
-def may_heal(registry: Registry, start: float, excluded: set[str]) -> bool:
+def may_heal(cluster: Cluster, start: float, excluded: set[str]) -> bool:
     """Whether a DEGRADED or FAILED pair of workers not in ``excluded`` may come back for a
     request that started at ``start`` (monotonic seconds): within HEAL_WAIT_S of the later
-    of its start and the pair's failure."""
-    now = time.monotonic()
+    of its start and the pair's failure. A router that started less than its
+    ``startup_wait_s`` ago with no worker yet waits too: a restarted router's workers
+    register again within seconds."""
+    registry, now, wait = cluster.registry, time.monotonic(), cluster.startup_wait_s
+    if not registry.workers and now - cluster.started < wait and now - start < wait:
+        return True
     return any(
         p not in excluded
         and d not in excluded

@@ -75,3 +75,10 @@ def test_up_gives_prompt_special_tokens_to_the_router_only():
     assert "--prompt-special-tokens" not in cluster.worker_args
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--prompt-special-tokens", "maybe"])
+
+
+def test_the_router_takes_a_default_max_tokens():
+    args = build_parser().parse_args(["router", "--default-max-tokens", "256"])
+    assert args.default_max_tokens == 256
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--default-max-tokens", "-1"])

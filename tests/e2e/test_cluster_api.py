@@ -238,15 +238,24 @@ def _decode_requests_seen(cluster) -> dict[str, float]:
     return out
 
 
+def test_model_info_shows_clients_no_worker_address(mixed):
+    with grpc.insecure_channel(mixed.router_address) as channel:
+        workers = cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=5).workers
+    assert sorted(w.instance_id for w in workers) == ["decode-1", "decode-2", "prefill-0"]
+    assert all(not w.grpc_address and not w.HasField("ucx") for w in workers)
+    assert all(w.groups and w.tokens_per_page for w in workers)  # the geometry stays
+
+
 def test_a_live_workers_registration_cannot_be_replaced_by_another_caller(mixed):
     """Without credentials every caller has the same identity: a Register of the live
     decode-1 at its own address, with a garbled UCX address, would have taken its place
     (its pair FAILED for good). The router asks the worker at that address, which reports
     its own RankInfo: refused, naming what differs; the pair keeps serving."""
+    decode = next(p for p in mixed.processes if p.name == "decode-1")
+    with grpc.insecure_channel(decode.grpc) as channel:  # an attacker reaching a worker's port
+        forged = wpb_grpc.DecodeWorkerStub(channel).Stats(wpb.StatsRequest(), timeout=5).rank_info
+    forged.ucx.worker_address = b"\x00" * len(forged.ucx.worker_address)
     with grpc.insecure_channel(mixed.router_address) as channel:
-        workers = cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=5).workers
-        forged = next(w for w in workers if w.instance_id == "decode-1")
-        forged.ucx.worker_address = b"\x00" * len(forged.ucx.worker_address)
         with pytest.raises(grpc.RpcError) as refused:
             reg_grpc.RegistrationStub(channel).Register(reg.RegisterRequest(rank_info=forged), timeout=10)
         health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)

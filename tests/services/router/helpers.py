@@ -43,8 +43,11 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def router(options: RouterOptions | None = None, **limits) -> RouterAPI:
+    """A router in this process; without ``options`` its requests do not wait for workers at
+    start (``startup_wait_s`` 0): these tests register theirs, or none on purpose."""
     model = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
-    return RouterAPI(ModelLimits(**model), Metrics("router"), options or RouterOptions(tokens_per_page=PAGE))
+    options = options or RouterOptions(tokens_per_page=PAGE, startup_wait_s=0.0)
+    return RouterAPI(ModelLimits(**model), Metrics("router"), options)
 
 
 async def unreachable_ready_pairs(api: RouterAPI, prefills: list[str], decodes: list[str]) -> None:

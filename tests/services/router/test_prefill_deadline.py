@@ -11,7 +11,9 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
+from services.router.api import RouterOptions
 from services.router.cluster import Deadlines
+from services.router.step_failures import STARTUP_WAIT_S
 from tests.services.router.helpers import router, unreachable_ready_pairs
 
 PROMPT = [1 + i % 200 for i in range(2000)]
@@ -101,3 +103,32 @@ def test_a_prefill_past_its_deadline_ends_the_request_naming_it():
     )
     assert len(stubs.prefill_timeouts) == 1 and len(stubs.releases) == 1  # not retried
     assert stubs.releases[0].startswith("r#") and stubs.releases[0].endswith(".1")
+
+
+def test_a_new_routers_requests_wait_for_its_first_workers():
+    """A restarted router answered 'no ready pair' for the 1.5 s its workers took to
+    register again; its requests now wait (at most STARTUP_WAIT_S) for them."""
+    stubs = _Stubs()
+    api = router(RouterOptions(tokens_per_page=4, startup_wait_s=STARTUP_WAIT_S), max_model_len=4096)
+
+    async def scenario():
+        request = cpb.GenerateRequest(
+            request_id="early",
+            token_ids=cpb.TokenIds(ids=PROMPT[:8]),
+            sampling=cpb.SamplingParams(max_tokens=1),
+        )
+        early = asyncio.ensure_future(_collect(api.generate(request)))
+        await asyncio.sleep(0.5)  # no worker yet: the request waits
+        assert not early.done()
+        await unreachable_ready_pairs(api, ["p0"], ["d0"])
+        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+        messages = await asyncio.wait_for(early, 10)
+        await api.close()
+        return messages
+
+    messages = asyncio.run(scenario())
+    assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
+
+
+async def _collect(messages) -> list[cpb.GenerateResponse]:
+    return [m async for m in messages]
