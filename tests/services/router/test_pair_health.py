@@ -10,7 +10,8 @@ import grpc
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
-from services.router.health import health_response
+from services.router.cluster import Cluster
+from services.router.health import HealthMonitor, health_response
 from services.router.registry import PairState, Registry
 from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
 
@@ -151,3 +152,30 @@ def test_health_counts_only_the_workers_it_has_not_lost():
     registry.workers["d0"].healthy = False
     health = health_response(registry)
     assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (1, 0, 0)
+
+
+def test_a_failed_pairing_is_retried_after_its_delay_like_a_degraded_pair():
+    """A pair whose pairing failed (a worker briefly unresponsive) stayed FAILED until a
+    worker registered again, while its heartbeats said 'registered'; now it is re-paired."""
+    registry = _registry(("p0", "d0"))
+    registry.set_pair("p0", "d0", PairState.FAILED, "p0: DEADLINE_EXCEEDED")
+    healed: list[tuple[str, str]] = []
+
+    async def heal(p: str, d: str) -> bool:
+        healed.append((p, d))
+        registry.set_pair(p, d, PairState.READY)
+        return True
+
+    async def scenario():
+        cluster = Cluster(registry)
+        monitor = HealthMonitor(cluster, {}, heal=heal)
+        monitor._retry_pairs()  # not yet: its 0.5 s delay runs from the failure
+        await asyncio.sleep(0)
+        first = list(healed)
+        await asyncio.sleep(0.6)
+        monitor._retry_pairs()
+        await asyncio.sleep(0.05)
+        return first
+
+    assert asyncio.run(scenario()) == []
+    assert healed == [("p0", "d0")] and registry.pairs[("p0", "d0")].state == PairState.READY
