@@ -28,7 +28,7 @@ from tests.services.engine.helpers import write_pair
 pytestmark = pytest.mark.slow
 WAIT_S = 60.0
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-EXPIRED = "reservation of request lease-test expired: no Decode within its lease"
+EXPIRED = "reservation of request lease-test expired: no Decode within its 0.3 s lease"
 
 
 @pytest.fixture(scope="module")

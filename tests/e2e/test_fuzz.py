@@ -127,7 +127,9 @@ def test_random_prefill_worker_calls(cluster, rid, ids, decode_id, groups):
     )
     with grpc.insecure_channel(prefill.grpc) as channel:
         try:
-            wpb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=10)
+            # a well-formed one for decode-1 prefills, then waits for an acknowledgement that
+            # never comes (nothing was reserved there): the deadline ends it
+            wpb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=3)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 assert_named_refusal(e)

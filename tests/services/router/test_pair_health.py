@@ -16,7 +16,7 @@ from services.router.registry import PairState, Registry
 from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
 
 PROMPT = [5, 6, 7, 8, 9]
-TRANSFER_FAILED = "transfer failed to d0: send of tag 0x1 to 'd0' not done after 1.0 s; endpoint aborted"
+TRANSFER_FAILED = "transfer failed to d0: send of tag 0x1 to 'd0' not taken within 1.0 s"
 
 
 def _registry(*pairs: tuple[str, str]) -> Registry:
