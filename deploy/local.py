@@ -33,6 +33,7 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
 _HTTP = re.compile(r"http=(\S+)")
+_WARNING = re.compile(r"^\S+ \S+ (WARNING|ERROR) ")  # services/common/log_setup.py's format
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible HTTP port, as vLLM's
 
 
@@ -77,6 +78,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.expected_pairs = expected_pairs
         self.processes: list[Process] = []
+        self.echo_warnings = False  # `tandem up`: every process's WARNING and ERROR lines to stderr
 
     @classmethod
     def from_args(cls, args) -> LocalCluster:
@@ -99,7 +101,7 @@ class LocalCluster:
         http_port = args.http_port
         if http_port is None:  # with --port 0 every port is a free one, HTTP's too
             http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
-        return cls(
+        cluster = cls(
             worker,
             router,
             roles,
@@ -108,6 +110,8 @@ class LocalCluster:
             env=credentials_env(args.token),
             routers=args.routers,
         )
+        cluster.echo_warnings = True
+        return cluster
 
     @property
     def router_address(self) -> str:
@@ -251,7 +255,7 @@ class LocalCluster:
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         process = Process(name, popen, argv=argv)
-        threading.Thread(target=_pump, args=(process,), daemon=True).start()
+        threading.Thread(target=_pump, args=(process, self.echo_warnings), daemon=True).start()
         self.processes.append(process)
         return process
 
@@ -272,7 +276,9 @@ class LocalCluster:
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n" + "".join(p.log[-30:]))
 
 
-def _pump(process: Process) -> None:
+def _pump(process: Process, echo_warnings: bool = False) -> None:
+    """Keep a process's output (its endpoints line, its log); echo it all with
+    TANDEM_ECHO_LOGS, or only its WARNING and ERROR lines with ``echo_warnings``."""
     for line in process.popen.stdout:
         process.log.append(line)
         match = _ENDPOINT.search(line)
@@ -280,7 +286,7 @@ def _pump(process: Process) -> None:
             http = _HTTP.search(line)
             process.http = http.group(1) if http else ""  # before grpc, which readers wait on
             process.grpc, process.metrics = match.group(1), match.group(2)
-        if os.environ.get("TANDEM_ECHO_LOGS"):
+        if os.environ.get("TANDEM_ECHO_LOGS") or (echo_warnings and _WARNING.search(line)):
             sys.stderr.write(f"[{process.name}] {line}")
 
 

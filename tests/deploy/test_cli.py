@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from deploy import cli
 from deploy.cli import build_parser
-from deploy.local import LocalCluster
+from deploy.local import LocalCluster, Process, _pump
 
 
 def _help(*command: str) -> str:
@@ -82,3 +83,18 @@ def test_the_router_takes_a_default_max_tokens():
     assert args.default_max_tokens == 256
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--default-max-tokens", "-1"])
+
+
+def test_up_echoes_its_processes_warnings_and_errors_only(capsys, monkeypatch):
+    monkeypatch.delenv("TANDEM_ECHO_LOGS", raising=False)
+    lines = [
+        "prefill prefill-0 grpc=127.0.0.1:1 metrics=http://127.0.0.1:2/metrics\n",
+        "2026-12-04 10:15:02,118 INFO prefill-0 services.engine: kv cache: 100 pages\n",
+        "2026-12-04 10:15:03,118 WARNING prefill-0 services.prefill.server: transfer of request r failed\n",
+        "2026-12-04 10:15:04,118 ERROR prefill-0 services.common.serve: stopping\n",
+    ]
+    process = Process("prefill-0", SimpleNamespace(stdout=iter(lines)))
+    _pump(process, echo_warnings=True)
+    assert capsys.readouterr().err.splitlines() == [f"[prefill-0] {line.rstrip()}" for line in lines[2:]]
+    assert process.log == lines and process.grpc == "127.0.0.1:1"
+    assert LocalCluster.from_args(build_parser().parse_args(["up"])).echo_warnings
