@@ -51,7 +51,7 @@ class Deadlines:
 
     def describe_prefill(self, num_tokens: int) -> str:
         return (
-            f"{self.prefill_for(num_tokens):.0f} s (--prefill-timeout-s {self.prefill_s:g} plus "
+            f"{self.prefill_for(num_tokens):.3g} s (--prefill-timeout-s {self.prefill_s:g} plus "
             f"--prefill-timeout-per-1k-tokens-s {self.prefill_per_1k_s:g} per 1,000 tokens)"
         )
 

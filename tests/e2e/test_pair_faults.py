@@ -11,6 +11,8 @@ with the bundled pair (its 32K-token context takes the long prompts).
    run out no request holds a page on any worker. Until 2026-12-04 a retried request met
    its own earlier attempt on the prefill worker (state keyed by the request id):
    ``UNKNOWN: IndexError``, HTTP 500s and hundreds of pages held for minutes.
+3. A prefill slower than its deadline (every engine step a second longer): the request ends
+   naming the deadline and the flags that set it, with no page held.
 """
 
 from __future__ import annotations
@@ -133,4 +135,24 @@ def test_a_decode_worker_stopped_under_load_fails_nothing_unknown_and_leaks_no_p
         wait_no_request_holds_pages(cluster)
     finally:
         os.kill(stopped.popen.pid, signal.SIGCONT)
+        cluster.stop()
+
+
+def test_a_prefill_past_its_deadline_ends_the_request_naming_the_deadline():
+    """A prefill slower than the router's deadline ended 'no ready prefill/decode pair' after
+    being retried on pairs as slow; it now ends naming the deadline and the flags that set it."""
+    worker = [*WORKER, "--transfer-timeout-s", "5"]
+    router = [*ROUTER, "--prefill-timeout-s", "0.5", "--prefill-timeout-per-1k-tokens-s", "0.1"]
+    env = {"TANDEM_FAULTS": "engine.step=1"}  # every engine step a second longer: 2 s to prefill
+    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=120, env=env)
+    cluster.start()
+    try:
+        tokens, outcome = _generate(cluster.router_address, LONG, 4)  # 3,990 tokens: two steps
+        assert (tokens, outcome) == (
+            0,
+            "error: prefill of 3990 tokens on prefill-0 did not finish within its deadline, 0.899 s "
+            "(--prefill-timeout-s 0.5 plus --prefill-timeout-per-1k-tokens-s 0.1 per 1,000 tokens)",
+        )
+        wait_no_request_holds_pages(cluster)
+    finally:
         cluster.stop()
