@@ -48,6 +48,7 @@ class WorkerBase:
             total_heads=engine_kv_heads(e),
         )
         self.grpc_address = ""
+        self._rank_info: rpb.RankInfo | None = None  # rank_info()'s, for its grpc_address
         self.peers = None  # the PeerRegistry, once serving
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
         self._prefix_seen: dict[str, tuple[int, int]] = {}  # group -> (query, hit) tokens exported
@@ -67,13 +68,18 @@ class WorkerBase:
             self.group.close()
 
     def rank_info(self) -> rpb.RankInfo:
-        """Rank 0's RankInfo (the worker's, as the router knows it)."""
-        ucx = self.agent.endpoint() if self.config.moves_pages else None
-        info = engine_rank_info(
-            self.engine, self.config.role, self.config.instance_id, ucx.worker_address if ucx else b""
-        )
-        info.grpc_address = self.grpc_address
-        return info
+        """Rank 0's RankInfo (the worker's, as the router knows it): built once its gRPC
+        address is known (every Stats answer carries it), a fresh copy each call."""
+        if self._rank_info is None or self._rank_info.grpc_address != self.grpc_address:
+            ucx = self.agent.endpoint() if self.config.moves_pages else None
+            info = engine_rank_info(
+                self.engine, self.config.role, self.config.instance_id, ucx.worker_address if ucx else b""
+            )
+            info.grpc_address = self.grpc_address
+            self._rank_info = info
+        copy = rpb.RankInfo()
+        copy.CopyFrom(self._rank_info)
+        return copy
 
     def rank_infos(self) -> list[rpb.RankInfo]:
         """Every rank's RankInfo, rank 0 first."""
