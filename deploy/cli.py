@@ -15,32 +15,24 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from deploy.cli_flags import (
-    add_client_token_arg,
-    add_deadline_args,
-    add_http_limit_args,
-    add_http_port_arg,
-    add_security_args,
-    deadlines,
-    http_limits,
-    tls_config,
-)
+from deploy.cli_flags import add_client_token_arg, add_http_port_arg, add_security_args, tls_config
 from deploy.cli_parser import TandemParser
 from deploy.client import add_client_args, run_remote
+from deploy.engine_config import engine_config
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
-from deploy.option_flags import non_negative_int
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
     EngineOptions,
     ProcessOptions,
+    RouterOptions,
     ServingOptions,
     TransferOptions,
     add_args,
     add_engine_args,
-    engine_config,
     from_args,
-    positive_float,
     positive_int,
+    router_deadlines,
+    router_http_limits,
     served_model_name,
     to_argv,
 )
@@ -48,7 +40,7 @@ from services.common.file_limit import raise_file_limit
 from services.common.log_setup import configure_logging
 from services.common.security import worker_token
 from services.engine.cli import add_generate_args, run_generate
-from services.router.api import RouterOptions
+from services.router.api import RouterSettings
 from services.router.main import RouterConfig, model_limits, router_text, run_router
 
 
@@ -58,6 +50,7 @@ def add_up_parser(sub) -> None:
     )
     add_engine_args(up)
     add_args(up, ServingOptions)
+    add_args(up, RouterOptions)
     add_args(up, ProcessOptions)
     up.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decode", type=int, default=1, help="decode worker processes")
@@ -109,30 +102,9 @@ def add_router_parser(sub) -> None:
         "--port", type=int, default=50051, help="gRPC port (clients and workers); 0 = any free"
     )
     router.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = any free")
-    router.add_argument(
-        "--default-max-tokens",
-        type=non_negative_int,
-        default=0,
-        help="what a request without max_tokens gets: 0 = the room its prompt leaves in the context "
-        "(vLLM's default), else at most this many",
-    )
-    router.add_argument(
-        "--health-timeout-s",
-        type=positive_float,
-        default=2.0,
-        help="deadline of each Stats poll of a worker (every 0.5 s)",
-    )
-    router.add_argument(
-        "--health-misses",
-        type=positive_int,
-        default=2,
-        help="timed-out polls in a row after which a worker gets no traffic "
-        "(a refused connection counts at once)",
-    )
-    add_deadline_args(router)
+    add_args(router, RouterOptions)
     add_security_args(router, "router")
     add_http_port_arg(router, DEFAULT_HTTP_PORT)
-    add_http_limit_args(router)
 
 
 def add_worker_parser(sub) -> None:
@@ -244,31 +216,33 @@ def run_router_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "router")
     raise_file_limit()
     name = served_model_name(args.model, args.served_model_name)
-    limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name, args.default_max_tokens)
+    router = from_args(RouterOptions, args)
+    max_tokens = router.default_max_tokens
+    limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name, max_tokens)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)
     try:
-        options = RouterOptions(
+        settings = RouterSettings(
             tokens_per_page=args.tokens_per_page,
             token=args.token,
             service_secret=args.service_token,
             tls=tls_config(args),
             model_id=os.path.basename(os.path.normpath(args.model)),
-            health_timeout_s=args.health_timeout_s,
-            health_misses=args.health_misses,
+            health_timeout_s=router.health_timeout_s,
+            health_misses=router.health_misses,
         )
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
     config = RouterConfig(
         limits,
-        options,
+        settings,
         args.host,
         args.port,
         args.metrics_port,
         None if args.http_port < 0 else args.http_port,
         tokenizer,
         chat,
-        http_limits(args),
-        deadlines(args),
+        router_http_limits(router),
+        router_deadlines(router),
     )
     asyncio.run(run_router(config))
     return 0

@@ -22,6 +22,7 @@ from deploy.options import (
     ROUTER_ONLY_SERVING,
     EngineOptions,
     ProcessOptions,
+    RouterOptions,
     ServingOptions,
     from_args,
     to_argv,
@@ -84,13 +85,14 @@ class LocalCluster:
     def from_args(cls, args) -> LocalCluster:
         """The cluster ``tandem up`` parsed into ``args``. Workers get every engine flag but
         the TP size (given per role), and the served name; the router gets the engine flags
-        it reads and every serving flag; both get the process flags (the log level). Flags
-        at their defaults are left out."""
+        it reads, every serving flag and its own (RouterOptions); both get the process flags
+        (the log level). Flags at their defaults are left out."""
         engine = from_args(EngineOptions, args)
         serving = from_args(ServingOptions, args)
         process = to_argv(from_args(ProcessOptions, args))
         worker = to_argv(engine, exclude=("tp",)) + to_argv(serving, exclude=ROUTER_ONLY_SERVING) + process
         router = to_argv(engine, names=ROUTER_ENGINE_OPTIONS) + to_argv(serving) + process
+        router += to_argv(from_args(RouterOptions, args))
         tp = {"both": args.tp, "prefill": args.prefill_tp or args.tp, "decode": args.decode_tp or args.tp}
         names = (
             ["both"] * args.aggregated

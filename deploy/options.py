@@ -4,7 +4,9 @@ Each option is a field of a dataclass below: its name is the Ray cluster.yaml ke
 ``model:``, or a worker role for ``TransferOptions``), ``--`` plus the name in kebab case is
 its ``tandem`` flag (``add_engine_args``), and the Helm values map onto the same flags.
 ``check`` refuses a bad value with a ValueError that starts with the option's name, without
-loading torch; ``engine_config`` is the one place the options become an ``EngineConfig``.
+loading torch; ``deploy.engine_config`` is the one place the options become an ``EngineConfig``.
+``RouterOptions`` are the router's own (deadlines, health polling, HTTP limits); they
+become its parts' configs in ``router_deadlines`` and ``router_http_limits``.
 
 Units: ``*_mb`` are MiB, ``*_s`` seconds. Paths are taken as given (launchers resolve them).
 The flags themselves are deploy/option_flags.py's, the value rules deploy/option_rules.py's.
@@ -14,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deploy.option_flags import add_args
 from deploy.option_flags import from_args as from_args  # re-exported: the launchers' one import
@@ -29,17 +30,14 @@ from deploy.option_rules import (
     Rule,
     at_least,
     check_engine,
-    drafter_of,
     fraction_or_zero,
-    is_cuda,
     positive,
     rule_problem,
     type_problem,
 )
 from services.common.log_setup import LOG_LEVELS
-
-if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
+from services.router.cluster import Deadlines
+from services.router.http import HttpLimits, ReadTimeouts
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the Tandem source tree
 DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
@@ -217,6 +215,83 @@ class TransferOptions:
     )
 
 
+_DEADLINES, _HTTP = Deadlines(), HttpLimits()
+
+
+@dataclass(slots=True)
+class RouterOptions:
+    """What ``tandem router`` (and ``tandem up``, for its router) takes beyond the engine and
+    serving options: what an unset max_tokens means, how workers are polled, the deadlines of
+    the calls to workers, and what HTTP clients may hold."""
+
+    default_max_tokens: int = _option(
+        0,
+        "what a request without max_tokens gets: 0 = the room its prompt leaves in the context "
+        "(vLLM's default), else at most this many",
+        at_least(0),
+    )
+    health_timeout_s: float = _option(2.0, "deadline of each Stats poll of a worker (every 0.5 s)", positive)
+    health_misses: int = _option(
+        2,
+        "timed-out polls in a row after which a worker gets no traffic (a refused connection counts at once)",
+        at_least(1),
+    )
+    worker_call_timeout_s: float = _option(
+        _DEADLINES.call_s,
+        "deadline of each Reserve and Release call to a decode worker (then: another pair)",
+        positive,
+    )
+    prefill_timeout_s: float = _option(
+        _DEADLINES.prefill_s,
+        "deadline of each Prefill call: its queue, the prompt's run and the page transfer",
+        positive,
+    )
+    prefill_timeout_per_1k_tokens_s: float = _option(
+        _DEADLINES.prefill_per_1k_s,
+        "added to --prefill-timeout-s per 1,000 prompt tokens: a long prompt's deadline grows with it",
+        at_least(0),
+    )
+    stream_idle_timeout_s: float = _option(
+        _DEADLINES.stream_idle_s,
+        "longest wait between two messages of a Decode stream (then: UNAVAILABLE)",
+        positive,
+    )
+    http_max_connections: int = _option(
+        _HTTP.max_connections,
+        "open HTTP connections at most (fewer if the open-file limit leaves fewer); a new one "
+        "closes the longest-idle connection, else is answered 503 and closed",
+        at_least(1),
+    )
+    http_max_connections_per_client: int = _option(
+        _HTTP.max_per_client,
+        "open HTTP connections of one client address at most (0 = no such limit); a new one "
+        "closes that client's longest-idle connection, else is answered 503",
+        at_least(0),
+    )
+    http_header_timeout_s: float = _option(
+        _HTTP.timeouts.headers_s,
+        "seconds after its request line for a request's headers (else 408)",
+        positive,
+    )
+    http_body_timeout_s: float = _option(
+        _HTTP.timeouts.body_s, "seconds after its headers for a request's whole body (else 408)", positive
+    )
+
+
+def router_deadlines(options: RouterOptions) -> Deadlines:
+    """The deadlines of the router's calls to workers."""
+    o = options
+    per_1k = o.prefill_timeout_per_1k_tokens_s
+    return Deadlines(o.worker_call_timeout_s, o.prefill_timeout_s, o.stream_idle_timeout_s, per_1k)
+
+
+def router_http_limits(options: RouterOptions) -> HttpLimits:
+    """What the router's HTTP clients may hold."""
+    o = options
+    timeouts = ReadTimeouts(o.http_header_timeout_s, o.http_body_timeout_s)
+    return HttpLimits(o.http_max_connections, timeouts, o.http_max_connections_per_client)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
     """The flags of EngineOptions (or of the fields ``names``) on ``parser``."""
     add_args(parser, EngineOptions, names)
@@ -235,61 +310,6 @@ def check(options) -> None:
             raise ValueError(f"{f.name}: {problem}")
     if isinstance(options, EngineOptions):
         check_engine(options)
-
-
-def engine_config(options: EngineOptions) -> EngineConfig:
-    """The EngineConfig of ``options``; raises ValueError naming the option it refuses."""
-    # services.engine.config loads torch, which only the processes that run an engine need
-    from kvcore import KVLayout  # noqa: PLC0415 (torch: checking options loads none)
-    from services.engine.config import EngineConfig  # noqa: PLC0415
-
-    check(options)
-    forced = options.unsafe_forced_acceptance
-    return EngineConfig(
-        model=options.model,
-        drafter=drafter_of(options),
-        tokenizer=options.tokenizer,
-        num_spec_tokens=options.num_spec_tokens,
-        device=options.device,
-        dtype=options.dtype,
-        tokens_per_page=options.tokens_per_page,
-        kv_cache_bytes=(options.kv_cache_mb or CPU_KV_CACHE_MB) << 20,
-        gpu_memory_utilization=gpu_memory_fraction(options),
-        max_model_len=options.max_model_len or model_max_len(options.model),
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        max_prefill_chunk=options.max_num_batched_tokens,  # one prompt may take the whole step
-        host_kv_cache_bytes=options.host_kv_cache_mb << 20,
-        host_kv_write_policy=options.host_kv_write_policy,
-        host_kv_recall_min_pages=options.host_kv_recall_min_pages,
-        max_num_seqs=options.max_num_seqs,
-        layout=KVLayout("unified" if options.layout == "auto" else options.layout),
-        enable_prefix_cache=options.prefix_cache,
-        enforce_eager=not options.cuda_graphs,
-        adaptive_k=options.adaptive_k,
-        draft_quantization="" if options.draft_quantization == "none" else options.draft_quantization,
-        tp_size=options.tp,
-        forced_acceptance=forced,
-        unsafe_forced_acceptance=forced >= 0,
-    )
-
-
-def gpu_memory_fraction(options: EngineOptions) -> float:
-    """The fraction of its GPU a worker sizes its KV cache from: the option, else the default
-    on CUDA; 0 (size it by kv_cache_mb) when kv_cache_mb is given or the device is not CUDA."""
-    if options.kv_cache_mb or not is_cuda(options.device):
-        return 0.0
-    return options.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-
-
-def model_max_len(model: str) -> int:
-    """The model folder's ``max_position_embeddings`` (config.json); ValueError naming
-    ``model`` when it cannot be read."""
-    path = os.path.join(model, "config.json")
-    try:
-        with open(path) as f:
-            return int(json.load(f)["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"model: cannot read max_position_embeddings from {path}: {e}") from None
 
 
 def served_model_name(model: str, name: str = "") -> str:

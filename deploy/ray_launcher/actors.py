@@ -15,11 +15,12 @@ from collections.abc import Callable, Coroutine
 
 import ray
 
-from deploy.options import engine_config, served_model_name
+from deploy.engine_config import engine_config
+from deploy.options import served_model_name
 from deploy.ray_launcher.config import ClusterConfig
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.log_setup import configure_logging
-from services.router.api import RouterOptions as RouterAPIOptions
+from services.router.api import RouterSettings
 from services.router.chat_template import load_chat_template
 from services.router.main import RouterConfig, model_limits, run_router
 from services.tokenization.tokenizer import load_tokenizer
@@ -103,7 +104,7 @@ class ServiceActor:
         def serve(ready: asyncio.Event, stop: asyncio.Event):
             config = RouterConfig(
                 limits,
-                RouterAPIOptions(
+                RouterSettings(
                     tokens_per_page=engine.tokens_per_page,
                     model_id=os.path.basename(os.path.normpath(engine.model)),
                 ),

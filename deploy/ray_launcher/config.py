@@ -69,7 +69,7 @@ class ModelOptions(EngineOptions):
 
 
 @dataclass(slots=True)
-class RouterOptions:
+class RouterPlacement:
     port: int = 50051  # gRPC; 0 = any free port
     http_port: int = 8000  # OpenAI-compatible HTTP; 0 = any free port, -1 = off
     metrics_port: int = 0
@@ -92,7 +92,7 @@ class WorkerOptions(TransferOptions):
 class ClusterConfig:
     ray: RayOptions = field(default_factory=RayOptions)
     model: ModelOptions = field(default_factory=ModelOptions)
-    router: RouterOptions = field(default_factory=RouterOptions)
+    router: RouterPlacement = field(default_factory=RouterPlacement)
     prefill: WorkerOptions = field(default_factory=WorkerOptions)
     decode: WorkerOptions = field(default_factory=WorkerOptions)
     ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY

@@ -57,7 +57,7 @@ class ModelLimits:
 
 
 @dataclass(slots=True)
-class RouterOptions:
+class RouterSettings:
     tokens_per_page: int = 16  # the workers' page size: the prefix index hashes whole pages
     token: str = ""  # the client token: what client calls carry; "" = none
     service_secret: str = ""  # workers' tokens derive from it (services/common/security.py); "" = none
@@ -81,12 +81,12 @@ class RouterAPI:
         self,
         limits: ModelLimits,
         metrics: Metrics,
-        options: RouterOptions | None = None,
+        options: RouterSettings | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """``tokenizer``: the model's, for text prompts and streamed text; None = token-id
         prompts only, and chunks carry no text."""
-        options = options or RouterOptions()
+        options = options or RouterSettings()
         self.limits = limits
         self.metrics = metrics
         self.token = options.token
@@ -203,6 +203,6 @@ def _without_addresses(info: rpb.RankInfo) -> rpb.RankInfo:
     return shown
 
 
-def model_contract(options: RouterOptions) -> rpb.RankInfo:
+def model_contract(options: RouterSettings) -> rpb.RankInfo:
     """What every worker's RankInfo must say: this schema, the router's page size and model."""
     return rpb.RankInfo(schema_version=1, tokens_per_page=options.tokens_per_page, model_id=options.model_id)

@@ -66,7 +66,7 @@ class Cluster:
         self._tasks: set[asyncio.Task] = set()
         self._salt, self._serials = secrets.token_hex(3), itertools.count(1)
         self.started = time.monotonic()  # requests may wait a while for the first workers
-        self.startup_wait_s = 0.0  # how long: RouterOptions.startup_wait_s
+        self.startup_wait_s = 0.0  # how long: RouterSettings.startup_wait_s
 
     def next_serial(self) -> str:
         """A request flow's serial: never the same twice in this process, nor (a random

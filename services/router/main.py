@@ -11,7 +11,7 @@ from services.common.access import router_policy
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.loop_watch import watch_loop
 from services.common.metrics import Metrics, serve_metrics
-from services.router.api import ModelLimits, RouterAPI, RouterOptions
+from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, HttpServer
@@ -66,7 +66,7 @@ class RouterConfig:
     """
 
     limits: ModelLimits
-    options: RouterOptions = field(default_factory=RouterOptions)
+    options: RouterSettings = field(default_factory=RouterSettings)
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0

@@ -10,13 +10,13 @@ import sys
 import pytest
 
 from deploy.cli import build_parser
+from deploy.engine_config import engine_config
 from deploy.local import LocalCluster
 from deploy.options import (
     HOST_WRITE_POLICIES,
     EngineOptions,
     TransferOptions,
     check,
-    engine_config,
     from_args,
     to_argv,
 )

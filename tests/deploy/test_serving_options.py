@@ -10,9 +10,8 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from deploy.cli import build_parser
-from deploy.cli_flags import deadlines, http_limits
 from deploy.local import LocalCluster
-from deploy.options import served_model_name
+from deploy.options import RouterOptions, from_args, router_deadlines, router_http_limits, served_model_name
 from deploy.ray_launcher.config import parse_config
 from services.common.metrics import Metrics
 from services.router.api import RouterAPI
@@ -87,6 +86,14 @@ def test_the_ray_config_takes_the_serving_options():
     default = parse_config({}).model
     name = served_model_name(default.engine_options().model, default.served_model_name)
     assert (default.engine_options().tokenizer, default.chat_template_path, name) == ("", "", "tiny-target")
+
+
+def http_limits(args):
+    return router_http_limits(from_args(RouterOptions, args))
+
+
+def deadlines(args):
+    return router_deadlines(from_args(RouterOptions, args))
 
 
 def test_the_routers_http_limits_default_to_the_servers_and_take_their_flags():

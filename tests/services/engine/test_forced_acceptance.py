@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from deploy.options import EngineOptions, engine_config
+from deploy.engine_config import engine_config
+from deploy.options import EngineOptions
 from services.engine.cli import build_parser
 from services.engine.config import EngineConfig
 from services.engine.rejection import Draws, forced_verdict

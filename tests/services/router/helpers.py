@@ -10,7 +10,7 @@ from collections.abc import Callable
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from services.common.metrics import Metrics
-from services.router.api import ModelLimits, RouterAPI, RouterOptions
+from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.registry import PairState
 
 PAGE = 4
@@ -42,11 +42,11 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def router(options: RouterOptions | None = None, **limits) -> RouterAPI:
+def router(options: RouterSettings | None = None, **limits) -> RouterAPI:
     """A router in this process; without ``options`` its requests do not wait for workers at
     start (``startup_wait_s`` 0): these tests register theirs, or none on purpose."""
     model = dict(model_id="tiny", vocab_size=264, max_model_len=64) | limits
-    options = options or RouterOptions(tokens_per_page=PAGE, startup_wait_s=0.0)
+    options = options or RouterSettings(tokens_per_page=PAGE, startup_wait_s=0.0)
     return RouterAPI(ModelLimits(**model), Metrics("router"), options)
 
 

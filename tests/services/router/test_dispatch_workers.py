@@ -15,7 +15,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.serve import run_worker
 from services.common.worker import WorkerConfig
 from services.engine.config import EngineConfig
-from services.router.api import RouterOptions
+from services.router.api import RouterSettings
 from services.router.errors import ErrorCode, RouterError
 from services.router.main import RouterConfig, model_limits, run_router
 from services.worker_roles import WORKER_ROLES
@@ -86,7 +86,7 @@ def cluster(tmp_path_factory):
     limits = model_limits(str(target), K)
     services.serve(
         lambda ready, stop: run_router(
-            RouterConfig(limits, RouterOptions(tokens_per_page=PAGE)), ready, stop, services.bound
+            RouterConfig(limits, RouterSettings(tokens_per_page=PAGE)), ready, stop, services.bound
         )
     )
     address = f"127.0.0.1:{services.bound['port']}"

@@ -7,7 +7,7 @@ import json
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.metrics import Metrics
-from services.router.api import ModelLimits, RouterAPI, RouterOptions
+from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpServer, Request, Response
 from services.router.openai_api import OpenAIServer
@@ -214,7 +214,7 @@ def test_metrics_serves_the_router_registry_in_prometheus_text():
 def _real_router() -> RouterAPI:
     """A router with no worker, which does not wait for one (startup_wait_s 0)."""
     limits = ModelLimits(model_id=MODEL, vocab_size=264, max_model_len=32)
-    return RouterAPI(limits, Metrics("router"), RouterOptions(startup_wait_s=0.0), tokenizer=TOKENIZER)
+    return RouterAPI(limits, Metrics("router"), RouterSettings(startup_wait_s=0.0), tokenizer=TOKENIZER)
 
 
 def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():

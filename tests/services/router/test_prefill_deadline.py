@@ -11,7 +11,7 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
-from services.router.api import RouterOptions
+from services.router.api import RouterSettings
 from services.router.cluster import Deadlines
 from services.router.step_failures import STARTUP_WAIT_S
 from tests.services.router.helpers import router, unreachable_ready_pairs
@@ -109,7 +109,7 @@ def test_a_new_routers_requests_wait_for_its_first_workers():
     """A restarted router answered 'no ready pair' for the 1.5 s its workers took to
     register again; its requests now wait (at most STARTUP_WAIT_S) for them."""
     stubs = _Stubs()
-    api = router(RouterOptions(tokens_per_page=4, startup_wait_s=STARTUP_WAIT_S), max_model_len=4096)
+    api = router(RouterSettings(tokens_per_page=4, startup_wait_s=STARTUP_WAIT_S), max_model_len=4096)
 
     async def scenario():
         request = cpb.GenerateRequest(

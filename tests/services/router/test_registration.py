@@ -9,7 +9,7 @@ import pytest
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
-from services.router.api import RouterOptions
+from services.router.api import RouterSettings
 from services.router.errors import ErrorCode, RouterError
 from services.router.health import health_response
 from services.router.registration import describe_mismatches
@@ -47,7 +47,7 @@ def test_a_registration_is_refused_naming_the_first_bad_field():
 
 
 def test_a_worker_off_the_routers_model_contract_is_refused_naming_each_field():
-    api = router(RouterOptions(tokens_per_page=PAGE, model_id="tiny-target"))
+    api = router(RouterSettings(tokens_per_page=PAGE, model_id="tiny-target"))
     rogue = rank_info("both-0", rpb.ROLE_BOTH)  # aggregated workers are checked alike
     rogue.model_id, rogue.tokens_per_page = "other-model", 16
     good = rank_info("d0", rpb.ROLE_DECODE)
