@@ -73,7 +73,7 @@ def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: i
 
 def greedy_step(model: LlamaForCausalLM):
     def forward(input_ids, positions, hidden, ctx):
-        logits = model.compute_logits(model(input_ids, positions, ctx).hidden)
+        logits = model.head(model(input_ids, positions, ctx).hidden).float()
         return (argmax_rows(logits),)  # the engine's greedy argmax
 
     return forward

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from services.engine.models import DenseContext, LlamaForCausalLM
+from services.engine.models import LlamaForCausalLM, dense_contexts
 
 VOCAB = 256
 GEOMETRY = dict(
@@ -66,12 +66,12 @@ def hf_logits(model: transformers.PreTrainedModel, ids: torch.Tensor) -> torch.T
 
 
 def tandem_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """[n, vocab]: the dense path, with the config's window."""
+    """[n, vocab]: the dense path, each layer group with its window."""
     n = ids.shape[0]
-    ctx = DenseContext(batch=1, seq_len=n, window=model.config.sliding_window)
+    ctx = dense_contexts(model.kv_layer_groups(), batch=1, seq_len=n)
     with torch.no_grad():
         out = model(ids, torch.arange(n), ctx)
-        return model.compute_logits(out.hidden)
+        return model.head(out.hidden).float()
 
 
 def read_config(folder: Path) -> dict:
