@@ -7,29 +7,22 @@ prefill to the decode worker, and no request holds pages afterwards."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 import transformers
 
 from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
-from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from tests.e2e.conftest import assert_no_request_holds_pages
+from tests.e2e.conftest import assert_no_request_holds_pages, stream
 from tests.e2e.test_hf_models import PROMPT, published_drafter, worker_args
-from tests.services.engine.models.hf_models import hf_checkpoint
+from tests.services.engine.models.hf_models import hf_checkpoint, layer_mix
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 WINDOW = 64
 LONG_PROMPT = " ".join([PROMPT] * 4)  # past the window
-MIX = {
-    "num_hidden_layers": 4,
-    "use_sliding_window": True,
-    "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-}
+MIX = layer_mix(WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +60,6 @@ def served(request, folders):
     cluster.stop()
 
 
-def stream(address: str) -> tuple[list[int], str, cpb.Complete]:
-    request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
-    tokens, text, complete = [], [], None
-    with grpc.insecure_channel(address) as channel:
-        for message in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
-            kind = message.WhichOneof("payload")
-            assert kind != "error", message.error
-            if kind == "chunk":
-                tokens += message.chunk.token_ids
-                text.append(message.chunk.text)
-            else:
-                complete = message.complete
-    return tokens, "".join(text), complete
-
-
 def test_greedy_text_equals_transformers_and_every_group_is_transferred(folders, served):
     _, model, hf_tok = folders
     drafting, cluster = served
@@ -94,7 +72,8 @@ def test_greedy_text_equals_transformers_and_every_group_is_transferred(folders,
         pad_token_id=hf_tok.pad_token_id,
     )
     want = out[0, len(ids) :].tolist()
-    tokens, text, complete = stream(cluster.router_address)
+    request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
+    tokens, text, complete = stream(cluster.router_address, request)
     assert tokens == want
     assert text == hf_tok.decode(want, skip_special_tokens=True)
     groups = {"target", "target_sliding"} | ({"draft"} if drafting else set())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec
+from kvcore import CacheConfig, KVCacheManager, LayerGroupSpec, TransferPages
 from kvcore.capacity import split_capacity
 from tests.kvcore.conftest import N, assert_empty, draft_spec, run_request, target_spec
 from tests.kvcore.test_target_window import tree
@@ -32,6 +32,11 @@ def mix_config(**kwargs) -> CacheConfig:
 
 def make_mix() -> KVCacheManager:
     return KVCacheManager(mix_config())
+
+
+def moved(pages: dict[str, TransferPages]) -> dict[str, tuple[int, list[int]]]:
+    """Per group, (first block-table index, page ids) of a transfer."""
+    return {g: (p.first_page, p.page_ids) for g, p in pages.items()}
 
 
 def rows(m: KVCacheManager, rid: str) -> list[list[int]]:
@@ -91,8 +96,8 @@ def test_a_transfer_moves_the_pages_of_every_group():
     sender, receiver = make_mix(), make_mix()
     sender.allocate("r", 22)
     sender.advance("r", 22)
-    sent = sender.transfer_pages("r", 22)  # the windows at 22 read 15..21: pages 3..5
-    assert {g: (p.first_page, p.page_ids) for g, p in sent.items()} == {
+    # the windows at 22 read 15..21: pages 3..5
+    assert moved(sender.transfer_pages("r", 22)) == {
         "target": (0, [0, 1, 2, 3, 4, 5]),
         "target_sliding": (3, [3, 4, 5]),
         "draft": (3, [3, 4, 5]),
@@ -103,15 +108,15 @@ def test_a_transfer_moves_the_pages_of_every_group():
         "target_sliding": [N, N, N, 0, 1, 2, 3],
         "draft": [N, N, N, 0, 1, 2, 3],
     }
-    got = receiver.transfer_pages("r", 22)
-    assert {g: (p.first_page, p.page_ids) for g, p in got.items()} == {
+    assert moved(receiver.transfer_pages("r", 22)) == {
         "target": (0, [0, 1, 2, 3, 4, 5]),
         "target_sliding": (3, [0, 1, 2]),
         "draft": (3, [0, 1, 2]),
     }
-    for m in (sender, receiver):
-        m.free("r")
-        assert_empty(m)
+    sender.free("r")
+    receiver.free("r")
+    assert_empty(sender)
+    assert_empty(receiver)
 
 
 def test_a_byte_budget_gives_both_target_groups_the_shared_page_count():

@@ -9,14 +9,9 @@ from services.common.peer_check import check_peer
 from services.common.rank_info import engine_rank_info
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from tests.services.engine.models.hf_models import hf_checkpoint
+from tests.services.engine.models.hf_models import hf_checkpoint, layer_mix
 
-MIX = {
-    "num_hidden_layers": 4,
-    "use_sliding_window": True,
-    "sliding_window": 16,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-}
+MIX = layer_mix(16)
 
 
 def engine(folder) -> Engine:

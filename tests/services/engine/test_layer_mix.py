@@ -11,59 +11,31 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
 
 from services.engine import lockstep
-from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import capture_decode_graphs
-from services.engine.engine import Engine
 from services.engine.lockstep import Lockstep, replay
-from services.engine.models import Eagle3Drafter, save_model
 from services.engine.sampling import SamplingParams
-from tests.services.engine.helpers import assert_pools_empty, drafter_config, randomize
-from tests.services.engine.models.hf_models import VOCAB, hf_checkpoint
-from tests.services.engine.test_target_window import prompt, reference
+from tests.services.engine.helpers import assert_pools_empty
+from tests.services.engine.models.hf_models import layer_mix
+from tests.services.engine.test_target_window import (
+    GREEDY,
+    continuation_and_branch,
+    engine,
+    prompt,
+    reference,
+    windowed_pair,
+)
 
 WINDOW = 64
-NEW = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 N = -1  # NULL_PAGE
-MIX = {
-    "num_hidden_layers": 4,
-    "use_sliding_window": True,
-    "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-}
+MIX = layer_mix(WINDOW)
 
 
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
     """(target folder, drafter folder, the transformers model)."""
-    root = tmp_path_factory.mktemp("mix")
-    model = hf_checkpoint(root / "target", "qwen2", seed=3, eos_token_id=None, bos_token_id=None, **MIX)
-    vocab = {f"t{i}": i for i in range(VOCAB)}  # a tokenizer the folder must have; ids only
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(root / "target" / "tokenizer.json"))
-    drafter = Eagle3Drafter(drafter_config(window=8, vocab=VOCAB))
-    randomize(drafter, seed=4)
-    save_model(drafter, root / "drafter", dtype=torch.float32)
-    return root / "target", root / "drafter", model
-
-
-def engine(mix, chunk: int, k: int, **options) -> Engine:
-    target, drafter, _ = mix
-    return Engine(
-        EngineConfig(
-            model=str(target),
-            drafter=str(drafter) if k else None,
-            num_spec_tokens=k,
-            tokens_per_page=4,
-            num_pages=(256,) * (3 if k else 2),
-            max_prefill_chunk=chunk,
-            max_num_batched_tokens=max(chunk, 16),
-            max_num_seqs=4,
-            **options,
-        )
-    )
+    return windowed_pair(tmp_path_factory.mktemp("mix"), "qwen2", **MIX)
 
 
 @pytest.mark.parametrize("chunk", [16, 128])
@@ -96,13 +68,8 @@ def test_the_sliding_group_releases_its_pages_as_the_window_moves(mix):
 @pytest.mark.parametrize("k", [0, 2])
 def test_a_continuation_hits_both_target_groups_and_a_branch_before_the_window_hits_none(mix, k):
     e = engine(mix, 16, k)
-    first = prompt(100, seed=5)
-    (out,) = e.generate([first], GREEDY)
-    cached = (first + out.token_ids)[:120]  # the whole pages of the exact prefix: 100 + 23
-    turn2 = cached + prompt(10, seed=6)
-    branch = cached[:50] + prompt(10, seed=7)  # the window at 50 reaches released pages
-    outputs = [e.generate([p], GREEDY)[0] for p in (turn2, branch)]
-    assert [o.token_ids for o in outputs] == [reference(mix[2], p) for p in (turn2, branch)]
+    # the whole pages of the exact prefix: 100 + 23; the window at 50 reaches released pages
+    outputs = continuation_and_branch(e, mix[2], 100, 120, 50)
     groups = ("target", "target_sliding", "draft") if k else ("target", "target_sliding")
     assert outputs[0].usage.cached_tokens == dict.fromkeys(groups, 120)
     assert outputs[1].usage.cached_tokens == dict.fromkeys(groups, 0)

@@ -29,6 +29,17 @@ CLASSES = {
 }
 
 
+def layer_mix(window: int) -> dict:
+    """Qwen2/3 config keys of 4 layers alternating a ``window``-token sliding window (layers
+    0 and 2) and full attention (layers 1 and 3)."""
+    return {
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
+
+
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Every parameter random (biases too: transformers initialises them to zero), norms
     near 1, so each tensor matters to the logits."""

@@ -15,6 +15,7 @@ from tests.services.engine.models.hf_models import (
     GEOMETRY,
     hf_checkpoint,
     hf_logits,
+    layer_mix,
     prompt,
     read_config,
     tandem_logits,
@@ -145,7 +146,7 @@ def test_tandem_configs_round_trip_for_every_family():
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-MIX = {"use_sliding_window": True, "sliding_window": 64, "layer_types": [SLIDING, FULL] * 2}
+MIX = layer_mix(64)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -153,7 +154,7 @@ def test_a_per_layer_window_mix_matches_transformers(tmp_path, family):
     """Layers alternating a 64-token window and full attention: two layer groups, and
     transformers' logits over a prompt longer than the window (where the window matters)."""
     extra = {"head_dim": 24} if family == "qwen3" else {}
-    reference = hf_checkpoint(tmp_path, family, num_hidden_layers=4, **MIX, **extra)
+    reference = hf_checkpoint(tmp_path, family, **MIX, **extra)
     model = load_target(tmp_path)
     groups = [(g.name, g.layer_ids, g.window) for g in model.kv_layer_groups()]
     assert groups == [("target", (1, 3), 0), ("target_sliding", (0, 2), 64)]
