@@ -31,6 +31,7 @@ from services.engine.models.hf_config import (
     target_family,
 )
 from services.engine.models.hf_config import require as _require
+from services.engine.models.target import TargetConfig
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
 ARCHITECTURE_OF = {family: arch for arch, family in TARGET_ARCHITECTURES.items()}
@@ -228,7 +229,7 @@ class EagleConfig:
             }
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **d}
 
-    def check_target(self, target: LlamaConfig) -> EagleConfig:
+    def check_target(self, target: TargetConfig) -> EagleConfig:
         """This config checked against the target it drafts for, with the default aux
         layers (:func:`.hf_config.default_aux_layers`) filled in if it names none. The
         drafter reads the target's hidden states and embedding, and shares its vocabulary."""
