@@ -75,5 +75,5 @@ def step_batch(table: torch.Tensor, batch: int, context: int, vocab: int) -> Uni
     slots = rows[:, pos // PAGE].long() * PAGE + pos % PAGE
     ids = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(batch))
     return UniformBatch(
-        ids, torch.full((batch,), pos), slots, rows, torch.full((batch,), context, dtype=torch.int32)
+        ids, torch.full((batch,), pos), (slots,), (rows,), torch.full((batch,), context, dtype=torch.int32)
     )

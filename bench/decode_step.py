@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_inputs import build_target, llama_8b, make_pool, step_batch, toy  # noqa: E402
 from services.engine import kernels  # noqa: E402
-from services.engine.cuda_graphs import GraphedForward  # noqa: E402
+from services.engine.cuda_graphs import GraphedForward, PagedGroup  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
 from services.engine.sampler import argmax_rows  # noqa: E402
 
@@ -73,7 +73,7 @@ def kv_bytes_per_step(config: LlamaConfig, batch: int, context: int, itemsize: i
 
 def greedy_step(model: LlamaForCausalLM):
     def forward(input_ids, positions, hidden, ctx):
-        logits = model.compute_logits(model(input_ids, positions, ctx).hidden)
+        logits = model.head(model(input_ids, positions, ctx).hidden).float()
         return (argmax_rows(logits),)  # the engine's greedy argmax
 
     return forward
@@ -149,10 +149,10 @@ def run_batch(
     first = tokens["graph"]
     ctx = PagedContext(
         pool,
-        host.block_table.to(device),
+        host.block_tables[0].to(device),
         torch.arange(batch + 1, dtype=torch.int32, device=device),
         host.seq_lens.to(device),
-        host.slot_mapping.to(device),
+        host.slot_mappings[0].to(device),
     )
     ids, positions = host.input_ids.to(device), host.positions.to(device)
     paged = greedy_step(model)
@@ -195,11 +195,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_variant(model, pool, table, batches: list[int], context: int, device, copy: float) -> list[dict]:
+    target = PagedGroup("target", tuple(range(model.config.num_hidden_layers)), pool)
     graphed = GraphedForward(
         greedy_step(model),
-        pool,
+        [target],
         q_len=1,
-        window=0,
         buckets=batches,
         max_pages=table.shape[1],
         capture=device.type == "cuda",

@@ -23,7 +23,7 @@ from services.engine.chain_catch_up import PendingSpans
 from services.engine.chain_verify import ChainVerify
 from services.engine.cuda_graphs import pad_front
 from services.engine.draft_chain import ChainShape, GraphedDraftChain
-from services.engine.graphed_forward import GraphedForward, batch_buckets, uniform_batch
+from services.engine.graphed_forward import GraphedForward, PagedGroup, batch_buckets, uniform_batch
 
 PAGE, WIDTH, CONTEXT = 16, 128, 1000  # tokens per page, block-table width, first position
 
@@ -37,7 +37,8 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
     """Microseconds per call of each preparation at ``batch`` requests and K drafts."""
     pool = torch.zeros(1, 1, 2, 1, PAGE, 8)
     buckets = batch_buckets(batch)
-    forward = GraphedForward(lambda *a: (torch.zeros(1),), pool, k + 1, 0, buckets, WIDTH, capture=False)
+    groups = [PagedGroup("target", (0,), pool)]
+    forward = GraphedForward(lambda *a: (torch.zeros(1),), groups, k + 1, buckets, WIDTH, capture=False)
     shape = ChainShape(buckets, WIDTH, 8, torch.float32, 0, 1, PAGE, 32, capture=False)
     chain = GraphedDraftChain(None, None, pool, shape, ChainVerify(forward, PAGE))
     table = torch.randint(0, 4096, (batch, WIDTH), dtype=torch.int32)
@@ -45,15 +46,17 @@ def measure(batch: int, k: int, calls: int) -> dict[str, float]:
     spans = [Span(f"r{i}", CONTEXT + 7 * i, list(range(k + 1)), CONTEXT + 7 * i) for i in range(batch)]
     short = [Span(s.request_id, s.start, s.token_ids[:2]) for s in spans]
     starts = [s.start for s in spans]
-    filled = uniform_batch(spans, table, PAGE)
+    filled = uniform_batch(spans, [table], PAGE)
     pending = PendingSpans([s.start for s in short], [s.token_ids for s in short], torch.zeros(2 * batch, 8))
     bucket = buckets[-1]
     return {
-        "uniform_batch": per_call_us(lambda: uniform_batch(spans, table, PAGE), calls),
+        "uniform_batch": per_call_us(lambda: uniform_batch(spans, [table], PAGE), calls),
         "GraphedForward.load": per_call_us(lambda: forward.load(filled), calls),
         "chain _load": per_call_us(lambda: chain._load(starts, host_table, bucket), calls),
         "chain catch-up stage load": per_call_us(lambda: chain.catch.load(pending, bucket), calls),
-        "chain verify stage load": per_call_us(lambda: chain.verify.load(starts, host_table, bucket), calls),
+        "chain verify stage load": per_call_us(
+            lambda: chain.verify.load(starts, [host_table], bucket), calls
+        ),
         "pad_front": per_call_us(lambda: pad_front(short, k + 1), calls),
     }
 

@@ -3,12 +3,14 @@
 Full-attention groups need one slot per cached token each, so they share the budget in
 proportion to page bytes and get equal page counts. A windowed OPTIONAL group needs only
 what it can hold at once: every admissible sequence's window plus headroom, plus one
-prefill chunk, so it is sized by that count and the target gets the rest.
+prefill chunk, so it is sized by that count and the target gets the rest. The target's
+groups (REQUIRED; one per window of a per-layer mix) all get the shared count: a windowed
+one too, as it may hold more than its windows (a prefix hit's re-run, cached pages).
 """
 
 from __future__ import annotations
 
-from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, cdiv
+from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, cdiv
 
 
 def windowed_pages_needed(group: LayerGroupSpec, config: CacheConfig) -> int:
@@ -24,8 +26,8 @@ def split_capacity(config: CacheConfig) -> tuple[int, ...]:
         return config.num_pages
     p = config.tokens_per_page
     fixed: dict[str, int] = {}
-    for g in config.groups[1:]:
-        if g.window > 0:
+    for g in config.groups:
+        if g.window > 0 and g.lifecycle == Lifecycle.OPTIONAL:
             fixed[g.name] = windowed_pages_needed(g, config)
     fixed_bytes = sum(n * config.group(name).page_bytes(p) for name, n in fixed.items())
     shared = [g for g in config.groups if g.name not in fixed]

@@ -9,6 +9,9 @@ KV tensors, injected, logging their writes for the other ranks).
 
 - a match ending inside a page copies that page into a private page for every group that
   reuses it (copy-on-write), so shared pages are never written;
+- the target may be several REQUIRED groups (one per window of a per-layer mix): each
+  keeps its own rows and window, they decide the match together, and a transfer moves
+  the pages of each;
 - with ``KVLayout.SEPARATE`` the draft group is neither cached nor transferred.
 """
 
@@ -24,7 +27,7 @@ from kvcore.pools import KVPools
 from kvcore.prefix_match import PrefixMatch, PrefixMatcher
 from kvcore.request_rows import RequestRows, padded_table
 from kvcore.reservation import Reservation, TransferPages
-from kvcore.spec import NULL_PAGE, CacheConfig, LayerGroupSpec, cdiv
+from kvcore.spec import NULL_PAGE, CacheConfig, LayerGroupSpec, Owner, cdiv
 from kvcore.stats import CacheStats, GroupStats, GroupUsage
 
 
@@ -37,11 +40,10 @@ class KVCacheManager:
         self.groups: dict[str, LayerGroupSpec] = {g.name: g for g in config.groups}
         self._pools = pools if pools is not None else KVPools.allocate(config)
         self._store = PageStore(config, self._pools)
-        fed = len(config.groups) > 1  # the target feeds a drafter
-        target = config.groups[0].name
+        fed = any(g.owner == Owner.DRAFT for g in config.groups)  # the target feeds a drafter
         self._rows: dict[str, FullAttentionRows] = {
             g.name: rows_for(
-                g, self.tokens_per_page, g.name in self._store.cached_groups, fed and g.name == target
+                g, self.tokens_per_page, g.name in self._store.cached_groups, fed and g.owner == Owner.TARGET
             )
             for g in config.groups
         }

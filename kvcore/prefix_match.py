@@ -1,16 +1,18 @@
 """Prefix matching across layer groups: how much of a prompt a request can reuse.
 
 Rules (design.md §3):
-- the target (REQUIRED) group alone decides the match length;
-- another group is reused only where the cache holds what a query at the match end reads
-  (a windowed group: its window there); otherwise the match says from which position it
-  is recomputed (:meth:`FullAttentionRows.compute_start`);
-- a windowed target may hold NULL pages in the tree. A match ending at m is usable only if
-  every target page the prefill reads is held: from the window of the first position the
-  target runs, up to m. The target runs from m, or, when another group is fed from it,
-  from ``recompute_start - 1`` (a drafter's slot j reads the target's features at j - 1),
-  writing nothing below m. Otherwise the match shortens to the longest page boundary where
-  it holds (0 at worst): released target pages are never recomputed;
+- the target's (REQUIRED) groups alone decide the match length: one group, or one per
+  window of a per-layer mix, which all reuse the match or none;
+- an OPTIONAL group is reused only where the cache holds what a query at the match end
+  reads (a windowed group: its window there); otherwise the match says from which
+  position it is recomputed (:meth:`FullAttentionRows.compute_start`);
+- a windowed target group may hold NULL pages in the tree. A match ending at m is usable
+  only if every page the prefill reads of every target group is held: from the window of
+  the first position the target runs, up to m. The target runs from m, or, when an
+  OPTIONAL group is fed from it, from ``recompute_start - 1`` (a drafter's slot j reads
+  the target's features at j - 1), writing nothing below m. Otherwise the match shortens to
+  the longest page boundary where it holds (0 at worst): released target pages are never
+  recomputed;
 - the host tier continues a device match by whole pages (then no partial page), and only
   by at least ``host_recall_min_pages`` pages;
 - a match for a transfer's reservation is of whole pages: the transfer rewrites every page
@@ -27,7 +29,7 @@ from itertools import accumulate
 from kvcore.group_rows import FullAttentionRows
 from kvcore.page_store import PageStore
 from kvcore.radix import TreeNode
-from kvcore.spec import NULL_PAGE
+from kvcore.spec import NULL_PAGE, Lifecycle
 from kvcore.stats import GroupStats
 
 
@@ -72,11 +74,13 @@ class PrefixMatch:
 
 class PrefixMatcher:
     """Matches prompts against ``store``'s tree and host tier under ``rows``' rules
-    (one per group, the target first)."""
+    (one per group, the target's first)."""
 
     def __init__(self, store: PageStore, rows: dict[str, FullAttentionRows]) -> None:
         self.store, self.rows, self.page = store, rows, store.page
-        self.target = next(iter(rows))
+        self.required = [g for g, r in rows.items() if r.spec.lifecycle == Lifecycle.REQUIRED]
+        self.target = self.required[0]
+        self.fed = len(self.required) < len(rows)  # an OPTIONAL group reads the target's features
 
     def match(self, token_ids: list[int], whole_pages: bool = False) -> PrefixMatch:
         """Reusable prefix of a prompt, leaving at least its last token to compute;
@@ -125,8 +129,8 @@ class PrefixMatcher:
         self, longest: int, entries: dict[str, list[int]], device_pages: int
     ) -> tuple[int, dict[str, int]]:
         """The longest match end m <= ``longest`` (itself, else a page boundary) at which
-        every target page from :meth:`_first_needed` up to m is held, and each group's
-        ``compute_start`` there.
+        every page of every target group from :meth:`_first_needed` up to m is held, and
+        each group's ``compute_start`` there.
 
         - ``entries``: the cached pages per group in position order (device, then host,
           then the partial page);
@@ -142,31 +146,31 @@ class PrefixMatcher:
             if 0 < host < min_recall:
                 continue
             starts = self._starts_at(m, hi, nulls)
-            if _all_held(nulls[self.target], self._first_needed(self.target, starts), hi):
+            if all(_all_held(nulls[g], self._first_needed(g, starts), hi) for g in self.required):
                 return m, starts
         raise AssertionError("a match of length 0 is always usable")
 
     def _starts_at(self, m: int, hi: int, nulls: dict[str, list[int]]) -> dict[str, int]:
         """compute_start per group for a match ending at m whose cached entries [0, hi)
-        cover it. The target's is m (whether its pages are held is the caller's)."""
+        cover it. The target groups' is m (whether their pages are held is the caller's)."""
         starts = {}
         for name, rows in self.rows.items():
             held = name in nulls and _all_held(nulls[name], rows.first_read_page(m), hi)
-            starts[name] = m if name == self.target else rows.compute_start(m, held)
+            starts[name] = m if name in self.required else rows.compute_start(m, held)
         return starts
 
     def _first_needed(self, group: str, starts: dict[str, int]) -> int:
         """First page of ``group`` a match with these ``compute_start`` values reads.
 
-        - a group other than the target reads its window at the match end m;
-        - the target re-runs from ``recompute_start - 1`` when another group is fed from
-          it (a drafter's slot j reads the target's features at j - 1), else from m, and
-          that first query reads the target's window.
+        - an OPTIONAL group reads its window at the match end m;
+        - the target re-runs from ``recompute_start - 1`` when an OPTIONAL group is fed
+          from it (a drafter's slot j reads the target's features at j - 1), else from m,
+          and that first query reads each target group's window.
         """
         m = starts[self.target]
-        if group != self.target:
+        if group not in self.required:
             return self.rows[group].first_read_page(m)
-        rerun = max(0, min(starts.values()) - 1) if len(starts) > 1 else m
+        rerun = max(0, min(starts.values()) - 1) if self.fed else m
         return self.rows[group].first_read_page(rerun)
 
 

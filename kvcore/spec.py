@@ -29,7 +29,8 @@ class Owner(enum.Enum):
 
 
 TARGET_GROUP = "target"
-"""Name of the target model's layer group (the engine's first, REQUIRED group)."""
+"""Name of the target model's (first) layer group: the engine's first, REQUIRED group. A
+target whose layers mix windows has one more REQUIRED group per other window."""
 DRAFT_GROUP = "draft"
 """Name of the drafter's layer group."""
 

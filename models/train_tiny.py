@@ -117,7 +117,7 @@ def dense_forward(target: LlamaForCausalLM, ids: torch.Tensor, aux_layer_ids=())
 def target_loss(target: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
     """windows [batch, seq_len + 1] -> mean next-token cross-entropy (nats)."""
     out = dense_forward(target, windows[:, :-1])
-    logits = target.compute_logits(out.hidden)  # [batch * seq_len, vocab]
+    logits = target.head(out.hidden).float()  # [batch * seq_len, vocab]
     return F.cross_entropy(logits, windows[:, 1:].reshape(-1))
 
 
@@ -173,7 +173,7 @@ def drafter_loss(
     positions = torch.arange(t, device=ids.device).repeat(b)
     with torch.no_grad():
         out = dense_forward(target, windows, drafter.config.aux_layer_ids)
-        p = torch.softmax(target.compute_logits(out.hidden), dim=-1)  # [b * t, vocab]
+        p = torch.softmax(target.head(out.hidden).float(), dim=-1)  # [b * t, vocab]
     hidden = shift_right(drafter.project(out.aux), b, t)  # h_i = f_{i-1}
     ctx = ChainContext(b, t, window)
     total, accs = 0.0, []
@@ -219,7 +219,7 @@ def eval_target_by_position(target: LlamaForCausalLM, stream: torch.Tensor, a) -
     for _ in range(max(1, a.eval_windows // 16)):
         w = random_windows(stream, 1, n + 1, gen).to(a.device)
         with autocast(a.device):
-            logits = target.compute_logits(dense_forward(target, w[:, :-1]).hidden)
+            logits = target.head(dense_forward(target, w[:, :-1]).hidden).float()
         nats = F.cross_entropy(logits.float(), w[0, 1:], reduction="none").cpu()  # [n]
         sums += torch.stack([nats[lo:hi].mean() for lo, hi in zip(edges, edges[1:], strict=False)])
     bits = sums / max(1, a.eval_windows // 16) / math.log(2)

@@ -71,7 +71,9 @@ def speculation_usage(out: RequestOutput, prompt_tokens: int, completion_tokens:
 
 
 def add_cached_tokens(usage: cpb.Usage, cached: dict[str, int]) -> cpb.Usage:
-    """Prefix-cache hits per layer group; ``cached_tokens`` is the target group's."""
+    """Prefix-cache hits per layer group; ``cached_tokens`` is the target's: that of its
+    first group, ``TARGET_GROUP`` (a target of several groups reuses one match in all of
+    them: kvcore's REQUIRED groups decide it together)."""
     usage.cached_tokens = cached.get(TARGET_GROUP, 0)
     usage.cached_tokens_per_group.extend(cpb.GroupTokens(group=g, num_tokens=n) for g, n in cached.items())
     return usage

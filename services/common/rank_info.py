@@ -2,8 +2,9 @@
 the engine it runs (:func:`engine_rank_info`).
 
 The proto mirrors ``kvcore.spec``: one LayerGroupInfo per LayerGroupSpec, in the
-config's group order (the target's REQUIRED group first). Page bytes and element
-bytes come from the spec, so both sides of a transfer compute them the same way.
+config's group order (the target's REQUIRED groups first: one per window of a per-layer
+mix, each naming its layer ids). Page bytes and element bytes come from the spec, so both
+sides of a transfer compute them the same way.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from kvcore import DRAFT_GROUP, TARGET_GROUP
 from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner, dtype_name
 from proto.tandem.v1 import rank_info_pb2
 from services.common.peer_check import heads_per_rank
 from services.engine.engine import Engine
+from services.engine.setup import group_kv_heads
 
 SCHEMA_VERSION = 1
 """Bumped whenever a change to RankInfo changes what a field means."""
@@ -115,12 +116,9 @@ def _cache_fields(cache_config: CacheConfig) -> dict:
 
 
 def engine_kv_heads(engine: Engine) -> dict[str, int]:
-    """KV heads of the whole layer of the target's group and the drafter's (when one runs):
-    the models' counts, which every rank of a TP group shares."""
-    totals = {TARGET_GROUP: engine.target.config.num_key_value_heads}
-    if engine.drafter is not None:
-        totals[DRAFT_GROUP] = engine.drafter.config.num_key_value_heads
-    return totals
+    """KV heads of the whole layer of each of the target's groups and of the drafter's
+    (when one runs): the models' counts, which every rank of a TP group shares."""
+    return group_kv_heads(engine.target, engine.drafter)
 
 
 def engine_rank_info(

@@ -6,14 +6,14 @@ import json
 import os
 from collections.abc import Sequence
 
-from kvcore import KVCacheManager
+from kvcore import KVCacheManager, Owner
 from kvcore.spec import cdiv
-from services.engine.models import LlamaConfig
+from services.engine.models import TargetConfig
 from services.engine.sampling import SamplingParams
 from services.tokenization.tokenizer import Tokenizer
 
 
-def eos_ids(model_dir: str, config: LlamaConfig, tokenizer: Tokenizer) -> frozenset[int]:
+def eos_ids(model_dir: str, config: TargetConfig, tokenizer: Tokenizer) -> frozenset[int]:
     """The union of config.json's and generation_config.json's ``eos_token_id`` (an int
     or a list, as Llama 3 ships); else the tokenizer's eos token; else none."""
     ids = set(_id_list(config.eos_token_id, "config.json"))
@@ -146,12 +146,13 @@ def _page_counts(manager: KVCacheManager) -> str:
 
 def _window_tokens(group: str, manager: KVCacheManager) -> int:
     """Most positions of a windowed group one request holds at once: its window (plus one
-    for a target feeding a drafter), the longer of a prefill chunk and, for the target,
+    for a target feeding a drafter), the longer of a prefill chunk and, for a target group,
     the span a prefix hit re-runs to refill a windowed drafter (L * (W - 1) + 1), the
     headroom twice (verify positions not yet final, and the pages ahead), and three pages
     of misalignment."""
     c, spec = manager.config, manager.groups[group]
     span = c.max_prefill_chunk
-    if group == c.groups[0].name:
-        span = max([span, *(g.num_layers * (g.window - 1) + 2 for g in c.groups[1:] if g.window)])
+    if spec.owner == Owner.TARGET:
+        drafts = [g for g in c.groups if g.owner == Owner.DRAFT and g.window]
+        span = max([span, *(g.num_layers * (g.window - 1) + 2 for g in drafts)])
     return spec.window + 1 + span + 2 * c.headroom_tokens + 3 * manager.tokens_per_page

@@ -15,15 +15,16 @@ DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 @dataclass(slots=True)
 class EngineConfig:
     """``num_spec_tokens`` is K, the drafts per verify step; 0 (or no ``drafter``) runs
-    the target alone. KV memory is ``num_pages`` (target, draft) pages when given, else a
-    byte budget split by kvcore's capacity rule: ``kv_cache_bytes``, or, when
-    ``gpu_memory_utilization`` > 0 (CUDA only), what that fraction of the device's memory
-    leaves after the weights, a profile forward's activations and the CUDA graphs
-    (services/engine/memory_profile.py). Token counts are per step: decode takes K + 1 per
-    request, prefill chunks take the rest of ``max_num_batched_tokens``, at most
-    ``max_prefill_chunk`` per request. ``max_model_len`` > 0 must fit the KV cache (one
-    request of that many tokens, every layer group) or the engine refuses to start; 0 takes
-    the model's ``max_position_embeddings`` unchecked (requests are still checked)."""
+    the target alone. KV memory is ``num_pages`` pages per layer group (the target's groups,
+    then the draft's) when given, else a byte budget split by kvcore's capacity rule:
+    ``kv_cache_bytes``, or, when ``gpu_memory_utilization`` > 0 (CUDA only), what that
+    fraction of the device's memory leaves after the weights, a profile forward's
+    activations and the CUDA graphs (services/engine/memory_profile.py). Token counts are
+    per step: decode takes K + 1 per request, prefill chunks take the rest of
+    ``max_num_batched_tokens``, at most ``max_prefill_chunk`` per request.
+    ``max_model_len`` > 0 must fit the KV cache (one request of that many tokens, every
+    layer group) or the engine refuses to start; 0 takes the model's
+    ``max_position_embeddings`` unchecked (requests are still checked)."""
 
     model: str
     drafter: str | None = None

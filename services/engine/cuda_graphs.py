@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcore import DRAFT_GROUP, TARGET_GROUP
+from kvcore import DRAFT_GROUP
 from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
 from services.engine.chain_catch_up import pad_fits
@@ -31,11 +31,14 @@ from services.engine.draft_chain import ChainHead, ChainShape, GraphedDraftChain
 from services.engine.graphed_forward import (
     BATCH_BUCKETS,
     GraphedForward,
+    PagedGroup,
     UniformBatch,
     UniformContext,
     batch_buckets,
     uniform_batch,
+    uniform_q_len,
 )
+from services.engine.models import LayerContexts, model_dtype
 from services.engine.models.eagle import DRAFT_KEY_START
 from services.engine.rejection import greedy_verdict
 from services.engine.runner import ModelRunner
@@ -47,6 +50,7 @@ __all__ = [
     "BATCH_BUCKETS",
     "DecodeGraphs",
     "GraphedForward",
+    "PagedGroup",
     "UniformBatch",
     "UniformContext",
     "batch_buckets",
@@ -80,7 +84,8 @@ class DecodeGraphs:
     """The engine's graphed forwards: the target over ``verify_len`` tokens per request
     (K + 1; 1 without a drafter) and, with a drafter, over one (``plain``: a step that
     drafts nothing, see adaptive_k.py), the drafter over ``verify_len`` (catch-up) and over
-    one token per request (chain steps), and the draft chain (draft_chain.py)."""
+    one token per request (chain steps), and the draft chain (draft_chain.py). The target's
+    graphs attend every one of its layer groups (``runner.target_groups``, in that order)."""
 
     def __init__(
         self, runner: ModelRunner, verify_len: int, max_batch: int, max_model_len: int, capture: bool = True
@@ -92,32 +97,29 @@ class DecodeGraphs:
         manager = runner.manager
         buckets = batch_buckets(max_batch)
         max_pages = cdiv(max_model_len + manager.config.headroom_tokens, manager.tokens_per_page) + 1
-        dtype = runner.target.head_weight.dtype
+        dtype = model_dtype(runner.target)
+        pools = runner.kv_pools
+        targets = [
+            PagedGroup(g.name, g.layer_ids, pools.tensor(g.name), g.window) for g in runner.target_groups
+        ]
         target_graph = lambda q_len: GraphedForward(
-            self._target_forward,
-            runner.kv_pools.tensor(TARGET_GROUP),
-            q_len,
-            runner.target_window,
-            buckets,
-            max_pages,
-            capture=capture,
+            self._target_forward, targets, q_len, buckets, max_pages, capture=capture
         )
         self.target = target_graph(verify_len)
         self.plain = target_graph(1) if verify_len > 1 else None  # steps without drafts
         self.drafter = self.catch_up = self.lagged = None
         self.chain: GraphedDraftChain | None = None  # drafts on the device, K >= 1
         if runner.drafter is not None:
-            drafter_graph = lambda q_len: GraphedForward(
-                self._drafter_forward,
-                runner.kv_pools.tensor(DRAFT_GROUP),
-                q_len,
+            d = runner.drafter.config
+            draft = PagedGroup(
+                DRAFT_GROUP,
+                tuple(range(d.num_hidden_layers)),
+                pools.tensor(DRAFT_GROUP),
                 runner.draft_window,
-                buckets,
-                max_pages,
-                runner.drafter.config.hidden_size,
-                dtype,
-                capture,
                 DRAFT_KEY_START,
+            )
+            drafter_graph = lambda q_len: GraphedForward(
+                self._drafter_forward, [draft], q_len, buckets, max_pages, d.hidden_size, dtype, capture
             )
             self.drafter = drafter_graph(1)
             if verify_len > 1:
@@ -146,7 +148,7 @@ class DecodeGraphs:
         """The target's forward through a graph (K + 1 tokens per span, or one: a step
         without drafts), or None when the spans do not fit one."""
         for graphed in (self.target, self.plain):
-            batch = self._batch(graphed, spans, TARGET_GROUP) if graphed is not None else None
+            batch = self._batch(graphed, spans) if graphed is not None else None
             if batch is not None:
                 graphed.replay(graphed.load(batch))
                 return self._target_run(graphed, batch.num_tokens)
@@ -160,7 +162,7 @@ class DecodeGraphs:
         if self.drafter is None or not spans:
             return None
         if all(len(s.token_ids) == 1 for s in spans):
-            batch = self._batch(self.drafter, spans, DRAFT_GROUP, hidden)
+            batch = self._batch(self.drafter, spans, hidden)
             return self.drafter.run(batch)[0] if batch is not None else None
         for graphed in (self.catch_up, self.lagged):
             if graphed is not None and (padded := pad_front(spans, graphed.q_len)) is not None:
@@ -180,16 +182,16 @@ class DecodeGraphs:
         rows = rows.to(hidden.device)
         padded_hidden = hidden.new_zeros((len(padded_spans) * graphed.q_len, hidden.shape[1]))
         padded_hidden[rows] = hidden
-        batch = self._batch(graphed, padded_spans, DRAFT_GROUP, padded_hidden)
+        batch = self._batch(graphed, padded_spans, padded_hidden)
         return graphed.run(batch)[0][rows] if batch is not None else None
 
-    def run_verify(self, spans: list[Span], table: torch.Tensor | None = None) -> TargetRun | None:
+    def run_verify(self, spans: list[Span], tables: Sequence[torch.Tensor] | None = None) -> TargetRun | None:
         """The target's one-token graph over ``spans`` [t_n] (a step without drafts; a
-        drafting step's verify runs inside the chain's graph, :meth:`verified`). ``table``:
-        the spans' target block-table rows, when the caller has them. None when the spans
-        do not fit the graph."""
+        drafting step's verify runs inside the chain's graph, :meth:`verified`). ``tables``:
+        the spans' rows of each target group's table, when the caller has them. None when
+        the spans do not fit the graph."""
         target = self.target if self.target.q_len == 1 else self.plain
-        batch = self._batch(target, spans, TARGET_GROUP, table=table) if target is not None else None
+        batch = self._batch(target, spans, tables=tables) if target is not None else None
         if batch is None:
             return None
         bucket = target.load(batch)
@@ -227,7 +229,7 @@ class DecodeGraphs:
             tuple(buckets),
             max_pages,
             r.drafter.config.hidden_size,
-            r.target.head_weight.dtype,
+            model_dtype(r.target),
             r.draft_window,
             DRAFT_KEY_START,
             r.manager.tokens_per_page,
@@ -243,12 +245,11 @@ class DecodeGraphs:
         self,
         graphed: GraphedForward,
         spans: list[Span],
-        group: str,
         hidden: torch.Tensor | None = None,
-        table: torch.Tensor | None = None,
+        tables: Sequence[torch.Tensor] | None = None,
     ) -> UniformBatch | None:
-        """``table``: the spans' block-table rows of ``group`` (host), asked of the manager
-        when None."""
+        """``tables``: the spans' rows (host) of each of ``graphed``'s layer groups, asked
+        of the manager when None."""
         if (
             not spans
             or any(len(s.token_ids) != graphed.q_len for s in spans)
@@ -256,25 +257,26 @@ class DecodeGraphs:
         ):
             return None
         manager = self.runner.manager
-        if table is None:
-            table = manager.block_tables([s.request_id for s in spans], group)
-        if table.shape[1] > graphed.max_pages:
+        if tables is None:
+            ids = [s.request_id for s in spans]
+            tables = [manager.block_tables(ids, g.name) for g in graphed.groups]
+        if any(t.shape[1] > graphed.max_pages for t in tables):
             return None
-        return uniform_batch(spans, table, manager.tokens_per_page, hidden)
+        return uniform_batch(spans, tables, manager.tokens_per_page, hidden)
 
     def _target_forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         hidden: torch.Tensor | None,
-        ctx: UniformContext,
+        ctx: LayerContexts,
     ) -> tuple[torch.Tensor, ...]:
-        r = self.runner
+        r, q_len = self.runner, uniform_q_len(ctx)
         aux_ids = r.drafter.config.aux_layer_ids if r.drafter is not None else ()
         out = r.target(input_ids, positions, ctx, aux_ids)
         logits = r.target.head(out.hidden)  # [n, V] in the model's dtype
-        best = argmax_rows(logits).view(-1, ctx.q_len)  # argmax of the float32 cast's too
-        verdict = greedy_verdict(input_ids.view(-1, ctx.q_len), best, self.forced)  # [n, 3]
+        best = argmax_rows(logits).view(-1, q_len)  # argmax of the float32 cast's too
+        verdict = greedy_verdict(input_ids.view(-1, q_len), best, self.forced)  # [n, 3]
         states = (out.hidden,) if r.drafter is None else (out.hidden, r.drafter.project(out.aux))
         return *states, logits, verdict
 
@@ -283,9 +285,9 @@ class DecodeGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         hidden: torch.Tensor | None,
-        ctx: UniformContext,
+        ctx: LayerContexts,
     ) -> tuple[torch.Tensor, ...]:
-        return (self.runner.drafter(input_ids, hidden, positions, ctx, self.runner.target),)
+        return (self.runner.drafter(input_ids, hidden, positions, ctx.only(), self.runner.target),)
 
 
 @torch.inference_mode()

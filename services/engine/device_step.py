@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore import DRAFT_GROUP, TARGET_GROUP
+from kvcore import DRAFT_GROUP
 from services.engine.batch import Span, StepResult
 from services.engine.chain_catch_up import PendingSpans
 from services.engine.cuda_graphs import DecodeGraphs
@@ -60,7 +60,7 @@ class DevicePlan:
     manager once a step: its rows do not change between scheduling and the step's end."""
 
     graphs: DecodeGraphs
-    target_table: torch.Tensor  # [batch, width] int32
+    target_tables: tuple[torch.Tensor, ...]  # per target group (the runner's order) [batch, width] int32
     draft_table: torch.Tensor | None  # [batch, width] int32; None in a step without drafts
 
 
@@ -75,10 +75,10 @@ def device_step_fits(runner: ModelRunner, decode: list[Request], k: int) -> Devi
     if k and any(r.target_write_start > r.num_computed for r in decode):
         return None  # the chain's verify stage writes the target's KV from n on
     ids = [r.request_id for r in decode]
-    target = runner.manager.block_tables(ids, TARGET_GROUP)
+    targets = tuple(runner.manager.block_tables(ids, g.name) for g in runner.target_groups)
     draft = runner.manager.block_tables(ids, DRAFT_GROUP) if k else None
-    widths = (target.shape[1], draft.shape[1] if draft is not None else 0)
-    return DevicePlan(graphs, target, draft) if graphs.fits_verify(len(decode), k, widths) else None
+    widths = (targets[0].shape[1], draft.shape[1] if draft is not None else 0)  # rows share the extent
+    return DevicePlan(graphs, targets, draft) if graphs.fits_verify(len(decode), k, widths) else None
 
 
 @torch.inference_mode()
@@ -102,7 +102,7 @@ def device_step(
             [r.num_computed for r in decode],
             [r.tokens[-1] for r in decode],
             plan.draft_table,
-            plan.target_table,
+            plan.target_tables,
         )
         chained = graphs.chain.run(rows, first, chain_sampling(decode, greedy))
         if chained is None:
@@ -114,7 +114,7 @@ def device_step(
             catch_up(runner, decode)
         drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
         spans = [Span(r.request_id, r.num_computed, [r.tokens[-1]], r.target_write_start) for r in decode]
-        run = graphs.run_verify(spans, plan.target_table)
+        run = graphs.run_verify(spans, plan.target_tables)
         if run is None:
             return None
     if greedy:

@@ -90,13 +90,14 @@ class ChainSampling:
 
 @dataclass(frozen=True, slots=True)
 class ChainRows:
-    """A drafting step's requests, on the host: each one's slot n and token t_n there, and
-    its draft and target block-table rows [batch, width] int32."""
+    """A drafting step's requests, on the host: each one's slot n and token t_n there, its
+    draft block-table rows and its rows of each target group's table, [batch, width] int32
+    each (the target's in the verify graph's group order)."""
 
     starts: list[int]
     last_tokens: list[int]
     draft_table: torch.Tensor
-    target_table: torch.Tensor
+    target_tables: tuple[torch.Tensor, ...]
 
 
 class GraphedDraftChain:
@@ -158,11 +159,11 @@ class GraphedDraftChain:
         bucket = self.bucket_for(batch)
         if bucket is None or table.shape[1] > self.shape.max_pages:
             return None
-        if not self.verify.fits(batch, rows.target_table.shape[1]):
+        if not self.verify.fits(batch, rows.target_tables[0].shape[1]):
             return None
         draw = sampling.draw if sampling is not None else Draw.GREEDY
         self._load(rows.starts, table.cpu().numpy(), bucket, sampling)
-        self.verify.load(rows.last_tokens, rows.target_table.cpu().numpy(), bucket)
+        self.verify.load(rows.last_tokens, [t.cpu().numpy() for t in rows.target_tables], bucket)
         self.verify.target.replays[bucket] += 1  # the target's verify forward, in this graph
         catching_up = isinstance(first, PendingSpans)
         if catching_up:
@@ -182,8 +183,9 @@ class GraphedDraftChain:
         into ``pool``; all rows padding while capturing."""
         for bucket in reversed(self.shape.buckets):
             for draw, catching_up in ((d, c) for d in Draw for c in (False, True)):
-                self._load([], np.zeros((0, 0), dtype=np.int32), bucket)
-                self.verify.load([], np.zeros((0, 0), dtype=np.int32), bucket)
+                empty = np.zeros((0, 0), dtype=np.int32)
+                self._load([], empty, bucket)
+                self.verify.load([], [empty] * self.verify.num_groups, bucket)
                 self._chain(bucket, draw, catching_up)  # eager once: Triton compiles here
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

@@ -8,8 +8,11 @@ memory pool, and later replayed over static input buffers:
   key and outputs zeros), so they touch no page;
 - attention goes through ``decode_attention`` / ``verify_attention``, whose query length
   is a Python int: nothing in the forward reads a device value back, so it captures;
-- the inputs live in two device buffers (int64: ids | positions | slots; int32:
-  seq_lens | block table), each refilled by one copy from pinned host staging;
+- a forward attends one or more layer groups (the target's, one per window of a
+  per-layer mix; the drafter's one), each with its own pool, block table and slots;
+- the inputs live in two device buffers (int64: ids | positions | slots of each group;
+  int32: seq_lens | block table of each group), each refilled by one copy from pinned
+  host staging;
 - outputs are copied into buffers allocated before any capture, outside the graph pool,
   so no graph's scratch memory aliases them; callers get copies.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,14 +33,28 @@ import torch
 from kvcore.ops import decode_attention, uniform_slots, verify_attention
 from kvcore.spec import NULL_PAGE
 from services.engine.batch import Span
+from services.engine.models import LayerContexts, layer_contexts
 from services.engine.models.attention import WritesPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-# (input_ids [n], positions [n], hidden [n, hidden_size] or None, ctx) -> outputs [n, ...]
+# (input_ids [n], positions [n], hidden [n, hidden_size] or None, ctx: one UniformContext
+# per layer group) -> outputs [n, ...]
 ForwardFn = Callable[
-    [torch.Tensor, torch.Tensor, "torch.Tensor | None", "UniformContext"], tuple[torch.Tensor, ...]
+    [torch.Tensor, torch.Tensor, "torch.Tensor | None", LayerContexts], tuple[torch.Tensor, ...]
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedGroup:
+    """A layer group a graphed forward attends: the model's layers in it (in its pool's
+    order), its pool, window and first key position."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
+    window: int = 0
+    key_start: int = 0
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -69,14 +87,20 @@ class UniformContext(WritesPages):
         return out.view(q.shape)
 
 
+def uniform_q_len(ctx: LayerContexts) -> int:
+    """The query tokens per sequence of a graphed forward's contexts."""
+    return ctx.groups[0].ctx.q_len
+
+
 @dataclass(slots=True)
 class UniformBatch:
-    """One forward's inputs on the host: ``batch`` sequences of ``q_len`` tokens each."""
+    """One forward's inputs on the host: ``batch`` sequences of ``q_len`` tokens each; the
+    slots and block tables of each layer group, in the forward's group order."""
 
     input_ids: torch.Tensor  # [batch * q_len] int64
     positions: torch.Tensor  # [batch * q_len] int64
-    slot_mapping: torch.Tensor  # [batch * q_len] int64, -1 = do not write
-    block_table: torch.Tensor  # [batch, width] int32, NULL_PAGE padded
+    slot_mappings: tuple[torch.Tensor, ...]  # per group [batch * q_len] int64, -1 = do not write
+    block_tables: tuple[torch.Tensor, ...]  # per group [batch, width] int32, NULL_PAGE padded
     seq_lens: torch.Tensor  # [batch] int32
     hidden: torch.Tensor | None = None  # [batch * q_len, hidden_size] on the device, or None
 
@@ -90,53 +114,61 @@ class UniformBatch:
 
 
 def uniform_batch(
-    spans: Sequence[Span], block_table: torch.Tensor, tokens_per_page: int, hidden: torch.Tensor | None = None
+    spans: Sequence[Span],
+    block_tables: Sequence[torch.Tensor],
+    tokens_per_page: int,
+    hidden: torch.Tensor | None = None,
 ) -> UniformBatch:
-    """Host-side inputs of spans that all have the same length; ``block_table`` [batch,
-    width] is their rows. KV is written only at positions >= each span's write_start."""
+    """Host-side inputs of spans that all have the same length; ``block_tables``: per layer
+    group, their rows [batch, width]. KV is written only at positions >= each span's
+    write_start."""
     q_len, batch = len(spans[0].token_ids), len(spans)
     starts = np.fromiter((s.start for s in spans), np.int64, batch)
     write_start = np.fromiter((s.write_start for s in spans), np.int64, batch)
     positions = starts[:, None] + np.arange(q_len)  # [batch, q_len]
-    slots = uniform_slots(block_table.cpu().numpy(), starts, q_len, tokens_per_page)
-    slots = np.where(positions >= write_start[:, None], slots, -1)
+    written = positions >= write_start[:, None]
+    as_long = lambda a: torch.from_numpy(a.reshape(-1))  # noqa: E731
+    slots = tuple(
+        as_long(np.where(written, uniform_slots(t.cpu().numpy(), starts, q_len, tokens_per_page), -1))
+        for t in block_tables
+    )
     ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
     seq_lens = torch.from_numpy((starts + q_len).astype(np.int32))
-    as_long = lambda a: torch.from_numpy(a.reshape(-1))  # noqa: E731
-    return UniformBatch(ids, as_long(positions), as_long(slots), block_table, seq_lens, hidden)
+    return UniformBatch(ids, as_long(positions), slots, tuple(block_tables), seq_lens, hidden)
 
 
 class GraphedForward:
     """One forward shape, a model over ``q_len`` tokens per sequence, captured per bucket.
 
-    ``run(batch)`` returns the forward's outputs for the batch's tokens. Static layout:
-    int64 buffer ``[ids | positions | slots]``, each ``max_tokens`` long; int32 buffer
-    ``[seq_lens (max_batch) | block table (max_batch x max_pages)]``.
+    ``run(batch)`` returns the forward's outputs for the batch's tokens. Static layout, with
+    G layer groups: int64 buffer ``[ids | positions | slots of group 0 | ... | of group
+    G - 1]``, each ``max_tokens`` long; int32 buffer ``[seq_lens (max_batch) | block table
+    of group 0 (max_batch x max_pages) | ... | of group G - 1]``.
     """
 
     def __init__(
         self,
         forward: ForwardFn,
-        kv_pool: torch.Tensor,
+        groups: Sequence[PagedGroup],
         q_len: int,
-        window: int,
         buckets: Sequence[int],
         max_pages: int,
         hidden_size: int = 0,
         hidden_dtype: torch.dtype = torch.float32,
         capture: bool = True,
-        key_start: int = 0,
     ) -> None:
-        self.forward, self.kv_pool, self.q_len, self.window = forward, kv_pool, q_len, window
-        self.key_start = key_start
+        self.forward, self.groups, self.q_len = forward, tuple(groups), q_len
         self.buckets = tuple(sorted(buckets))
         self.max_batch, self.max_pages = self.buckets[-1], max_pages
         self.max_tokens = self.max_batch * q_len
         self.use_graphs = capture
-        device = kv_pool.device
+        device = self.device = self.groups[0].kv_pool.device
         pinned = capture and device.type == "cuda"
-        self.host_i64 = torch.zeros(3 * self.max_tokens, dtype=torch.int64, pin_memory=pinned)
-        self.host_i32 = torch.zeros(self.max_batch * (1 + max_pages), dtype=torch.int32, pin_memory=pinned)
+        num_groups = len(self.groups)
+        self.host_i64 = torch.zeros((2 + num_groups) * self.max_tokens, dtype=torch.int64, pin_memory=pinned)
+        self.host_i32 = torch.zeros(
+            self.max_batch * (1 + num_groups * max_pages), dtype=torch.int32, pin_memory=pinned
+        )
         self.host_i64[2 * self.max_tokens :] = -1
         self.dev_i64 = self.host_i64.to(device)
         self.dev_i32 = self.host_i32.to(device)
@@ -168,7 +200,7 @@ class GraphedForward:
         """Fill the static inputs (padding rows included); returns the bucket to replay."""
         bucket = self.bucket_for(batch.batch)
         if bucket is None or not self.fits(
-            batch.batch, batch.num_tokens // batch.batch, batch.block_table.shape[1]
+            batch.batch, batch.num_tokens // batch.batch, batch.block_tables[0].shape[1]
         ):
             raise ValueError(
                 f"batch: {batch.batch} x {batch.num_tokens // batch.batch} tokens "
@@ -180,14 +212,16 @@ class GraphedForward:
         h64, h32 = self.host_i64.numpy(), self.host_i32.numpy()  # views: numpy writes cost less
         h64[:n] = batch.input_ids.numpy()
         h64[t : t + n] = batch.positions.numpy()
-        h64[2 * t : 2 * t + n] = batch.slot_mapping.numpy()
-        h64[2 * t + n : 2 * t + bucket * self.q_len] = -1
-        b, width = batch.batch, batch.block_table.shape[1]
+        b = batch.batch
         h32[:b] = batch.seq_lens.numpy()
         h32[b:bucket] = 0
-        table = h32[self.max_batch : self.max_batch + bucket * self.max_pages].reshape(bucket, self.max_pages)
-        table[:b, :width] = batch.block_table.cpu().numpy()
-        table[:b, width:] = NULL_PAGE
+        for g, (slots, rows) in enumerate(zip(batch.slot_mappings, batch.block_tables, strict=True)):
+            at = (2 + g) * t
+            h64[at : at + n] = slots.numpy()
+            h64[at + n : at + bucket * self.q_len] = -1
+            table = self._table(h32, bucket, g)
+            table[:b, : rows.shape[1]] = rows.cpu().numpy()
+            table[:b, rows.shape[1] :] = NULL_PAGE
         self._upload(bucket)
         if batch.hidden is not None:
             self.hidden[:n].copy_(batch.hidden)
@@ -205,15 +239,19 @@ class GraphedForward:
         """The forward over the static inputs of ``bucket``, launched eagerly; outputs go to
         the static outputs (allocated by the first call, at the largest bucket)."""
         n, t = bucket * self.q_len, self.max_tokens
-        ctx = UniformContext(
-            self.kv_pool,
-            self._table(self.dev_i32, bucket),
-            self.dev_i32[:bucket],
-            self.dev_i64[2 * t : 2 * t + n],
-            self.q_len,
-            self.window,
-            self.key_start,
-        )
+        contexts = [
+            UniformContext(
+                group.kv_pool,
+                self._table(self.dev_i32, bucket, g),
+                self.dev_i32[:bucket],
+                self.dev_i64[(2 + g) * t : (2 + g) * t + n],
+                self.q_len,
+                group.window,
+                group.key_start,
+            )
+            for g, group in enumerate(self.groups)
+        ]
+        ctx = layer_contexts(self.groups, contexts)
         hidden = self.hidden[:n] if self.hidden is not None else None
         self.forward_into(self.dev_i64[:n], self.dev_i64[t : t + n], hidden, ctx)
 
@@ -222,7 +260,7 @@ class GraphedForward:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         hidden: torch.Tensor | None,
-        ctx: UniformContext,
+        ctx: LayerContexts,
     ) -> None:
         """The forward over n = len(input_ids) <= max_tokens tokens, its outputs into the
         static outputs' first n rows (allocated by the first call, at max_tokens: before any
@@ -255,13 +293,20 @@ class GraphedForward:
         torch.cuda.synchronize()
 
     def _upload(self, bucket: int) -> None:
-        used_i32 = self.max_batch + bucket * self.max_pages
+        """Copy the staging buffers up: the int32 one up to the last group's ``bucket`` rows."""
+        used_i32 = self.max_batch * (1 + (len(self.groups) - 1) * self.max_pages) + bucket * self.max_pages
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_i32[:used_i32].copy_(self.host_i32[:used_i32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def _table(self, buffer: torch.Tensor, bucket: int) -> torch.Tensor:
-        """[bucket, max_pages] view of the block-table part of an int32 buffer."""
-        start = self.max_batch
-        return buffer[start : start + bucket * self.max_pages].view(bucket, self.max_pages)
+    def _table(self, buffer: Any, bucket: int, group: int = 0) -> Any:
+        """[bucket, max_pages] view of ``group``'s block table in an int32 buffer."""
+        return table_rows(buffer, self.max_batch, self.max_pages, bucket, group)
+
+
+def table_rows(buffer: Any, max_batch: int, max_pages: int, bucket: int, group: int) -> Any:
+    """[bucket, max_pages] view of ``group``'s block table in an int32 buffer (a tensor or
+    its numpy view) laid out ``[max_batch values | G tables of max_batch x max_pages]``."""
+    start = max_batch * (1 + group * max_pages)
+    return buffer[start : start + bucket * max_pages].reshape(bucket, max_pages)

@@ -2,13 +2,13 @@
 
 Rank 0 runs the whole engine: scheduler, sampling, and every decision of its cache
 manager. Before each target or drafter forward it publishes a :class:`ForwardPlan` (token
-ids, positions, block tables, slot mapping, the drafter's hidden inputs, and the pool
-writes made outside a forward since the last plan: copied-on-write prefix pages, zeroed
-draft pages of a reservation); ranks 1.. receive it, replay the writes and run the same
-forward on their own heads and pools (:func:`follow`), in the same order, so each
-all-reduce of a row-parallel layer pairs up across the ranks. Page ids are rank 0's: every
-rank's pools have the same page count and hold, page for page, its own heads of what rank
-0's pages hold. Logits and sampling stay on rank 0.
+ids, positions, per layer group the forward attends its block table and slot mapping, the
+drafter's hidden inputs, and the pool writes made outside a forward since the last plan:
+copied-on-write prefix pages, zeroed draft pages of a reservation); ranks 1.. receive it,
+replay the writes and run the same forward on their own heads and pools (:func:`follow`),
+in the same order, so each all-reduce of a row-parallel layer pairs up across the ranks.
+Page ids are rank 0's: every rank's pools have the same page count and hold, page for
+page, its own heads of what rank 0's pages hold. Logits and sampling stay on rank 0.
 """
 
 from __future__ import annotations
@@ -19,8 +19,20 @@ import torch
 import torch.distributed as dist
 
 from kvcore import KVPools, Owner, PoolWrite
-from services.engine.models import PagedContext
+from services.engine.models import GroupContext, LayerContexts, PagedContext
 from services.engine.parallel import TensorParallel
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    """One layer group's part of a forward: the pool it reads and writes, and how."""
+
+    group: str
+    layer_ids: tuple[int, ...]  # the model's layers in the group, in its pool's order
+    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    window: int = 0
+    key_start: int = 0
 
 
 @dataclass(slots=True)
@@ -28,18 +40,14 @@ class ForwardPlan:
     """One forward, as every rank runs it. Tensors travel on the CPU."""
 
     model: Owner  # which model runs
-    group: str  # the layer group whose pool the forward reads and writes
+    groups: list[GroupPlan]  # the layer groups its layers form (the drafter's: one)
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
     query_start_loc: torch.Tensor  # [batch + 1] int32
     seq_lens: torch.Tensor  # [batch] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
-    window: int = 0
     aux_layer_ids: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]: the drafter's h_j
     pool_writes: list[PoolWrite] = field(default_factory=list)  # replayed before the forward
-    key_start: int = 0
 
 
 class Lockstep:
@@ -54,28 +62,32 @@ class Lockstep:
         model: Owner,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        ctx: PagedContext,
-        group: str,
+        ctx: LayerContexts,
         aux_layer_ids: tuple[int, ...] = (),
         hidden: torch.Tensor | None = None,
     ) -> None:
+        """``ctx``: the forward's paged contexts, one per layer group."""
         cpu = lambda t: t.detach().cpu()  # noqa: E731
+        first: PagedContext = ctx.groups[0].ctx
         plan = ForwardPlan(
             model,
-            group,
+            [group_plan(g) for g in ctx.groups],
             cpu(input_ids),
             cpu(positions),
-            cpu(ctx.block_table),
-            cpu(ctx.query_start_loc),
-            cpu(ctx.seq_lens),
-            cpu(ctx.slot_mapping),
-            ctx.window,
+            cpu(first.query_start_loc),
+            cpu(first.seq_lens),
             tuple(aux_layer_ids),
             cpu(hidden) if hidden is not None else None,
             self.kv_pools.take_writes(),
-            ctx.key_start,
         )
         dist.broadcast_object_list([plan], src=0, group=self.tp.object_group)
+
+
+def group_plan(g: GroupContext) -> GroupPlan:
+    """``g``'s paged context, on the CPU."""
+    ctx: PagedContext = g.ctx
+    table, slots = ctx.block_table.detach().cpu(), ctx.slot_mapping.detach().cpu()
+    return GroupPlan(g.name, g.layer_ids, table, slots, ctx.window, ctx.key_start)
 
 
 def attach_lockstep(runner, tp: TensorParallel) -> None:
@@ -97,20 +109,30 @@ def replay(plan: ForwardPlan, runner) -> None:
     pools, device = runner.kv_pools, runner.device
     pools.apply(plan.pool_writes)
     to = lambda t: t.to(device)  # noqa: E731
-    ctx = PagedContext(
-        pools.tensor(plan.group),
-        to(plan.block_table),
-        to(plan.query_start_loc),
-        to(plan.seq_lens),
-        to(plan.slot_mapping),
-        plan.window,
-        plan.key_start,
+    qsl, seq_lens = to(plan.query_start_loc), to(plan.seq_lens)
+    ctx = LayerContexts(
+        [
+            GroupContext(
+                g.group,
+                g.layer_ids,
+                PagedContext(
+                    pools.tensor(g.group),
+                    to(g.block_table),
+                    qsl,
+                    seq_lens,
+                    to(g.slot_mapping),
+                    g.window,
+                    g.key_start,
+                ),
+            )
+            for g in plan.groups
+        ]
     )
     ids, positions = to(plan.input_ids), to(plan.positions)
     if plan.model is Owner.TARGET:
         runner.target(ids, positions, ctx, plan.aux_layer_ids)
     else:
-        runner.drafter(ids, to(plan.hidden), positions, ctx, runner.target)
+        runner.drafter(ids, to(plan.hidden), positions, ctx.only(), runner.target)
 
 
 def follow(runner, tp: TensorParallel) -> None:

@@ -1,8 +1,10 @@
 """Runs the target and the drafter over batches of contiguous position spans.
 
 Spans (``services/engine/batch.py``) of one forward are concatenated (varlen); each
-attends its own block-table row, and writes KV only from its ``write_start``. Uniform
-decode-step batches go through ``graphs`` when the engine set them (CUDA graphs).
+attends its own block-table row of every layer group the model's layers form (the
+target's groups, each with its window; the drafter's one), and writes KV only from its
+``write_start``. Uniform decode-step batches go through ``graphs`` when the engine set
+them (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from kvcore import DRAFT_GROUP, TARGET_GROUP, KVCacheManager, KVPools, Owner
 from kvcore.ops import slot_mapping_for
 from services.engine.batch import GraphedForwards, Span, TargetRun
 from services.engine.lockstep import Lockstep
-from services.engine.models import Eagle3Drafter, LlamaForCausalLM, PagedContext
+from services.engine.models import (
+    Eagle3Drafter,
+    GroupContext,
+    LayerContexts,
+    PagedContext,
+    TargetModel,
+    layer_contexts,
+)
 from services.engine.models.eagle import DRAFT_KEY_START
 from services.engine.sampler import argmax_rows
 
@@ -25,7 +34,7 @@ __all__ = ["DRAFT_GROUP", "TARGET_GROUP", "ModelRunner", "Span", "TargetRun"]
 class ModelRunner:
     def __init__(
         self,
-        target: LlamaForCausalLM,
+        target: TargetModel,
         drafter: Eagle3Drafter | None,
         manager: KVCacheManager,
         pools: KVPools,
@@ -34,7 +43,7 @@ class ModelRunner:
         """``pools``: the tensors ``manager``'s page ids index."""
         self.target, self.drafter, self.manager, self.device = target, drafter, manager, device
         self.kv_pools = pools
-        self.target_window = target.config.sliding_window
+        self.target_groups = target.kv_layer_groups()  # the manager's target groups, in its order
         self.draft_window = drafter.config.sliding_window if drafter is not None else 0
         self.graphs: GraphedForwards | None = None  # set by the engine when it captures graphs
         self.lockstep: Lockstep | None = None  # rank 0 of a TP group: publishes each forward
@@ -43,11 +52,11 @@ class ModelRunner:
     def run_target(self, spans: list[Span]) -> TargetRun:
         if self.graphs is not None and (run := self.graphs.run_target(spans)) is not None:
             return run
-        ctx = self.context(TARGET_GROUP, spans, window=self.target_window)
+        ctx = self.target_contexts(spans)
         ids, positions = self._inputs(spans)
         aux_ids = self.drafter.config.aux_layer_ids if self.drafter is not None else ()
         if self.lockstep is not None:
-            self.lockstep.publish(Owner.TARGET, ids, positions, ctx, TARGET_GROUP, aux_ids)
+            self.lockstep.publish(Owner.TARGET, ids, positions, ctx, aux_ids)
         out = self.target(ids, positions, ctx, aux_ids)
         features = self.drafter.project(out.aux) if self.drafter is not None else None
         return TargetRun(out.hidden, features)
@@ -60,12 +69,15 @@ class ModelRunner:
         ctx = self.context(DRAFT_GROUP, spans, self.draft_window, DRAFT_KEY_START)
         ids, positions = self._inputs(spans)
         if self.lockstep is not None:
-            self.lockstep.publish(Owner.DRAFT, ids, positions, ctx, DRAFT_GROUP, hidden=hidden)
+            layers = tuple(range(self.drafter.config.num_hidden_layers))
+            draft = LayerContexts([GroupContext(DRAFT_GROUP, layers, ctx)])
+            self.lockstep.publish(Owner.DRAFT, ids, positions, draft, hidden=hidden)
         return self.drafter(ids, hidden, positions, ctx, self.target)
 
     @torch.inference_mode()
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+        """hidden [n, hidden_size] -> [n, vocab_size] float32."""
+        return self.target.head(hidden).float()
 
     @torch.inference_mode()
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
@@ -85,6 +97,11 @@ class ModelRunner:
             return best if ids is None else ids[best]
 
         return greedy
+
+    def target_contexts(self, spans: list[Span]) -> LayerContexts:
+        """The target's contexts over ``spans``: one per layer group, with its window."""
+        groups = self.target_groups
+        return layer_contexts(groups, [self.context(g.name, spans, g.window) for g in groups])
 
     def context(self, group: str, spans: list[Span], window: int, key_start: int = 0) -> PagedContext:
         lengths = [len(s.token_ids) for s in spans]

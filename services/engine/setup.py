@@ -8,7 +8,6 @@ import torch
 
 from kvcore import (
     DRAFT_GROUP,
-    TARGET_GROUP,
     CacheConfig,
     KVCacheManager,
     KVPools,
@@ -18,26 +17,27 @@ from kvcore import (
 )
 from services.engine.config import EngineConfig
 from services.engine.memory_budget import group_line
-from services.engine.models import Eagle3Drafter, LlamaForCausalLM
+from services.engine.models import Eagle3Drafter, TargetModel
 from services.engine.parallel import TensorParallel, shard_cache_config
 
 log = logging.getLogger(__name__)
 
 
-def layer_groups(dtype: str, target: LlamaForCausalLM, drafter: Eagle3Drafter | None) -> list[LayerGroupSpec]:
-    """The target group (windowed by the model's ``sliding_window``), plus the drafter's
-    (OPTIONAL, windowed) group when it runs."""
-    t = target.config
+def layer_groups(dtype: str, target: TargetModel, drafter: Eagle3Drafter | None) -> list[LayerGroupSpec]:
+    """The target's groups as the model declares them (``kv_layer_groups``: each with its
+    layers and window), plus the drafter's (OPTIONAL, windowed) group when it runs."""
     groups = [
         LayerGroupSpec(
-            TARGET_GROUP,
+            g.name,
             Owner.TARGET,
-            t.num_hidden_layers,
-            t.num_key_value_heads,
-            t.head_dim,
+            len(g.layer_ids),
+            g.num_kv_heads,
+            g.head_dim,
             dtype=dtype,
-            window=t.sliding_window,
+            window=g.window,
+            layer_ids=g.layer_ids,
         )
+        for g in target.kv_layer_groups()
     ]
     if drafter is not None:
         d = drafter.config
@@ -56,9 +56,7 @@ def layer_groups(dtype: str, target: LlamaForCausalLM, drafter: Eagle3Drafter | 
     return groups
 
 
-def cache_config(
-    c: EngineConfig, target: LlamaForCausalLM, drafter: Eagle3Drafter | None, k: int
-) -> CacheConfig:
+def cache_config(c: EngineConfig, target: TargetModel, drafter: Eagle3Drafter | None, k: int) -> CacheConfig:
     """The engine's cache over :func:`layer_groups`, sized by its options."""
     groups = layer_groups(c.dtype, target, drafter)
     host_pages = c.host_kv_cache_bytes // sum(g.page_bytes(c.tokens_per_page) for g in groups)
@@ -81,19 +79,25 @@ def cache_config(
 
 def build_cache(
     config: CacheConfig,
-    target: LlamaForCausalLM,
+    target: TargetModel,
     drafter: Eagle3Drafter | None,
     device: torch.device,
     tp: TensorParallel,
 ) -> tuple[KVCacheManager, KVPools]:
     """This rank's cache manager and the pools it indexes, of its own KV heads. Rank 0 of
     a tensor-parallel group records its pool writes for the other ranks to replay."""
-    totals = {TARGET_GROUP: target.config.num_key_value_heads}
-    if drafter is not None:
-        totals[DRAFT_GROUP] = drafter.config.num_key_value_heads
-    config = shard_cache_config(config, totals, tp)
+    config = shard_cache_config(config, group_kv_heads(target, drafter), tp)
     pools = KVPools.allocate(config, device, record=tp.size > 1 and tp.rank == 0)
     return KVCacheManager(config, pools), pools
+
+
+def group_kv_heads(target: TargetModel, drafter: Eagle3Drafter | None) -> dict[str, int]:
+    """KV heads of the whole layer per layer group: each target group's (as the model
+    declares it) and the drafter's, when one runs."""
+    totals = {g.name: g.num_kv_heads for g in target.kv_layer_groups()}
+    if drafter is not None:
+        totals[DRAFT_GROUP] = drafter.config.num_key_value_heads
+    return totals
 
 
 def log_groups(manager: KVCacheManager) -> None:

@@ -87,7 +87,7 @@ def test_activations_stay_finite_in_bf16_and_logits_about_unit(pair):
     positions = torch.arange(256) * 32  # far positions too: the llama3 RoPE's long range
     with torch.inference_mode():
         out = model(ids, positions, DenseContext(1, 256), aux)
-        logits = model.compute_logits(out.hidden)
+        logits = model.head(out.hidden).float()
         g = draft(ids, draft.project(out.aux), positions, DenseContext(1, 256), model)
     assert (
         torch.isfinite(out.aux.float()).all()

@@ -64,17 +64,25 @@ def generate(address: str, prompt: list[int], max_tokens: int = 24, **sampling):
     request = cpb.GenerateRequest(
         token_ids=cpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(max_tokens=max_tokens, **sampling)
     )
-    tokens, complete = [], None
+    tokens, _, complete = stream(address, request)
+    return tokens, complete
+
+
+def stream(address: str, request: cpb.GenerateRequest) -> tuple[list[int], str, cpb.Complete]:
+    """Stream one request: (its token ids, its chunks' text joined, the complete message);
+    an error message fails."""
+    tokens, text, complete = [], [], None
     with grpc.insecure_channel(address) as channel:
         for message in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
             kind = message.WhichOneof("payload")
             if kind == "chunk":
                 tokens += list(message.chunk.token_ids)
+                text.append(message.chunk.text)
             elif kind == "complete":
                 complete = message.complete
             else:
                 raise AssertionError(f"error message: {message.error}")
-    return tokens, complete
+    return tokens, "".join(text), complete
 
 
 def run_on_pair(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 import transformers
@@ -17,8 +16,7 @@ from safetensors.torch import save_file
 
 from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
-from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from tests.e2e.conftest import assert_no_request_holds_pages
+from tests.e2e.conftest import assert_no_request_holds_pages, stream
 from tests.services.engine.models.hf_models import hf_checkpoint
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 
@@ -173,18 +171,9 @@ def test_grpc_stream_equals_transformers_greedy_text(served):
     family, model, hf_tok, _, cluster = served
     ids, text = reference(model, hf_tok, hf_tok(PROMPT)["input_ids"])
     request = cpb.GenerateRequest(text=PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
-    tokens, chunks, complete = [], [], None
-    with grpc.insecure_channel(cluster.router_address) as channel:
-        for message in cpb_grpc.TandemStub(channel).Generate(request, timeout=60):
-            kind = message.WhichOneof("payload")
-            assert kind != "error", message.error
-            if kind == "chunk":
-                tokens += message.chunk.token_ids
-                chunks.append(message.chunk.text)
-            else:
-                complete = message.complete
+    tokens, streamed, complete = stream(cluster.router_address, request)
     assert tokens == ids, family
-    assert "".join(chunks) == text
+    assert streamed == text
     assert complete.usage.prompt_tokens == len(hf_tok(PROMPT)["input_ids"])
     assert {t.group for t in complete.usage.transfers} == {"target", "draft"}
     assert_no_request_holds_pages(cluster)

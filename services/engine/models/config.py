@@ -20,15 +20,18 @@ from services.engine.models.hf_config import (
     aux_layers,
     check_attention_bias,
     check_drafter_family,
+    check_layer_types,
     check_neutral,
     default_aux_layers,
     normalize_rope,
+    read_layer_rope,
     read_rope,
     refuse,
+    target_attention,
     target_family,
-    target_window,
 )
 from services.engine.models.hf_config import require as _require
+from services.engine.models.target import TargetConfig
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
 ARCHITECTURE_OF = {family: arch for arch, family in TARGET_ARCHITECTURES.items()}
@@ -40,7 +43,9 @@ class LlamaConfig:
     hidden_size // num_attention_heads; ``num_key_value_heads`` < heads means GQA.
     ``model_type`` is the family: llama and qwen3 have q/k/v/o biases iff
     ``attention_bias``, qwen2 has q/k/v biases and no o bias, qwen3 RMS-normalises q and
-    k per head, mistral may attend over a window of ``sliding_window`` tokens."""
+    k per head, mistral may attend over a window of ``sliding_window`` tokens, and qwen2 or
+    qwen3 over that window in the layers ``layer_types`` names "sliding_attention" (a
+    per-layer mix; () = every layer alike)."""
 
     vocab_size: int
     hidden_size: int
@@ -57,6 +62,7 @@ class LlamaConfig:
     attention_bias: bool = False
     model_type: str = "llama"
     sliding_window: int = 0  # tokens; 0 = full. A query at q sees keys in (q - W, q]
+    layer_types: tuple[str, ...] = ()  # per layer, "full_attention" or "sliding_attention"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -75,13 +81,7 @@ class LlamaConfig:
         _check_heads(self)
         if self.model_type not in ARCHITECTURE_OF:
             refuse("model_type", self.model_type, ", ".join(ARCHITECTURE_OF))
-        _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
-        if self.sliding_window and self.model_type != "mistral":
-            refuse(
-                "sliding_window",
-                self.sliding_window,
-                f"0 for {self.model_type} (a windowed target is model_type 'mistral')",
-            )
+        _check_windows(self)
         if self.attention_bias and self.model_type not in ("llama", "qwen3"):
             refuse("attention_bias", True, f"false for {self.model_type}")
         object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
@@ -98,18 +98,25 @@ class LlamaConfig:
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, its attention window in tokens (0 = full attention)."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == SLIDING else 0 for t in self.layer_types)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         family = target_family(d)
         check_neutral(d)
         check_attention_bias(d, family)
-        window = target_window(d, family)
-        theta, scaling = read_rope(d, SLIDING if window else FULL)
+        window, layer_types = target_attention(d, family)
+        theta, scaling = read_layer_rope(d, layer_types or (SLIDING if window else FULL,))
         return cls(
             **{
                 **_known_fields(cls, d),
                 "model_type": family,
                 "sliding_window": window,
+                "layer_types": layer_types,
                 "rope_theta": theta,
                 "rope_scaling": scaling,
                 "head_dim": d.get("head_dim") or 0,
@@ -118,7 +125,11 @@ class LlamaConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
+        """The config.json of this config; a per-layer mix says ``use_sliding_window``, as
+        transformers reads it."""
+        d = {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
+        types = d.pop("layer_types")
+        return {**d, "use_sliding_window": True, "layer_types": list(types)} if types else d
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +229,7 @@ class EagleConfig:
             }
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **d}
 
-    def check_target(self, target: LlamaConfig) -> EagleConfig:
+    def check_target(self, target: TargetConfig) -> EagleConfig:
         """This config checked against the target it drafts for, with the default aux
         layers (:func:`.hf_config.default_aux_layers`) filled in if it names none. The
         drafter reads the target's hidden states and embedding, and shares its vocabulary."""
@@ -264,6 +275,30 @@ def _fill_heads(c: LlamaConfig | EagleConfig) -> None:
         object.__setattr__(c, "num_key_value_heads", c.num_attention_heads)
     if c.head_dim == 0 and c.num_attention_heads > 0:
         object.__setattr__(c, "head_dim", c.hidden_size // c.num_attention_heads)
+
+
+def _check_windows(c: LlamaConfig) -> None:
+    """A window belongs to Mistral (every layer) or to a Qwen2/3 per-layer mix."""
+    _require(c.sliding_window >= 0, "sliding_window", f"must be >= 0, got {c.sliding_window}")
+    object.__setattr__(c, "layer_types", tuple(c.layer_types))
+    if not c.layer_types:
+        if c.sliding_window and c.model_type != "mistral":
+            refuse(
+                "sliding_window",
+                c.sliding_window,
+                f"0 for {c.model_type} (a windowed target is model_type 'mistral', or a qwen2 "
+                "or qwen3 one with layer_types)",
+            )
+        return
+    if c.model_type not in ("qwen2", "qwen3"):
+        refuse("layer_types", list(c.layer_types), f"() for {c.model_type} (a mix is qwen2's or qwen3's)")
+    _require(
+        len(c.layer_types) == c.num_hidden_layers,
+        "layer_types",
+        f"has {len(c.layer_types)} entries for {c.num_hidden_layers} layers",
+    )
+    check_layer_types(c.layer_types)
+    _require(c.sliding_window > 0, "sliding_window", f"must be > 0 for the {SLIDING!r} layers")
 
 
 def _check_heads(c: LlamaConfig | EagleConfig) -> None:

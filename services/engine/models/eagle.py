@@ -25,7 +25,8 @@ from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import NUM_AUX_LAYERS, EagleConfig
 from services.engine.models.fp8 import fp8_linear_of, linear
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
-from services.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from services.engine.models.llama import DecoderLayer
+from services.engine.models.target import TargetModel
 from services.engine.parallel import SINGLE, TensorParallel
 
 DRAFT_KEY_START = 1  # first drafter position attended as a key (see the module docstring)
@@ -107,7 +108,7 @@ class Eagle3Drafter(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         ctx: KVContext,
-        target: LlamaForCausalLM,
+        target: TargetModel,
     ) -> torch.Tensor:
         """input_ids, positions [num_tokens]; hidden [num_tokens, hidden_size] (the h_j of
         the module docstring). Returns g [num_tokens, hidden_size], before the final norm."""
@@ -119,7 +120,7 @@ class Eagle3Drafter(nn.Module):
         return x + residual
 
     def merge_projections(self) -> None:
-        """As :meth:`LlamaForCausalLM.merge_projections`, for the drafter's layers."""
+        """As the target's ``merge_projections``, for the drafter's layers."""
         self.midlayer.merge()
         for layer in self.layers:
             layer.merge()
@@ -135,7 +136,7 @@ class Eagle3Drafter(nn.Module):
         if self.lm_head is not None:
             self.lm_head = fp8_linear_of(self.lm_head)
 
-    def compute_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+    def compute_logits(self, g: torch.Tensor, target: TargetModel) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over target ids;
         ids outside a reduced draft vocabulary get -inf."""
         logits, ids = self.own_logits(g, target), self.target_ids()
@@ -145,7 +146,7 @@ class Eagle3Drafter(nn.Module):
         full[:, ids] = logits
         return full
 
-    def own_logits(self, g: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+    def own_logits(self, g: torch.Tensor, target: TargetModel) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, draft_vocab_size] float32: the logits over
         the drafter's own vocabulary, draft id i being target id ``target_ids()[i]``."""
         h = self.norm(g)

@@ -25,6 +25,7 @@ ROPE_KEYS = {  # rope type -> the scaling keys it reads (all required)
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default: Qwen2/3 layers from here on slide
 NEUTRAL = {  # key -> (is the value neutral?, what is supported)
     "hidden_act": (lambda v: v in (None, "silu"), "silu"),
     "mlp_bias": (lambda v: not v, "false"),
@@ -53,18 +54,18 @@ def check_neutral(d: dict[str, Any]) -> None:
             refuse(key, d[key], supported)
 
 
-def target_family(d: dict[str, Any]) -> str:
-    """The model_type of a supported target family; a config naming neither field is
-    Llama (Tandem's own configs always name both)."""
+def target_family(d: dict[str, Any], architectures: dict[str, str] = TARGET_ARCHITECTURES) -> str:
+    """The model_type of a family ``architectures`` (architecture name -> model_type) holds;
+    a config naming neither field is Llama (Tandem's own configs always name both)."""
     archs, model_type = d.get("architectures") or [], d.get("model_type")
-    supported = ", ".join(TARGET_ARCHITECTURES)
+    supported = ", ".join(architectures)
     if len(archs) != 1 and archs:
         refuse("architectures", archs, f"one of {supported}")
-    if archs and archs[0] not in TARGET_ARCHITECTURES:
+    if archs and archs[0] not in architectures:
         refuse("architectures", archs[0], supported)
-    family = TARGET_ARCHITECTURES[archs[0]] if archs else model_type or "llama"
-    if family not in TARGET_ARCHITECTURES.values():
-        refuse("model_type", family, ", ".join(TARGET_ARCHITECTURES.values()))
+    family = architectures[archs[0]] if archs else model_type or "llama"
+    if family not in architectures.values():
+        refuse("model_type", family, ", ".join(architectures.values()))
     if model_type is not None and model_type != family:
         refuse("model_type", model_type, f"{family!r} (architectures says {archs[0]})")
     return family
@@ -78,25 +79,56 @@ def check_drafter_family(d: dict[str, Any]) -> None:
         refuse("model_type", model_type, "llama")
 
 
-def target_window(d: dict[str, Any], family: str) -> int:
-    """The target's attention window in tokens (0 = full), per family:
-    Mistral reads ``sliding_window`` (null = full); Qwen2/3 attend fully unless
-    ``use_sliding_window`` (refused: its windowed layers are a per-layer mix);
-    Llama has no window."""
-    window = d.get("sliding_window") or 0
+def target_attention(d: dict[str, Any], family: str) -> tuple[int, tuple[str, ...]]:
+    """The target's attention window in tokens (0 = full) and its per-layer mix: each
+    layer's type, or () when every layer is alike (windowed iff the window is not 0):
+    Mistral reads ``sliding_window`` (null = full) for every layer; Llama has no window;
+    Qwen2/3 (:func:`qwen_layer_types`) attend fully unless ``use_sliding_window``."""
     if family in ("qwen2", "qwen3"):
-        if d.get("use_sliding_window"):
-            refuse("use_sliding_window", True, "false (every layer attends fully)")
-        window = 0  # transformers drops sliding_window when use_sliding_window is false
-    elif family == "llama" and window:
+        return qwen_layer_types(d)
+    window = d.get("sliding_window") or 0
+    if family == "llama" and window:
         refuse(
             "sliding_window", window, "null for LlamaForCausalLM (a windowed target is MistralForCausalLM)"
         )
-    layer_type = SLIDING if window else FULL
+    check_uniform_layer_types(d, SLIDING if window else FULL)
+    return window, ()
+
+
+def qwen_layer_types(d: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """Qwen2/3's window and layer types, as transformers computes them: without
+    ``use_sliding_window`` the window is dropped and every layer attends fully; with it,
+    the layers ``layer_types`` names "sliding_attention" (when it is absent: layers
+    ``max_window_layers`` (28 if absent) and up, when ``sliding_window`` is set) attend over
+    ``sliding_window`` tokens. A mix without a sliding layer is full attention: (0, ())."""
+    if not d.get("use_sliding_window"):
+        check_uniform_layer_types(d, FULL)
+        return 0, ()  # transformers drops sliding_window when use_sliding_window is false
+    window, types = d.get("sliding_window") or 0, d.get("layer_types")
+    if types is None:
+        first = d.get("max_window_layers")
+        first = QWEN_MAX_WINDOW_LAYERS if first is None else first
+        types = [SLIDING if window and i >= first else FULL for i in range(d.get("num_hidden_layers") or 0)]
+    check_layer_types(types)
+    if SLIDING not in types:
+        return 0, ()
+    if not window:
+        refuse("sliding_window", d.get("sliding_window"), f"a window in tokens for the {SLIDING!r} layers")
+    return window, tuple(types)
+
+
+def check_layer_types(types: list[str] | tuple[str, ...]) -> None:
+    """Every entry of a per-layer mix is a type Tandem implements."""
+    unknown = set(types) - {FULL, SLIDING}
+    if unknown:
+        refuse("layer_types", sorted(unknown), f"{FULL!r}, {SLIDING!r}")
+
+
+def check_uniform_layer_types(d: dict[str, Any], layer_type: str) -> None:
+    """A family without a per-layer mix: ``layer_types``, when given, names one type."""
     types = d.get("layer_types")
     if types is not None and any(t != layer_type for t in types):
         refuse("layer_types", sorted(set(types)), f"every layer {layer_type!r}")
-    return window
 
 
 def check_attention_bias(d: dict[str, Any], family: str) -> None:
@@ -120,6 +152,15 @@ def read_rope(d: dict[str, Any], layer_type: str = FULL) -> tuple[float, dict[st
         params = params[layer_type]
     theta = params.get("rope_theta", d.get("rope_theta")) or 10000.0
     return float(theta), normalize_rope(params, "rope_parameters")
+
+
+def read_layer_rope(d: dict[str, Any], layer_types: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
+    """:func:`read_rope` for a model whose layers are of ``layer_types``: one RoPE for all
+    of them (per-layer-type parameters that differ are refused)."""
+    ropes = [read_rope(d, t) for t in sorted(set(layer_types))]
+    if any(r != ropes[0] for r in ropes):
+        refuse("rope_parameters", d.get("rope_parameters"), "the same RoPE for every layer type")
+    return ropes[0]
 
 
 def normalize_rope(s: dict[str, Any] | None, field_name: str) -> dict[str, Any] | None:

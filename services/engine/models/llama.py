@@ -1,6 +1,8 @@
 """The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU), with the
-family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm; a Mistral
-window is the KV context's: callers pass ``config.sliding_window`` to it).
+family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm). A window is
+the KV context's: the model declares its layer groups (:meth:`LlamaForCausalLM.kv_layer_groups`:
+one, windowed for Mistral; a full and a sliding one for a Qwen2/3 per-layer mix) and each
+layer attends through its group's context.
 
 Module names are the Hugging Face ones (``model.layers.3.self_attn.q_proj``...), so a
 state dict loads from HF safetensors without renaming. Attention goes through a
@@ -9,22 +11,18 @@ state dict loads from HF safetensors without renaming. Attention goes through a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from services.engine import kernels
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
+from services.engine.models.layer_contexts import GroupContext, LayerContexts
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
+from services.engine.models.target import KVLayerGroup, TargetOutput, layer_groups_by_window
 from services.engine.parallel import SINGLE, TensorParallel
 
-
-@dataclass(slots=True)
-class TargetOutput:
-    hidden: torch.Tensor  # [num_tokens, hidden_size], after the final norm
-    aux: torch.Tensor | None  # [num_tokens, len(aux_layer_ids) * hidden_size], or None
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "LlamaModel", "TargetOutput"]
 
 
 class DecoderLayer(nn.Module):
@@ -79,24 +77,34 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.kv_groups = layer_groups_by_window(c.layer_windows(), c.num_key_value_heads, c.head_dim)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        ctx: KVContext,
+        ctx: KVContext | LayerContexts,
         aux_layer_ids: tuple[int, ...] = (),
     ) -> TargetOutput:
+        contexts = ctx if isinstance(ctx, LayerContexts) else self._one_group(ctx)
         rope = self.rotary(positions)
         x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         kept = {}
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, ctx, i)
+            x, residual = layer(x, residual, rope, *contexts.at(i))
             if i in aux_layer_ids:
                 kept[i] = x + residual
         aux = [kept[i] for i in aux_layer_ids]
         hidden, _ = self.norm.add(x, residual)
         return TargetOutput(hidden, torch.cat(aux, dim=-1) if aux else None)
+
+    def _one_group(self, ctx: KVContext) -> LayerContexts:
+        """One context for every layer: a model of one layer group only."""
+        if len(self.kv_groups) != 1:
+            names = [g.name for g in self.kv_groups]
+            raise ValueError(f"ctx: this model's layers form the groups {names}: pass one context each")
+        group = self.kv_groups[0]
+        return LayerContexts([GroupContext(group.name, group.layer_ids, ctx)])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,18 +140,19 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        ctx: KVContext,
+        ctx: KVContext | LayerContexts,
         aux_layer_ids: tuple[int, ...] = (),
     ) -> TargetOutput:
-        """input_ids, positions [num_tokens]; aux collects the listed layers' outputs."""
+        """input_ids, positions [num_tokens]; aux collects the listed layers' outputs. ``ctx``:
+        one context per layer group (:meth:`kv_layer_groups`), or one for a single group."""
         return self.model(input_ids, positions, ctx, aux_layer_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] logits in
-        the model's dtype."""
+        the model's dtype; float32 logits are ``.float()`` of these, exactly."""
         return kernels.linear(hidden, self.head_weight)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden_size] (final-normed) -> [num_rows, vocab_size] float32:
-        :meth:`head`'s logits, cast exactly."""
-        return self.head(hidden).float()
+    def kv_layer_groups(self) -> tuple[KVLayerGroup, ...]:
+        """One group per distinct layer window (full attention first): every layer of a
+        Llama, Qwen or Mistral config alike in one, a per-layer mix in two."""
+        return self.model.kv_groups

@@ -15,14 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from services.engine.models.config import (
-    EagleConfig,
-    LlamaConfig,
-    read_config_json,
-    write_config_json,
-)
+from services.engine.models.config import EagleConfig, read_config_json, write_config_json
 from services.engine.models.eagle import Eagle3Drafter
-from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.registry import family_of
+from services.engine.models.target import TargetModel
 from services.engine.parallel import SINGLE, TensorParallel, shard_state_dict
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,11 +57,13 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     tp: TensorParallel = SINGLE,
-) -> LlamaForCausalLM:
-    """A tied config's stored ``lm_head.weight`` is skipped (as vLLM does): the head is
-    the embedding."""
-    config = LlamaConfig.from_dict(read_config_json(folder))
-    model = LlamaForCausalLM(config, tp)
+) -> TargetModel:
+    """The target of the family its config.json names (``registry.py``). A tied config's
+    stored ``lm_head.weight`` is skipped (as vLLM does): the head is the embedding."""
+    d = read_config_json(folder)
+    family = family_of(d)
+    config = family.read_config(d)
+    model = family.model(config, tp)
     state = read_state_dict(folder)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -94,7 +92,7 @@ def load_drafter(
     return _placed(model, device, dtype)
 
 
-def _placed(model: LlamaForCausalLM | Eagle3Drafter, device: str | torch.device, dtype: torch.dtype):
+def _placed(model: TargetModel | Eagle3Drafter, device: str | torch.device, dtype: torch.dtype):
     """On ``device`` in ``dtype``, in eval mode; on a GPU with merged q/k/v and gate/up."""
     model = model.to(device=device, dtype=dtype).eval()
     if torch.device(device).type == "cuda":
@@ -103,7 +101,7 @@ def _placed(model: LlamaForCausalLM | Eagle3Drafter, device: str | torch.device,
 
 
 def save_model(
-    model: LlamaForCausalLM | Eagle3Drafter, folder: str | Path, dtype: torch.dtype = torch.bfloat16
+    model: TargetModel | Eagle3Drafter, folder: str | Path, dtype: torch.dtype = torch.bfloat16
 ) -> None:
     """Write config.json and model.safetensors (floating tensors cast to ``dtype``)."""
     write_config_json(folder, model.config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import DRAFT_GROUP, TARGET_GROUP
+from kvcore import DRAFT_GROUP
 from services.engine.device_step import chain_sampling, pending_spans
 from services.engine.draft_chain import ChainRows
 from services.engine.engine import Engine
@@ -27,8 +27,9 @@ def both_chains(engine: Engine) -> tuple[list[list[int]], ...] | None:
     runner, chain = engine.runner, engine.runner.graphs.chain
     eager = draft(runner, decode, engine.k, engine.out.eos_ids).token_ids.tolist()
     ids = [r.request_id for r in decode]
-    tables = [runner.manager.block_tables(ids, group) for group in (DRAFT_GROUP, TARGET_GROUP)]
-    rows = ChainRows([r.num_computed for r in decode], [r.tokens[-1] for r in decode], *tables)
+    draft_table = runner.manager.block_tables(ids, DRAFT_GROUP)
+    targets = tuple(runner.manager.block_tables(ids, g.name) for g in runner.target_groups)
+    rows = ChainRows([r.num_computed for r in decode], [r.tokens[-1] for r in decode], draft_table, targets)
     sampling = chain_sampling(decode, all(r.sampling.greedy for r in decode))
     graphed, _ = chain.run(rows, catch_up(runner, decode), sampling)
     graphed = graphed.tolist()

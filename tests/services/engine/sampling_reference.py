@@ -33,7 +33,7 @@ def drain(engine):
 @torch.no_grad()
 def raw_logits(target, ids: list[int]) -> torch.Tensor:
     out = target(torch.tensor(ids), torch.arange(len(ids)), DenseContext(1, len(ids)))
-    return target.compute_logits(out.hidden[-1:])[0]  # [vocab]
+    return target.head(out.hidden[-1:]).float()[0]  # [vocab]
 
 
 def reference_greedy(target, prompt: list[int], sp: SamplingParams) -> list[int]:
@@ -70,5 +70,5 @@ def transformed_probs_after(
     b, t = ids.shape
     with torch.no_grad():
         hidden = target(ids.reshape(-1), torch.arange(t).repeat(b), DenseContext(b, t)).hidden
-        logits = target.compute_logits(hidden.view(b, t, -1)[:, -1])
+        logits = target.head(hidden.view(b, t, -1)[:, -1]).float()
     return probs_for_rows(logits, row_params(reqs, [[[]]] * b, logits.shape[-1], frozenset([EOS]), "cpu"))

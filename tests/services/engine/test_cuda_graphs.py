@@ -12,6 +12,7 @@ from services.engine import engine as engine_module
 from services.engine.batch import Span
 from services.engine.cuda_graphs import (
     GraphedForward,
+    PagedGroup,
     UniformBatch,
     batch_buckets,
     capture_decode_graphs,
@@ -91,21 +92,21 @@ def test_load_pads_rows_and_slots():
     tails are NULL, whatever an earlier, wider batch left there."""
     pool = torch.zeros(8, 1, 2, 1, 4, 2)
     graphed = GraphedForward(
-        lambda *a: (), pool, q_len=2, window=0, buckets=(1, 4), max_pages=3, capture=False
+        lambda *a: (), [PagedGroup("target", (0,), pool)], q_len=2, buckets=(1, 4), max_pages=3, capture=False
     )
     wide = UniformBatch(
         torch.arange(8),
         torch.arange(8),
-        torch.arange(8),
-        torch.ones(4, 3, dtype=torch.int32),
+        (torch.arange(8),),
+        (torch.ones(4, 3, dtype=torch.int32),),
         torch.full((4,), 9, dtype=torch.int32),
     )
     assert graphed.load(wide) == 4
     narrow = UniformBatch(
         torch.tensor([5, 6, 7, 8]),
         torch.tensor([3, 4, 0, 1]),
-        torch.tensor([13, -1, 0, 1]),
-        torch.tensor([[3], [0]], dtype=torch.int32),
+        (torch.tensor([13, -1, 0, 1]),),
+        (torch.tensor([[3], [0]], dtype=torch.int32),),
         torch.tensor([5, 2], dtype=torch.int32),
     )
     assert graphed.load(narrow) == 4
@@ -119,8 +120,9 @@ def test_load_pads_rows_and_slots():
     with pytest.raises(ValueError, match="batch"):
         graphed.load(
             UniformBatch(
-                *(torch.zeros(10, dtype=torch.int64),) * 3,
-                torch.zeros(5, 1, dtype=torch.int32),
+                *(torch.zeros(10, dtype=torch.int64),) * 2,
+                (torch.zeros(10, dtype=torch.int64),),
+                (torch.zeros(5, 1, dtype=torch.int32),),
                 torch.zeros(5, dtype=torch.int32),
             )
         )

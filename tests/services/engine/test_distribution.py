@@ -27,7 +27,7 @@ def next_token_probs(target, prefixes: list[list[int]]) -> torch.Tensor:
     ids = torch.tensor(prefixes)
     b, t = ids.shape
     out = target(ids.reshape(-1), torch.arange(t).repeat(b), DenseContext(b, t))
-    logits = target.compute_logits(out.hidden.view(b, t, -1)[:, -1])
+    logits = target.head(out.hidden.view(b, t, -1)[:, -1]).float()
     return probs_from_logits(logits, torch.full((b,), TEMPERATURE), torch.full((b,), TOP_P))
 
 

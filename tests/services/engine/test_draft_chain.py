@@ -83,7 +83,7 @@ def test_other_batches_take_the_general_path(pair):
     plan = device_step_fits(engine.runner, reqs[:1], 2)
     assert plan.graphs is engine.runner.graphs
     ids = [reqs[0].request_id]
-    assert torch.equal(plan.target_table, engine.manager.block_tables(ids, "target"))
+    assert torch.equal(plan.target_tables[0], engine.manager.block_tables(ids, "target"))
     assert torch.equal(plan.draft_table, engine.manager.block_tables(ids, "draft"))
     assert device_step_fits(engine.runner, reqs[:1], 1) is None  # not the chain's K
 

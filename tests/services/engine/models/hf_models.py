@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from services.engine.models import DenseContext, LlamaForCausalLM
+from services.engine.models import LlamaForCausalLM, dense_contexts
 
 VOCAB = 256
 GEOMETRY = dict(
@@ -27,6 +27,17 @@ CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
+
+
+def layer_mix(window: int) -> dict:
+    """Qwen2/3 config keys of 4 layers alternating a ``window``-token sliding window (layers
+    0 and 2) and full attention (layers 1 and 3)."""
+    return {
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -66,12 +77,12 @@ def hf_logits(model: transformers.PreTrainedModel, ids: torch.Tensor) -> torch.T
 
 
 def tandem_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """[n, vocab]: the dense path, with the config's window."""
+    """[n, vocab]: the dense path, each layer group with its window."""
     n = ids.shape[0]
-    ctx = DenseContext(batch=1, seq_len=n, window=model.config.sliding_window)
+    ctx = dense_contexts(model.kv_layer_groups(), batch=1, seq_len=n)
     with torch.no_grad():
         out = model(ids, torch.arange(n), ctx)
-        return model.compute_logits(out.hidden)
+        return model.head(out.hidden).float()
 
 
 def read_config(folder: Path) -> dict:

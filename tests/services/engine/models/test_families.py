@@ -1,16 +1,21 @@
 """Each supported family: a random checkpoint saved by ``transformers`` loads with
 ``load_target`` and gives transformers' float32 logits within 1e-4 over a prompt longer
-than any window; both config dialects read to the same model."""
+than any window (a Qwen2/3 per-layer window mix too); both config dialects read to the
+same model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from services.engine.models import LlamaConfig, load_target
+from services.engine.models import DenseContext, LlamaConfig, layer_contexts, load_target
 from services.engine.models.config import read_config_json
 from tests.services.engine.models.hf_models import (
+    CLASSES,
+    GEOMETRY,
     hf_checkpoint,
     hf_logits,
+    layer_mix,
     prompt,
     read_config,
     tandem_logits,
@@ -138,3 +143,51 @@ def test_tandem_configs_round_trip_for_every_family():
             **extra,
         )
         assert LlamaConfig.from_dict(config.to_dict()) == config
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+MIX = layer_mix(64)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_per_layer_window_mix_matches_transformers(tmp_path, family):
+    """Layers alternating a 64-token window and full attention: two layer groups, and
+    transformers' logits over a prompt longer than the window (where the window matters)."""
+    extra = {"head_dim": 24} if family == "qwen3" else {}
+    reference = hf_checkpoint(tmp_path, family, **MIX, **extra)
+    model = load_target(tmp_path)
+    groups = [(g.name, g.layer_ids, g.window) for g in model.kv_layer_groups()]
+    assert groups == [("target", (1, 3), 0), ("target_sliding", (0, 2), 64)]
+    ids = prompt(150)
+    got, want = tandem_logits(model, ids), hf_logits(reference, ids)
+    assert (got - want).abs().max().item() < TOL
+    full = layer_contexts(model.kv_layer_groups(), [DenseContext(1, 150)] * 2)
+    with torch.no_grad():
+        unwindowed = model.head(model(ids, torch.arange(150), full).hidden).float()
+    assert (unwindowed - want)[64:].abs().max().item() > 100 * TOL
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+        {"use_sliding_window": True, "sliding_window": 8},  # max_window_layers 28: no layer slides
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},  # all slide
+        {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 8, "layer_types": [FULL, SLIDING, SLIDING, FULL]},
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1},
+    ],
+)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_which_layers_slide_is_what_transformers_computes(family, keys):
+    """From a hand-written config.json (no layer_types unless given), as transformers
+    reads it: each layer's window in tokens."""
+    d = {**GEOMETRY, "num_hidden_layers": 4, "architectures": [f"{family.title()}ForCausalLM"], **keys}
+    d["model_type"] = family
+    hf = CLASSES[family][0](**{k: v for k, v in d.items() if k != "architectures"})
+    want = tuple((hf.sliding_window or 0) if t == SLIDING else 0 for t in hf.layer_types)
+    config = LlamaConfig.from_dict(d)
+    assert config.layer_windows() == want
+    assert LlamaConfig.from_dict(config.to_dict()) == config
+    if config.layer_types:  # the written config reads back in transformers too
+        assert CLASSES[family][0](**config.to_dict()).layer_types == list(config.layer_types)

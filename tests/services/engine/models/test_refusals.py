@@ -35,6 +35,7 @@ DRAFTER = {
     "draft_vocab_size": 16,
     "rope_theta": 10000.0,
 }
+FULL, SLIDING = "full_attention", "sliding_attention"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 TARGET_CASES = [  # (config, field in the message, value in the message)
@@ -79,7 +80,21 @@ TARGET_CASES = [  # (config, field in the message, value in the message)
         "'sliding_attention'",
     ),
     ({**BASE, "sliding_window": 4096}, "sliding_window", "4096"),
-    ({**QWEN2, "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window", "True"),
+    (
+        {**QWEN2, "use_sliding_window": True, "sliding_window": None, "layer_types": [FULL, SLIDING]},
+        "sliding_window",
+        "None",
+    ),
+    (
+        {
+            **QWEN2,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "layer_types": [FULL, "chunked_attention"],
+        },
+        "layer_types",
+        "'chunked_attention'",
+    ),
     ({**QWEN2, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types", "'sliding_attention'"),
     ({**QWEN2, "attention_bias": True}, "attention_bias", "True"),
     ({**MISTRAL, "attention_bias": True}, "attention_bias", "True"),
