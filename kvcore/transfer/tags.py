@@ -41,6 +41,13 @@ def request_tag(request_id: str) -> int:
     return key << _LOW_BITS
 
 
+def check_tag(tag: int) -> int:
+    """``tag`` itself, once it is a 64-bit unsigned integer; ValueError naming ``tag``."""
+    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
+        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
+    return tag
+
+
 def is_base_tag(tag: int) -> bool:
     """Whether ``tag`` can be a transfer's base tag: 64 bits, its low 24 (group and chunk) zero."""
     return 0 <= tag < 1 << 64 and not tag & ((1 << _LOW_BITS) - 1)

@@ -41,6 +41,7 @@ from typing import Any
 from kvcore.transfer.buffers import as_ucx_array
 from kvcore.transfer.endpoint import EndpointInfo
 from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClosed
+from kvcore.transfer.tags import check_tag
 from kvcore.transfer.transport import POLL_S, SPIN_S
 from kvcore.transfer.ucx_progress import install as install_progress
 from kvcore.transfer.ucx_types import UcxPath
@@ -209,7 +210,7 @@ class UcxTransport:
         """
         self._check_open()
         array = as_ucx_array(buffer, writable=False)
-        tag = _check_tag(tag)
+        tag = check_tag(tag)
         endpoint = self._endpoints.get(peer_id)
         if endpoint is None:
             raise ValueError(f"peer_id: {peer_id!r} is not connected")
@@ -238,7 +239,7 @@ class UcxTransport:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         array = as_ucx_array(buffer, writable=True)
         deadline = asyncio.get_running_loop().time() + timeout_s
-        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
+        probe = await self._wait_for_message(check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length != array.nbytes:
             await self._discard(probe)
             raise TransferError(
@@ -256,7 +257,7 @@ class UcxTransport:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         deadline = asyncio.get_running_loop().time() + timeout_s
-        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
+        probe = await self._wait_for_message(check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length > max_bytes:
             await self._discard(probe)
             raise TransferError(
@@ -326,12 +327,6 @@ class UcxTransport:
             raise TransportClosed("transport: closed")
         if not self._started:
             raise TransportClosed("transport: not started; call start() first")
-
-
-def _check_tag(tag: int) -> int:
-    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
-        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
-    return tag
 
 
 def _close_without_waiting(endpoint: Any) -> None:

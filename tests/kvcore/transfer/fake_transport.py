@@ -17,6 +17,7 @@ import itertools
 import torch
 
 from kvcore.transfer import EndpointInfo, TransferError, TransferTimeout, TransportClosed
+from kvcore.transfer.tags import check_tag
 from kvcore.transfer.transport import SPIN_S, Buffer
 
 _CLOSED = None  # what a closing transport puts in its queues: their waiting receives raise
@@ -82,7 +83,7 @@ class FakeTransport:
         peer = self.network.transports.get(address)
         if peer is None:
             raise TransferError(f"send of tag {tag:#x} to {peer_id!r} failed: the peer is closed")
-        peer._queue(_check_tag(tag)).put_nowait(_bytes_of(buffer))
+        peer._queue(check_tag(tag)).put_nowait(_bytes_of(buffer))
         await asyncio.sleep(0)
 
     async def recv(self, buffer: Buffer, tag: int, timeout_s: float, spin_s: float = SPIN_S) -> None:
@@ -108,7 +109,7 @@ class FakeTransport:
         self._check()
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        queue = self._queue(_check_tag(tag))
+        queue = self._queue(check_tag(tag))
         try:
             data = await asyncio.wait_for(queue.get(), timeout_s)
         except TimeoutError:
@@ -126,12 +127,6 @@ class FakeTransport:
             raise TransportClosed("transport: closed")
         if started and not self._started:
             raise TransportClosed("transport: not started; call start() first")
-
-
-def _check_tag(tag: int) -> int:
-    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
-        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
-    return tag
 
 
 def _bytes_of(buffer: Buffer) -> bytes:
