@@ -18,9 +18,10 @@ from kvcore.transfer import (
     TransferError,
     TransferTimeout,
     Transport,
+    new_transport,
 )
 from kvcore.transfer.tags import request_tag
-from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV
 from tests.kvcore.conftest import make_config
 from tests.kvcore.transfer.conns import ProcessConn
 from tests.kvcore.transfer.sessions import HIDDEN, NUM_TOKENS, TIMEOUT_S, landed, seeded
@@ -74,10 +75,10 @@ async def lead_pair(parents: dict) -> tuple[dict, dict]:
     return await parents["prefill"].recv(), await parents["decode"].recv()
 
 
-def pair_child(role: str, conn) -> None:
-    """A side as a process over UCX (``conn``: its multiprocessing pipe end)."""
+def pair_child(role: str, conn, backend: str) -> None:
+    """A side as a process over ``backend`` (``conn``: its multiprocessing pipe end)."""
     os.environ.update(LOOPBACK_ENV)
-    asyncio.run(pair_side(role, ProcessConn(conn), UcxTransport()))
+    asyncio.run(pair_side(role, ProcessConn(conn), new_transport(backend)))
 
 
 async def pair_side(role: str, conn, transport: Transport) -> None:

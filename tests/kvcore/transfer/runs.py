@@ -1,8 +1,9 @@
 """How the sessions of tests/kvcore/transfer/test_agent.py run, per backend:
 
-- ``"ucx"``: one spawned process per side, each with its own UCX worker over loopback;
 - ``"fake"``: every side a coroutine of the test's own event loop, each with its own
-  :class:`~tests.kvcore.transfer.fake_transport.FakeTransport` of one network.
+  :class:`~tests.kvcore.transfer.fake_transport.FakeTransport` of one network;
+- a real backend (``"ucx"``, any name of ``kvcore.transfer.BACKENDS``): one spawned process
+  per side, each with its own transport (UCX: over loopback).
 
 The sides run the same code either way (:mod:`~tests.kvcore.transfer.sessions`,
 :mod:`~tests.kvcore.transfer.pair_session`), so the tests' assertions hold for both.
@@ -32,7 +33,7 @@ def tp_reports(backend: str) -> dict[str, dict]:
     p_pipe, d_pipe = ctx.Pipe(), ctx.Pipe()
     siblings = {"P0": p_pipe[0], "P1": p_pipe[1], "D0": d_pipe[0], "D1": d_pipe[1]}
     children = [
-        ctx.Process(target=sessions.tp_child, args=(n, end, siblings[n]), daemon=True)
+        ctx.Process(target=sessions.tp_child, args=(n, end, siblings[n], backend), daemon=True)
         for n, end in zip(RANKS, ends, strict=True)
     ]
     conns = {n: ProcessConn(c, ANSWER_S) for n, c in zip(RANKS, parents, strict=True)}
@@ -46,7 +47,8 @@ def pair_reports(backend: str) -> tuple[dict, dict]:
     ctx = mp.get_context("spawn")
     pipes = {r: ctx.Pipe() for r in pair_session.ROLES}
     children = [
-        ctx.Process(target=pair_session.pair_child, args=(r, pipes[r][1]), daemon=True) for r in pipes
+        ctx.Process(target=pair_session.pair_child, args=(r, pipes[r][1], backend), daemon=True)
+        for r in pipes
     ]
     conns = {r: ProcessConn(pipes[r][0], ANSWER_S) for r in pipes}
     return _in_processes(children, pair_session.lead_pair(conns))

@@ -25,9 +25,9 @@ from kvcore import (
     Lifecycle,
     Owner,
 )
-from kvcore.transfer import PeerRank, RankTransfer, TransferAgent, Transport, heads_of_rank
+from kvcore.transfer import PeerRank, RankTransfer, TransferAgent, Transport, heads_of_rank, new_transport
 from kvcore.transfer.tags import AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV
 from tests.kvcore.transfer.conns import ProcessConn
 from tests.kvcore.transfer.rank_pipe import PipeClient, PipeLinks, serve_pipe
 
@@ -95,10 +95,10 @@ async def lead_tp(parents: dict) -> dict[str, dict]:
     return {n: await parents[n].recv() for n in RANKS}
 
 
-def tp_child(name: str, parent, sibling) -> None:
-    """A rank as a process over UCX (``parent``, ``sibling``: multiprocessing pipe ends)."""
+def tp_child(name: str, parent, sibling, backend: str) -> None:
+    """A rank as a process over ``backend`` (``parent``, ``sibling``: multiprocessing pipe ends)."""
     os.environ.update(LOOPBACK_ENV)
-    asyncio.run(tp_rank(name, ProcessConn(parent), ProcessConn(sibling), UcxTransport()))
+    asyncio.run(tp_rank(name, ProcessConn(parent), ProcessConn(sibling), new_transport(backend)))
 
 
 def rank_state(side: str, rank: int, scenario: tuple[int, int]) -> tuple[KVCacheManager, KVPools]:
