@@ -1,10 +1,10 @@
 """The prefill worker: runs prompts, pushes their pages of every group to the decode
 worker that reserved them, and returns the first token.
 
-Prefill(request, reservation): the reservation checked as a transfer target -> prefill-only
-run in the engine (pages parked) -> transfer of target and draft pages plus aux state over
-the worker's transport (UCX), acknowledged -> pages released to the
-prefix cache, whatever happened: a cancel mid-run aborts the request in the engine, one
+Prefill(request, reservation): the reservation checked once as a transfer target ->
+prefill-only run in the engine (pages parked) -> transfer of target and draft pages plus
+aux state over the worker's transport (UCX), acknowledged -> pages released to the prefix
+cache, whatever happened: a cancel mid-run aborts the request in the engine, one
 mid-transfer releases it; both shielded, so a cancel landing again cannot skip them.
 """
 
