@@ -65,15 +65,14 @@ async def _transfer_session(
     the TransferAgent (equal TP), then one decode rank's half of the heads through its
     RankTransfer jobs (TP 1 -> 2, packed on the GPU): what the servers run. Caches are
     sized once, for the longest prompt."""
-    from kvcore.transfer import EndpointInfo
     from kvcore.transfer.ucx import UcxTransport
 
     device = devices[side]
     transport = UcxTransport()
     await transport.start()
-    conn.send(transport.local_info().worker_address)
+    conn.send(transport.local_info())
     peer = "B" if side == "A" else "A"
-    info = EndpointInfo(await asyncio.to_thread(conn.recv))
+    info = await asyncio.to_thread(conn.recv)
     await transport.connect(peer, info)
     runs = _transfer_runs(side, max(prompts), torch.device(device), transport, peer, info, cap)
     raw = torch.ones(raw_bytes_of(max(prompts)), dtype=torch.uint8, device=device)

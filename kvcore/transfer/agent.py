@@ -18,8 +18,8 @@ reservation from :meth:`TransferAgent.transfer_tag`):
   before it posts the page receives.
 - The pages of each rank pair go along head routes (:mod:`kvcore.transfer.fanout`);
   ``g'`` is the group's index offset by the sender's rank (:mod:`kvcore.transfer.rank`).
-- Every receive and the sender's wait for the ack have a timeout: the fast UCX path
-  reports no dead peer. Cancelling a transfer cancels every rank's part of it.
+- Every receive and the sender's wait for the ack have a timeout: a transport need not
+  report a dead peer (UCX's fast path does not). Cancelling a transfer cancels every rank's part of it.
 - A receiver that knows its sender and fails (a page timed out, an aux state it cannot
   take, its reservation released) answers the ack with a refusal and its reason; the
   sender listens for it from the start, so it fails at once rather than at its deadline,
@@ -35,12 +35,15 @@ import struct
 from collections.abc import Mapping
 
 from kvcore import AuxState, KVCacheManager, TransferPages
+from kvcore.transfer.endpoint import EndpointInfo
+from kvcore.transfer.errors import TransferError, TransferTimeout
 from kvcore.transfer.fanout import Fanout, NoLinks, RankLinks
 from kvcore.transfer.jobs import PeerRank, TransferKey, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES
 from kvcore.transfer.rank import PagePools, RankTransfer
 from kvcore.transfer.tags import ACK_GROUP, AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import POLL_S, EndpointInfo, TransferError, TransferTimeout, UcxTransport
+from kvcore.transfer.target import TransferTarget
+from kvcore.transfer.transport import POLL_S, Transport
 
 _ACK = struct.Struct("<q256s")  # tokens acknowledged (REFUSED: none), the refusal's reason (UTF-8)
 REFUSED = -1
@@ -61,15 +64,16 @@ class TransferAgent:
         manager: KVCacheManager,
         pools: PagePools,
         hidden_size: int,
-        transport: UcxTransport | None = None,
+        transport: Transport | None = None,
         links: RankLinks | None = None,
         total_heads: Mapping[str, int] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         """``pools``: the tensors ``manager``'s page ids index (the engine's KVPools);
         ``hidden_size``: the hidden values an aux state carries (the drafter's input
-        features; 0 when no drafter runs); ``max_message_bytes``: the cap of one page
-        message rank 0 sends (ranks 1.. keep their own :class:`RankTransfer`'s)."""
+        features; 0 when no drafter runs); ``transport``: rank 0's (None = a new one of the
+        default backend); ``max_message_bytes``: the cap of one page message rank 0 sends
+        (ranks 1.. keep their own :class:`RankTransfer`'s)."""
         self.manager, self.hidden_size = manager, hidden_size
         links = links or NoLinks()
         groups = manager.config.groups
@@ -90,6 +94,17 @@ class TransferAgent:
 
     def endpoint(self) -> EndpointInfo:
         return self.rank0.endpoint()
+
+    @property
+    def backend(self) -> str:
+        """The name of rank 0's transfer backend, as its endpoint publishes it."""
+        return self.rank0.transport.backend
+
+    def check_target(self, target: TransferTarget) -> None:
+        """ValueError when ``target``'s endpoint names another backend than this agent's."""
+        named = target.endpoint.backend if target.endpoint is not None else self.backend
+        if named != self.backend:
+            raise ValueError(f"endpoint.backend: {named!r}, but this worker's transport is {self.backend!r}")
 
     def transfer_tag(self, request_id: str) -> int:
         """A fresh base tag for one transfer of ``request_id``, as a reservation publishes
@@ -164,6 +179,15 @@ class TransferAgent:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
         return _counted(usage, pages, held)
+
+    async def send_to(
+        self, target: TransferTarget, request_id: str, num_tokens: int, aux: AuxState, timeout_s: float
+    ) -> TransferUsage:
+        """:meth:`send_request` into ``target``'s reservation (checked: :meth:`check_target`)."""
+        self.check_target(target)
+        return await self.send_request(
+            request_id, num_tokens, target.peer_id, aux, timeout_s, target.dest, target.held, target.tag
+        )
 
     async def receive_request(
         self, request_id: str, num_tokens: int, timeout_s: float, tag: int = 0, wait_s: float | None = None

@@ -5,7 +5,7 @@ rank p sends decode rank d the heads they share, each rank from and into its own
 :class:`Fanout` plans one job per rank (pair) and runs them all at once: rank 0's
 in-process on its :class:`~kvcore.transfer.rank.RankTransfer`, ranks 1..'s through the
 injected :class:`RankLinks`. A worker of TP 1 has no links: nothing leaves the process
-but the UCX messages themselves.
+but the transport's messages themselves.
 
 Invariants:
 - the first job that fails cancels the others and its error is raised;

@@ -6,7 +6,7 @@ Rank 0's :class:`~kvcore.transfer.agent.TransferAgent` plans each request as job
 - a :class:`RecvJob` per receiver rank, naming every sender rank it gathers from;
 - a :class:`LinkTest` per rank pair that will exchange pages, at pairing.
 
-Each rank runs its jobs with its own UCX worker and pools
+Each rank runs its jobs with its own transport and pools
 (:class:`~kvcore.transfer.rank.RankTransfer`). Page ids are rank 0's: every rank's pools
 mirror its page decisions. Jobs are plain data: rank 0 runs its own in-process, the
 services carry the others' to ranks 1.. (:class:`~kvcore.transfer.fanout.RankLinks`).
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcore import TransferPages
+from kvcore.transfer.endpoint import EndpointInfo
 from kvcore.transfer.head_routes import HeadRoute
-from kvcore.transfer.ucx import EndpointInfo
 
 
 @dataclass(slots=True)

@@ -39,10 +39,11 @@ import torch
 
 from kvcore import TransferPages
 from kvcore.ops import pack_pages, unpack_pages
+from kvcore.transfer.errors import TransferError
 from kvcore.transfer.head_routes import HeadRoute
 from kvcore.transfer.staging import Stager, ready, settle
 from kvcore.transfer.tags import MAX_CHUNKS, message_tag
-from kvcore.transfer.ucx import SPIN_S, STREAM_SPIN_S, TransferError, UcxTransport
+from kvcore.transfer.transport import SPIN_S, STREAM_SPIN_S, Transport
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Default cap of one page message, bytes. Between two GPUs UCX (cuda_ipc) falls off a
@@ -59,7 +60,7 @@ Run = tuple[int, int, int]  # (first index into the sent pages, pages, pages per
 
 
 async def send_group(
-    transport: UcxTransport,
+    transport: Transport,
     pool: torch.Tensor,
     peer_id: str,
     tag: tuple[int, int],
@@ -87,7 +88,7 @@ async def send_group(
 
 
 async def receive_group(
-    transport: UcxTransport,
+    transport: Transport,
     pool: torch.Tensor,
     tag: tuple[int, int],
     landing: TransferPages,
@@ -96,7 +97,7 @@ async def receive_group(
     header_spin_s: float = SPIN_S,
 ) -> int:
     """Receive what :func:`send_group` sends into ``landing``'s pages, split as its header
-    says; the header is probed every loop turn for ``header_spin_s`` (see ``UcxTransport.recv``).
+    says; the header is probed every loop turn for ``header_spin_s`` (see ``Transport.recv``).
     Bytes received."""
     base, index = tag
     header = torch.zeros(len(landing.page_ids) + 1, dtype=torch.int32)
@@ -116,7 +117,7 @@ def message_plan(
 
 
 async def _send_messages(
-    transport: UcxTransport,
+    transport: Transport,
     pool: torch.Tensor,
     peer_id: str,
     id_lists: list[list[int]],
@@ -141,7 +142,7 @@ async def _send_messages(
 
 
 async def _receive_messages(
-    transport: UcxTransport,
+    transport: Transport,
     pool: torch.Tensor,
     id_lists: list[list[int]],
     tags: list[int],

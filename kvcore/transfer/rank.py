@@ -1,4 +1,4 @@
-"""One rank's share of every transfer: its UCX worker, its pools, its jobs.
+"""One rank's share of every transfer: its transport, its pools, its jobs.
 
 Every rank of a worker runs one :class:`RankTransfer`: rank 0 inside its
 :class:`~kvcore.transfer.agent.TransferAgent`, ranks 1.. on rank 0's word through the
@@ -19,11 +19,14 @@ from typing import Protocol
 
 import torch
 
+from kvcore.transfer.backends import new_transport
+from kvcore.transfer.endpoint import EndpointInfo
+from kvcore.transfer.errors import TransferError
 from kvcore.transfer.jobs import LinkTest, RecvJob, SendJob, TransferUsage
 from kvcore.transfer.pages import MAX_MESSAGE_BYTES, receive_group, send_group
 from kvcore.transfer.side_channel import SideChannel, probe_message
 from kvcore.transfer.tags import PING_GROUP, request_tag
-from kvcore.transfer.ucx import SPIN_S, STREAM_SPIN_S, EndpointInfo, TransferError, UcxTransport
+from kvcore.transfer.transport import SPIN_S, STREAM_SPIN_S, Transport
 
 LINK_TEST_TIMEOUT_S = 10.0
 
@@ -48,13 +51,14 @@ class RankTransfer:
         self,
         pools: PagePools,
         groups: Sequence[str],
-        transport: UcxTransport | None = None,
+        transport: Transport | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
+        """``transport``: None = a new one of the default backend (:func:`new_transport`)."""
         if max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes: must be > 0, got {max_message_bytes}")
         self.pools, self.max_message_bytes = pools, max_message_bytes
-        self.transport = transport or UcxTransport()
+        self.transport = transport or new_transport()
         self.side_channel = SideChannel(self.transport)
         self._index = {g: i for i, g in enumerate(groups)}
 

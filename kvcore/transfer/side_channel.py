@@ -1,6 +1,6 @@
 """The pairing side channel: small messages between two workers' rank 0s, keyed by a nonce.
 
-Pairing runs over the same UCX workers as the pages, before any request does, under tags
+Pairing runs over the same transports as the pages, before any request does, under tags
 of group index ``PING_GROUP`` and base ``request_tag(nonce)``:
 
 - the test transfer: 64 KiB derived from the nonce on chunk 0, echoed back on chunk 1,
@@ -13,7 +13,8 @@ of group index ``PING_GROUP`` and base ``request_tag(nonce)``:
   ``PAGE_CHUNK + 2i + 1``: the paths, sizes and protocols (rendezvous, cuda_ipc) that the
   pages will take, so a pair that passes can move a request's pages.
 
-Every receive has a timeout (the worker-address path reports no dead peer).
+Every receive has a timeout (a transport need not report a dead peer; UCX's fast path
+does not).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import struct
 
 import torch
 
+from kvcore.transfer.errors import TransferError
 from kvcore.transfer.tags import PING_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import TransferError, UcxTransport
+from kvcore.transfer.transport import Transport
 
 PING_BYTES = 64 << 10
 PAGE_CHUNK = 12  # the page test's first message chunk; chunks before it are the typed messages'
@@ -48,7 +50,7 @@ class PairingMessage(enum.IntEnum):
 class SideChannel:
     """Ping/pong and typed messages over ``transport`` (started by its owner)."""
 
-    def __init__(self, transport: UcxTransport) -> None:
+    def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
     async def ping(self, peer_id: str, nonce: str, timeout_s: float) -> None:

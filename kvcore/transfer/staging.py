@@ -1,5 +1,5 @@
 """Packs and unpacks that run beside the event loop, so a page transfer overlaps them
-with its UCX messages (:mod:`kvcore.transfer.pages`).
+with its messages (:mod:`kvcore.transfer.pages`).
 
 :class:`Stager` starts a copy (a ``pack_pages`` gather or an ``unpack_pages`` scatter)
 and returns an asyncio future of its result:
@@ -9,7 +9,7 @@ and returns an asyncio future of its result:
   stream's event has fired, polled once per loop turn. The result tensor is held until
   then, so its memory cannot be reused while the GPU still reads or writes it.
 - CPU pool: the copy runs in the loop's default thread pool (torch releases the GIL), so
-  the loop keeps driving UCX meanwhile.
+  the loop keeps driving the transport meanwhile.
 
 A started copy cannot be cancelled: a caller that gives up on a transfer awaits it with
 :func:`settle` before the pages it touches may be reused.

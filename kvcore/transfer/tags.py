@@ -1,7 +1,7 @@
-"""64-bit UCX tags of KV transfer messages.
+"""64-bit tags of KV transfer messages.
 
-UCX matches tags per *worker*, not per endpoint, so a tag alone must tell every
-message a worker can receive apart. A tag is laid out as
+A transport matches tags per transport (UCX: per worker), not per endpoint, so a tag alone
+must tell every message a worker can receive apart. A tag is laid out as
 
     bits 63..24  request key: 40 bits of BLAKE2b(request id), stable across processes
     bits 23..16  group index: the layer group's index in the cache config (0..255)
@@ -41,9 +41,21 @@ def request_tag(request_id: str) -> int:
     return key << _LOW_BITS
 
 
+def check_tag(tag: int) -> int:
+    """``tag`` itself, once it is a 64-bit unsigned integer; ValueError naming ``tag``."""
+    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
+        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
+    return tag
+
+
+def is_base_tag(tag: int) -> bool:
+    """Whether ``tag`` can be a transfer's base tag: 64 bits, its low 24 (group and chunk) zero."""
+    return 0 <= tag < 1 << 64 and not tag & ((1 << _LOW_BITS) - 1)
+
+
 def message_tag(base_tag: int, group_index: int, chunk: int) -> int:
     """Tag of one message: ``base_tag`` (from :func:`request_tag`) plus group and chunk."""
-    if not 0 <= base_tag < 1 << 64 or base_tag & ((1 << _LOW_BITS) - 1):
+    if not is_base_tag(base_tag):
         raise ValueError(
             f"base_tag: must be a 64-bit tag with its low {_LOW_BITS} bits zero, got {base_tag:#x}"
         )

@@ -1,9 +1,10 @@
-"""UCX transport for KV pages: tagged messages between worker processes.
+"""UCX transport for KV pages: tagged messages between worker processes, the
+:class:`~kvcore.transfer.transport.Transport` of backend ``"ucx"``.
 
 Two ways to reach a peer, chosen per connection (docs/transfer.md compares them):
 
 - ``UcxPath.WORKER_ADDRESS`` (default, bulk data): an endpoint from the peer's worker
-  address (``RankInfo.ucx``), error handling off, so UCX may use shared memory, cma and
+  address (``RankInfo.transfer_endpoint``), error handling off, so UCX may use shared memory, cma and
   cuda_ipc; it reports no peer failure, so every receive has a timeout and every send may;
 - ``UcxPath.LISTENER``: TCP to the peer's listener; a dead peer raises.
 
@@ -38,19 +39,17 @@ import os
 from typing import Any
 
 from kvcore.transfer.buffers import as_ucx_array
+from kvcore.transfer.endpoint import EndpointInfo
+from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClosed
+from kvcore.transfer.tags import check_tag
+from kvcore.transfer.transport import POLL_S, SPIN_S
 from kvcore.transfer.ucx_progress import install as install_progress
-from kvcore.transfer.ucx_types import EndpointInfo, TransferError, TransferTimeout, TransportClosed, UcxPath
+from kvcore.transfer.ucx_types import UcxPath
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 """Environment that pins UCX to loopback (tests, benchmarks); set it before ``import ucxx``."""
 
 PROGRESS_MODE = "blocking"  # progress in the event loop on worker events; no thread, no polling
-SPIN_S = 2e-4  # seconds a receive re-probes every loop turn before backing off
-POLL_S = 1e-3  # seconds between probes after that
-STREAM_SPIN_S = 5e-3
-"""Spin of a receive whose message is the next of a stream already flowing (a page group's
-messages after the first): a back-off to POLL_S there cost about 1 ms a message, half the
-rate of 64 MiB page messages on one H200 (docs/performance.md, 2026-12-02)."""
 
 
 class UcxTransport:
@@ -62,6 +61,8 @@ class UcxTransport:
     send to a known peer whose endpoint a failure dropped reconnects first; after
     ``close()`` every call raises ``TransportClosed``.
     """
+
+    backend = "ucx"
 
     def __init__(self, listen: bool = False, host: str = "127.0.0.1", port: int = 0):
         """``listen``: also accept TCP connections on ``port`` (0 = any free port).
@@ -106,7 +107,7 @@ class UcxTransport:
         self._check_open()
         port = self._listener.port if self._listener is not None else 0
         address = self._ucxx.get_worker_address().tobytes()
-        return EndpointInfo(address, self._host if port else "", port)
+        return EndpointInfo(self.backend, address, self._host if port else "", port)
 
     async def close(self) -> None:
         """Stop: close every endpoint without waiting for its peer, and stop listening.
@@ -126,10 +127,12 @@ class UcxTransport:
     async def connect(self, peer_id: str, info: EndpointInfo, path: UcxPath = UcxPath.WORKER_ADDRESS) -> None:
         """Open the send direction to ``peer_id``: a no-op when it is open to the same
         address; a new address (a restarted peer) retires the old endpoint. ValueError
-        naming the bad field."""
+        naming the bad field (an endpoint of another backend names both)."""
         self._check_open()
         if not peer_id:
             raise ValueError("peer_id: must be non-empty")
+        if info.backend != self.backend:
+            raise ValueError(f"info.backend: {info.backend!r} is not this transport's {self.backend!r}")
         if not isinstance(path, UcxPath):
             raise ValueError(f"path: must be a UcxPath, got {path!r}")
         if self._known.get(peer_id) == (info, path) and peer_id in self._endpoints:
@@ -173,9 +176,9 @@ class UcxTransport:
             self._retired.append(endpoint)
 
     async def _connect_by_address(self, info: EndpointInfo) -> Any:
-        if not info.worker_address:
+        if not info.address:
             raise ValueError("worker_address: empty; the peer has no UCX worker")
-        address = self._ucxx.get_ucx_address_from_buffer(info.worker_address)
+        address = self._ucxx.get_ucx_address_from_buffer(info.address)
         return await self._ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
     async def _connect_by_listener(self, info: EndpointInfo) -> Any:
@@ -207,7 +210,7 @@ class UcxTransport:
         """
         self._check_open()
         array = as_ucx_array(buffer, writable=False)
-        tag = _check_tag(tag)
+        tag = check_tag(tag)
         endpoint = self._endpoints.get(peer_id)
         if endpoint is None:
             raise ValueError(f"peer_id: {peer_id!r} is not connected")
@@ -236,7 +239,7 @@ class UcxTransport:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         array = as_ucx_array(buffer, writable=True)
         deadline = asyncio.get_running_loop().time() + timeout_s
-        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
+        probe = await self._wait_for_message(check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length != array.nbytes:
             await self._discard(probe)
             raise TransferError(
@@ -254,7 +257,7 @@ class UcxTransport:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         deadline = asyncio.get_running_loop().time() + timeout_s
-        probe = await self._wait_for_message(_check_tag(tag), deadline, timeout_s, spin_s)
+        probe = await self._wait_for_message(check_tag(tag), deadline, timeout_s, spin_s)
         if probe.length > max_bytes:
             await self._discard(probe)
             raise TransferError(
@@ -324,12 +327,6 @@ class UcxTransport:
             raise TransportClosed("transport: closed")
         if not self._started:
             raise TransportClosed("transport: not started; call start() first")
-
-
-def _check_tag(tag: int) -> int:
-    if not isinstance(tag, int) or not 0 <= tag < 1 << 64:
-        raise ValueError(f"tag: must be a 64-bit unsigned integer, got {tag!r}")
-    return tag
 
 
 def _close_without_waiting(endpoint: Any) -> None:

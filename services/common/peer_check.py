@@ -9,7 +9,12 @@ Fields are named by their path in RankInfo (``tokens_per_page``,
 as ``[0, 1]``), so an error message can be built from them alone.
 
 Tensor parallelism may differ: the transfer re-slices KV heads, which works when
-each side splits a group's heads evenly (see :func:`heads_per_rank`).
+each side splits a group's heads evenly (see :func:`heads_per_rank`). The transfer
+backends must not: pages move only between transports of one backend
+(``transfer_endpoint.backend``).
+
+A pair whose test transfer fails is refused under :data:`TRANSFER_FIELD`: the one mismatch
+that is a transient failure (the router tries the pair again), not a geometry that differs.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ _GROUP_FIELDS = (
 )
 """LayerGroupInfo fields that must be equal, per group name."""
 
+TRANSFER_FIELD = "transfer_endpoint"
+"""The field a failed test transfer (or connect) refuses a pair under."""
+
 _CONTRACT_FIELDS = ("schema_version", "model_id", "tokens_per_page")
 """RankInfo fields a router's model contract may set: every worker, of any role, must match."""
 
@@ -81,6 +89,7 @@ def heads_per_rank(total_kv_heads: int, tp_size: int) -> int | None:
 def check_peer(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
     """Every reason to refuse ``peer`` as a KV peer of ``local``; [] = accept."""
     mismatches = _check_role(local, peer)
+    mismatches += _check_backend(local, peer)
     mismatches += _diff(local, peer, _FIELDS, prefix="")
     mismatches += _check_groups(local, peer)
     return mismatches
@@ -123,6 +132,15 @@ def _check_role(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> 
             "roles must be complementary: prefill with decode, or both",
         )
     ]
+
+
+def _check_backend(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:
+    """Pages move only between transports of one backend."""
+    ours, theirs = local.transfer_endpoint.backend, peer.transfer_endpoint.backend
+    if ours == theirs:
+        return []
+    why = "pages move only between transports of one backend"
+    return [Mismatch(f"{TRANSFER_FIELD}.backend", repr(ours), repr(theirs), why)]
 
 
 def _check_groups(local: rank_info_pb2.RankInfo, peer: rank_info_pb2.RankInfo) -> list[Mismatch]:

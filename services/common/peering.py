@@ -1,9 +1,9 @@
 """A worker's side of pairing (the Registration service every worker serves).
 
 ``Register(rank_info = peer)`` asks this worker to pair with ``peer``: it checks the
-peer's RankInfo against its own (``check_peer``), connects its UCX endpoint to the peer,
-and runs its half of the test transfer: a decode worker starts echoing, a prefill worker
-sends and waits for the echo. Then the two rank-0s exchange their groups' RankInfos
+peer's RankInfo against its own (``check_peer``, the transfer backend included), connects
+its transport to the peer's endpoint, and runs its half of the test transfer: a decode
+worker starts echoing, a prefill worker sends and waits for the echo. Then the two rank-0s exchange their groups' RankInfos
 (every tensor-parallel rank's) and check them all (services/common/tp_check.py): the
 decode side answers with its group and its verdict, the prefill side checks too, tests
 every other rank pair that will exchange pages, and tells the decode side the outcome.
@@ -13,8 +13,8 @@ Each attempt runs under its own nonce (``RegisterRequest.pairing_nonce``, the ro
 so messages of an attempt that was aborted midway never match a later one's. The test
 transfer is the side channel's ping plus a page test: one message per layer group of a
 real page's size, from and into device memory, echoed. Whatever the transport raises
-refuses the pair as a ``ucx`` mismatch (a transient failure the router retries), logged
-once here with its cause.
+refuses the pair as a ``transfer_endpoint`` mismatch (``TRANSFER_FIELD``: a transient
+failure the router retries), logged once here with its cause.
 """
 
 from __future__ import annotations
@@ -25,13 +25,20 @@ from collections.abc import Callable
 
 import grpc
 
-from kvcore.transfer import EndpointInfo, PairingMessage, PeerRank, TransferAgent, TransferError
+from kvcore.transfer import PairingMessage, PeerRank, TransferAgent, TransferError
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.metrics import Metrics
-from services.common.peer_check import Mismatch, check_peer, format_mismatches, mismatches_to_proto
+from services.common.peer_check import (
+    TRANSFER_FIELD,
+    Mismatch,
+    check_peer,
+    format_mismatches,
+    mismatches_to_proto,
+)
 from services.common.tp_check import check_peer_group, group_from_bytes, group_to_bytes
+from services.common.transfer_proto import endpoint_of
 
 PAIR_TEST_TIMEOUT_S = 10.0
 MAX_NONCE_BYTES = 128
@@ -41,10 +48,6 @@ log = logging.getLogger(__name__)
 def pair_nonce(prefill_id: str, decode_id: str, attempt: str = "") -> str:
     """The pairing test's nonce: the router's ``attempt`` nonce, else one derived from the ids."""
     return f"pair:{prefill_id}->{decode_id}" + (f"#{attempt}" if attempt else "")
-
-
-def endpoint_of(info: rpb.RankInfo) -> EndpointInfo:
-    return EndpointInfo(info.ucx.worker_address, info.ucx.host, info.ucx.port)
 
 
 def peer_ranks(ranks: list[rpb.RankInfo]) -> list[PeerRank]:
@@ -85,9 +88,9 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         if not mismatches:
             try:
                 mismatches = await self._connect_and_test(local, peer, request.pairing_nonce)
-            except Exception as e:  # ucxx raises its own types besides TransferError
+            except Exception as e:  # a backend's library raises its own types besides TransferError
                 why = f"test transfer failed: {type(e).__name__}: {e}"
-                mismatches = [Mismatch("ucx", local.instance_id, peer.instance_id, why)]
+                mismatches = [Mismatch(TRANSFER_FIELD, local.instance_id, peer.instance_id, why)]
         if mismatches:
             log.warning("refused %s as a peer: %s", peer.instance_id, format_mismatches(mismatches))
             self.metrics.registrations.labels("refused").inc()
@@ -148,12 +151,13 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
             await self.agent.test_links(peer_ranks(ranks), lead=True, nonce=nonce)
         except TransferError as e:
             local = self.local_info().instance_id
-            return [Mismatch("ucx", local, peer.instance_id, f"test transfer between ranks failed: {e}")]
+            why = f"test transfer between ranks failed: {e}"
+            return [Mismatch(TRANSFER_FIELD, local, peer.instance_id, why)]
         return []
 
     async def _connect(self, peer: rpb.RankInfo) -> None:
         """The send direction to ``peer``: kept when its address is unchanged (closing an
-        endpoint breaks the peer's replies: kvcore/transfer/ucx.py), opened anew when it
+        endpoint breaks the peer's replies, kvcore/transfer/ucx.py), opened anew when it
         registered again at a new address (a restart)."""
         await self.agent.connect(peer.instance_id, endpoint_of(peer))
 
@@ -161,7 +165,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         async with turn:
             try:
                 await self._connect(peer)
-            except Exception as e:  # ucxx raises its own types besides TransferError
+            except Exception as e:  # a backend's library raises its own types besides TransferError
                 log.warning("pairing with %s failed: connect: %s: %s", peer.instance_id, type(e).__name__, e)
                 self.peers.pop(peer.instance_id, None)
                 return
@@ -173,7 +177,7 @@ class PeerRegistry(reg_grpc.RegistrationServicer):
         accepted = False
         try:
             accepted = await self._answer_steps(peer, nonce)
-        except Exception as e:  # ucxx raises its own types besides TransferError
+        except Exception as e:  # a backend's library raises its own types besides TransferError
             log.warning(
                 "pairing with %s failed: test transfer: %s: %s", peer.instance_id, type(e).__name__, e
             )

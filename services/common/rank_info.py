@@ -13,8 +13,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner, dtype_name
+from kvcore.transfer import EndpointInfo
 from proto.tandem.v1 import rank_info_pb2
 from services.common.peer_check import heads_per_rank
+from services.common.transfer_proto import endpoint_to_proto
 from services.engine.engine import Engine
 from services.engine.setup import group_kv_heads
 
@@ -55,9 +57,7 @@ def build_rank_info(
     tp_rank: int = 0,
     pp_size: int = 1,
     pp_rank: int = 0,
-    ucx_address: bytes = b"",
-    ucx_host: str = "",
-    ucx_port: int = 0,
+    endpoint: EndpointInfo | None = None,
     total_kv_heads: Mapping[str, int] | None = None,
     num_pages: Sequence[int] = (),
 ) -> rank_info_pb2.RankInfo:
@@ -67,6 +67,7 @@ def build_rank_info(
     is taken as unreplicated (``num_kv_heads * tp_size``). Pass it when heads are
     replicated over TP (fewer heads than ranks). ``num_pages`` gives the pool sizes when
     the config holds a byte budget instead; pages are 0 (not sized yet) when neither does.
+    ``endpoint``: the rank's transport's; None = it moves no pages (an aggregated worker).
     """
     _check_ranks(tp_size, tp_rank, "tp_size", "tp_rank")
     _check_ranks(pp_size, pp_rank, "pp_size", "pp_rank")
@@ -81,7 +82,7 @@ def build_rank_info(
         pp_rank=pp_rank,
         **_cache_fields(cache_config),
         groups=groups,
-        ucx=rank_info_pb2.UcxEndpoint(worker_address=ucx_address, host=ucx_host, port=ucx_port),
+        transfer_endpoint=endpoint_to_proto(endpoint) if endpoint is not None else None,
     )
 
 
@@ -122,7 +123,7 @@ def engine_kv_heads(engine: Engine) -> dict[str, int]:
 
 
 def engine_rank_info(
-    engine: Engine, role: str, instance_id: str, ucx_address: bytes
+    engine: Engine, role: str, instance_id: str, endpoint: EndpointInfo | None
 ) -> rank_info_pb2.RankInfo:
     """The RankInfo of the rank running ``engine``: its own pools' heads, TP size and rank."""
     e = engine
@@ -135,7 +136,7 @@ def engine_rank_info(
         drafter_kind="eagle3" if e.drafter else "",
         tp_size=e.tp.size,
         tp_rank=e.tp.rank,
-        ucx_address=ucx_address,
+        endpoint=endpoint,
         total_kv_heads=engine_kv_heads(e),
         num_pages=tuple(e.manager.num_pages(g) for g in e.manager.groups),
     )

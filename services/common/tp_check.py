@@ -1,7 +1,7 @@
 """Registration checks of tensor-parallel groups: every rank's RankInfo.
 
-A worker of TP size n is n ranks, each with its own RankInfo (own ``tp_rank``, own UCX
-worker, own instance id ``<worker>/rank<r>`` past rank 0). Rank 0 registers the group with
+A worker of TP size n is n ranks, each with its own RankInfo (own ``tp_rank``, own transfer
+endpoint, own instance id ``<worker>/rank<r>`` past rank 0). Rank 0 registers the group with
 the router; at pairing the two rank-0s exchange their groups' RankInfos, and each side
 checks (a) that the peer's ranks form one consistent group and (b) every rank of its own
 group against every rank of the peer's with :func:`check_peer`, which accepts different

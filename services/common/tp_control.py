@@ -11,7 +11,8 @@ and rank 0 exits when a rank's does: a group lives and dies as one.
 The commands are kvcore's transfer jobs (``send``, ``recv``, ``test``, ``disconnect``),
 and this module alone gives them a JSON form: page lists ``{group: [first_page, [page
 ids]]}``, routes ``{group: [src_lo, src_hi, dst_lo, dst_hi, whole, src_rank, dst_rank]}``,
-UCX worker addresses base64. Rank 0 in-process and TP 1 workers never take this path.
+endpoints ``[backend, base64 address, host, port]``. Rank 0 in-process and TP 1 workers never
+take this path.
 """
 
 from __future__ import annotations
@@ -267,15 +268,24 @@ def test_to_json(job: LinkTest) -> dict[str, Any]:
     peer = job.peer
     return {
         "peer": peer.instance_id,
-        "address": encode_bytes(peer.endpoint.worker_address),
+        "endpoint": endpoint_to_json(peer.endpoint),
         "nonce": job.nonce,
         "lead": job.lead,
     }
 
 
 def test_from_json(args: dict[str, Any]) -> LinkTest:
-    peer = PeerRank(args["peer"], EndpointInfo(decode_bytes(args["address"])))
+    peer = PeerRank(args["peer"], endpoint_from_json(args["endpoint"]))
     return LinkTest(peer, args["nonce"], args["lead"])
+
+
+def endpoint_to_json(info: EndpointInfo) -> list[Any]:
+    return [info.backend, encode_bytes(info.address), info.host, info.port]
+
+
+def endpoint_from_json(fields: list[Any]) -> EndpointInfo:
+    backend, address, host, port = fields
+    return EndpointInfo(backend, decode_bytes(address), host, port)
 
 
 def rank_handlers(rank: RankTransfer) -> dict[str, Handler]:

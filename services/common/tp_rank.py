@@ -5,7 +5,7 @@ does two things at once:
 
 - a thread follows rank 0's forwards (services/engine/lockstep.py);
 - the event loop runs rank 0's transfer jobs and pairing tests over the control channel
-  with the rank's own UCX worker (:class:`kvcore.transfer.RankTransfer`).
+  with the rank's own transport (:class:`kvcore.transfer.RankTransfer`).
 
 It serves no gRPC and decides nothing; it exits with rank 0.
 """
@@ -50,7 +50,7 @@ async def _serve(config: WorkerConfig, rank: int, engine: Engine, control_port: 
     transfer = RankTransfer(engine.kv_pools, list(engine.manager.groups))
     if config.moves_pages:
         await transfer.start()
-    address = transfer.endpoint().worker_address if config.moves_pages else b""
-    info = engine_rank_info(engine, config.role, rank_instance_id(config.instance_id, rank), address)
+    endpoint = transfer.endpoint() if config.moves_pages else None
+    info = engine_rank_info(engine, config.role, rank_instance_id(config.instance_id, rank), endpoint)
     hello = {"rank": rank, "rank_info": encode_bytes(info.SerializeToString())}
     await serve_rank(control_port, hello, rank_handlers(transfer))

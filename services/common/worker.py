@@ -71,10 +71,8 @@ class WorkerBase:
         """Rank 0's RankInfo (the worker's, as the router knows it): built once its gRPC
         address is known (every Stats answer carries it), a fresh copy each call."""
         if self._rank_info is None or self._rank_info.grpc_address != self.grpc_address:
-            ucx = self.agent.endpoint() if self.config.moves_pages else None
-            info = engine_rank_info(
-                self.engine, self.config.role, self.config.instance_id, ucx.worker_address if ucx else b""
-            )
+            endpoint = self.agent.endpoint() if self.config.moves_pages else None
+            info = engine_rank_info(self.engine, self.config.role, self.config.instance_id, endpoint)
             info.grpc_address = self.grpc_address
             self._rank_info = info
         copy = rpb.RankInfo()

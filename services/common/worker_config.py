@@ -69,5 +69,5 @@ class WorkerConfig:
 
     @property
     def moves_pages(self) -> bool:
-        """Whether this worker transfers pages (not aggregated): it runs a UCX worker."""
+        """Whether this worker transfers pages (not aggregated): it runs a transport."""
         return self.role != "both"

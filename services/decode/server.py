@@ -1,4 +1,4 @@
-"""The decode worker: reserves pages, receives them over UCX, and decodes.
+"""The decode worker: reserves pages, receives them over its transport (UCX), and decodes.
 
 Reserve -> pages for prompt + headroom in every group, and a receive posted for them,
 under a lease; with the prompt's tokens, the pages its prefix cache holds are reused and
@@ -22,13 +22,13 @@ import grpc
 
 from kvcore import Reservation
 from kvcore.transfer import AuxState, TransferError, TransferTimeout
-from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import once
 from services.common.grpc_server import write_stream
 from services.common.outputs import OutputStream
 from services.common.transfer_failure import describe_landing
+from services.common.transfer_proto import endpoint_to_proto
 from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 from services.engine.checks import RequestExists
 
@@ -124,7 +124,6 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
 
     def _reservation_proto(self, res: Reservation, lease_s: float, tag: int) -> wpb.Reservation:
         w, rid = self.worker, res.request_id
-        info = w.agent.endpoint()
         return wpb.Reservation(
             request_id=rid,
             decode_instance_id=w.config.instance_id,
@@ -134,8 +133,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                 for g, table in res.block_tables.items()
             ],
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
-            ucx=rpb.UcxEndpoint(worker_address=info.worker_address, host=info.host, port=info.port),
             transfer_tag=tag,
+            endpoint=endpoint_to_proto(w.agent.endpoint()),
         )
 
     def _expire(self, rid: str) -> None:

@@ -1,9 +1,10 @@
 """The prefill worker: runs prompts, pushes their pages of every group to the decode
 worker that reserved them, and returns the first token.
 
-Prefill(request, reservation): prefill-only run in the engine (pages parked) -> transfer
-of target and draft pages plus aux state over UCX, acknowledged -> pages released to the
-prefix cache, whatever happened: a cancel mid-run aborts the request in the engine, one
+Prefill(request, reservation): the reservation checked once as a transfer target ->
+prefill-only run in the engine (pages parked) -> transfer of target and draft pages plus
+aux state over the worker's transport (UCX), acknowledged -> pages released to the prefix
+cache, whatever happened: a cancel mid-run aborts the request in the engine, one
 mid-transfer releases it; both shielded, so a cancel landing again cannot skip them.
 """
 
@@ -16,7 +17,7 @@ import time
 
 import grpc
 
-from kvcore.transfer import TransferError, TransferTimeout, TransferUsage
+from kvcore.transfer import TransferError, TransferTarget, TransferTimeout, TransferUsage
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
@@ -24,11 +25,19 @@ from services.common.faults import delay
 from services.common.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
 from services.common.peering import PeerRegistry
 from services.common.transfer_failure import describe
+from services.common.transfer_proto import target_of
 from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
 
-TAG_LOW_BITS = (1 << 24) - 1  # a base tag's group and chunk bits, zero in a transfer_tag
 log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A Prefill refused before any work: its status and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
@@ -38,9 +47,10 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
         w, rid = self.worker, request.request_id
-        refusal = self._refusal(request)
-        if refusal is not None:
-            await context.abort(*refusal)
+        try:
+            target = self._target(request)
+        except Refused as e:
+            await context.abort(e.code, e.message)
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -56,61 +66,49 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
-            usage = await self._transfer(request, final, context)
+            usage = await self._transfer(request, target, final, context)
         finally:  # shielded: a second cancel (the router gone) must not drop the release
             if final is not None and final.finish_reason == "prefilled":
                 await asyncio.shield(w.loop.call(w.engine.release, rid))
         w.record_finished(final, "ok", generated=1)  # the first token
         return _response(final, usage)
 
-    def _refusal(self, request: wpb.PrefillRequest) -> tuple[grpc.StatusCode, str] | None:
-        """Why ``request`` is refused before any work (the status and its message), or None."""
-        bad, reservation = grpc.StatusCode.INVALID_ARGUMENT, request.reservation
+    def _target(self, request: wpb.PrefillRequest) -> TransferTarget:
+        """Where ``request``'s pages go, once the request is valid and its reservation names a
+        paired peer; Refused naming the field otherwise. (A reservation on another transfer
+        backend than this worker's fails at the send: its decode worker passed pairing.)"""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.request_id:
-            return bad, "request_id: empty"
+            raise Refused(bad, "request_id: empty")
         if not request.prompt_token_ids:
-            return bad, "prompt_token_ids: empty"
-        if not reservation.decode_instance_id:
-            return bad, "reservation.decode_instance_id: empty"
-        if not reservation.groups:
-            return bad, "reservation.groups: empty"
-        for i, g in enumerate(reservation.groups):
-            if g.num_held > len(g.page_ids):
-                return bad, f"reservation.groups[{i}].num_held: {g.num_held} of {len(g.page_ids)} pages"
-        if reservation.transfer_tag & TAG_LOW_BITS:
-            return bad, f"reservation.transfer_tag: {reservation.transfer_tag:#x} has its low 24 bits set"
-        if reservation.decode_instance_id not in self.peers.peers:
-            return (
+            raise Refused(bad, "prompt_token_ids: empty")
+        try:
+            target = target_of(request.reservation)
+        except ValueError as e:
+            raise Refused(bad, f"reservation.{e}") from None
+        if target.peer_id not in self.peers.peers:
+            raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"reservation.decode_instance_id: {reservation.decode_instance_id!r} is not a paired peer",
+                f"reservation.decode_instance_id: {target.peer_id!r} is not a paired peer",
             )
-        return None
+        return target
 
-    async def _transfer(self, request: wpb.PrefillRequest, final: RequestOutput, context) -> cpb.Usage:
-        """Send the parked request's pages and aux state to the decode worker that reserved
-        them (not when it finished at its first token); the usage, transfers included."""
+    async def _transfer(
+        self, request: wpb.PrefillRequest, target: TransferTarget, final: RequestOutput, context
+    ) -> cpb.Usage:
+        """Send the parked request's pages and aux state to ``target``, the decode worker that
+        reserved them (not when it finished at its first token); the usage, transfers included."""
         w, n = self.worker, len(request.prompt_token_ids)
         usage = add_cached_tokens(cpb.Usage(prompt_tokens=n), final.usage.cached_tokens)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
             return usage
-        decode_id = request.reservation.decode_instance_id
+        decode_id = target.peer_id
         aux = dataclasses.replace(final.aux, sender_id=w.config.instance_id)
-        dest = {g.group: list(g.page_ids) for g in request.reservation.groups}
-        held = {g.group: g.num_held for g in request.reservation.groups}
         if delay("prefill.before_send"):
             await asyncio.sleep(delay("prefill.before_send"))
         start = time.monotonic()
         try:
-            moved = await w.agent.send_request(
-                request.request_id,
-                n,
-                decode_id,
-                aux,
-                w.config.transfer_timeout_s,
-                dest,
-                held,
-                request.reservation.transfer_tag,
-            )
+            moved = await w.agent.send_to(target, request.request_id, n, aux, w.config.transfer_timeout_s)
         except (TransferError, ValueError) as e:  # every transfer failure is retryable elsewhere
             self._count_failure(e)
             log.warning(

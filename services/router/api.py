@@ -153,7 +153,7 @@ class RouterAPI:
     async def model_info(self) -> cpb.ModelInfoResponse:
         """The served model and its limits; the drafter as the first registered worker says;
         forced acceptance (benchmarks only) as the first worker that forces it says. The
-        workers' RankInfos without where to reach them (gRPC and UCX addresses): this is a
+        workers' RankInfos without where to reach them (gRPC address, transfer endpoint): this is a
         client call, and clients have no business with the workers' endpoints."""
         lim = self.limits
         workers = [_without_addresses(w.info) for w in self.cluster.registry.workers.values()]
@@ -199,7 +199,7 @@ def _without_addresses(info: rpb.RankInfo) -> rpb.RankInfo:
     shown = rpb.RankInfo()
     shown.CopyFrom(info)
     shown.ClearField("grpc_address")
-    shown.ClearField("ucx")
+    shown.ClearField("transfer_endpoint")
     return shown
 
 

@@ -1,10 +1,11 @@
 """Workers joining and leaving the router, and every new prefill/decode pair tested.
 
 A pair is tested in the background as soon as both of its workers are registered:
-1. the decode worker checks the prefill worker's RankInfo (its ``Register``), connects its
-   UCX endpoint to it (for acknowledgements) and waits for the test transfer;
+1. the decode worker checks the prefill worker's RankInfo (its ``Register``: the transfer
+   backend too), connects its transport to it (for acknowledgements) and waits for the test
+   transfer;
 2. the prefill worker checks the decode worker's RankInfo, connects, and runs the test
-   transfer (a 64 KiB buffer sent and echoed over UCX).
+   transfer (a 64 KiB buffer sent and echoed over the transport, UCX).
 
 Invariants:
 - A registration is refused (RouterError) before anything changes: an empty instance id,
@@ -32,7 +33,7 @@ from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
-from services.common.peer_check import check_contract, format_mismatches, mismatches_to_proto
+from services.common.peer_check import TRANSFER_FIELD, check_contract, format_mismatches, mismatches_to_proto
 from services.router.cluster import Cluster
 from services.router.errors import ErrorCode, RouterError
 from services.router.registry import PairState, Worker
@@ -77,7 +78,7 @@ class Registration:
     async def _confirm_live(self, info: rpb.RankInfo, registered: Worker | None) -> None:
         """A live worker registered again (at its own address: ``check_identity``): the
         process at that address must report this very RankInfo (a restart does; a second
-        caller with the same identity, or none, cannot replace a live worker's UCX address
+        caller with the same identity, or none, cannot replace a live worker's transfer endpoint
         or geometry). RouterError otherwise, naming what differs."""
         if registered is None or not registered.healthy or info.instance_id not in self.cluster.channels:
             return
@@ -200,7 +201,8 @@ async def pair_workers(
 ) -> tuple[PairState, str]:
     """Run both registrations, decode side first, under a fresh pairing nonce. Returns the
     pair's state and why: FAILED for a transient failure (an RPC, the test transfer: the
-    ``ucx`` field), REFUSED for a RankInfo mismatch."""
+    ``transfer_endpoint`` field), REFUSED for a RankInfo mismatch (another transfer backend
+    included)."""
     steps = ((decode, prefill), (prefill, decode))  # (who checks, whose info)
     nonce = secrets.token_hex(8)
     for checker, peer in steps:
@@ -211,7 +213,7 @@ async def pair_workers(
         except grpc.aio.AioRpcError as e:
             return PairState.FAILED, f"{checker.instance_id}: {e.code().name}: {e.details()}"
         if not response.accepted:
-            transient = all(m.field == "ucx" for m in response.mismatches)
+            transient = all(m.field == TRANSFER_FIELD for m in response.mismatches)
             mismatches = describe_mismatches(response)
             state = PairState.FAILED if transient else PairState.REFUSED
             return state, f"{checker.instance_id} refused {peer.instance_id}: {mismatches}"

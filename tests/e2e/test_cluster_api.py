@@ -242,26 +242,27 @@ def test_model_info_shows_clients_no_worker_address(mixed):
     with grpc.insecure_channel(mixed.router_address) as channel:
         workers = cpb_grpc.TandemStub(channel).ModelInfo(cpb.ModelInfoRequest(), timeout=5).workers
     assert sorted(w.instance_id for w in workers) == ["decode-1", "decode-2", "prefill-0"]
-    assert all(not w.grpc_address and not w.HasField("ucx") for w in workers)
+    assert all(not w.grpc_address and not w.HasField("transfer_endpoint") for w in workers)
     assert all(w.groups and w.tokens_per_page for w in workers)  # the geometry stays
 
 
 def test_a_live_workers_registration_cannot_be_replaced_by_another_caller(mixed):
     """Without credentials every caller has the same identity: a Register of the live
-    decode-1 at its own address, with a garbled UCX address, would have taken its place
+    decode-1 at its own address, with a garbled transfer address, would have taken its place
     (its pair FAILED for good). The router asks the worker at that address, which reports
     its own RankInfo: refused, naming what differs; the pair keeps serving."""
     decode = next(p for p in mixed.processes if p.name == "decode-1")
     with grpc.insecure_channel(decode.grpc) as channel:  # an attacker reaching a worker's port
         forged = wpb_grpc.DecodeWorkerStub(channel).Stats(wpb.StatsRequest(), timeout=5).rank_info
-    forged.ucx.worker_address = b"\x00" * len(forged.ucx.worker_address)
+    forged.transfer_endpoint.address = b"\x00" * len(forged.transfer_endpoint.address)
     with grpc.insecure_channel(mixed.router_address) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             reg_grpc.RegistrationStub(channel).Register(reg.RegisterRequest(rank_info=forged), timeout=10)
         health = cpb_grpc.TandemStub(channel).Health(cpb.HealthRequest(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert refused.value.details() == (
-        f"rank_info: ucx differ from what the live worker 'decode-1' at {forged.grpc_address} reports"
+        f"rank_info: transfer_endpoint differ from what the live worker 'decode-1' at "
+        f"{forged.grpc_address} reports"
     )
     assert (health.status, health.num_ready_pairs) == (cpb.SERVING_STATUS_SERVING, 1)
     tokens, _ = generate(mixed.router_address, PROMPT, 4, temperature=0)

@@ -24,7 +24,7 @@ import os
 import torch
 
 from kvcore import AuxState, CacheConfig, KVCacheManager, KVPools
-from kvcore.transfer import EndpointInfo, HeadRoute, PeerRank, RankTransfer, RecvJob, SendJob, TransferAgent
+from kvcore.transfer import HeadRoute, PeerRank, RankTransfer, RecvJob, SendJob, TransferAgent
 from kvcore.transfer.tags import ACK_GROUP, message_tag, request_tag, split_tag
 from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
 from tests.kvcore.conftest import make_config
@@ -88,10 +88,9 @@ async def _side(role: str, device: str, conn) -> None:
     await transport.start()
     states = {c: _state(role, device, c) for c in CASES}
     rows = {c: {g: m.block_table(c, g) for g in m.groups} for c, (m, _) in states.items()}
-    conn.send((transport.local_info().worker_address, rows if role == "recv" else None))
-    address, peer_rows = await asyncio.to_thread(conn.recv)
+    conn.send((transport.local_info(), rows if role == "recv" else None))
+    info, peer_rows = await asyncio.to_thread(conn.recv)
     peer = "recv" if role == "send" else "send"
-    info = EndpointInfo(address)
     await transport.connect(peer, info)
     report = {}
     for case, (manager, pools) in states.items():

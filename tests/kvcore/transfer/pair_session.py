@@ -1,6 +1,7 @@
-"""The TP 1 pair of tests/kvcore/transfer/test_agent.py: a prefill and a decode process
+"""The TP 1 pair of tests/kvcore/transfer/test_agent.py: a prefill and a decode side
 run every layout's transfer through their agents, the side channel, and a receive that
-nobody sends."""
+nobody sends (as processes over UCX, or coroutines over the fake transport:
+:mod:`tests.kvcore.transfer.runs`)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import torch
 
 from kvcore import AuxState, CacheConfig, KVCacheManager, KVLayout, KVPools
 from kvcore.transfer import (
-    EndpointInfo,
     PairingMessage,
     PeerRank,
     TransferAgent,
     TransferError,
     TransferTimeout,
+    Transport,
+    new_transport,
 )
 from kvcore.transfer.tags import request_tag
-from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV
 from tests.kvcore.conftest import make_config
+from tests.kvcore.transfer.conns import ProcessConn
 from tests.kvcore.transfer.sessions import HIDDEN, NUM_TOKENS, TIMEOUT_S, landed, seeded
 
+ROLES = ("prefill", "decode")
 PROMPT = list(range(1, NUM_TOKENS + 1))
 CASES = {  # name -> (layout, target window, decode holds the prompt's first 12 tokens)
     "unified": (KVLayout.UNIFIED, 0, False),
@@ -62,23 +66,33 @@ def _receiver_state(case: str):
     return manager, pools, reservation
 
 
-def pair_child(role: str, conn) -> None:
+async def lead_pair(parents: dict) -> tuple[dict, dict]:
+    """The parent of the two sides (``parents``: its conn to each): hand each the other's
+    endpoint (the prefill side the decode side's reservations too); their reports."""
+    hello = {r: await parents[r].recv() for r in ROLES}
+    parents["prefill"].send(hello["decode"])
+    parents["decode"].send((hello["prefill"][0], {}))
+    return await parents["prefill"].recv(), await parents["decode"].recv()
+
+
+def pair_child(role: str, conn, backend: str) -> None:
+    """A side as a process over ``backend`` (``conn``: its multiprocessing pipe end)."""
     os.environ.update(LOOPBACK_ENV)
-    asyncio.run(_pair_side(role, conn))
+    asyncio.run(pair_side(role, ProcessConn(conn), new_transport(backend)))
 
 
-async def _pair_side(role: str, conn) -> None:
-    transport = UcxTransport()
+async def pair_side(role: str, conn, transport: Transport) -> None:
+    """Side ``role`` on ``transport``, not yet started; ``conn`` to the parent."""
     await transport.start()
     states = {c: sender_state(c) if role == "prefill" else _receiver_state(c) for c in CASES}
     reservations = {c: (s[2].block_tables, s[2].num_held) for c, s in states.items() if role == "decode"}
-    conn.send((transport.local_info().worker_address, reservations))
-    address, peer_reservations = await asyncio.to_thread(conn.recv)
+    conn.send((transport.local_info(), reservations))
+    endpoint, peer_reservations = await conn.recv()
     peer_id = "decode" if role == "prefill" else "prefill"
     agents = {c: TransferAgent(s[0], s[1], HIDDEN, transport) for c, s in states.items()}
     for agent in agents.values():
-        await agent.connect(peer_id, EndpointInfo(address))
-        agent.pair(peer_id, [PeerRank(peer_id, EndpointInfo(address))])
+        await agent.connect(peer_id, endpoint)
+        agent.pair(peer_id, [PeerRank(peer_id, endpoint)])
     if role == "prefill":
         report = await _send_cases(agents, peer_reservations)
     else:

@@ -1,8 +1,9 @@
-"""RankLinks over a multiprocessing pipe, for tests: rank 0's jobs reach rank 1 pickled.
+"""RankLinks over a pipe, for tests: rank 0's jobs reach rank 1 as they are (pickled between
+processes, by reference in one: :mod:`tests.kvcore.transfer.conns`).
 
 The services carry jobs over their JSON control channel; here a pipe carries the same
-dataclasses, so the tests run the real agent, fan-out and per-rank code across processes
-without the services. Messages, rank 0 -> rank 1: ``("job", id, key, op, job)``,
+dataclasses, so the tests run the real agent, fan-out and per-rank code without the
+services. Messages, rank 0 -> rank 1: ``("job", id, key, op, job)``,
 ``("cancel", id)``, ``("stop",)``; rank 1 -> rank 0: ``("done", id, ok, value)``. ``key``
 picks one of several RankTransfers the rank-1 process serves (one per scenario).
 """
@@ -51,7 +52,7 @@ class PipeClient:
 
     async def _read(self) -> None:
         while True:
-            _, n, ok, value = await asyncio.to_thread(self.conn.recv)
+            _, n, ok, value = await self.conn.recv()
             future = self._waiting.get(n)
             if future is not None and not future.done():
                 future.set_result((ok, value))
@@ -79,8 +80,10 @@ class PipeLinks:
 
 
 async def serve_pipe(conn, ranks: dict[Any, RankTransfer]) -> dict[str, int]:
-    """Rank 1: run rank 0's jobs until it says stop; how many jobs ran to each outcome."""
+    """Rank 1: run rank 0's jobs until it says stop; how many jobs ran to each outcome
+    (counted once every job cancelled before the stop has ended)."""
     running: dict[int, asyncio.Task] = {}
+    cancelled: list[asyncio.Task] = []
     outcomes = {"ok": 0, "failed": 0, "cancelled": 0}
 
     async def run(n: int, key: Any, op: str, job: Any) -> None:
@@ -96,12 +99,14 @@ async def serve_pipe(conn, ranks: dict[Any, RankTransfer]) -> dict[str, int]:
         running.pop(n, None)
         conn.send(("done", n, *reply))
 
-    while (message := await asyncio.to_thread(conn.recv))[0] != "stop":
+    while (message := await conn.recv())[0] != "stop":
         if message[0] == "cancel":
             task = running.get(message[1])
             if task is not None:
                 task.cancel()
+                cancelled.append(task)
             continue
         _, n, key, op, job = message
         running[n] = asyncio.ensure_future(run(n, key, op, job))
+    await asyncio.gather(*cancelled, return_exceptions=True)
     return outcomes

@@ -1,10 +1,11 @@
 """The TP groups of tests/kvcore/transfer/test_agent.py: four ranks, real agents over
-loopback UCX (the TP 1 pair is :mod:`tests.kvcore.transfer.pair_session`).
+one transport each (the TP 1 pair is :mod:`tests.kvcore.transfer.pair_session`; how the
+sides run, processes over UCX or coroutines over the fake: :mod:`tests.kvcore.transfer.runs`).
 
-Each child is one rank of one worker, with its own UCX worker shared by every scenario it
+Each side is one rank of one worker, with its own transport shared by every scenario it
 takes part in. Rank 0 of a worker runs the TransferAgent the servers run; rank 1 runs its
 RankTransfer on rank 0's jobs, carried by a pipe (:mod:`tests.kvcore.transfer.rank_pipe`).
-Children report plain bytes and lists: tensors through a pipe travel as file
+Sides report plain bytes and lists: tensors through a process pipe travel as file
 descriptors, which a child exiting first would close.
 """
 
@@ -24,17 +25,13 @@ from kvcore import (
     Lifecycle,
     Owner,
 )
-from kvcore.transfer import (
-    EndpointInfo,
-    PeerRank,
-    RankTransfer,
-    TransferAgent,
-    heads_of_rank,
-)
+from kvcore.transfer import PeerRank, RankTransfer, TransferAgent, Transport, heads_of_rank, new_transport
 from kvcore.transfer.tags import AUX_GROUP, message_tag, request_tag
-from kvcore.transfer.ucx import LOOPBACK_ENV, UcxTransport
+from kvcore.transfer.ucx import LOOPBACK_ENV
+from tests.kvcore.transfer.conns import ProcessConn
 from tests.kvcore.transfer.rank_pipe import PipeClient, PipeLinks, serve_pipe
 
+RANKS = ("P0", "P1", "D0", "D1")
 HEADS = {"target": 4, "draft": 1}  # KV heads of the whole layer: split 2 + 2, replicated
 NUM_TOKENS = 22
 HIDDEN = 8
@@ -88,9 +85,20 @@ def landed(manager: KVCacheManager, pools: KVPools, request_id: str, held=None) 
 # ---------------------------------------------------------------- TP groups, four ranks
 
 
-def tp_child(name: str, parent, sibling) -> None:
+async def lead_tp(parents: dict) -> dict[str, dict]:
+    """The parent of the four ranks (``parents``: its conn to each): hand every rank the
+    others' endpoints and the decode side's rows, then collect their reports."""
+    hello = {n: await parents[n].recv() for n in RANKS}
+    endpoints = {n: h[0] for n, h in hello.items()}
+    for conn in parents.values():
+        conn.send((endpoints, hello["D0"][1]))
+    return {n: await parents[n].recv() for n in RANKS}
+
+
+def tp_child(name: str, parent, sibling, backend: str) -> None:
+    """A rank as a process over ``backend`` (``parent``, ``sibling``: multiprocessing pipe ends)."""
     os.environ.update(LOOPBACK_ENV)
-    asyncio.run(_tp_rank(name, parent, sibling))
+    asyncio.run(tp_rank(name, ProcessConn(parent), ProcessConn(sibling), new_transport(backend)))
 
 
 def rank_state(side: str, rank: int, scenario: tuple[int, int]) -> tuple[KVCacheManager, KVPools]:
@@ -113,9 +121,10 @@ def rank_state(side: str, rank: int, scenario: tuple[int, int]) -> tuple[KVCache
     return manager, pools
 
 
-async def _tp_rank(name: str, parent, sibling) -> None:
+async def tp_rank(name: str, parent, sibling, transport: Transport) -> None:
+    """Rank ``name`` (e.g. "P0") on ``transport``, not yet started; ``parent`` and ``sibling``
+    are its conns to the parent and to the other rank of its worker."""
     side, rank = name[0], int(name[1])
-    transport = UcxTransport()
     await transport.start()
     states = {sc: rank_state(side, rank, sc) for sc in SCENARIOS if rank < tp_of(side, sc)}
     rows = {
@@ -123,27 +132,27 @@ async def _tp_rank(name: str, parent, sibling) -> None:
         for sc, (m, _) in states.items()
         if side == "D"
     }
-    parent.send((transport.local_info().worker_address, rows))
-    addresses, dest = await asyncio.to_thread(parent.recv)
+    parent.send((transport.local_info(), rows))
+    endpoints, dest = await parent.recv()
     if rank == 1:
         ranks = {sc: RankTransfer(pools, list(m.groups), transport) for sc, (m, pools) in states.items()}
         report = {"outcomes": await serve_pipe(sibling, ranks)}
     else:
-        report = await _lead_rank(side, states, transport, PipeClient(sibling), addresses, dest)
+        report = await _lead_rank(side, states, transport, PipeClient(sibling), endpoints, dest)
     if side == "D":
         report["landed"] = {rid(*sc): landed(m, pools, rid(*sc)) for sc, (m, pools) in states.items()}
     parent.send(report)
     await transport.close()
 
 
-async def _lead_rank(side, states, transport, client: PipeClient, addresses, dest) -> dict:
+async def _lead_rank(side, states, transport, client: PipeClient, endpoints, dest) -> dict:
     """Rank 0: pair every scenario's agent in turn, run every transfer at once, then the
     cancelled receive (2 -> 2)."""
     agents = {}
     for sc, (m, pools) in states.items():
         links = PipeLinks(client, sc) if tp_of(side, sc) == 2 else None
         agents[sc] = TransferAgent(m, pools, HIDDEN, transport, links, total_heads=HEADS)
-        await _pair(agents[sc], side, sc, addresses)
+        await _pair(agents[sc], side, sc, endpoints)
     usage = await asyncio.gather(*(_transfer(side, sc, a, dest) for sc, a in agents.items()))
     report = {"usage": {rid(*sc): (u.bytes, u.pages) for sc, u in zip(agents, usage, strict=True)}}
     if side == "P":
@@ -155,11 +164,9 @@ async def _lead_rank(side, states, transport, client: PipeClient, addresses, des
     return report
 
 
-async def _pair(agent: TransferAgent, side: str, scenario: tuple[int, int], addresses) -> None:
+async def _pair(agent: TransferAgent, side: str, scenario: tuple[int, int], endpoints) -> None:
     other = "D" if side == "P" else "P"
-    peer = [
-        PeerRank(f"{other}{r}", EndpointInfo(addresses[f"{other}{r}"])) for r in range(tp_of(other, scenario))
-    ]
+    peer = [PeerRank(f"{other}{r}", endpoints[f"{other}{r}"]) for r in range(tp_of(other, scenario))]
     await agent.connect(peer[0].instance_id, peer[0].endpoint)
     agent.pair(peer[0].instance_id, peer)
     await agent.test_links(peer, lead=side == "P", nonce=f"pair-{rid(*scenario)}")

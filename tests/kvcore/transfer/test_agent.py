@@ -1,4 +1,5 @@
-"""The TransferAgent the servers run moves pages between real processes, bit for bit.
+"""The TransferAgent the servers run moves pages bit for bit, between real processes over
+UCX and between coroutines of one process over the fake transport (tests.kvcore.transfer.runs).
 
 TP groups: four processes (prefill ranks P0, P1; decode ranks D0, D1) pair and then run
 TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2 at once through the agent and its rank fan-out. The
@@ -12,53 +13,19 @@ side's prefix cache), the pairing side channel, and a receive that times out.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
 from kvcore import KVPools
 from kvcore.transfer import heads_of_rank
 from kvcore.transfer.head_routes import head_routes
-from tests.kvcore.transfer import pair_session, sessions
+from tests.kvcore.transfer import pair_session, runs, sessions
 from tests.kvcore.transfer.sessions import HEADS, NUM_TOKENS, SCENARIOS, rid
 
-RANKS = ("P0", "P1", "D0", "D1")
 
-
-def _recv(conn, timeout_s: float = 90.0):
-    if not conn.poll(timeout_s):
-        raise TimeoutError("child process did not answer")
-    return conn.recv()
-
-
-def _finish(processes) -> None:
-    for p in processes:
-        p.join(timeout=sessions.TIMEOUT_S)
-        if p.is_alive():
-            p.kill()
-
-
-@pytest.fixture(scope="module")
-def tp_reports() -> dict[str, dict]:
-    ctx = mp.get_context("spawn")
-    parents, ends = zip(*(ctx.Pipe() for _ in RANKS), strict=True)
-    p_pipe, d_pipe = ctx.Pipe(), ctx.Pipe()
-    siblings = {"P0": p_pipe[0], "P1": p_pipe[1], "D0": d_pipe[0], "D1": d_pipe[1]}
-    procs = [
-        ctx.Process(target=sessions.tp_child, args=(n, end, siblings[n]), daemon=True)
-        for n, end in zip(RANKS, ends, strict=True)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        hello = dict(zip(RANKS, (_recv(c) for c in parents), strict=True))
-        addresses = {n: h[0] for n, h in hello.items()}
-        for c in parents:
-            c.send((addresses, hello["D0"][1]))
-        return dict(zip(RANKS, (_recv(c) for c in parents), strict=True))
-    finally:
-        _finish(procs)
+@pytest.fixture(scope="module", params=runs.BACKENDS)
+def tp_reports(request) -> dict[str, dict]:
+    return runs.tp_reports(request.param)
 
 
 def _sent():
@@ -108,21 +75,9 @@ def test_a_cancelled_receive_cancels_the_other_ranks_job(tp_reports):
 # ---------------------------------------------------------------- TP 1 pair
 
 
-@pytest.fixture(scope="module")
-def pair_reports() -> tuple[dict, dict]:
-    ctx = mp.get_context("spawn")
-    pipes = {r: ctx.Pipe() for r in ("prefill", "decode")}
-    procs = [ctx.Process(target=pair_session.pair_child, args=(r, pipes[r][1]), daemon=True) for r in pipes]
-    for p in procs:
-        p.start()
-    try:
-        parent = {r: pipes[r][0] for r in pipes}
-        hello = {r: _recv(parent[r]) for r in parent}
-        parent["prefill"].send((hello["decode"][0], hello["decode"][1]))
-        parent["decode"].send((hello["prefill"][0], {}))
-        return _recv(parent["prefill"]), _recv(parent["decode"])
-    finally:
-        _finish(procs)
+@pytest.fixture(scope="module", params=runs.BACKENDS)
+def pair_reports(request) -> tuple[dict, dict]:
+    return runs.pair_reports(request.param)
 
 
 @pytest.mark.parametrize("case", list(pair_session.CASES))

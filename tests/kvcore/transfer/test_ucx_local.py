@@ -151,9 +151,10 @@ def test_bad_input_names_the_field():
         info = transport.local_info()
         cases = [
             (transport.connect("", info), "peer_id"),
-            (transport.connect("x", EndpointInfo(b"")), "worker_address"),
-            (transport.connect("x", EndpointInfo(b"", "", 0), UcxPath.LISTENER), "host"),
-            (transport.connect("x", EndpointInfo(b"", "127.0.0.1", 0), UcxPath.LISTENER), "port"),
+            (transport.connect("x", EndpointInfo("ucx", b"")), "worker_address"),
+            (transport.connect("x", EndpointInfo("ucx", b"", "", 0), UcxPath.LISTENER), "host"),
+            (transport.connect("x", EndpointInfo("ucx", b"", "127.0.0.1", 0), UcxPath.LISTENER), "port"),
+            (transport.connect("x", EndpointInfo("nixl", info.address)), "backend: 'nixl' .* 'ucx'"),
             (transport.send("nobody", b"x", 1), "peer_id"),
             (transport.send("self", b"x", -1), "tag"),
             (transport.send("self", b"x", 1 << 64), "tag"),

@@ -21,7 +21,9 @@ def full_rank_info() -> rank_info_pb2.RankInfo:
         num_draft_layers=1,
         num_spec_tokens=3,
         draft_block_width=4,
-        ucx=rank_info_pb2.UcxEndpoint(worker_address=b"\x00\x01ucx\xff", host="127.0.0.1", port=13337),
+        transfer_endpoint=rank_info_pb2.TransferEndpoint(
+            backend="ucx", address=b"\x00\x01ucx\xff", host="127.0.0.1", port=13337
+        ),
     )
 
 
@@ -94,8 +96,8 @@ def full_reservation() -> worker_pb2.Reservation:
             worker_pb2.GroupPages(group="draft", page_ids=[-1, -1, 5, 9, 2, 3, 4]),
         ],
         lease_deadline_unix_ms=1_900_000_000_000,
-        ucx=full_rank_info().ucx,
         transfer_tag=2**63,
+        endpoint=full_rank_info().transfer_endpoint,
     )
 
 

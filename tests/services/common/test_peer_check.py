@@ -89,9 +89,18 @@ def test_identical_geometry_is_accepted():
 def test_fields_outside_the_check_are_ignored():
     local, peer = prefill_and_decode()
     peer.instance_id, peer.tp_rank, peer.pp_rank = "elsewhere", 0, 3
-    peer.ucx.worker_address, peer.ucx.port = b"addr", 4242
+    peer.transfer_endpoint.address, peer.transfer_endpoint.port = b"addr", 4242
     peer.groups[0].num_pages, peer.groups[1].page_bytes = 7, 12345
     assert check_peer(local, peer) == []
+
+
+def test_a_peer_of_another_transfer_backend_is_refused_naming_both():
+    local, peer = prefill_and_decode()
+    local.transfer_endpoint.backend, peer.transfer_endpoint.backend = "ucx", "nixl"
+    why = "pages move only between transports of one backend"
+    assert check_peer(local, peer) == [Mismatch("transfer_endpoint.backend", "'ucx'", "'nixl'", why)]
+    named = format_mismatches(check_peer(local, peer))
+    assert named == f"transfer_endpoint.backend: local 'ucx', peer 'nixl' ({why})"
 
 
 def test_group_on_one_side_only():

@@ -58,7 +58,7 @@ def test_rank_info_round_trip():
     assert parsed.groups[1].window == 256
     assert list(parsed.groups[0].layer_ids) == [0, 1, 2]
     assert parsed.groups[0].page_bytes == 98304
-    assert parsed.ucx.worker_address == b"\x00\x01ucx\xff"
+    assert parsed.transfer_endpoint.address == b"\x00\x01ucx\xff"
     assert parsed.kv_layout == rank_info_pb2.KV_LAYOUT_SEPARATE
 
 

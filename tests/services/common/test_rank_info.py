@@ -3,6 +3,7 @@
 import pytest
 
 from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner
+from kvcore.transfer import EndpointInfo
 from proto.tandem.v1 import rank_info_pb2 as pb
 from services.common.peer_check import check_peer
 from services.common.rank_info import SCHEMA_VERSION, build_rank_info, engine_rank_info
@@ -42,9 +43,7 @@ def build(config: CacheConfig | None = None, **overrides) -> pb.RankInfo:
         drafter_kind="eagle3",
         tp_size=2,
         tp_rank=1,
-        ucx_address=b"\x01\x02",
-        ucx_host="127.0.0.1",
-        ucx_port=7000,
+        endpoint=EndpointInfo("ucx", b"\x01\x02", "127.0.0.1", 7000),
     )
     return build_rank_info(config or make_config(), **(kwargs | overrides))
 
@@ -105,7 +104,9 @@ def test_target_and_windowed_fp8_draft():
         num_draft_layers=1,
         num_spec_tokens=3,
         draft_block_width=2,
-        ucx=pb.UcxEndpoint(worker_address=b"\x01\x02", host="127.0.0.1", port=7000),
+        transfer_endpoint=pb.TransferEndpoint(
+            backend="ucx", address=b"\x01\x02", host="127.0.0.1", port=7000
+        ),
     )
     assert SCHEMA_VERSION == 1
 
@@ -192,8 +193,8 @@ def test_bad_pool_sizes_name_the_field(num_pages):
 def test_an_engine_forcing_acceptance_publishes_it_and_a_lossless_one_does_not(tmp_path):
     pair = write_pair(tmp_path)
     forced = make_engine(pair, k=2, forced_acceptance=1, unsafe_forced_acceptance=True)
-    info = engine_rank_info(forced, "decode", "decode-0", b"")
+    info = engine_rank_info(forced, "decode", "decode-0", None)
     assert info.HasField("unsafe_forced_acceptance") and info.unsafe_forced_acceptance == 1
-    lossless = engine_rank_info(make_engine(pair, k=2), "prefill", "prefill-0", b"")
+    lossless = engine_rank_info(make_engine(pair, k=2), "prefill", "prefill-0", None)
     assert not lossless.HasField("unsafe_forced_acceptance")
     assert [m.field for m in check_peer(info, lossless)] == ["unsafe_forced_acceptance"]

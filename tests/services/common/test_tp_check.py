@@ -4,6 +4,7 @@ is checked at pairing: TP sizes may differ when the KV heads split over both."""
 from __future__ import annotations
 
 from kvcore.spec import CacheConfig, LayerGroupSpec, Lifecycle, Owner
+from kvcore.transfer import EndpointInfo
 from proto.tandem.v1 import rank_info_pb2 as pb
 from services.common.rank_info import build_rank_info
 from services.common.tp_check import (
@@ -49,7 +50,7 @@ def group(
             tp_size=tp,
             tp_rank=r,
             total_kv_heads=HEADS,
-            ucx_address=bytes([r + 1]),
+            endpoint=EndpointInfo("ucx", bytes([r + 1])),
         )
         for r in range(tp)
     ]

@@ -81,7 +81,8 @@ def test_every_job_arrives_as_it_was_sent():
         "r", "decode-1/rank1", 1, PAGES, ROUTES, 5.0, {"target": [0, 1, 2, 3], "draft": [-1, -1, 5]}, 7 << 24
     )
     recv = RecvJob("r", PAGES, {0: ROUTES, 1: {"target": ROUTES["target"]}}, 5.0, 9 << 24)
-    test = LinkTest(PeerRank("prefill-1/rank1", EndpointInfo(b"\x00\xffaddress")), "pair:a->b/1->0", True)
+    peer = PeerRank("prefill-1/rank1", EndpointInfo("ucx", b"\x00\xffaddress", "127.0.0.1", 7))
+    test = LinkTest(peer, "pair:a->b/1->0", True)
 
     async def run() -> list:
         return [

@@ -66,7 +66,7 @@ def test_the_prefill_workers_release_survives_a_second_cancel():
         servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
         started = asyncio.Event()
 
-        async def stalled_transfer(request, final, context):
+        async def stalled_transfer(request, target, final, context):
             started.set()
             await asyncio.sleep(60)  # the decode worker never acknowledges
 
