@@ -3,11 +3,12 @@
 ``Register(rank_info = peer)`` asks this worker to pair with ``peer``: it checks the
 peer's RankInfo against its own (``check_peer``, the transfer backend included), connects
 its transport to the peer's endpoint, and runs its half of the test transfer: a decode
-worker starts echoing, a prefill worker sends and waits for the echo. Then the two
-rank-0s exchange their groups' RankInfos (every tensor-parallel rank's) and check them all (services/common/tp_check.py): the
-decode side answers with its group and its verdict, the prefill side checks too, tests
-every other rank pair that will exchange pages, and tells the decode side the outcome.
-Only then is the peer accepted and may take traffic; a refusal names every mismatch.
+worker starts echoing, a prefill worker sends and waits for the echo. Then the two rank-0s
+exchange their groups' RankInfos (every tensor-parallel rank's) and check them all
+(services/common/tp_check.py): the decode side answers with its group and its verdict, the
+prefill side checks too, tests every other rank pair that will exchange pages, and tells
+the decode side the outcome. Only then is the peer accepted and may take traffic; a
+refusal names every mismatch.
 
 Each attempt runs under its own nonce (``RegisterRequest.pairing_nonce``, the router's),
 so messages of an attempt that was aborted midway never match a later one's. The test
