@@ -21,7 +21,7 @@ def engine(folder) -> Engine:
 def test_each_target_group_is_published_with_its_layers_and_window(tmp_path):
     hf_checkpoint(tmp_path, "qwen2", **MIX)
     write_byte_tokenizer(tmp_path)
-    info = engine_rank_info(engine(tmp_path), "decode", "decode-0", b"")
+    info = engine_rank_info(engine(tmp_path), "decode", "decode-0", None)
     groups = [(g.name, g.owner, list(g.layer_ids), g.window, g.total_num_kv_heads) for g in info.groups]
     assert groups == [
         ("target", pb.GROUP_OWNER_TARGET, [1, 3], 0, 2),
