@@ -26,7 +26,7 @@ from models.data import held_out_prose, split_files
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.request import Status
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 

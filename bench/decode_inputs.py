@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.spec import cdiv
-from services.engine.cuda_graphs import UniformBatch
+from services.engine.device.cuda_graphs import UniformBatch
 from services.engine.models import LlamaConfig, LlamaForCausalLM
 
 PAGE = 16

@@ -13,7 +13,7 @@ import torch
 
 from services.engine.engine import Engine
 from services.engine.request import Status
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 
 def decode_run(

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_inputs import build_target, llama_8b, make_pool, step_batch, toy  # noqa: E402
 from services.engine import kernels  # noqa: E402
-from services.engine.cuda_graphs import GraphedForward, PagedGroup  # noqa: E402
+from services.engine.device.cuda_graphs import GraphedForward, PagedGroup  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
-from services.engine.sampler import argmax_rows  # noqa: E402
+from services.engine.sampling.sampler import argmax_rows  # noqa: E402
 
 
 def weight_bytes_per_step(model: LlamaForCausalLM, batch: int) -> int:

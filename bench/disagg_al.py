@@ -28,7 +28,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 MODEL, DRAFTER = "models/tiny-target", "models/tiny-drafter"
 

@@ -19,11 +19,11 @@ import timeit
 import torch
 
 from services.engine.batch import Span
-from services.engine.chain_catch_up import PendingSpans
-from services.engine.chain_verify import ChainVerify
-from services.engine.cuda_graphs import pad_front
-from services.engine.draft_chain import ChainShape, GraphedDraftChain
-from services.engine.graphed_forward import GraphedForward, PagedGroup, batch_buckets, uniform_batch
+from services.engine.device.chain_catch_up import PendingSpans
+from services.engine.device.chain_verify import ChainVerify
+from services.engine.device.cuda_graphs import pad_front
+from services.engine.device.draft_chain import ChainShape, GraphedDraftChain
+from services.engine.device.graphed_forward import GraphedForward, PagedGroup, batch_buckets, uniform_batch
 
 PAGE, WIDTH, CONTEXT = 16, 128, 1000  # tokens per page, block-table width, first position
 

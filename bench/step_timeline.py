@@ -42,15 +42,15 @@ from bench.decode_run import decode_run, synchronize  # noqa: E402
 from bench.spec_shapes import make_engine as engine_8b  # noqa: E402
 from bench.spec_shapes import random_models, random_prompts  # noqa: E402
 from bench.spec_speedup import make_engine as tiny_engine  # noqa: E402
-from services.engine.chain_catch_up import ChainCatchUp  # noqa: E402
-from services.engine.chain_verify import ChainVerify  # noqa: E402
-from services.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from services.engine.draft_chain import GraphedDraftChain  # noqa: E402
+from services.engine.device.chain_catch_up import ChainCatchUp  # noqa: E402
+from services.engine.device.chain_verify import ChainVerify  # noqa: E402
+from services.engine.device.cuda_graphs import DecodeGraphs  # noqa: E402
+from services.engine.device.draft_chain import GraphedDraftChain  # noqa: E402
+from services.engine.device.graphed_forward import GraphedForward  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.graphed_forward import GraphedForward  # noqa: E402
 from services.engine.progress import RequestProgress  # noqa: E402
 from services.engine.request import Status  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
+from services.engine.sampling.params import SamplingParams  # noqa: E402
 from services.engine.scheduler import Scheduler  # noqa: E402
 
 MARKED = (  # (owner, attribute): the host functions a gap or a launch is charged to

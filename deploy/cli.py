@@ -250,8 +250,8 @@ def run_router_command(args: argparse.Namespace) -> int:
 
 def run_worker_command(args: argparse.Namespace) -> int:
     # the worker runs an engine: torch and its models load here, never in the router
-    from services.common.serve import run_worker  # noqa: PLC0415 (torch: `tandem router` and `up` stay light)
-    from services.common.worker import WorkerConfig  # noqa: PLC0415
+    from services.worker.serve import run_worker  # noqa: PLC0415 (torch: `tandem router` and `up` stay light)
+    from services.worker.worker import WorkerConfig  # noqa: PLC0415
     from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
     engine = checked_engine_config(args)

@@ -1,5 +1,5 @@
 """What each worker role serves: role name -> the function adding its gRPC servicers,
-which the entry points pass to ``run_worker`` (services/common/serve.py).
+which the entry points pass to ``run_worker`` (services/worker/serve.py).
 
 - prefill: tandem.v1.PrefillWorker;
 - decode: tandem.v1.DecodeWorker;
@@ -14,11 +14,11 @@ import grpc
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.aggregated.server import AggregatedServicer, AggregatedStats
-from services.common.peering import PeerRegistry
-from services.common.serve import AddServicers
-from services.common.worker import WorkerBase
 from services.decode.server import DecodeServicer
 from services.prefill.server import PrefillServicer
+from services.worker.peering import PeerRegistry
+from services.worker.serve import AddServicers
+from services.worker.worker import WorkerBase
 
 
 def add_prefill(server: grpc.aio.Server, worker: WorkerBase, peers: PeerRegistry) -> None:

@@ -131,8 +131,8 @@ class ServiceActor:
         """Start a ``role`` worker of ``cluster`` that registers with ``router`` (host:port);
         returns its endpoints. A refused engine option raises ValueError naming it."""
         # the worker runs an engine: torch and its models load in its actor, never in the launcher
-        from services.common.serve import run_worker  # noqa: PLC0415 (torch: the router actor stays light)
-        from services.common.worker import WorkerConfig  # noqa: PLC0415
+        from services.worker.serve import run_worker  # noqa: PLC0415 (torch: the router actor stays light)
+        from services.worker.worker import WorkerConfig  # noqa: PLC0415
         from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
         configure_logging(cluster.log_level, instance_id)

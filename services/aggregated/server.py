@@ -12,8 +12,8 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
-from services.common.outputs import OutputStream
-from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
+from services.worker.outputs import OutputStream
+from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
 
 class AggregatedStats(wpb_grpc.PrefillWorkerServicer):

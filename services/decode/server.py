@@ -26,11 +26,11 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import once
 from services.common.grpc_server import write_stream
-from services.common.outputs import OutputStream
 from services.common.transfer_failure import describe_landing
-from services.common.transfer_proto import endpoint_to_proto
-from services.common.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 from services.engine.checks import RequestExists
+from services.worker.outputs import OutputStream
+from services.worker.transfer_proto import endpoint_to_proto
+from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
 log = logging.getLogger(__name__)
 

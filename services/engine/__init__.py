@@ -2,7 +2,7 @@
 paged KV cache, continuous batching, speculative decoding. See docs/engine.md.
 
 The names below are exported lazily (PEP 562): importing a light submodule such as
-``services.engine.sampling`` does not load the engine, its models and torch with it. The
+``services.engine.sampling.params`` does not load the engine, its models and torch with it. The
 aux state a prefilled request carries is kvcore's (``kvcore.AuxState``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ _EXPORTS = {
     "Engine": "services.engine.engine",
     "EngineConfig": "services.engine.config",
     "RequestOutput": "services.engine.request",
-    "SamplingParams": "services.engine.sampling",
+    "SamplingParams": "services.engine.sampling.params",
     "SpecStats": "services.engine.stats",
     "Usage": "services.engine.stats",
 }

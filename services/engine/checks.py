@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvcore import KVCacheManager, Owner
 from kvcore.spec import cdiv
 from services.engine.models import TargetConfig
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from services.tokenization.tokenizer import Tokenizer
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig

@@ -22,7 +22,6 @@ from dataclasses import replace
 import torch
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
-from services.engine.adaptive_k import AdaptiveK, greedy_only
 from services.engine.batch import Span, StepResult
 from services.engine.checks import (
     RequestExists,
@@ -36,23 +35,24 @@ from services.engine.checks import (
     eos_ids,
 )
 from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import capture_decode_graphs
-from services.engine.device_step import device_step, device_step_fits
+from services.engine.device.adaptive_k import AdaptiveK, greedy_only
+from services.engine.device.cuda_graphs import capture_decode_graphs
+from services.engine.device.device_step import device_step, device_step_fits
 from services.engine.lockstep import attach_lockstep
 from services.engine.memory_budget import MemoryReadings
 from services.engine.memory_profile import derive_kv_bytes, graphs_taken
 from services.engine.models import load_drafter, load_target
-from services.engine.noise import SEED_BITS, request_seed
 from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.progress import RequestProgress
 from services.engine.request import PrefillSpan, Request, RequestOutput, Status
 from services.engine.runner import ModelRunner
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.noise import SEED_BITS, request_seed
+from services.engine.sampling.params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.setup import build_cache, cache_config, log_groups
-from services.engine.speculative import draft, draft_prefill, verify_spans
+from services.engine.speculation.speculative import draft, draft_prefill, verify_spans
+from services.engine.speculation.verify import sample_first, verify
 from services.engine.step_outputs import StepOutputs
-from services.engine.verify import sample_first, verify
 from services.tokenization.tokenizer import load_tokenizer
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore import AuxState
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from services.engine.stats import SpecStats, Usage
 
 

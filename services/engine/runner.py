@@ -26,7 +26,7 @@ from services.engine.models import (
     layer_contexts,
 )
 from services.engine.models.eagle import DRAFT_KEY_START
-from services.engine.sampler import argmax_rows
+from services.engine.sampling.sampler import argmax_rows
 
 __all__ = ["DRAFT_GROUP", "TARGET_GROUP", "ModelRunner", "Span", "TargetRun"]
 

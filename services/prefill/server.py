@@ -22,12 +22,12 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import delay
-from services.common.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
-from services.common.peering import PeerRegistry
 from services.common.transfer_failure import describe
-from services.common.transfer_proto import target_of
-from services.common.worker import WorkerBase, sampling_from_proto
 from services.engine.request import RequestOutput
+from services.worker.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
+from services.worker.peering import PeerRegistry
+from services.worker.transfer_proto import target_of
+from services.worker.worker import WorkerBase, sampling_from_proto
 
 log = logging.getLogger(__name__)
 

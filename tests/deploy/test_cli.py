@@ -91,7 +91,7 @@ def test_up_echoes_its_processes_warnings_and_errors_only(capsys, monkeypatch):
         "prefill prefill-0 grpc=127.0.0.1:1 metrics=http://127.0.0.1:2/metrics\n",
         "2026-12-04 10:15:02,118 INFO prefill-0 services.engine: kv cache: 100 pages\n",
         "2026-12-04 10:15:03,118 WARNING prefill-0 services.prefill.server: transfer of request r failed\n",
-        "2026-12-04 10:15:04,118 ERROR prefill-0 services.common.serve: stopping\n",
+        "2026-12-04 10:15:04,118 ERROR prefill-0 services.worker.serve: stopping\n",
     ]
     process = Process("prefill-0", SimpleNamespace(stdout=iter(lines)))
     _pump(process, echo_warnings=True)

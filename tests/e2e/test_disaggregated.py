@@ -15,7 +15,7 @@ import torch
 from proto.tandem.v1 import client_pb2 as cpb
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.e2e.conftest import (
     ENGINE,
     PAGE,

@@ -22,7 +22,7 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.e2e.conftest import ENGINE, K, assert_no_request_holds_pages, cluster_args, generate, run_on_pair
 
 pytestmark = pytest.mark.slow

@@ -36,7 +36,7 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM, save_model
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.e2e.conftest import assert_no_request_holds_pages, generate
 from tests.services.engine.helpers import randomize
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from models.byte_tokenizer import write_byte_tokenizer
 from proto.tandem.v1 import rank_info_pb2 as pb
 from services.common.peer_check import check_peer
-from services.common.rank_info import engine_rank_info
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.worker.rank_info import engine_rank_info
 from tests.services.engine.models.hf_models import hf_checkpoint, layer_mix
 
 MIX = layer_mix(16)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from kvcore import DRAFT_GROUP
-from services.engine.device_step import chain_sampling, pending_spans
-from services.engine.draft_chain import ChainRows
+from services.engine.device.device_step import chain_sampling, pending_spans
+from services.engine.device.draft_chain import ChainRows
 from services.engine.engine import Engine
-from services.engine.speculative import catch_up, draft
+from services.engine.speculation.speculative import catch_up, draft
 
 
 @torch.inference_mode()

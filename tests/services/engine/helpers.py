@@ -15,7 +15,7 @@ from models.byte_tokenizer import write_byte_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM, save_model
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 VOCAB = 32
 WINDOW = 8

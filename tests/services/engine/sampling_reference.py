@@ -11,9 +11,9 @@ import torch
 
 from services.engine.models import DenseContext
 from services.engine.request import Request
-from services.engine.row_sampling import row_params
-from services.engine.sampler import probs_for_rows
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
+from services.engine.sampling.row_sampling import row_params
+from services.engine.sampling.sampler import probs_for_rows
 
 EOS = 31
 INF = float("-inf")

@@ -8,7 +8,7 @@ import torch
 
 from kvcore.aux_state import AuxState
 from services.engine.checks import RequestExists
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import GREEDY, assert_pools_empty, make_engine, random_prompts
 
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -12,8 +12,8 @@ from deploy.engine_config import engine_config
 from deploy.options import EngineOptions
 from services.engine.cli import build_parser
 from services.engine.config import EngineConfig
-from services.engine.rejection import Draws, forced_verdict
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
+from services.engine.speculation.rejection import Draws, forced_verdict
 from tests.services.engine.helpers import GREEDY, make_engine
 
 

@@ -9,7 +9,7 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models.fp8 import Fp8Linear
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import WINDOW, assert_pools_empty, make_engine, random_prompts
 from tests.services.engine.test_lossless import TINY, held_out_snippets
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from services.engine import lockstep
-from services.engine.cuda_graphs import capture_decode_graphs
+from services.engine.device.cuda_graphs import capture_decode_graphs
 from services.engine.lockstep import Lockstep, replay
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import assert_pools_empty
 from tests.services.engine.models.hf_models import layer_mix
 from tests.services.engine.test_target_window import (

@@ -11,7 +11,7 @@ from kvcore import KVLayout
 from models.data import split_files
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import WINDOW, assert_pools_empty, make_engine, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from services.engine.stopping import append_tokens, output_text
 from services.router.stop_trimmer import StopTrimmer
 from services.tokenization.detokenizer import Detokenizer

@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models import Eagle3Drafter, LlamaConfig, save_model
 from services.engine.models.config import read_config_json
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import assert_pools_empty, drafter_config, randomize
 from tests.services.engine.models.hf_models import VOCAB, hf_checkpoint
 

@@ -20,7 +20,7 @@ from kvcore import DRAFT_GROUP, NULL_PAGE, KVLayout
 from services.engine import Engine, EngineConfig
 from services.engine.models import Eagle3Drafter, LlamaForCausalLM
 from services.engine.parallel import TensorParallel, shard_state_dict
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import GREEDY, drafter_config, random_prompts, target_config
 
 ROOT = Path(__file__).resolve().parents[3]

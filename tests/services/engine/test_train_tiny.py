@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = [

@@ -12,12 +12,12 @@ import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
-from services.common.serve import run_worker
-from services.common.worker import WorkerConfig
 from services.engine.config import EngineConfig
 from services.router.api import RouterSettings
 from services.router.errors import ErrorCode, RouterError
 from services.router.main import RouterConfig, model_limits, run_router
+from services.worker.serve import run_worker
+from services.worker.worker import WorkerConfig
 from services.worker_roles import WORKER_ROLES
 from tests.services.engine.helpers import write_pair
 

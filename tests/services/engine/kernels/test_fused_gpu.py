@@ -168,7 +168,7 @@ def test_fp8_linear_takes_the_kernel_for_bf16_on_cuda():
 
 @pytest.mark.parametrize("rows, n", [(1, 128256), (5, 32000), (64, 151936)])
 def test_argmax_rows_is_torch_argmax(rows, n):
-    from services.engine.sampler import argmax_rows
+    from services.engine.sampling.sampler import argmax_rows
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randint(0, 1000, (rows, n), device="cuda", generator=g).float()  # ties

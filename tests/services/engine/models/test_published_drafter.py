@@ -24,7 +24,7 @@ from services.engine.models import (
     save_model,
 )
 from services.engine.models.config import read_config_json
-from services.engine.sampling import SamplingParams
+from services.engine.sampling.params import SamplingParams
 from tests.services.engine.helpers import make_engine, randomize
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -1,0 +1,90 @@
+"""Engine outputs as client protos, written once for the prefill, decode and aggregated
+servicers: streamed chunks, usage and the completion.
+
+Token accounting: ``OutputStream.sent`` counts the request's tokens already delivered
+(1 on the decode worker, whose first token came with the prefill's answer); every chunk
+carries only tokens past it, and ``completion_tokens`` counts the tokens this worker
+streamed (the router merges the prefill's and the decode's usage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvcore import TARGET_GROUP
+from proto.tandem.v1 import client_pb2 as cpb
+from services.engine.request import RequestOutput, TokenLogprob
+from services.worker.engine_loop import EngineLoop
+
+FINISH_REASONS = {
+    "stop": cpb.FINISH_REASON_STOP,
+    "length": cpb.FINISH_REASON_LENGTH,
+    "abort": cpb.FINISH_REASON_ABORT,
+    None: cpb.FINISH_REASON_UNSPECIFIED,
+    "prefilled": cpb.FINISH_REASON_UNSPECIFIED,
+}
+
+
+@dataclass(slots=True)
+class OutputStream:
+    """One request's engine outputs as chunks; ``last`` is its final output once done."""
+
+    sent: int = 0
+    last: RequestOutput | None = None
+
+    async def chunks(
+        self, loop: EngineLoop, rid: str, submit: Callable[[], object]
+    ) -> AsyncIterator[cpb.Chunk]:
+        """Submit the request on the engine thread and yield a chunk per output that adds tokens."""
+        async for out in loop.outputs(rid, submit):
+            self.last = out
+            if len(out.token_ids) > self.sent:
+                yield cpb.Chunk(
+                    token_ids=out.token_ids[self.sent :],
+                    logprobs=logprobs_to_proto(out.logprobs and out.logprobs[self.sent :]),
+                )
+                self.sent = len(out.token_ids)
+
+    def complete(self, prompt_tokens: int, skipped: int = 0, cached: bool = True) -> cpb.Complete:
+        """The final message: finish reason and usage (``skipped`` tokens were streamed
+        elsewhere; ``cached``: report the prefix cache's hits, which only the worker that
+        ran the prompt knows)."""
+        out = self.last
+        usage = speculation_usage(out, prompt_tokens, len(out.token_ids) - skipped)
+        if cached:
+            add_cached_tokens(usage, out.usage.cached_tokens)
+        reason = FINISH_REASONS.get(out.finish_reason, cpb.FINISH_REASON_STOP)
+        return cpb.Complete(finish_reason=reason, usage=usage)
+
+
+def speculation_usage(out: RequestOutput, prompt_tokens: int, completion_tokens: int) -> cpb.Usage:
+    u = out.usage
+    return cpb.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        acceptance_length=u.acceptance_length,
+        num_drafts=u.num_steps,
+        num_draft_tokens=u.num_draft_tokens,
+        num_accepted_tokens=u.num_accepted,
+    )
+
+
+def add_cached_tokens(usage: cpb.Usage, cached: dict[str, int]) -> cpb.Usage:
+    """Prefix-cache hits per layer group; ``cached_tokens`` is the target's: that of its
+    first group, ``TARGET_GROUP`` (a target of several groups reuses one match in all of
+    them: kvcore's REQUIRED groups decide it together)."""
+    usage.cached_tokens = cached.get(TARGET_GROUP, 0)
+    usage.cached_tokens_per_group.extend(cpb.GroupTokens(group=g, num_tokens=n) for g, n in cached.items())
+    return usage
+
+
+def logprobs_to_proto(entries: list[TokenLogprob | None] | None) -> list[cpb.TokenLogprobs]:
+    """Engine logprobs -> Chunk.logprobs (None entries, computed elsewhere, are skipped)."""
+    return [
+        cpb.TokenLogprobs(
+            token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids, top_logprobs=e.top_logprobs
+        )
+        for e in entries or ()
+        if e is not None
+    ]

@@ -1,0 +1,100 @@
+"""Release paths that a second cancel must not skip: the prefill worker's release of a
+parked request after its transfer, and the decode worker's freeing of a dropped
+reservation. Each is cancelled once in its work and again while its release waits for
+the engine thread; the release must still run."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from proto.tandem.v1 import worker_pb2 as wpb
+from services.common.metrics import Metrics
+from services.decode.server import DecodeServicer, _Reservation
+from services.prefill.server import PrefillServicer
+from services.worker.engine_loop import EngineLoop
+
+
+class _Engine:
+    """What the servicers call between engine steps; records what was freed."""
+
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def holds_reservation(self, rid: str) -> bool:
+        return rid not in self.freed
+
+    def release_reservation(self, rid: str) -> bool:
+        self.freed.append(rid)
+        return True
+
+    def release(self, rid: str) -> None:
+        self.freed.append(rid)
+
+
+class _PrefilledLoop(EngineLoop):
+    """An engine loop whose every request is prefilled (parked) at once."""
+
+    async def outputs(self, rid, submit):
+        usage = SimpleNamespace(cached_tokens={})
+        yield SimpleNamespace(finish_reason="prefilled", finished=True, usage=usage)
+
+
+async def _cancel_twice(task: asyncio.Task, started: asyncio.Event, loop: EngineLoop) -> None:
+    """Cancel ``task`` in its work, and again while its release waits for the engine loop
+    (not yet started); then start the loop and let the release run, if it is still asked."""
+    await started.wait()
+    task.cancel()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    task.cancel()
+    loop.start()
+    await asyncio.sleep(0.05)
+    assert task.cancelled()
+    await loop.stop()
+
+
+def test_the_prefill_workers_release_survives_a_second_cancel():
+    engine = _Engine()
+
+    async def scenario():
+        loop = _PrefilledLoop(engine)
+        worker = SimpleNamespace(engine=engine, loop=loop, metrics=Metrics("prefill"))
+        servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+        started = asyncio.Event()
+
+        async def stalled_transfer(request, target, final, context):
+            started.set()
+            await asyncio.sleep(60)  # the decode worker never acknowledges
+
+        servicer._transfer = stalled_transfer
+        reservation = wpb.Reservation(decode_instance_id="d0", groups=[wpb.GroupPages(group="target")])
+        request = wpb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], reservation=reservation)
+        task = asyncio.ensure_future(servicer.Prefill(request, None))
+        await _cancel_twice(task, started, loop)
+
+    asyncio.run(scenario())
+    assert engine.freed == ["r"]
+
+
+def test_the_decode_workers_freeing_of_a_dropped_reservation_survives_a_second_cancel():
+    engine = _Engine()
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        worker = SimpleNamespace(engine=engine, loop=loop, metrics=Metrics("decode"))
+        servicer = DecodeServicer(worker)
+        receive = asyncio.ensure_future(asyncio.sleep(60))
+        servicer.reserved["r"] = _Reservation(3, 0.0, receive, [])
+        started = asyncio.Event()
+        started.set()  # _drop's first await is the freeing itself: cancel it there, twice
+        task = asyncio.ensure_future(servicer._drop("r"))
+        await asyncio.sleep(0)
+        await _cancel_twice(task, started, loop)
+        assert "r" not in servicer.reserved and receive.cancelled()
+
+    asyncio.run(scenario())
+    assert engine.freed == ["r"]
