@@ -105,7 +105,7 @@ def test_every_process_logs_at_info_and_a_forcing_worker_says_so_everywhere(pair
         assert complete.usage.acceptance_length == 2.0  # one draft kept every step: AL 1 + 1
         for name in ("prefill-0", "decode-1"):
             assert re.search(
-                rf"^{STAMP} WARNING {name} services\.common\.serve: UNSAFE FORCED ACCEPTANCE "
+                rf"^{STAMP} WARNING {name} services\.worker\.serve: UNSAFE FORCED ACCEPTANCE "
                 r"\(--unsafe-forced-acceptance 1\), BENCHMARKS ONLY: .* NOT the target model's$",
                 log(cluster, name),
                 re.M,
