@@ -2,9 +2,13 @@
 ``[num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]``.
 
 CUDA tensors go to the GPU kernels (kvcore.ops.gpu), others to the torch reference
-(kvcore.ops.reference), which defines the semantics.
+(kvcore.ops.reference), which defines the semantics. What an attention op reads besides
+its query and pool comes as two values (kvcore.ops.batch): the forward's
+:class:`PagedBatch` (per layer group) and the layer's :class:`AttentionParams`; a
+rotate-and-write takes its per-token angles and slots as one :class:`RotaryWrite`.
 """
 
+from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
 from kvcore.ops.dispatch import (
     copy_pages,
     decode_attention,
@@ -19,6 +23,9 @@ from kvcore.ops.dispatch import (
 from kvcore.ops.slots import query_positions, slot_mapping_for, slots_at, uniform_slots
 
 __all__ = [
+    "AttentionParams",
+    "PagedBatch",
+    "RotaryWrite",
     "copy_pages",
     "decode_attention",
     "pack_pages",

@@ -1,13 +1,21 @@
 """Argument checks shared by the reference ops and the GPU kernels.
 
-Only shapes, ranks and dtypes are checked: nothing here reads tensor values, so the
-checks never synchronize a device and are safe inside CUDA-graph capture.
-Every failure is a ValueError naming the offending argument.
+The values of kvcore.ops.batch check their own invariants once, when built
+(``check_paged_batch``, ``check_params``, ``check_rotary_write``); an op then checks only
+how its query, q/k/v and pool relate to them. Only shapes, ranks, dtypes and devices are
+checked: nothing here reads tensor values, so the checks never synchronize a device and
+are safe inside CUDA-graph capture. Every failure is a ValueError naming the offending
+argument or field.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
 
 POOL_RANK = 6  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -52,43 +60,64 @@ def check_write(
         fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
+def check_rotary_write(write: RotaryWrite) -> None:
+    """A RotaryWrite's own invariants (see kvcore.ops.batch)."""
+    for name, t in (("cos", write.cos), ("sin", write.sin)):
+        if t.dtype != torch.float32:
+            fail(name, f"expected float32, got {t.dtype}")
+        if t.device != write.slot_mapping.device:
+            fail(name, f"on {t.device}, slot_mapping on {write.slot_mapping.device}")
+    check_index(write.slot_mapping, "slot_mapping", 1, write.slot_mapping.device)
+
+
 def check_write_rotated(
-    kv_pool: torch.Tensor,
-    layer: int,
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_pool: torch.Tensor, layer: int, qkv: torch.Tensor, num_q_heads: int, write: RotaryWrite
 ) -> None:
-    """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]; cos/sin [num_tokens, 1,
-    head_dim] float32."""
+    """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]; the write's cos/sin hold
+    num_tokens * head_dim elements, its slot_mapping num_tokens, on the pool's device."""
     check_pool(kv_pool, layer)
     num_kv, head_dim = kv_pool.shape[3], kv_pool.shape[5]
     if qkv.dim() != 3 or tuple(qkv.shape[1:]) != (num_q_heads + 2 * num_kv, head_dim):
         fail("qkv", f"expected [num_tokens, {num_q_heads + 2 * num_kv}, {head_dim}], got {tuple(qkv.shape)}")
     if head_dim % 2:
         fail("qkv", f"head_dim {head_dim} is odd: rotate-half needs pairs")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32 or t.numel() != qkv.shape[0] * head_dim:
+    for name, t in (("cos", write.cos), ("sin", write.sin)):
+        if t.numel() != qkv.shape[0] * head_dim:
             fail(name, f"expected [{qkv.shape[0]}, 1, {head_dim}] float32, got {tuple(t.shape)} {t.dtype}")
-    check_index(slot_mapping, "slot_mapping", 1, kv_pool.device)
-    if slot_mapping.shape[0] != qkv.shape[0]:
-        fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {qkv.shape[0]} tokens")
+    slots = write.slot_mapping
+    if slots.device != kv_pool.device:
+        fail("slot_mapping", f"on {slots.device}, expected {kv_pool.device}")
+    if slots.shape[0] != qkv.shape[0]:
+        fail("slot_mapping", f"has {slots.shape[0]} entries for {qkv.shape[0]} tokens")
 
 
-def check_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    window: int,
-    key_start: int = 0,
-) -> None:
-    """query: [num_tokens, num_q_heads, head_dim]; query_start_loc None: a uniform batch
-    (decode, verify), whose caller checks the token count."""
+def check_paged_batch(batch: PagedBatch) -> None:
+    """A PagedBatch's own invariants (see kvcore.ops.batch)."""
+    device = batch.block_table.device
+    check_index(batch.block_table, "block_table", 2, device)
+    if batch.query_start_loc is not None:
+        check_index(batch.query_start_loc, "query_start_loc", 1, device)
+    check_index(batch.seq_lens, "seq_lens", 1, device)
+    size = batch.seq_lens.shape[0]
+    if batch.block_table.shape[0] != size:
+        fail("block_table", f"has {batch.block_table.shape[0]} rows for batch {size}")
+    starts = batch.query_start_loc
+    if starts is not None and starts.shape[0] != size + 1:
+        fail("query_start_loc", f"has {starts.shape[0]} entries, expected batch + 1 = {size + 1}")
+    for name in ("window", "key_start", "max_q_len"):
+        if getattr(batch, name) < 0:
+            fail(name, f"must be >= 0, got {getattr(batch, name)}")
+
+
+def check_params(params: AttentionParams) -> None:
+    """What the ops implement of AttentionParams: no soft cap yet."""
+    if params.softcap != 0:
+        fail("softcap", f"attention logit soft-capping is not implemented, got {params.softcap}")
+
+
+def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch) -> None:
+    """query [num_tokens, num_q_heads, head_dim] against the pool and the batch; a uniform
+    batch has exactly ``batch.max_q_len`` tokens per sequence."""
     check_pool(kv_pool, layer)
     if query.dim() != 3:
         fail("query", f"expected [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
@@ -101,28 +130,37 @@ def check_attention(
         fail("query", f"head_dim {query.shape[2]} differs from the pool's {head_dim}")
     if query.shape[1] % num_kv_heads != 0:
         fail("query", f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    check_index(block_table, "block_table", 2, kv_pool.device)
-    if query_start_loc is not None:
-        check_index(query_start_loc, "query_start_loc", 1, kv_pool.device)
-    check_index(seq_lens, "seq_lens", 1, kv_pool.device)
-    batch = seq_lens.shape[0]
-    if block_table.shape[0] != batch:
-        fail("block_table", f"has {block_table.shape[0]} rows for batch {batch}")
-    if query_start_loc is not None and query_start_loc.shape[0] != batch + 1:
-        fail("query_start_loc", f"has {query_start_loc.shape[0]} entries, expected batch + 1 = {batch + 1}")
-    if window < 0:
-        fail("window", f"must be >= 0, got {window}")
-    if key_start < 0:
-        fail("key_start", f"must be >= 0, got {key_start}")
+    if batch.device != kv_pool.device:
+        fail("block_table", f"on {batch.device}, expected {kv_pool.device}")
+    if batch.query_start_loc is None and query.shape[0] != batch.size * batch.max_q_len:
+        fail("query", f"{query.shape[0]} tokens for {batch.size} sequences of {batch.max_q_len}")
+
+
+def check_uniform(batch: PagedBatch, q_len: int) -> None:
+    """decode_attention (q_len 1) and verify_attention take a uniform batch of their q_len."""
+    if batch.query_start_loc is not None:
+        fail("query_start_loc", "decode and verify take a uniform batch, built without query starts")
+    if batch.max_q_len != q_len:
+        fail("max_q_len", f"is {batch.max_q_len}, the query has {q_len} tokens per sequence")
+
+
+def check_verify_query(query: torch.Tensor, batch: PagedBatch) -> None:
+    """verify_attention's query: [batch, q_len, num_q_heads, head_dim]."""
+    if query.dim() != 4:
+        fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
+    check_uniform(batch, query.shape[1])
 
 
 def check_page_ids(kv_pool: torch.Tensor, page_ids: torch.Tensor, field: str) -> None:
     check_index(page_ids, field, 1, kv_pool.device)
 
 
-def check_packed(
+def check_unpack(
     kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
 ) -> None:
+    """unpack_pages: ``packed`` is pack_pages' output for these pages and heads."""
+    check_pool(kv_pool)
+    check_page_ids(kv_pool, page_ids, "page_ids")
     shape = list(kv_pool.shape)
     shape[0] = page_ids.shape[0]
     if heads is not None:
@@ -131,3 +169,5 @@ def check_packed(
         fail("packed", f"expected shape {tuple(shape)}, got {tuple(packed.shape)}")
     if packed.dtype != kv_pool.dtype:
         fail("packed", f"dtype {packed.dtype} differs from the pool's {kv_pool.dtype}")
+    if packed.device != kv_pool.device:
+        fail("packed", f"on {packed.device}, kv_pool on {kv_pool.device}")

@@ -1,5 +1,6 @@
 """Public paged-KV ops: GPU kernels for CUDA tensors (when Triton is present), the torch
-reference otherwise. Both paths compute the same function; see kvcore.ops.reference."""
+reference otherwise. Both paths compute the same function; see kvcore.ops.reference.
+Decode and verify are paged attention over a uniform batch, on whichever path runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from types import ModuleType
 import torch
 
 from kvcore.ops import pages, reference
+from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
+from kvcore.ops.checks import check_uniform, check_verify_query
 
 
 @functools.cache
@@ -34,83 +37,41 @@ def write_kv(
 
 
 def write_rotated_kv(
-    kv_pool: torch.Tensor,
-    layer: int,
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_pool: torch.Tensor, layer: int, qkv: torch.Tensor, num_q_heads: int, write: RotaryWrite
 ) -> torch.Tensor:
-    """Rotate a merged q/k/v's q and k (rotate-half RoPE) and store k and v at the slots,
-    in one pass; returns the rotated q. See reference.write_rotated_kv."""
+    """Rotate a merged q/k/v's q and k (rotate-half RoPE) and store k and v at the write's
+    slots, in one pass; returns the rotated q. See reference.write_rotated_kv."""
     impl = _on_gpu(kv_pool) or reference
-    return impl.write_rotated_kv(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+    return impl.write_rotated_kv(kv_pool, layer, qkv, num_q_heads, write)
 
 
 def paged_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
     """Varlen causal attention over paged K/V; see reference.paged_attention."""
     impl = _on_gpu(query) or reference
-    return impl.paged_attention(
-        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, key_start
-    )
+    return impl.paged_attention(query, kv_pool, layer, batch, params)
 
 
 def decode_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
-    """query [batch, num_q_heads, head_dim], one token per sequence."""
-    impl = _on_gpu(query) or reference
-    return impl.decode_attention(query, kv_pool, layer, block_table, seq_lens, scale, window, key_start)
+    """query [batch, num_q_heads, head_dim], one token per sequence (a uniform batch)."""
+    check_uniform(batch, 1)
+    return paged_attention(query, kv_pool, layer, batch, params)
 
 
 def verify_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
-    """query [batch, q_len, num_q_heads, head_dim], q_len = K + 1 tokens per sequence."""
-    impl = _on_gpu(query) or reference
-    return impl.verify_attention(query, kv_pool, layer, block_table, seq_lens, scale, window, key_start)
+    """query [batch, q_len, num_q_heads, head_dim], q_len = K + 1 tokens per sequence (a
+    uniform batch)."""
+    check_verify_query(query, batch)
+    return paged_attention(query.flatten(0, 1), kv_pool, layer, batch, params).view(query.shape)
 
 
-def prefill_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
-) -> torch.Tensor:
-    """Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
-    return paged_attention(
-        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, key_start
-    )
+prefill_attention = paged_attention
+"""Prompt chunks over a cached prefix (seq_lens > q_len): paged_attention."""
 
 
 def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | None = None) -> torch.Tensor:

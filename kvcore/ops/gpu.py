@@ -1,21 +1,24 @@
 """GPU paged-KV ops: the reference's functions, same names and arguments, on Triton kernels.
 
-Importing this module fails without Triton; kvcore.ops then keeps the reference.
-decode_attention and verify_attention never synchronize with the host (their query
-length is static, and the kernel derives each sequence's query rows from it: no start
-table is built), so they can be captured in a CUDA graph; paged_attention reads the
-longest query length back once per call.
+Importing this module fails without Triton; kvcore.ops then keeps the reference (and
+builds decode and verify on whichever paged_attention runs). No op here reads the device
+back: the launch shape comes from the batch's host ``max_q_len``, so every op can be
+captured in a CUDA graph. A uniform batch (decode, verify) has no start table: the kernel
+derives each sequence's query rows from its static q_len.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
 from kvcore.ops.checks import (
     check_attention,
-    check_packed,
     check_page_ids,
     check_pool,
+    check_unpack,
     check_write,
     check_write_rotated,
     fail,
@@ -43,104 +46,23 @@ def write_kv(
 
 
 def write_rotated_kv(
-    kv_pool: torch.Tensor,
-    layer: int,
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_pool: torch.Tensor, layer: int, qkv: torch.Tensor, num_q_heads: int, write: RotaryWrite
 ) -> torch.Tensor:
-    check_write_rotated(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+    check_write_rotated(kv_pool, layer, qkv, num_q_heads, write)
     _require_contiguous_pool(kv_pool)
-    n, head_dim = qkv.shape[0], qkv.shape[2]
-    cos, sin = cos.reshape(n, head_dim), sin.reshape(n, head_dim)  # halves repeat: read the first
-    qkv = _unit_last_stride(qkv)
-    return launch_write_rotated_kv(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
-
-
-def _attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int,
-    max_q_len: int,
-    key_start: int = 0,
-) -> torch.Tensor:
-    """``query_start_loc`` None: exactly ``max_q_len`` queries per sequence."""
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window, key_start)
-    if query_start_loc is None and query.shape[0] != seq_lens.shape[0] * max_q_len:
-        fail("query", f"{query.shape[0]} tokens for {seq_lens.shape[0]} sequences of {max_q_len}")
-    _require_contiguous_pool(kv_pool)
-    query = _unit_last_stride(query)
-    block_table = _unit_last_stride(block_table)
-    out = torch.empty_like(query)
-    return launch_attention(
-        out,
-        query,
-        kv_pool,
-        layer,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        scale,
-        window,
-        max_q_len,
-        key_start=key_start,
-    )
+    return launch_write_rotated_kv(kv_pool, layer, _unit_last_stride(qkv), num_q_heads, write)
 
 
 def paged_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_q_len = int(q_lens.max()) if q_lens.numel() else 0
-    return _attention(
-        query, kv_pool, layer, block_table, query_start_loc, seq_lens, scale, window, max_q_len, key_start
-    )
-
-
-def decode_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
-) -> torch.Tensor:
-    return _attention(query, kv_pool, layer, block_table, None, seq_lens, scale, window, 1, key_start)
-
-
-def verify_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
-) -> torch.Tensor:
-    if query.dim() != 4:
-        fail("query", f"expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
-    batch, q_len = query.shape[:2]
-    flat = query.reshape(batch * q_len, *query.shape[2:])
-    out = _attention(flat, kv_pool, layer, block_table, None, seq_lens, scale, window, q_len, key_start)
-    return out.view(query.shape)
+    check_attention(query, kv_pool, layer, batch)
+    _require_contiguous_pool(kv_pool)
+    if batch.block_table.stride(-1) != 1:
+        batch = replace(batch, block_table=batch.block_table.contiguous())
+    query = _unit_last_stride(query)
+    out = torch.empty_like(query)
+    return launch_attention(out, query, kv_pool[:, layer], batch, params)
 
 
 def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
@@ -157,12 +79,8 @@ def pack_pages(kv_pool: torch.Tensor, page_ids: torch.Tensor, heads: slice | Non
 def unpack_pages(
     kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None = None
 ) -> None:
-    check_pool(kv_pool)
-    check_page_ids(kv_pool, page_ids, "page_ids")
-    check_packed(kv_pool, page_ids, packed, heads)
+    check_unpack(kv_pool, page_ids, packed, heads)
     _require_contiguous_pool(kv_pool)
-    if packed.device != kv_pool.device:
-        fail("packed", f"on {packed.device}, kv_pool on {kv_pool.device}")
     launch_unpack(kv_pool, page_ids, packed.contiguous(), heads)
 
 

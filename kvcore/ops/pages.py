@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops.checks import check_packed, check_page_ids, check_pool, fail
+from kvcore.ops.checks import check_page_ids, check_pool, check_unpack, fail
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -38,11 +38,7 @@ def unpack_pages(
     kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None = None
 ) -> None:
     """Scatter ``packed`` (from :func:`pack_pages`) into pages ``page_ids`` of the pool."""
-    check_pool(kv_pool)
-    check_page_ids(kv_pool, page_ids, "page_ids")
-    check_packed(kv_pool, page_ids, packed, heads)
-    if packed.device != kv_pool.device:
-        fail("packed", f"on {packed.device}, kv_pool on {kv_pool.device}")
+    check_unpack(kv_pool, page_ids, packed, heads)
     _head_view(kv_pool, heads).index_copy_(0, page_ids.long(), as_bits(packed))
 
 

@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcore.ops.checks import check_attention, check_write, check_write_rotated
+from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
+from kvcore.ops.checks import (
+    check_attention,
+    check_uniform,
+    check_verify_query,
+    check_write,
+    check_write_rotated,
+    fail,
+)
 from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.spec import NULL_PAGE
 
@@ -44,87 +52,71 @@ def write_kv(
 
 
 def write_rotated_kv(
-    kv_pool: torch.Tensor,
-    layer: int,
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_pool: torch.Tensor, layer: int, qkv: torch.Tensor, num_q_heads: int, write: RotaryWrite
 ) -> torch.Tensor:
     """A merged, unrotated q/k/v ``[num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]``
     (q heads, then k, then v): q and k rotated by rotate-half RoPE (pairs i, i + head_dim / 2;
-    cos/sin ``[num_tokens, 1, head_dim]`` float32, computed in float32 and rounded to qkv's
-    dtype), k and v stored as :func:`write_kv` stores them. Returns the rotated q
-    ``[num_tokens, num_q_heads, head_dim]``."""
-    check_write_rotated(kv_pool, layer, qkv, num_q_heads, cos, sin, slot_mapping)
+    ``write.cos``/``write.sin`` ``[num_tokens, 1, head_dim]`` float32, computed in float32
+    and rounded to qkv's dtype), k and v stored as :func:`write_kv` stores them, at
+    ``write.slot_mapping``. Returns the rotated q ``[num_tokens, num_q_heads, head_dim]``."""
+    check_write_rotated(kv_pool, layer, qkv, num_q_heads, write)
     num_kv = (qkv.shape[1] - num_q_heads) // 2
     qk = qkv[:, : num_q_heads + num_kv].float()
     half = qk.shape[-1] // 2
     rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-    qk = (qk * cos + rotated * sin).to(qkv.dtype)
-    write_kv(kv_pool, layer, qk[:, num_q_heads:], qkv[:, num_q_heads + num_kv :], slot_mapping)
+    qk = (qk * write.cos + rotated * write.sin).to(qkv.dtype)
+    write_kv(kv_pool, layer, qk[:, num_q_heads:], qkv[:, num_q_heads + num_kv :], write.slot_mapping)
     return qk[:, :num_q_heads]
 
 
 def paged_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of varlen queries over paged K/V.
 
-    query: [num_tokens, num_q_heads, head_dim]; block_table: [batch, max_pages];
-    query_start_loc: [batch + 1] cumulative query lengths; seq_lens: [batch] tokens of
-    each context including its query tokens. Query i of sequence b sits at position
-    ``seq_lens[b] - q_len_b + i`` and sees keys j with ``pos - window < j <= pos``
-    (no lower bound when window == 0) and ``j >= key_start`` (positions below it hold no
-    visible key: an EAGLE-3 drafter's unused first slot). A row that sees no key outputs zeros.
+    query: [num_tokens, num_q_heads, head_dim], the batch's queries in sequence order
+    (``batch.query_start_loc``; a uniform batch: ``batch.max_q_len`` per sequence). Query i
+    of sequence b sits at position ``seq_lens[b] - q_len_b + i`` and sees keys j with
+    ``pos - window < j <= pos`` (no lower bound when window == 0) and ``j >= key_start``
+    (positions below it hold no visible key: an EAGLE-3 drafter's unused first slot); see
+    :class:`PagedBatch`. A row that sees no key outputs zeros.
     Returns [num_tokens, num_q_heads, head_dim] in the query's dtype.
     """
-    check_attention(query, kv_pool, layer, block_table, query_start_loc, seq_lens, window, key_start)
+    check_attention(query, kv_pool, layer, batch)
     num_tokens, num_q_heads, head_dim = query.shape
-    batch = seq_lens.shape[0]
-    if num_tokens == 0 or batch == 0 or block_table.shape[1] == 0:
+    if num_tokens == 0 or batch.size == 0 or batch.block_table.shape[1] == 0:
         return query.new_zeros(query.shape)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [batch]
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
-    index_in_seq = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of_token]
+    starts = batch.query_start_loc
+    if starts is None:
+        starts = uniform_query_start_loc(batch.seq_lens, batch.max_q_len)
+    q_lens = (starts[1:] - starts[:-1]).long()  # [batch]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch.size, device=query.device), q_lens)
+    index_in_seq = torch.arange(num_tokens, device=query.device) - starts[seq_of_token]
     max_q = int(q_lens.max())
+    if max_q > batch.max_q_len:
+        fail("max_q_len", f"is {batch.max_q_len}, a sequence of the batch has {max_q} queries")
 
-    q = query.new_zeros((batch, max_q, num_q_heads, head_dim), dtype=torch.float32)
+    q = query.new_zeros((batch.size, max_q, num_q_heads, head_dim), dtype=torch.float32)
     q[seq_of_token, index_in_seq] = query.float()
-    keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, block_table, seq_lens, q_lens, window)
-    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
-    if key_start > 0:  # zero the hidden keys: 0 * NaN would leak through the matmuls
-        key_ok &= key_pos >= key_start
+    keys, values, key_pos, key_ok = _gather_context(kv_pool, layer, batch, q_lens)
+    q_pos = (batch.seq_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
+    if batch.key_start > 0:  # zero the hidden keys: 0 * NaN would leak through the matmuls
+        key_ok &= key_pos >= batch.key_start
         keys = keys.masked_fill(~key_ok[:, None, :, None], 0.0)
         values = values.masked_fill(~key_ok[:, None, :, None], 0.0)
-    mask = _attention_mask(q_pos, q_lens, key_pos, key_ok, window)  # [batch, max_q, num_keys]
-    out = _masked_attention(q, keys, values, mask, scale)  # [batch, max_q, num_q_heads, hd]
+    mask = _attention_mask(q_pos, q_lens, key_pos, key_ok, batch.window)  # [batch, max_q, num_keys]
+    out = _masked_attention(q, keys, values, mask, params.scale)  # [batch, max_q, num_q_heads, hd]
     return out[seq_of_token, index_in_seq].to(query.dtype)
 
 
-def _gather_context(
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    q_lens: torch.Tensor,
-    window: int,
-):
+def _gather_context(kv_pool: torch.Tensor, layer: int, batch: PagedBatch, q_lens: torch.Tensor):
     """Gather, per sequence, the pages from the first one any query can see to the last
     one of the context. Returns keys/values [batch, num_kv_heads, num_keys, head_dim]
     (float32, zeros where no page is held), key positions [batch, num_keys] and
     key_ok [batch, num_keys] (held and inside the context)."""
+    block_table, window = batch.block_table, batch.window
     tokens_per_page, max_pages = kv_pool.shape[4], block_table.shape[1]
-    seq_lens = seq_lens.long()
+    seq_lens = batch.seq_lens.long()
     first_pos = torch.zeros_like(seq_lens)
     if window > 0:
         first_pos = (seq_lens - q_lens - window + 1).clamp_min(0)
@@ -137,8 +129,8 @@ def _gather_context(
     held = in_range & (page_ids != NULL_PAGE)  # [batch, num_pages]
     pages = kv_pool[torch.where(held, page_ids, 0), layer].float()  # [b, n, 2, kvh, P, hd]
     pages = torch.where(held[:, :, None, None, None, None], pages, 0.0)
-    batch, _, _, num_kv_heads, _, head_dim = pages.shape
-    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
+    size, _, _, num_kv_heads, _, head_dim = pages.shape
+    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, size, num_kv_heads, -1, head_dim)
     offsets = torch.arange(num_pages * tokens_per_page, device=kv_pool.device)
     key_pos = first_page[:, None] * tokens_per_page + offsets  # [batch, num_keys]
     key_ok = held.repeat_interleave(tokens_per_page, dim=1) & (key_pos < seq_lens[:, None])
@@ -182,38 +174,21 @@ def _masked_attention(
 
 
 def decode_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
-    """One query token per sequence. query: [batch, num_q_heads, head_dim]."""
-    starts = uniform_query_start_loc(seq_lens, 1)
-    return paged_attention(query, kv_pool, layer, block_table, starts, seq_lens, scale, window, key_start)
+    """One query token per sequence of a uniform batch (max_q_len 1).
+    query: [batch, num_q_heads, head_dim] -> same shape."""
+    check_uniform(batch, 1)
+    return paged_attention(query, kv_pool, layer, batch, params)
 
 
 def verify_attention(
-    query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    key_start: int = 0,
+    query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch, params: AttentionParams
 ) -> torch.Tensor:
-    """q_len (= K + 1) query tokens per sequence, causal inside the block.
-    query: [batch, q_len, num_q_heads, head_dim] -> same shape."""
-    if query.dim() != 4:
-        raise ValueError(f"query: expected [batch, q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
-    batch, q_len = query.shape[:2]
-    flat = query.reshape(batch * q_len, *query.shape[2:])
-    starts = uniform_query_start_loc(seq_lens, q_len)
-    out = paged_attention(flat, kv_pool, layer, block_table, starts, seq_lens, scale, window, key_start)
+    """q_len (= K + 1) query tokens per sequence of a uniform batch (max_q_len q_len), causal
+    inside the block. query: [batch, q_len, num_q_heads, head_dim] -> same shape."""
+    check_verify_query(query, batch)
+    out = paged_attention(query.flatten(0, 1), kv_pool, layer, batch, params)
     return out.view(query.shape)
 
 

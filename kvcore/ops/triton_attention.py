@@ -20,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.batch import AttentionParams, PagedBatch
+
 LOG2E = 1.4426950408889634
 TINY = tl.constexpr(1e-30)
 NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, so masked rows stay NaN-free
 
 
 @triton.jit
-def _attention_kernel(
+def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -144,7 +146,7 @@ def _attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _combine_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -216,29 +218,32 @@ class AttentionConfig:
     num_stages: int
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchOverrides:
+    """Launch settings a benchmark or a test fixes instead of the defaults; None: chosen."""
+
+    num_splits: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
 def choose_config(
-    num_q_heads: int,
-    num_kv_heads: int,
-    batch: int,
-    max_q_len: int,
-    fp8: bool,
-    device: torch.device,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    query: torch.Tensor, layer_kv: torch.Tensor, batch: PagedBatch, given: LaunchOverrides
 ) -> AttentionConfig:
-    """Defaults from H200 sweeps (docs/performance.md); any argument given wins."""
+    """Defaults from H200 sweeps (docs/performance.md); any setting ``given`` wins."""
+    num_q_heads, num_kv_heads, max_q_len = query.shape[1], layer_kv.shape[2], batch.max_q_len
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     decode_like = max_q_len <= 16  # decode / verify: one query block, context splits
     block_q = triton.next_power_of_2(max_q_len) if decode_like else max(1, 128 // group_pad)
     block_m = max(16, block_q * group_pad)
     num_q_blocks = triton.cdiv(max_q_len, block_q)
+    num_splits = given.num_splits
     if num_splits is None:
-        programs = batch * num_q_blocks * num_kv_heads
-        num_splits = default_splits(programs, device) if decode_like else 1
-    fp8_decode = fp8 and decode_like
+        programs = batch.size * num_q_blocks * num_kv_heads
+        num_splits = default_splits(programs, query.device) if decode_like else 1
+    fp8_decode = layer_kv.element_size() == 1 and decode_like
     wide = fp8_decode or num_splits >= 8 or (block_m == 32 and num_splits == 1)
     return AttentionConfig(
         group,
@@ -247,80 +252,75 @@ def choose_config(
         block_m,
         num_q_blocks,
         num_splits,
-        block_n=block_n or (128 if wide else 64),
-        num_warps=num_warps or (4 if block_m <= 64 else 8),
-        num_stages=num_stages or (3 if fp8_decode else 2),
+        block_n=given.block_n or (128 if wide else 64),
+        num_warps=given.num_warps or (4 if block_m <= 64 else 8),
+        num_stages=given.num_stages or (3 if fp8_decode else 2),
     )
 
 
 def launch_attention(
     out: torch.Tensor,
     query: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int,
-    max_q_len: int,
-    key_start: int = 0,
-    **overrides,
+    layer_kv: torch.Tensor,
+    batch: PagedBatch,
+    params: AttentionParams,
+    **overrides: int,
 ) -> torch.Tensor:
-    """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``max_q_len`` bounds
-    every sequence's query length; ``query_start_loc`` None: every sequence has exactly
-    ``max_q_len`` (decode, verify), and the kernel reads no start table. ``overrides`` go
-    to :func:`choose_config`."""
+    """Fill ``out`` [num_tokens, num_q_heads, head_dim] (query layout). ``layer_kv``: one
+    layer of a contiguous pool, ``kv_pool[:, layer]`` [num_pages, 2, num_kv_heads, P,
+    head_dim] (the kernel reads it through its strides). ``batch.max_q_len`` bounds every
+    sequence's query length; a uniform batch (no ``query_start_loc``) has exactly that
+    many (decode, verify), and the kernel reads no start table. ``overrides``: the fields
+    of :class:`LaunchOverrides`."""
     num_tokens, num_q_heads, head_dim = query.shape
-    batch, num_kv_heads = seq_lens.shape[0], kv_pool.shape[3]
-    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+    num_kv_heads, max_q_len = layer_kv.shape[2], batch.max_q_len
+    if num_tokens == 0 or batch.size == 0 or max_q_len == 0:
         return out.zero_()
-    cfg = choose_config(
-        num_q_heads, num_kv_heads, batch, max_q_len, kv_pool.element_size() == 1, query.device, **overrides
-    )
+    cfg = choose_config(query, layer_kv, batch, LaunchOverrides(**overrides))
     part_out = part_lse = out  # unused placeholders when there is one split
     if cfg.num_splits > 1:
         part_out = query.new_empty((num_tokens, num_q_heads, cfg.num_splits, head_dim), dtype=torch.float32)
         part_lse = query.new_empty((num_tokens, num_q_heads, cfg.num_splits), dtype=torch.float32)
-    dot_dtype = _dot_dtype(kv_pool.dtype)
+    dot_dtype = _dot_dtype(layer_kv.dtype)
     q_clamp = 65504.0 if dot_dtype == tl.float16 and query.dtype != torch.float16 else 0.0
-    grid = (batch * cfg.num_q_blocks, num_kv_heads, cfg.num_splits)
+    uniform = batch.query_start_loc is None
+    grid = (batch.size * cfg.num_q_blocks, num_kv_heads, cfg.num_splits)
     _attention_kernel[grid](
         out,
         part_out,
         part_lse,
         query,
-        kv_pool,
-        block_table,
-        seq_lens if query_start_loc is None else query_start_loc,  # placeholder when uniform
-        seq_lens,
-        layer * kv_pool.stride(1),
+        layer_kv,
+        batch.block_table,
+        batch.seq_lens if uniform else batch.query_start_loc,  # placeholder when uniform
+        batch.seq_lens,
+        0,  # layer_offset: layer_kv already starts at its layer
         cfg.num_q_blocks,
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        kv_pool.stride(0),
-        kv_pool.stride(2),
-        kv_pool.stride(3),
-        block_table.stride(0),
-        scale * LOG2E,
-        window,
-        key_start,
+        layer_kv.stride(0),
+        layer_kv.stride(1),
+        layer_kv.stride(2),
+        batch.block_table.stride(0),
+        params.scale * LOG2E,
+        batch.window,
+        batch.key_start,
         NUM_SPLITS=cfg.num_splits,
         GROUP=cfg.group,
         GROUP_PAD=cfg.group_pad,
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        PAGE=kv_pool.shape[4],
+        PAGE=layer_kv.shape[3],
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HAS_WINDOW=window > 0,
+        HAS_WINDOW=batch.window > 0,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=q_clamp,
-        UNIFORM_Q=max_q_len if query_start_loc is None else 0,
+        UNIFORM_Q=max_q_len if uniform else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

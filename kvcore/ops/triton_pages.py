@@ -19,7 +19,7 @@ BLOCK = 4096  # elements per program
 
 
 @triton.jit
-def _copy_runs_kernel(
+def _copy_runs_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     src_ptr,
     dst_ptr,
     src_ids_ptr,
@@ -63,20 +63,20 @@ def launch_pack(
     kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
 ) -> None:
     """packed[i] = kv_pool[page_ids[i], :, :, heads]."""
-    _launch(kv_pool, packed, page_ids, None, heads, pool_is_src=True)
+    _launch(kv_pool, page_ids, packed, heads, pool_is_src=True)
 
 
 def launch_unpack(
     kv_pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None
 ) -> None:
     """kv_pool[page_ids[i], :, :, heads] = packed[i]."""
-    _launch(packed, kv_pool, None, page_ids, heads, pool_is_src=False)
+    _launch(kv_pool, page_ids, packed, heads, pool_is_src=False)
 
 
 def _launch(
-    src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, heads: slice | None, pool_is_src: bool
+    pool: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, heads: slice | None, pool_is_src: bool
 ) -> None:
-    pool, packed = (src, dst) if pool_is_src else (dst, src)
+    """Copy between pool pages ``page_ids`` and ``packed``; the pool side is the indexed one."""
     first, moved, runs = _run_geometry(pool, heads)
     num_pages = packed.shape[0]
     head_elems = pool.shape[4] * pool.shape[5]  # P * head_dim
@@ -85,14 +85,14 @@ def _launch(
         return
     pool_geometry = (pool.stride(0), pool.stride(2), first * head_elems)
     packed_geometry = (packed.stride(0), run_len, 0)
+    src, dst = (pool, packed) if pool_is_src else (packed, pool)
     src_geo, dst_geo = (pool_geometry, packed_geometry) if pool_is_src else (packed_geometry, pool_geometry)
     grid = (num_pages, runs, triton.cdiv(run_len, BLOCK))
-    ids = src_ids if src_ids is not None else dst_ids
     _copy_runs_kernel[grid](
         as_bits(src),
         as_bits(dst),
-        ids,
-        ids,
+        page_ids,
+        page_ids,
         run_len,
         src_geo[0],
         dst_geo[0],
@@ -100,8 +100,8 @@ def _launch(
         dst_geo[1],
         src_geo[2],
         dst_geo[2],
-        SRC_INDEXED=src_ids is not None,
-        DST_INDEXED=dst_ids is not None,
+        SRC_INDEXED=pool_is_src,
+        DST_INDEXED=not pool_is_src,
         BLOCK=BLOCK,
         num_warps=4,
     )

@@ -10,9 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.batch import RotaryWrite
+
 
 @triton.jit
-def _write_kv_kernel(
+def _write_kv_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     kv_ptr,
     key_ptr,
     value_ptr,
@@ -88,7 +90,7 @@ def launch_write_kv(
 
 
 @triton.jit
-def _write_rotated_kernel(
+def _write_rotated_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     kv_ptr,
     qkv_ptr,
     q_out_ptr,
@@ -152,23 +154,19 @@ def _write_rotated_kernel(
 
 
 def launch_write_rotated_kv(
-    kv_pool: torch.Tensor,
-    layer: int,
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_pool: torch.Tensor, layer: int, qkv: torch.Tensor, num_q_heads: int, write: RotaryWrite
 ) -> torch.Tensor:
     """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim] (unit stride on
-    head_dim), cos/sin [num_tokens, head_dim] float32 -> rotated q [num_tokens,
-    num_q_heads, head_dim]; the rotated k and v stored at the slots. One program per
-    (token, q or k head)."""
+    head_dim), ``write.cos``/``write.sin`` num_tokens * head_dim float32 each (read as
+    [num_tokens, head_dim]: the halves repeat, the kernel reads the first) -> rotated q
+    [num_tokens, num_q_heads, head_dim]; the rotated k and v stored at
+    ``write.slot_mapping``. One program per (token, q or k head)."""
     num_tokens, heads, head_dim = qkv.shape
     num_kv = (heads - num_q_heads) // 2
     q = qkv.new_empty((num_tokens, num_q_heads, head_dim))
     if num_tokens == 0:
         return q
+    cos, sin = (t.reshape(num_tokens, head_dim) for t in (write.cos, write.sin))
     fp8_max = torch.finfo(kv_pool.dtype).max if kv_pool.element_size() == 1 else 0.0
     _write_rotated_kernel[(num_tokens, num_q_heads + num_kv)](
         kv_pool,
@@ -176,7 +174,7 @@ def launch_write_rotated_kv(
         q,
         cos,
         sin,
-        slot_mapping,
+        write.slot_mapping,
         layer * kv_pool.stride(1),
         qkv.stride(0),
         qkv.stride(1),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.ops import AttentionParams, PagedBatch
 from kvcore.ops.reference import to_pool_dtype
 from kvcore.spec import NULL_PAGE, cdiv
 
@@ -42,18 +43,26 @@ class Case:
             seq_lens=self.seq_lens.to(device),
         )
 
-    def args(self) -> tuple:
-        return (
-            self.query,
-            self.kv_pool,
-            self.layer,
-            self.block_table,
-            self.query_start_loc,
-            self.seq_lens,
-            self.scale,
-            self.window,
-            self.key_start,
+    def batch(self) -> PagedBatch:
+        """The case's batch, varlen: its query starts and longest query."""
+        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        max_q_len = int(q_lens.max()) if q_lens.numel() else 0
+        return PagedBatch(
+            self.block_table, self.seq_lens, max_q_len, self.query_start_loc, self.window, self.key_start
         )
+
+    def uniform_batch(self, q_len: int) -> PagedBatch:
+        """The case's batch as decode (q_len 1) and verify take it: no query starts."""
+        return PagedBatch(
+            self.block_table, self.seq_lens, q_len, window=self.window, key_start=self.key_start
+        )
+
+    def params(self) -> AttentionParams:
+        return AttentionParams(self.scale)
+
+    def args(self) -> tuple:
+        """(query, kv_pool, layer, batch, params): paged_attention's arguments."""
+        return (self.query, self.kv_pool, self.layer, self.batch(), self.params())
 
 
 def first_visible(seq_len: int, q_len: int, window: int) -> int:

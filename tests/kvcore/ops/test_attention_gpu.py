@@ -17,21 +17,7 @@ def run_kernel(case, **launch):
     from kvcore.ops.triton_attention import launch_attention
 
     out = torch.full_like(case.query, float("nan"))
-    q_lens = case.query_start_loc[1:] - case.query_start_loc[:-1]
-    launch_attention(
-        out,
-        case.query,
-        case.kv_pool,
-        case.layer,
-        case.block_table,
-        case.query_start_loc,
-        case.seq_lens,
-        case.scale,
-        case.window,
-        int(q_lens.max()),
-        key_start=case.key_start,
-        **launch,
-    )
+    launch_attention(out, case.query, case.kv_pool[:, case.layer], case.batch(), case.params(), **launch)
     return out
 
 
@@ -130,11 +116,12 @@ def test_public_api_matches_reference_at_model_shape(seed):
         device="cuda",
     )
     q = case.query.view(4, 8, 32, 128)
-    args = (case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale)
+    args = (case.kv_pool, case.layer, case.uniform_batch(8), case.params())
     out = verify_attention(q, *args)
     ref = reference.verify_attention(q, *args)
     assert relative_error(out, ref) < 1e-2
     last = q[:, -1].contiguous()
+    args = (case.kv_pool, case.layer, case.uniform_batch(1), case.params())
     assert relative_error(decode_attention(last, *args), reference.decode_attention(last, *args)) < 1e-2
 
 
@@ -146,7 +133,7 @@ def test_decode_step_captures_in_a_cuda_graph():
     value = torch.randn(2, 2, 32, device="cuda")
     slots = torch.tensor([-1, -1], device="cuda")
     q = case.query.clone()
-    args = (case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale)
+    args = (case.kv_pool, case.layer, case.uniform_batch(1), case.params())
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

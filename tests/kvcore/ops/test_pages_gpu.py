@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcore.ops import copy_pages, pack_pages, unpack_pages, write_kv, write_rotated_kv
+from kvcore.ops import RotaryWrite, copy_pages, pack_pages, unpack_pages, write_kv, write_rotated_kv
 from kvcore.ops import reference as ref
 from kvcore.ops.reference import to_pool_dtype
 
@@ -37,8 +37,8 @@ def test_write_rotated_kv_matches_reference(dtype):
     cos, sin = angles.cos(), angles.sin()
     slots = torch.randperm(40 * 16, generator=gen)[:300]
     slots[::7] = -1
-    q_ref = ref.write_rotated_kv(cpu_pool, 2, qkv, 32, cos, sin, slots)
-    q = write_rotated_kv(gpu_pool, 2, qkv.cuda(), 32, cos.cuda(), sin.cuda(), slots.cuda())
+    q_ref = ref.write_rotated_kv(cpu_pool, 2, qkv, 32, RotaryWrite(cos, sin, slots))
+    q = write_rotated_kv(gpu_pool, 2, qkv.cuda(), 32, RotaryWrite(cos.cuda(), sin.cuda(), slots.cuda()))
     ulp = 2**-3 if dtype == FP8 else 2**-7
     torch.testing.assert_close(q.cpu().float(), q_ref.float(), rtol=2**-7, atol=2**-7)
     got, want = gpu_pool.cpu(), cpu_pool

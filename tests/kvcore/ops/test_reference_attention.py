@@ -1,9 +1,11 @@
 """The torch reference attention against a float64 dense computation."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from kvcore.ops import reference
+from kvcore.ops import AttentionParams, reference
 from tests.kvcore.ops.cases import assert_matches_dense, make_case
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -12,7 +14,7 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 def test_decode_varlen_gqa():
     case = make_case([1, 17, 40, 100], [1, 1, 1, 1], num_q_heads=8, num_kv_heads=2)
     out = reference.decode_attention(
-        case.query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+        case.query, case.kv_pool, case.layer, case.uniform_batch(1), case.params()
     )
     assert_matches_dense(out, case)
 
@@ -22,7 +24,7 @@ def test_verify_is_causal_inside_the_block(q_len):
     case = make_case([q_len, 33, 64], [q_len] * 3, seed=q_len)
     query = case.query.view(3, q_len, *case.query.shape[1:])
     out = reference.verify_attention(
-        query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+        query, case.kv_pool, case.layer, case.uniform_batch(q_len), case.params()
     )
     assert out.shape == query.shape
     assert_matches_dense(out.reshape(case.query.shape), case)
@@ -63,14 +65,7 @@ def test_keys_below_key_start_are_never_read(window):
     assert_matches_dense(out, case)
     decode = make_case([1, 2, 17, 40], [1, 1, 1, 1], window=window, key_start=1, seed=12)
     out = reference.decode_attention(
-        decode.query,
-        decode.kv_pool,
-        decode.layer,
-        decode.block_table,
-        decode.seq_lens,
-        decode.scale,
-        window,
-        key_start=1,
+        decode.query, decode.kv_pool, decode.layer, decode.uniform_batch(1), decode.params()
     )
     assert_matches_dense(out, decode)
 
@@ -103,7 +98,7 @@ def test_dtypes(pool_dtype, query_dtype):
 def test_padding_row_with_empty_context_outputs_zeros():
     case = make_case([0, 12], [1, 1], seed=8)
     out = reference.decode_attention(
-        case.query, case.kv_pool, case.layer, case.block_table, case.seq_lens, case.scale
+        case.query, case.kv_pool, case.layer, case.uniform_batch(1), case.params()
     )
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_matches_dense(out, case)
@@ -145,7 +140,31 @@ def test_bad_input_names_the_field(field, mutate):
         "window",
         "key_start",
     ]
-    args = dict(zip(names, case.args(), strict=True))
+    args = {name: getattr(case, name) for name in names}
     mutate(args)
     with pytest.raises(ValueError, match=f"^{field}:"):
-        reference.paged_attention(**args)
+        reference.paged_attention(*dataclasses.replace(case, **args).args())
+
+
+def test_uniform_attention_takes_a_uniform_batch_of_its_q_len():
+    """decode and verify read no query starts: a varlen batch, or one of another q_len, is
+    refused by name; so is a varlen batch whose max_q_len is below its longest query."""
+    case = make_case([5, 9], [1, 1])
+    with pytest.raises(ValueError, match="^query_start_loc:"):
+        reference.decode_attention(case.query, case.kv_pool, case.layer, case.batch(), case.params())
+    with pytest.raises(ValueError, match="^max_q_len:"):
+        reference.decode_attention(case.query, case.kv_pool, case.layer, case.uniform_batch(2), case.params())
+    verify = make_case([5, 9], [2, 2])
+    query = verify.query.view(2, 2, *verify.query.shape[1:])
+    with pytest.raises(ValueError, match="^max_q_len:"):
+        reference.verify_attention(
+            query, verify.kv_pool, verify.layer, verify.uniform_batch(3), verify.params()
+        )
+    short = dataclasses.replace(verify.batch(), max_q_len=1)
+    with pytest.raises(ValueError, match="^max_q_len:"):
+        reference.paged_attention(verify.query, verify.kv_pool, verify.layer, short, verify.params())
+
+
+def test_attention_params_refuse_a_softcap():
+    with pytest.raises(ValueError, match="^softcap:"):
+        AttentionParams(0.125, softcap=50.0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvcore.ops import (
+    RotaryWrite,
     copy_pages,
     pack_pages,
     query_positions,
@@ -70,7 +71,7 @@ def test_write_rotated_kv_is_rotation_then_write(dtype):
     cos, sin = rope_tables(5, 8)
     slots = torch.tensor([9, -1, 0, 23, -1])
     pool, expected = random_pool(dtype), random_pool(dtype)
-    q = ref.write_rotated_kv(pool, 1, qkv, 8, cos, sin, slots)
+    q = ref.write_rotated_kv(pool, 1, qkv, 8, RotaryWrite(cos, sin, slots))
     x = qkv[:, :12].float()
     x1, x2 = x[..., :4], x[..., 4:]
     c, s = cos[..., :4], sin[..., :4]
@@ -86,9 +87,13 @@ def test_write_rotated_kv_rejects_a_qkv_of_other_heads():
     pool = random_pool(torch.float32)
     cos, sin = rope_tables(2, 8)
     with pytest.raises(ValueError, match="^qkv:"):
-        ref.write_rotated_kv(pool, 0, torch.zeros(2, 8 + 4, 8), 8, cos, sin, torch.tensor([0, 1]))
+        ref.write_rotated_kv(
+            pool, 0, torch.zeros(2, 8 + 4, 8), 8, RotaryWrite(cos, sin, torch.tensor([0, 1]))
+        )
     with pytest.raises(ValueError, match="^cos:"):
-        ref.write_rotated_kv(pool, 0, torch.zeros(2, 16, 8), 8, cos[:1], sin, torch.tensor([0, 1]))
+        ref.write_rotated_kv(
+            pool, 0, torch.zeros(2, 16, 8), 8, RotaryWrite(cos[:1], sin, torch.tensor([0, 1]))
+        )
 
 
 def test_write_kv_rejects_mismatched_shapes():
