@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.ops import AttentionParams, PagedBatch
 from kvcore.ops.slots import uniform_query_start_loc
 from kvcore.ops.triton_attention import launch_attention
 
@@ -27,9 +28,9 @@ def attention_fn(pool, table, batch, length, q_len, **launch):
     out = torch.empty_like(query)
     seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     starts = uniform_query_start_loc(seq_lens, q_len)
-    return lambda: launch_attention(
-        out, query, pool, 0, table, starts, seq_lens, HEAD_DIM**-0.5, 0, q_len, **launch
-    )
+    paged = PagedBatch(table, seq_lens, q_len, starts)
+    params = AttentionParams(HEAD_DIM**-0.5)
+    return lambda: launch_attention(out, query, pool[:, 0], paged, params, **launch)
 
 
 def kv_bytes(batch: int, length: int, dtype: torch.dtype) -> int:

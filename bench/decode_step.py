@@ -12,8 +12,8 @@ at ``context`` tokens (random K/V). One step = the target over one new token per
 head and a greedy argmax, run through the engine's graph path (``GraphedForward``).
 
 Columns (medians of CUDA-event timings, L2 flushed before each run):
-- eager paged: the engine's eager path (``PagedContext``: ``paged_attention``, which reads
-  the longest query length back once per layer);
+- eager paged: the engine's eager path (``PagedContext``: ``paged_attention`` over a varlen
+  batch, which reads a start table);
 - eager uniform: the graph path's forward launched from Python (``decode_attention``);
 - graph: the captured step replayed;
 - matmuls: a graph of the step's linear layers alone (every weight read once), the part
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_inputs import build_target, llama_8b, make_pool, step_batch, toy  # noqa: E402
+from kvcore.ops import PagedBatch  # noqa: E402
 from services.engine import kernels  # noqa: E402
 from services.engine.device.cuda_graphs import GraphedForward, PagedGroup  # noqa: E402
 from services.engine.models import LlamaConfig, LlamaForCausalLM, PagedContext  # noqa: E402
@@ -147,13 +148,9 @@ def run_batch(
         fn()
         tokens[name] = graphed.outputs[0][:batch].tolist()
     first = tokens["graph"]
-    ctx = PagedContext(
-        pool,
-        host.block_tables[0].to(device),
-        torch.arange(batch + 1, dtype=torch.int32, device=device),
-        host.seq_lens.to(device),
-        host.slot_mappings[0].to(device),
-    )
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    paged_batch = PagedBatch(host.block_tables[0].to(device), host.seq_lens.to(device), 1, starts)
+    ctx = PagedContext(pool, paged_batch, host.slot_mappings[0].to(device))
     ids, positions = host.input_ids.to(device), host.positions.to(device)
     paged = greedy_step(model)
     timings["eager_paged"] = time_ms(lambda: paged(ids, positions, None, ctx), device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.ops import AttentionParams
 from services.engine.models.eagle import DRAFT_KEY_START
 
 
@@ -30,11 +31,12 @@ class ChainContext:
         return len(self.keys)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
     ) -> torch.Tensor:
         """q [batch * seq_len, heads, hd], k/v [batch * seq_len, kv_heads, hd]."""
         if layer != 0:
             raise ValueError("layer: chain training supports a one-layer drafter")
+        scale = params.scale
         q4, k4, v4 = (self._heads_first(t) for t in (q, k, v))
         group = q4.shape[1] // k4.shape[1]
         s = self.step

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvcore import KVPools, Owner, PoolWrite
+from kvcore.ops import PagedBatch
 from services.engine.models import GroupContext, LayerContexts, PagedContext
 from services.engine.parallel import TensorParallel
 
@@ -45,6 +46,7 @@ class ForwardPlan:
     positions: torch.Tensor  # [num_tokens] int64
     query_start_loc: torch.Tensor  # [batch + 1] int32
     seq_lens: torch.Tensor  # [batch] int32
+    max_q_len: int  # the longest query: the contexts' PagedBatch.max_q_len
     aux_layer_ids: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]: the drafter's h_j
     pool_writes: list[PoolWrite] = field(default_factory=list)  # replayed before the forward
@@ -74,8 +76,9 @@ class Lockstep:
             [group_plan(g) for g in ctx.groups],
             cpu(input_ids),
             cpu(positions),
-            cpu(first.query_start_loc),
-            cpu(first.seq_lens),
+            cpu(first.batch.query_start_loc),
+            cpu(first.batch.seq_lens),
+            first.batch.max_q_len,
             tuple(aux_layer_ids),
             cpu(hidden) if hidden is not None else None,
             self.kv_pools.take_writes(),
@@ -86,8 +89,9 @@ class Lockstep:
 def group_plan(g: GroupContext) -> GroupPlan:
     """``g``'s paged context, on the CPU."""
     ctx: PagedContext = g.ctx
-    table, slots = ctx.block_table.detach().cpu(), ctx.slot_mapping.detach().cpu()
-    return GroupPlan(g.name, g.layer_ids, table, slots, ctx.window, ctx.key_start)
+    batch = ctx.batch
+    table, slots = batch.block_table.detach().cpu(), ctx.slot_mapping.detach().cpu()
+    return GroupPlan(g.name, g.layer_ids, table, slots, batch.window, batch.key_start)
 
 
 def attach_lockstep(runner, tp: TensorParallel) -> None:
@@ -110,20 +114,11 @@ def replay(plan: ForwardPlan, runner) -> None:
     pools.apply(plan.pool_writes)
     to = lambda t: t.to(device)  # noqa: E731
     qsl, seq_lens = to(plan.query_start_loc), to(plan.seq_lens)
+    batch = lambda g: PagedBatch(to(g.block_table), seq_lens, plan.max_q_len, qsl, g.window, g.key_start)  # noqa: E731
     ctx = LayerContexts(
         [
             GroupContext(
-                g.group,
-                g.layer_ids,
-                PagedContext(
-                    pools.tensor(g.group),
-                    to(g.block_table),
-                    qsl,
-                    seq_lens,
-                    to(g.slot_mapping),
-                    g.window,
-                    g.key_start,
-                ),
+                g.group, g.layer_ids, PagedContext(pools.tensor(g.group), batch(g), to(g.slot_mapping))
             )
             for g in plan.groups
         ]

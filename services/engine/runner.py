@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP, KVCacheManager, KVPools, Owner
-from kvcore.ops import slot_mapping_for
+from kvcore.ops import PagedBatch, slot_mapping_for
 from services.engine.batch import GraphedForwards, Span, TargetRun
 from services.engine.lockstep import Lockstep
 from services.engine.models import (
@@ -115,15 +115,15 @@ class ModelRunner:
         qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(lengths).cumsum(0)
         seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)], dtype=torch.int32)
-        return PagedContext(
-            self.kv_pools.tensor(group),
+        batch = PagedBatch(
             block_table,
-            qsl.to(self.device),
             seq_lens.to(self.device),
-            slots,
+            max(lengths, default=0),
+            qsl.to(self.device),
             window,
             key_start,
         )
+        return PagedContext(self.kv_pools.tensor(group), batch, slots)
 
     def _inputs(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long)

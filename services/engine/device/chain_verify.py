@@ -26,7 +26,7 @@ import torch
 
 from kvcore.ops import slots_at
 from kvcore.spec import NULL_PAGE
-from services.engine.device.graphed_forward import GraphedForward, UniformContext, table_rows
+from services.engine.device.graphed_forward import GraphedForward, table_rows, uniform_context
 from services.engine.models import layer_contexts
 
 
@@ -84,17 +84,7 @@ class ChainVerify:
         for g, group in enumerate(target.groups):
             table = self._table(self.dev, bucket, g)
             slots = slots_at(table, self.row_ids[:bucket], positions, self.tokens_per_page)  # -1 on NULL rows
-            contexts.append(
-                UniformContext(
-                    group.kv_pool,
-                    table,
-                    seq_lens,
-                    slots.reshape(-1),
-                    target.q_len,
-                    group.window,
-                    group.key_start,
-                )
-            )
+            contexts.append(uniform_context(group, table, seq_lens, slots.reshape(-1), target.q_len))
         ctx = layer_contexts(target.groups, contexts)
         target.forward_into(ids.reshape(-1), positions.reshape(-1), None, ctx)
 

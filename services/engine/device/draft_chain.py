@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.ops import slots_at
+from kvcore.ops import PagedBatch, slots_at
 from kvcore.spec import NULL_PAGE
 from services.engine.device.chain_catch_up import ChainCatchUp, PendingSpans
 from services.engine.device.chain_verify import ChainVerify
@@ -226,8 +226,8 @@ class GraphedDraftChain:
         to L tokens, its last row."""
         table = self._table(bucket)
         ids, positions, slots, seq_lens, hidden = self.catch.inputs(bucket, table, self.shape.tokens_per_page)
-        L, shape = self.catch.q_len, self.shape
-        ctx = UniformContext(self.kv_pool, table, seq_lens, slots, L, shape.window, shape.key_start)
+        L = self.catch.q_len
+        ctx = self._context(table, seq_lens, slots, L)
         g = self.drafter(ids, hidden, positions, ctx)  # [bucket * L, hidden_size]
         return g.view(bucket, L, -1)[:, -1].contiguous()
 
@@ -260,10 +260,16 @@ class GraphedDraftChain:
         table, shape = self._table(bucket), self.shape
         slots = slots_at(table, self.row_ids[:bucket], positions, shape.tokens_per_page)  # [K - 1, bucket]
         seq_lens = ((positions + 1) * (n >= 0)).to(torch.int32)  # [K - 1, bucket]
-        context = lambda s: UniformContext(  # noqa: E731
-            self.kv_pool, table, seq_lens[s], slots[s], 1, shape.window, shape.key_start
-        )
-        return [(positions[s], context(s)) for s in range(self._steps)]
+        return [(positions[s], self._context(table, seq_lens[s], slots[s], 1)) for s in range(self._steps)]
+
+    def _context(
+        self, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, q_len: int
+    ) -> UniformContext:
+        """The draft group's context over ``q_len`` tokens per row: table [bucket, max_pages],
+        seq_lens [bucket] int32, slots [bucket * q_len] (-1: not written)."""
+        shape = self.shape
+        batch = PagedBatch(table, seq_lens, q_len, window=shape.window, key_start=shape.key_start)
+        return UniformContext(self.kv_pool, batch, slots)
 
     def _load(
         self, starts: list[int], host_table: np.ndarray, bucket: int, sampling: ChainSampling | None = None

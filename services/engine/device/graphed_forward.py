@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.ops import decode_attention, uniform_slots, verify_attention
+from kvcore.ops import AttentionParams, PagedBatch, decode_attention, uniform_slots, verify_attention
 from kvcore.spec import NULL_PAGE
 from services.engine.batch import Span
 from services.engine.models import LayerContexts, layer_contexts
@@ -68,23 +68,31 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class UniformContext(WritesPages):
-    """KV context of a batch whose sequences all have ``q_len`` query tokens, the last
-    ``q_len`` positions of their ``seq_lens``. Padding rows: seq_len 0, slots -1."""
+    """KV context of a uniform batch: every sequence has ``q_len`` query tokens, the last
+    ``q_len`` positions of its ``seq_lens``. Padding rows: seq_len 0, slots -1."""
 
     kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
-    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
-    seq_lens: torch.Tensor  # [batch] int32
+    batch: PagedBatch  # uniform: no query starts, max_q_len = q_len
     slot_mapping: torch.Tensor  # [batch * q_len] int64, -1 = do not write
-    q_len: int
-    window: int = 0
-    key_start: int = 0
 
-    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        args = (self.kv_pool, layer, self.block_table, self.seq_lens, scale, self.window, self.key_start)
+    @property
+    def q_len(self) -> int:
+        return self.batch.max_q_len
+
+    def _attend_written(self, layer: int, q: torch.Tensor, params: AttentionParams) -> torch.Tensor:
         if self.q_len == 1:
-            return decode_attention(q, *args)
-        out = verify_attention(q.view(-1, self.q_len, *q.shape[1:]), *args)
+            return decode_attention(q, self.kv_pool, layer, self.batch, params)
+        out = verify_attention(q.view(-1, self.q_len, *q.shape[1:]), self.kv_pool, layer, self.batch, params)
         return out.view(q.shape)
+
+
+def uniform_context(
+    group: PagedGroup, block_table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, q_len: int
+) -> UniformContext:
+    """``group``'s context over a uniform batch: block_table [batch, max_pages] int32,
+    seq_lens [batch] int32, slots [batch * q_len] int64 (-1: not written)."""
+    batch = PagedBatch(block_table, seq_lens, q_len, window=group.window, key_start=group.key_start)
+    return UniformContext(group.kv_pool, batch, slots)
 
 
 def uniform_q_len(ctx: LayerContexts) -> int:
@@ -240,14 +248,12 @@ class GraphedForward:
         the static outputs (allocated by the first call, at the largest bucket)."""
         n, t = bucket * self.q_len, self.max_tokens
         contexts = [
-            UniformContext(
-                group.kv_pool,
+            uniform_context(
+                group,
                 self._table(self.dev_i32, bucket, g),
                 self.dev_i32[:bucket],
                 self.dev_i64[(2 + g) * t : (2 + g) * t + n],
                 self.q_len,
-                group.window,
-                group.key_start,
             )
             for g, group in enumerate(self.groups)
         ]

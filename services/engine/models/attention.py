@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.ops import paged_attention, write_kv, write_rotated_kv
+from kvcore.ops import (
+    AttentionParams,
+    PagedBatch,
+    RotaryWrite,
+    paged_attention,
+    write_kv,
+    write_rotated_kv,
+)
 from services.engine import kernels
 from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
 from services.engine.models.layers import RMSNorm, merge_linears
@@ -38,25 +45,25 @@ class KVContext(Protocol):
     writes k and v, and also takes the merged q/k/v before RoPE (``attend_packed``)."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
     ) -> torch.Tensor: ...
 
 
 class WritesPages:
     """The writing half of a paged context: K/V go to ``self.kv_pool`` at
     ``self.slot_mapping`` (slot -1: not written), then ``self._attend_written(layer, q,
-    scale)`` attends over the pages. Tensors are flat over tokens."""
+    params)`` attends over the pages. Tensors are flat over tokens."""
 
     __slots__ = ()
     kv_pool: torch.Tensor
     slot_mapping: torch.Tensor
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
     ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]."""
         write_kv(self.kv_pool, layer, k, v, self.slot_mapping)
-        return self._attend_written(layer, q, scale)
+        return self._attend_written(layer, q, params)
 
     def attend_packed(
         self,
@@ -64,42 +71,30 @@ class WritesPages:
         qkv: torch.Tensor,
         num_q_heads: int,
         rope: tuple[torch.Tensor, torch.Tensor],
-        scale: float,
+        params: AttentionParams,
     ) -> torch.Tensor:
         """qkv [num_tokens, num_q_heads + 2 * num_kv_heads, head_dim], before RoPE; rope:
         cos, sin [num_tokens, 1, head_dim] float32. q and k are rotated as k is written."""
-        q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, *rope, self.slot_mapping)
-        return self._attend_written(layer, q, scale)
+        write = RotaryWrite(*rope, self.slot_mapping)
+        q = write_rotated_kv(self.kv_pool, layer, qkv, num_q_heads, write)
+        return self._attend_written(layer, q, params)
 
-    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend_written(self, layer: int, q: torch.Tensor, params: AttentionParams) -> torch.Tensor:
         raise NotImplementedError
 
 
 @dataclass(slots=True)
 class PagedContext(WritesPages):
-    """One forward's view of one layer group. Queries of sequence b are the positions
-    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; their K/V are written before attending."""
+    """One forward's view of one layer group: its pool, its batch (block table, query
+    starts, lengths, window: see kvcore's PagedBatch) and where its tokens' K/V go. The
+    K/V of the batch's queries are written before attending."""
 
     kv_pool: torch.Tensor  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
-    block_table: torch.Tensor  # [batch, max_pages] int32, NULL_PAGE padded
-    query_start_loc: torch.Tensor  # [batch + 1] int32
-    seq_lens: torch.Tensor  # [batch] int32
+    batch: PagedBatch  # varlen: with query starts and the longest query
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
-    window: int = 0
-    key_start: int = 0  # positions below it are written but never attended
 
-    def _attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        return paged_attention(
-            q,
-            self.kv_pool,
-            layer,
-            self.block_table,
-            self.query_start_loc,
-            self.seq_lens,
-            scale,
-            self.window,
-            self.key_start,
-        )
+    def _attend_written(self, layer: int, q: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+        return paged_attention(q, self.kv_pool, layer, self.batch, params)
 
 
 @dataclass(slots=True)
@@ -112,9 +107,10 @@ class DenseContext:
     key_start: int = 0  # positions below it are never attended (a row seeing none gives 0)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
     ) -> torch.Tensor:
         q4, k4, v4 = (self._heads_first(t) for t in (q, k, v))  # [batch, heads, seq, hd]
+        scale = params.scale
         if self.key_start > 0:
             mask = self.mask(q.device)
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -163,7 +159,7 @@ class Attention(nn.Module):
         q_heads = split(num_heads, tp, "num_attention_heads")
         own_kv = kv_heads(num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(own_kv), head_dim
-        self.scale = head_dim**-0.5
+        self.params = AttentionParams(scale=head_dim**-0.5)
         self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), qkv_bias)
         self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
         self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
@@ -198,10 +194,10 @@ class Attention(nn.Module):
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
         if self.qkv is not None and not self.qk_norm and isinstance(ctx, WritesPages):
-            out = ctx.attend_packed(layer, self._merged_qkv(x), self.num_heads, rope, self.scale)
+            out = ctx.attend_packed(layer, self._merged_qkv(x), self.num_heads, rope, self.params)
         else:
             q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
-            out = ctx.attend(layer, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
+            out = ctx.attend(layer, q, k, v, self.params)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
     def _separate_qkv(

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvcore.ops import PagedBatch
 from services.engine.models import (
     DenseContext,
     Eagle3Drafter,
@@ -39,7 +40,8 @@ def paged_context(
     qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([s + n for s, n in spans], dtype=torch.int32)
     slots = torch.cat([torch.arange(s, s + n) for s, n in spans])
-    return PagedContext(pool, table, qsl, seq_lens, slots, window)
+    batch = PagedBatch(table, seq_lens, max(lengths, default=0), qsl, window)
+    return PagedContext(pool, batch, slots)
 
 
 def test_target_round_trips_through_safetensors(tmp_path):
