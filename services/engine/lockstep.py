@@ -114,7 +114,10 @@ def replay(plan: ForwardPlan, runner) -> None:
     pools.apply(plan.pool_writes)
     to = lambda t: t.to(device)  # noqa: E731
     qsl, seq_lens = to(plan.query_start_loc), to(plan.seq_lens)
-    batch = lambda g: PagedBatch(to(g.block_table), seq_lens, plan.max_q_len, qsl, g.window, g.key_start)  # noqa: E731
+
+    def batch(g: GroupPlan) -> PagedBatch:
+        return PagedBatch(to(g.block_table), seq_lens, plan.max_q_len, qsl, g.window, g.key_start)
+
     ctx = LayerContexts(
         [
             GroupContext(
