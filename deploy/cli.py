@@ -38,6 +38,7 @@ from deploy.options import (
 )
 from services.common.file_limit import raise_file_limit
 from services.common.log_setup import configure_logging
+from services.common.ports import exit_on_busy_port
 from services.common.security import worker_token
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterSettings
@@ -244,7 +245,8 @@ def run_router_command(args: argparse.Namespace) -> int:
         router_http_limits(router),
         router_deadlines(router),
     )
-    asyncio.run(run_router(config))
+    with exit_on_busy_port("router"):
+        asyncio.run(run_router(config))
     return 0
 
 
@@ -275,7 +277,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"tandem: {e}") from None
     configure_logging(config.log_level, config.instance_id)
     name = served_model_name(args.model, args.served_model_name)
-    asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=name))
+    with exit_on_busy_port(f"{config.role} worker {config.instance_id}"):
+        asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=name))
     return 0
 
 

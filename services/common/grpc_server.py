@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.access import AccessCheck, AccessPolicy
+from services.common.ports import PortInUse, is_busy
 from services.common.security import TlsConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -61,10 +62,15 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, ServiceHealth, int]:
     """Start a server on ``host:port`` (0 = any free port) with ``grpc.health.v1`` (every
     status NOT_SERVING at first) and server reflection, with mutual TLS and ``policy`` (who
-    may call what) when given. Returns the server, its health statuses and the port."""
+    may call what) when given. Returns the server, its health statuses and the port. The
+    port is the server's alone (no ``SO_REUSEPORT``): a busy one raises PortInUse."""
     server = grpc.aio.server(
         interceptors=[AccessCheck(policy)] if policy else None,
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),  # the port is this server's alone (services/common/ports.py)
+        ],
     )
     recording = _Recording(server)
     add_servicers(recording)
@@ -76,16 +82,31 @@ async def start_server(
     statuses = ServiceHealth(health_servicer, recording.names)
     await statuses.set("", NOT_SERVING)
     await statuses.set(READY_SERVICE, NOT_SERVING)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, tls.server_credentials())
-        if tls
-        else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise OSError(f"port: cannot bind {host}:{port}")
+    bound = _bind(server, host, port, tls)
     await server.start()
     return server, statuses, bound
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
+    """The port ``server`` listens on at ``host:port``; PortInUse when another socket holds
+    it. A probe asks first (a failed gRPC bind logs a line of its own) and after a failed
+    bind (gRPC says only that it failed)."""
+    address = f"{host}:{port}"
+    if port and is_busy(host, port):
+        raise PortInUse("gRPC", address)
+    try:
+        bound = (
+            server.add_secure_port(address, tls.server_credentials())
+            if tls
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:
+        bound = 0
+    if bound == 0 and port and is_busy(host, port):
+        raise PortInUse("gRPC", address)
+    if bound == 0:
+        raise OSError(f"port: cannot bind {address}")
+    return bound
 
 
 async def write_stream(messages: AsyncIterator, context: grpc.aio.ServicerContext) -> None:

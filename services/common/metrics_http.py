@@ -9,6 +9,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from services.common.ports import claimed
+
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
@@ -37,9 +39,11 @@ def head_as_get(app):
 
 
 def serve_registry(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve ``registry`` on ``host:port`` (0 = any free port); returns the port."""
-    server = make_server(
-        host, port, head_as_get(make_wsgi_app(registry)), _ThreadingServer, handler_class=_QuietHandler
-    )
+    """Serve ``registry`` on ``host:port`` (0 = any free port); returns the port. The port
+    is the server's alone (socketserver sets no ``SO_REUSEPORT``): a busy one raises PortInUse."""
+    with claimed("metrics", host, port):
+        server = make_server(
+            host, port, head_as_get(make_wsgi_app(registry)), _ThreadingServer, handler_class=_QuietHandler
+        )
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http").start()
     return server.server_address[1]

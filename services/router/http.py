@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from services.common.ports import claimed
 from services.router.http_read import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -110,7 +111,8 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the port. The connection
-        cap is lowered to what the process's file limit leaves (refused cleanly, not EMFILE)."""
+        cap is lowered to what the process's file limit leaves (refused cleanly, not EMFILE).
+        The port is the server's alone (no ``SO_REUSEPORT``): a busy one raises PortInUse."""
         fit = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
         if 0 < fit < self.max_connections:
             log.warning(
@@ -119,7 +121,8 @@ class HttpServer:
                 self.max_connections,
             )
             self.max_connections = fit
-        self._server = await asyncio.start_server(self._serve_connection, host, port)
+        with claimed("HTTP", host, port):
+            self._server = await asyncio.start_server(self._serve_connection, host, port, reuse_port=False)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from services.common.access import router_policy
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.loop_watch import watch_loop
 from services.common.metrics import Metrics, serve_metrics
+from services.common.ports import PortInUse
 from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.cluster import Deadlines
@@ -84,7 +85,8 @@ async def run_router(
     bound: dict | None = None,
 ) -> None:
     """Serve until ``stop`` is set. Prints one line with the endpoints; ``bound`` gets the
-    ports and the RouterAPI (``router``)."""
+    ports and the RouterAPI (``router``). A busy port (gRPC, metrics, HTTP) raises PortInUse
+    before anything is served."""
     c, host = config, config.host
     metrics = Metrics("router", c.limits.model_id)
     router = RouterAPI(c.limits, metrics, c.options, c.tokenizer)
@@ -97,8 +99,13 @@ async def run_router(
         opts.tls,
         router_policy(opts.token, opts.service_secret, opts.tls is not None),
     )
-    metrics_port = serve_metrics(metrics, host, c.metrics_port)
-    http, http_port = await _start_http(router, c, host)
+    try:
+        metrics_port = serve_metrics(metrics, host, c.metrics_port)
+        http, http_port = await _start_http(router, c, host)
+    except PortInUse:
+        await router.close()
+        await server.stop(grace=None)
+        raise
     await health.set("", SERVING)
     router.health_monitor.readiness = health
     http_url = f" http=http://{host}:{http_port}" if http else ""

@@ -19,6 +19,7 @@ from services.common.access import worker_policy
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server, wait_for_stop
 from services.common.loop_watch import watch_loop
 from services.common.metrics import serve_metrics
+from services.common.ports import PortInUse
 from services.engine.config import forced_acceptance_banner
 from services.worker.peering import PeerRegistry
 from services.worker.worker import WorkerBase, WorkerConfig
@@ -40,7 +41,8 @@ async def run_worker(
     """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints.
     ``add_servicers``: the role's (``WORKER_ROLES[config.role]``); ``model_name``: the
     metrics' model_name label; "" = the model folder's name. A worker forcing acceptance
-    (benchmarks only) says so in a WARNING banner before anything else."""
+    (benchmarks only) says so in a WARNING banner before anything else. A busy port (gRPC,
+    metrics) stops the engine and raises PortInUse."""
     if config.engine.forced_acceptance >= 0:
         warn_forced_acceptance(config.engine.forced_acceptance)
     worker = WorkerBase(config)
@@ -53,11 +55,20 @@ async def run_worker(
         reg_grpc.add_RegistrationServicer_to_server(peers, server)
         add_servicers(server, worker, peers)
 
-    server, health, port = await start_server(
-        add, config.host, config.port, config.tls, worker_policy(config.own_token, config.tls is not None)
-    )
+    try:
+        server, health, port = await start_server(
+            add, config.host, config.port, config.tls, worker_policy(config.own_token, config.tls is not None)
+        )
+    except PortInUse:
+        await worker.stop()
+        raise
     worker.grpc_address = f"{config.host}:{port}"
-    metrics_port = serve_metrics(worker.metrics, config.host, config.metrics_port)
+    try:
+        metrics_port = serve_metrics(worker.metrics, config.host, config.metrics_port)
+    except PortInUse:
+        await server.stop(grace=None)
+        await worker.stop()
+        raise
     await health.set("", SERVING)
     print(
         f"{config.role} {config.instance_id} grpc={worker.grpc_address} "
