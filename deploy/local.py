@@ -47,6 +47,15 @@ class Process:
     http: str = ""  # the router's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000
     log: list[str] = field(default_factory=list)
     argv: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None  # reads ``log``; done once the process's output ends
+
+    def exit_error(self) -> RuntimeError:
+        """The error of this process having exited: its status and last line (its refusal,
+        e.g. a busy port), once its output is read to the end."""
+        if self.pump is not None:
+            self.pump.join(timeout=5)
+        last = self.log[-1].strip() if self.log else "(no output)"
+        return RuntimeError(f"{self.name} exited with {self.popen.returncode}: {last}")
 
 
 class LocalCluster:
@@ -126,7 +135,7 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start every process and wait until serving; on failure print the processes'
-        logs, stop them all and raise."""
+        logs, stop them all and raise (a process that exited: its status and last line)."""
         try:
             self._start()
         except Exception:
@@ -257,7 +266,8 @@ class LocalCluster:
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         process = Process(name, popen, argv=argv)
-        threading.Thread(target=_pump, args=(process, self.echo_warnings), daemon=True).start()
+        process.pump = threading.Thread(target=_pump, args=(process, self.echo_warnings), daemon=True)
+        process.pump.start()
         self.processes.append(process)
         return process
 
@@ -265,9 +275,7 @@ class LocalCluster:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline and not process.grpc:
             if process.popen.poll() is not None:
-                raise RuntimeError(
-                    f"{process.name} exited with {process.popen.returncode}:\n" + "".join(process.log[-30:])
-                )
+                raise process.exit_error()
             time.sleep(0.05)
         if not process.grpc:
             raise RuntimeError(f"{process.name} printed no endpoint in {self.start_timeout_s} s")
@@ -275,7 +283,7 @@ class LocalCluster:
     def _check_alive(self) -> None:
         for p in self.processes:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n" + "".join(p.log[-30:]))
+                raise p.exit_error()
 
 
 def _pump(process: Process, echo_warnings: bool = False) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server
+from services.common.ports import PortInUse
 from services.router.server import add_router_servicers
 from tests.services.router.helpers import router
 
@@ -70,3 +72,20 @@ def test_health_answers_by_service_name():
     before, after = _served(check)
     assert before == [SERVING, SERVING, NOT_SERVING, NOT_SERVING, "NOT_FOUND"]
     assert after == [SERVING, SERVING, SERVING, SERVING, "NOT_FOUND"]
+
+
+def test_a_second_server_on_the_same_port_is_refused_naming_it():
+    """No SO_REUSEPORT: the second bind fails instead of sharing the port's clients."""
+
+    async def scenario():
+        first, _, port = await start_server(lambda s: None, "127.0.0.1", 0)
+        try:
+            with pytest.raises(PortInUse, match=f"gRPC port 127.0.0.1:{port} is in use"):
+                await start_server(lambda s: None, "127.0.0.1", port)
+        finally:
+            await first.stop(None)
+        second, _, again = await start_server(lambda s: None, "127.0.0.1", port)  # free again
+        await second.stop(None)
+        return again == port
+
+    assert asyncio.run(scenario())
