@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from deploy.cli_flags import add_client_token_arg, add_http_port_arg, add_security_args, tls_config
-from deploy.cli_parser import TandemParser
+from deploy.cli_parser import SubcommandParser, TandemParser
 from deploy.client import add_client_args, run_remote
 from deploy.engine_config import engine_config
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "unified target+draft KV cache",
     )
     parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=TandemParser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for add in (
         add_up_parser,
         add_router_parser,

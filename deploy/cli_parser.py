@@ -1,5 +1,6 @@
 """The argument parser every ``tandem`` command uses: no abbreviated flags (``--token``
-must not silently mean ``--tokens-per-page``), and ``--help`` shows each flag's default."""
+must not silently mean ``--tokens-per-page``), ``--help`` shows each flag's default, and a
+subcommand's unknown argument is reported with that subcommand's usage."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ def is_secret(dest: str) -> bool:
 
 class DefaultsFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to a flag's help unless the help already names its default,
-    the default is empty, or the flag carries a secret."""
+    the default is empty, the flag is a switch (``--no-prefix-cache``'s default True is the
+    setting it turns off, not the switch's) or the flag carries a secret."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
         empty = default is None or default is False or default == "" or default is argparse.SUPPRESS
-        if "default" in text or empty or not action.option_strings or is_secret(action.dest):
+        switch = action.nargs == 0  # store_true, store_false, store_const: takes no value
+        if "default" in text or empty or switch or not action.option_strings or is_secret(action.dest):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -29,3 +32,15 @@ class TandemParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
+
+
+class SubcommandParser(TandemParser):
+    """A subcommand's parser (``tandem router``): an argument it does not know is its own
+    error, with its usage. argparse hands such arguments up to the top-level parser, whose
+    usage names no subcommand's flags."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras

@@ -37,6 +37,23 @@ def test_help_shows_defaults_but_not_secrets(monkeypatch):
     assert "do-not-print" not in text and "do-not-print" not in _help("worker")
 
 
+def test_help_shows_no_default_on_a_switch():
+    """``--no-prefix-cache``'s dest defaults to True: the setting, not what the switch gives."""
+    text = " ".join(_help("up").split())
+    assert "--no-prefix-cache turn the radix prefix cache off --enforce-eager" in text
+    assert "(default: True)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("command", [["router"], ["up", "--prefill", "2"], ["ray", "up", "--config", "c"]])
+def test_an_unknown_flag_is_reported_by_its_subcommand_with_its_usage(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--bogus"])
+    err = capsys.readouterr().err
+    name = " ".join(c for c in command if c in ("router", "up", "ray"))
+    assert err.startswith(f"usage: tandem {name} [-h]")
+    assert err.splitlines()[-1] == f"tandem {name}: error: unrecognized arguments: --bogus"
+
+
 def test_version():
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "tandem 0.1.0"
