@@ -18,7 +18,7 @@ from pathlib import Path
 from deploy.cli_flags import add_client_token_arg, add_http_port_arg, add_security_args, tls_config
 from deploy.cli_parser import SubcommandParser, TandemParser
 from deploy.client import add_client_args, run_remote
-from deploy.engine_config import engine_config
+from deploy.engine_config import check_device_present, engine_config
 from deploy.local import DEFAULT_HTTP_PORT, LocalCluster
 from deploy.options import (
     ROUTER_ENGINE_OPTIONS,
@@ -206,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def checked_engine_config(args: argparse.Namespace):
-    """The EngineConfig of the parsed engine flags; exits naming a refused option."""
+    """The EngineConfig of the parsed engine flags; exits naming a refused option (a
+    ``--device`` torch does not see among them)."""
     try:
-        return engine_config(from_args(EngineOptions, args))
+        config = engine_config(from_args(EngineOptions, args))
+        check_device_present(config.device)
+        return config
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
 

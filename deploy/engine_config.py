@@ -50,6 +50,22 @@ def engine_config(options: EngineOptions) -> EngineConfig:
     )
 
 
+def check_device_present(device: str) -> None:
+    """Raises ValueError naming ``--device`` when it asks for a CUDA device torch does not
+    see (a CPU-only torch, no visible GPU, ``cuda:i`` past the last GPU), before a worker
+    is placed or an engine loads. Loads torch: for the processes that run or place engines."""
+    if not is_cuda(device):
+        return
+    import torch  # noqa: PLC0415 (checking options loads none)
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        raise ValueError(f"device: --device {device}, but torch sees no CUDA device; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= found:
+        raise ValueError(f"device: --device {device}, but torch sees {found} CUDA device(s)")
+
+
 def gpu_memory_fraction(options: EngineOptions) -> float:
     """The fraction of its GPU a worker sizes its KV cache from: the option, else the default
     on CUDA; 0 (size it by kv_cache_mb) when kv_cache_mb is given or the device is not CUDA."""

@@ -4,7 +4,9 @@ which share of a GPU's memory each worker that shares one takes by default."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from deploy import cli
 from deploy.cli import build_parser
 from deploy.local import LocalCluster
 from deploy.placement import gpu_bases, memory_shares, visible_gpus
@@ -107,3 +109,25 @@ def test_a_given_fraction_or_kv_size_is_each_workers_own():
     ]
     assert _worker_fractions(["--device", "cuda", "--gpus", "1", "--kv-cache-mb", "4096"]) == [None, None]
     assert _worker_fractions([]) == [None, None]  # CPU: 256 MiB each, no fraction
+
+
+def test_device_cuda_on_a_torch_without_cuda_is_refused_naming_it_before_placing(monkeypatch, capsys):
+    """Not "2 worker ranks share 1 GPU(s)" and then torch's assertion in every worker."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    refusal = "tandem: device: --device cuda, but torch sees no CUDA device; use --device cpu"
+    with pytest.raises(SystemExit, match=refusal):
+        cli.main(["up", "--device", "cuda"])
+    assert "share" not in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=refusal):
+        cli.checked_engine_config(
+            build_parser().parse_args(["worker", "--role", "decode", "--device", "cuda"])
+        )
+
+
+def test_a_gpu_past_the_last_one_torch_sees_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    worker = ["worker", "--role", "decode", "--device"]
+    assert cli.checked_engine_config(build_parser().parse_args([*worker, "cuda:1"])).device == "cuda:1"
+    with pytest.raises(SystemExit, match=r"device: --device cuda:2, but torch sees 2 CUDA device\(s\)"):
+        cli.checked_engine_config(build_parser().parse_args([*worker, "cuda:2"]))
