@@ -232,16 +232,18 @@ class EagleConfig:
     def check_target(self, target: TargetConfig) -> EagleConfig:
         """This config checked against the target it drafts for, with the default aux
         layers (:func:`.hf_config.default_aux_layers`) filled in if it names none. The
-        drafter reads the target's hidden states and embedding, and shares its vocabulary."""
+        drafter reads the target's hidden states and embedding, and shares its vocabulary:
+        its width is the target's (checked first: a drafter naming no ``target_hidden_size``
+        reads its own width)."""
+        _require(
+            self.hidden_size == target.hidden_size,
+            "drafter",
+            f"hidden_size {self.hidden_size} differs from the target's {target.hidden_size}",
+        )
         _require(
             self.target_hidden_size == target.hidden_size,
             "target_hidden_size",
             f"drafter reads {self.target_hidden_size}, target has {target.hidden_size}",
-        )
-        _require(
-            self.hidden_size == target.hidden_size,
-            "hidden_size",
-            f"drafter {self.hidden_size} != target {target.hidden_size}",
         )
         _require(
             self.vocab_size == target.vocab_size,

@@ -4,10 +4,14 @@ the field and the value."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
+import torch
 
-from services.engine.models import EagleConfig, LlamaConfig
+from models.byte_tokenizer import write_byte_tokenizer
+from services.engine.models import Eagle3Drafter, EagleConfig, LlamaConfig, LlamaForCausalLM, save_model
+from tests.services.engine.helpers import drafter_config, make_engine, target_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -170,6 +174,25 @@ def test_drafter_target_hidden_size_must_match_the_target():
     drafter = EagleConfig.from_dict({**DRAFTER, "target_hidden_size": 48})
     with pytest.raises(ValueError, match="target_hidden_size: drafter reads 48, target has 32"):
         drafter.check_target(target)
+
+
+def test_a_drafter_narrower_than_the_target_is_refused_by_name():
+    """Not a tensor-shape error in the first draft: the width is checked first, whether the
+    drafter names the target's width (``target_hidden_size``) or not."""
+    target = LlamaConfig.from_dict({**BASE, "num_hidden_layers": 8})
+    narrow = {**DRAFTER, "hidden_size": 16, "intermediate_size": 32}
+    for drafter in (narrow, {**narrow, "target_hidden_size": 32}):
+        with pytest.raises(ValueError, match="drafter: hidden_size 16 differs from the target's 32"):
+            EagleConfig.from_dict(drafter).check_target(target)
+
+
+def test_an_engine_over_a_narrower_random_drafter_refuses_it_by_name(tmp_path):
+    save_model(LlamaForCausalLM(target_config()), tmp_path / "target", dtype=torch.float32)
+    write_byte_tokenizer(tmp_path / "target")
+    narrow = replace(drafter_config(), hidden_size=32, target_hidden_size=64)
+    save_model(Eagle3Drafter(narrow), tmp_path / "drafter", dtype=torch.float32)
+    with pytest.raises(ValueError, match="drafter: hidden_size 32 differs from the target's 64"):
+        make_engine((tmp_path / "target", tmp_path / "drafter"))
 
 
 def test_aux_layers_outside_the_target_are_refused():
