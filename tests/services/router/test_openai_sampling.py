@@ -9,7 +9,7 @@ import re
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
-from services.engine import sampling
+from services.engine.sampling import params as sampling
 from services.router import validation
 from services.router.api import ModelLimits
 from services.router.http import HttpError
