@@ -9,7 +9,12 @@ messages and the OpenAI response.
   router's request) and later chunks are dropped; the complete then says
   FINISH_REASON_STOP, ``completion_tokens`` the tokens kept and ``prompt_tokens`` the
   prompt's (an aborted worker reports no usage of its own).
-- ``completion_tokens`` counts the tokens passed on so far (continuous usage stats).
+- ``completion_tokens`` counts the tokens passed on so far.
+
+``prepare_prompt`` tokenizes a completion's text prompt in this layer when the router's
+tokenization would not do: without the model's special tokens (``add_special_tokens:
+false``), or when the prompt's length must be known here (stop token ids, continuous usage
+stats); the router then gets token ids.
 """
 
 from __future__ import annotations
@@ -17,7 +22,31 @@ from __future__ import annotations
 from proto.tandem.v1 import client_pb2 as cpb
 from services.router import messages as msg
 from services.router.openai_extras import OutputRules
+from services.router.openai_fields import invalid
+from services.router.openai_protocol import OpenAIRequest
 from services.router.stream_text import StreamText
+from services.router.validation import RequestError, check_text_length
+from services.tokenization.tokenizer import Tokenizer
+
+
+def tokenized_here(request: OpenAIRequest) -> bool:
+    """Whether ``prepare_prompt`` has a text prompt to tokenize (see the module doc)."""
+    rules = request.rules
+    here = not request.add_special_tokens or rules.stop_token_ids or rules.continuous_usage
+    return bool(here) and request.generate.WhichOneof("prompt") == "text"
+
+
+def prepare_prompt(request: OpenAIRequest, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+    """The text prompt of a ``tokenized_here`` request as token ids."""
+    generate = request.generate
+    if tokenizer is None:
+        raise invalid("prompt", "this router has no tokenizer; send token ids")
+    try:
+        check_text_length("prompt", len(generate.text), max_model_len)
+    except RequestError as e:
+        raise invalid("prompt", str(e).partition(": ")[2]) from None
+    ids = tokenizer.encode_text(generate.text, add_special_tokens=request.add_special_tokens)
+    generate.token_ids.CopyFrom(cpb.TokenIds(ids=ids))
 
 
 class RuledOutput:
