@@ -113,23 +113,11 @@ def completion_json(
 
 
 def chat_json(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    reason: int,
-    usage: cpb.Usage,
-    logprobs: dict | None = None,
-    reasoning: str | None = None,
+    rid: str, created: int, model: str, text: str, reason: int, usage: cpb.Usage, logprobs: dict | None = None
 ) -> dict:
-    """``reasoning``: None without a reasoning parser (the message is the text as it came);
-    with one, the message's ``reasoning_content`` (and both parts null when empty, as vLLM)."""
-    message = {"role": "assistant", "content": text}
-    if reasoning is not None:
-        message = {"role": "assistant", "content": text or None, "reasoning_content": reasoning or None}
     choice = {
         "index": 0,
-        "message": message,
+        "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason(reason),
     }
@@ -141,6 +129,11 @@ def chat_json(
         "choices": [choice],
         "usage": usage_json(usage),
     }
+
+
+def reasoning_message(reasoning: str, content: str) -> dict:
+    """A chat answer's message under a reasoning parser: an empty part is null (as vLLM's)."""
+    return {"role": "assistant", "content": content or None, "reasoning_content": reasoning or None}
 
 
 class StreamChunks:

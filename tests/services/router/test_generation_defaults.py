@@ -9,14 +9,8 @@ import pytest
 
 from services.router.generation_defaults import load_sampling_defaults
 from services.router.openai_api import OpenAIOptions, OpenAIServer
-from tests.services.router.scripted_router import (
-    CHAT,
-    MODEL,
-    ScriptedRouter,
-    call,
-    chunk_message,
-    complete_message,
-)
+from tests.services.router import scripted_router as scripted
+from tests.services.router.scripted_router import CHAT, MODEL, call
 
 QWEN3_LIKE = {
     "bos_token_id": 1,
@@ -36,6 +30,10 @@ def folder(tmp_path):
     return str(tmp_path)
 
 
+def _router() -> scripted.ScriptedRouter:
+    return scripted.ScriptedRouter([scripted.chunk_message("a"), scripted.complete_message()])
+
+
 def _sent(server: OpenAIServer, path: str, **fields):
     """The sampling params the router got for one request with ``fields``."""
     body = {"model": MODEL, "max_tokens": 2, **fields}
@@ -47,9 +45,7 @@ def _sent(server: OpenAIServer, path: str, **fields):
 def test_the_folders_defaults_fill_unset_fields_and_a_set_field_wins(folder):
     defaults = load_sampling_defaults(folder)
     assert defaults.values == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    server = OpenAIServer(
-        ScriptedRouter([chunk_message("a"), complete_message()]), CHAT, OpenAIOptions(defaults)
-    )
+    server = OpenAIServer(_router(), CHAT, OpenAIOptions(defaults))
     for path in ("/v1/completions", "/v1/chat/completions"):
         unset = _sent(server, path)
         assert (unset.temperature, unset.top_p, unset.top_k) == pytest.approx((0.6, 0.95, 20))
@@ -61,9 +57,7 @@ def test_the_folders_defaults_fill_unset_fields_and_a_set_field_wins(folder):
 
 def test_vllm_ignores_the_file_and_the_api_defaults_apply(folder):
     defaults = load_sampling_defaults(folder, "vllm")
-    server = OpenAIServer(
-        ScriptedRouter([chunk_message("a"), complete_message()]), CHAT, OpenAIOptions(defaults)
-    )
+    server = OpenAIServer(_router(), CHAT, OpenAIOptions(defaults))
     sent = _sent(server, "/v1/completions")
     assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 1.0, 0)
     card = json.loads(call(server, "/v1/models").body)["data"][0]
@@ -72,7 +66,7 @@ def test_vllm_ignores_the_file_and_the_api_defaults_apply(folder):
 
 def test_v1_models_and_the_startup_line_say_which_defaults_apply(folder):
     defaults = load_sampling_defaults(folder)
-    server = OpenAIServer(ScriptedRouter([]), CHAT, OpenAIOptions(defaults, "qwen3"))
+    server = OpenAIServer(_router(), CHAT, OpenAIOptions(defaults, "qwen3"))
     card = json.loads(call(server, "/v1/models").body)["data"][0]
     assert card["sampling_defaults"] == {
         "source": "generation_config.json",
