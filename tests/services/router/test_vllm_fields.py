@@ -8,6 +8,9 @@ something, and either the parsed request shows the effect, or the answer is a 40
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from services.router.chat_template import ChatTemplate
@@ -221,3 +224,27 @@ def test_bad_values_of_honoured_fields_name_them(fields, param):
     with pytest.raises(HttpError) as e:
         _parse("chat", fields)
     assert (e.value.status, e.value.body["error"]["param"]) == (400, param)
+
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "deploy.md"
+
+
+def _documented() -> dict[str, tuple[str, str]]:
+    """docs/deploy.md's "Every request field" table: field -> (endpoints, served)."""
+    section = DOCS.read_text().split("#### Every request field", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in section.splitlines()[2:]:
+        names, _, endpoints, served = (cell.strip() for cell in line.strip("|").split("|"))
+        for name in re.findall(r"`([a-z_]+)`", names):
+            rows[name] = (endpoints, served)
+    return rows
+
+
+def test_the_docs_list_every_field_with_its_endpoints_and_whether_it_is_honoured():
+    rows = _documented()
+    assert sorted(rows) == sorted({*COMPLETION_FIELDS, *CHAT_FIELDS})
+    for name, (endpoints, served) in rows.items():
+        where = {"completions": name in COMPLETION_FIELDS, "chat": name in CHAT_FIELDS}
+        expected = "both" if all(where.values()) else next(k for k, v in where.items() if v)
+        honoured = HONOURED in (COMPLETION_FIELDS.get(name), CHAT_FIELDS.get(name))
+        assert (endpoints, served.startswith("honoured")) == (expected, honoured), name
