@@ -18,8 +18,8 @@ refused by name.
 Chat: messages are rendered with the model's chat template (chat_template.py, as
 transformers' ``apply_chat_template(..., add_generation_prompt=True)``, or as the request's
 ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` say) and
-tokenized without adding special tokens; the request then carries token ids. A model without a template
-refuses chat with a 400 naming ``messages``. A message is an object with a string ``role``
+tokenized without adding special tokens; the request then carries token ids. A model
+without a template refuses chat with a 400 naming ``messages``. A message is an object with a string ``role``
 (any role the template accepts) and a ``content`` that is a string, null (rendered as "") or
 a list of ``{"type": "text", "text": ...}`` parts (joined without separator); its other
 fields reach the template unchanged.
