@@ -42,7 +42,7 @@ from services.common.ports import exit_on_busy_port
 from services.common.security import worker_token
 from services.engine.cli import add_generate_args, run_generate
 from services.router.api import RouterSettings
-from services.router.main import RouterConfig, model_limits, router_text, run_router
+from services.router.main import RouterConfig, model_limits, openai_options, router_text, run_router
 
 
 def add_up_parser(sub) -> None:
@@ -225,6 +225,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name, max_tokens)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)
     try:
+        openai = openai_options(args.model, args.generation_config, args.reasoning_parser)
         settings = RouterSettings(
             tokens_per_page=args.tokens_per_page,
             token=args.token,
@@ -247,6 +248,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         chat,
         router_http_limits(router),
         router_deadlines(router),
+        openai,
     )
     with exit_on_busy_port("router"):
         asyncio.run(run_router(config))
@@ -318,6 +320,10 @@ def run_up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "up")
     checked_engine_config(args)  # refuse a configuration the workers would refuse, before starting any
     router_text(args.model, args.tokenizer, args.chat_template)
+    try:
+        openai_options(args.model, args.generation_config)  # a malformed generation_config.json
+    except ValueError as e:
+        raise SystemExit(f"tandem: {e}") from None
     cluster = LocalCluster.from_args(args)
     try:
         cluster.start()

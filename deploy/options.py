@@ -46,7 +46,9 @@ LAYOUTS = ("auto", "unified", "separate")
 DRAFT_QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
 PROMPT_SPECIAL_TOKENS = ("text", "parse")
-ROUTER_ONLY_SERVING = ("chat_template", "prompt_special_tokens")  # serving options workers do not take
+REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # services.router.reasoning.PARSERS, and none
+# serving options workers do not take
+ROUTER_ONLY_SERVING = ("chat_template", "prompt_special_tokens", "generation_config", "reasoning_parser")
 # what the router takes of the engine options: its limits, its text, its page hashing
 ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page", "max_model_len")
 CPU_KV_CACHE_MB = 256  # the KV cache off CUDA when --kv-cache-mb is not given
@@ -199,6 +201,18 @@ class ServingOptions:
         "as the plain text it is, so no client forges a control token; parse = as the special "
         "token (transformers' default for trusted text)",
         choices=PROMPT_SPECIAL_TOKENS,
+    )
+    generation_config: str = _option(
+        "auto",
+        "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for OpenAI requests "
+        "that leave them unset: auto = the model folder's generation_config.json (vLLM's default), "
+        "vllm = none (the API's neutral ones), else a folder holding a generation_config.json",
+    )
+    reasoning_parser: str = _option(
+        "none",
+        "split a chat answer's <think>...</think> into reasoning_content (streamed too): qwen3 = an "
+        "answer opening with <think>; deepseek_r1 = the template opened it; none = the text as it comes",
+        choices=REASONING_PARSERS,
     )
 
 

@@ -22,7 +22,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from services.common.log_setup import configure_logging
 from services.router.api import RouterSettings
 from services.router.chat_template import load_chat_template
-from services.router.main import RouterConfig, model_limits, run_router
+from services.router.main import RouterConfig, model_limits, openai_options, run_router
 from services.tokenization.tokenizer import load_tokenizer
 
 ServeFn = Callable[[asyncio.Event, asyncio.Event], Coroutine]
@@ -99,6 +99,7 @@ class ServiceActor:
         tokenizer = load_tokenizer(engine.model, engine.tokenizer)  # ValueError names what is wrong
         tokenizer.special_in_text = model.prompt_special_tokens == "parse"
         chat = load_chat_template(tokenizer, model.chat_template_path)
+        openai = openai_options(engine.model, model.generation_config_path, model.reasoning_parser)
         http_port = None if options.http_port < 0 else options.http_port
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
@@ -114,6 +115,7 @@ class ServiceActor:
                 http_port,
                 tokenizer,
                 chat,
+                openai=openai,
             )
             return run_router(config, ready, stop, self.bound)
 

@@ -20,6 +20,7 @@ from deploy.options import (
     DEFAULT_MODEL,
     HERE,
     PROMPT_SPECIAL_TOKENS,
+    REASONING_PARSERS,
     EngineOptions,
     TransferOptions,
     check,
@@ -52,6 +53,8 @@ class ModelOptions(EngineOptions):
     served_model_name: str = ""  # the API's model name and metrics label; "" = folder name
     chat_template: str = ""  # a Jinja file for chat; "" = the tokenizer's
     prompt_special_tokens: str = "text"  # "parse": clients' text may hold special tokens
+    generation_config: str = "auto"  # sampling defaults: auto (the model's file), vllm (none), a folder
+    reasoning_parser: str = "none"  # none, qwen3 or deepseek_r1: <think> text -> reasoning_content
 
     def engine_options(self) -> EngineOptions:
         """The engine options with the paths resolved."""
@@ -66,6 +69,15 @@ class ModelOptions(EngineOptions):
     @property
     def chat_template_path(self) -> str:
         return _from_tree(self.chat_template)
+
+    @property
+    def generation_config_path(self) -> str:
+        """``generation_config`` with a folder taken from the Tandem tree when relative."""
+        return (
+            self.generation_config
+            if self.generation_config in ("auto", "vllm")
+            else _from_tree(self.generation_config)
+        )
 
 
 @dataclass(slots=True)
@@ -168,6 +180,11 @@ def _check(config: ClusterConfig) -> None:
     if config.model.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
         raise ConfigError(
             f"model.prompt_special_tokens: must be text or parse, got {config.model.prompt_special_tokens!r}"
+        )
+    if config.model.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(
+            f"model.reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {config.model.reasoning_parser!r}"
         )
     if not isinstance(config.ray.env, dict):
         raise ConfigError("ray.env: must be a mapping of variable names to values")

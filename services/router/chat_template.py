@@ -3,6 +3,7 @@
     chat = load_chat_template(tokenizer, override="")   # None when the model has none
     ids = chat.token_ids(messages)   # rendered with add_generation_prompt=True, then
                                      # tokenized without adding special tokens
+    ids = chat.token_ids(messages, RenderOptions(variables={"enable_thinking": False}))
 
 The template comes from ``--chat-template FILE`` when given, else ``chat_template.jinja``
 beside the tokenizer (it takes priority, as in transformers), else ``tokenizer_config.json``'s
@@ -14,12 +15,21 @@ transformers defines it (no HTML escaping, ``ensure_ascii=False``); ``raise_exce
 Messages' ``reasoning_content`` / ``thinking`` / ``reasoning`` are aliased as transformers
 does. A template error (``raise_exception`` included) is a ``ChatTemplateError`` carrying
 the template's message.
+
+``RenderOptions`` are apply_chat_template's keywords a request may set (vLLM's chat fields):
+``add_generation_prompt``, ``continue_final_message`` (the rendering ends inside the last
+message, cut where its content ends, as transformers 5 finds it: a tag appended to the
+content, rendered, and cut there; if the template trimmed the space after it, the text
+before it is stripped on the right), ``documents`` and more template variables
+(``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``), which override the special
+tokens' names as in transformers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import jinja2
@@ -32,6 +42,20 @@ from services.tokenization.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where the last message ends
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """How to render a conversation: apply_chat_template's keywords (see the module doc)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # never with add_generation_prompt (as transformers)
+    documents: list[dict] | None = None
+    variables: dict = field(default_factory=dict)  # more template variables (chat_template_kwargs)
+
+
+DEFAULT_RENDER = RenderOptions()
 
 
 class ChatTemplateError(ValueError):
@@ -47,14 +71,26 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat_template: {origin or 'template'} line {e.lineno}: {e.message}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], options: RenderOptions = DEFAULT_RENDER) -> str:
         """The prompt text; raises ChatTemplateError with the template's message."""
+        if not options.continue_final_message:
+            return self._render(messages, options)
+        if options.add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        final = messages[-1] if messages else {}
+        if not isinstance(final.get("content"), str) or "content" not in self.source:
+            raise ChatTemplateError("continue_final_message: the final message has no content to continue")
+        tagged = [*messages[:-1], {**final, "content": final["content"] + CONTINUE_TAG}]
+        return _cut_at_tag(self._render(tagged, options), final["content"])
+
+    def _render(self, messages: list[dict], options: RenderOptions) -> str:
         variables = {
             **self.tokenizer.special_tokens,
+            **options.variables,
             "messages": _alias_reasoning(messages),
             "tools": None,
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
+            "documents": options.documents,
+            "add_generation_prompt": options.add_generation_prompt,
         }
         try:
             return self.template.render(**variables)
@@ -63,15 +99,15 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
-    def token_ids(self, messages: list[dict]) -> list[int]:
-        """Rendered with the generation prompt, tokenized without special tokens (the
-        template writes them), as transformers' ``apply_chat_template(tokenize=True)``;
-        but special-token text inside the messages' contents stays plain text unless the
+    def token_ids(self, messages: list[dict], options: RenderOptions = DEFAULT_RENDER) -> list[int]:
+        """Rendered as ``options`` say, tokenized without special tokens (the template
+        writes them), as transformers' ``apply_chat_template(tokenize=True)``; but
+        special-token text inside the messages' contents stays plain text unless the
         tokenizer allows it (``special_in_text``): services/router/special_text.py."""
         if self.tokenizer.special_in_text:
-            return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+            return self.tokenizer.encode(self.render(messages, options), add_special_tokens=False)
         guarded, originals = guard(messages, self.tokenizer.special_texts())
-        return encode_guarded(self.tokenizer, self.render(guarded), originals)
+        return encode_guarded(self.tokenizer, self.render(guarded, options), originals)
 
 
 def load_chat_template(tokenizer: Tokenizer, override: str = "") -> ChatTemplate | None:
@@ -107,6 +143,20 @@ def _config_template(value) -> str | None:
         f"tokenizer_config.json: chat_template: expected a string or a list of "
         f"{{name, template}}, got {type(value).__name__}"
     )
+
+
+def _cut_at_tag(rendered: str, content: str) -> str:
+    """The rendering up to where the final message's ``content`` ends (transformers 5)."""
+    tag = CONTINUE_TAG.strip()
+    if content.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the rendered chat "
+            "(the template changes it)"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _alias_reasoning(messages: list[dict]) -> list[dict]:

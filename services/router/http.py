@@ -97,7 +97,9 @@ class _Held:
 
 
 class HttpServer:
-    """Serves ``routes``: path -> {method -> handler}. Unknown paths get 404, other
+    """Serves ``routes``: path -> {method -> handler}; a path ending in ``{name}`` serves
+    every path that extends the part before it (slashes included: a model id may hold
+    one), and the handler reads the rest off ``request.path``. Unknown paths get 404, other
     methods 405, a HttpError its status and body, any other exception 500. A handler
     still running when its client closes the connection is cancelled (uvicorn's rule:
     the client's EOF is its disconnect, so a client must not half-close)."""
@@ -208,7 +210,7 @@ class HttpServer:
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         """Answer one request (also usable without a socket, e.g. in tests)."""
-        methods = self.routes.get(request.path)
+        methods = _route_methods(self.routes, request.path)
         if methods is None:
             return _error_response(404, f"path: no route {request.path}")
         handler = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
@@ -223,6 +225,17 @@ class HttpServer:
             return Response.json(e.body, e.status)
         except Exception as e:  # a bug in a handler must not kill the connection loop
             return _error_response(500, f"{type(e).__name__}: {e}")
+
+
+def _route_methods(routes: dict[str, dict[str, Handler]], path: str) -> dict[str, Handler] | None:
+    """The methods serving ``path``: its own route, else the first ``.../{name}`` one it extends."""
+    if path in routes:
+        return routes[path]
+    for route, methods in routes.items():
+        head, brace, _ = route.partition("{")
+        if brace and route.endswith("}") and path.startswith(head) and len(path) > len(head):
+            return methods
+    return None
 
 
 def _error_response(status: int, message: str) -> Response:

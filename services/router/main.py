@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -15,10 +16,13 @@ from services.common.ports import PortInUse
 from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.cluster import Deadlines
+from services.router.generation_defaults import load_sampling_defaults
 from services.router.http import HttpLimits, HttpServer
-from services.router.openai_api import OpenAIServer
+from services.router.openai_api import OpenAIOptions, OpenAIServer
 from services.router.server import add_router_servicers
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def model_limits(
@@ -57,13 +61,24 @@ def router_text(
         raise SystemExit(f"tandem: {e}") from None
 
 
+def openai_options(
+    model_dir: str, generation_config: str = "auto", reasoning_parser: str = "none"
+) -> OpenAIOptions:
+    """The OpenAI layer's options: the sampling defaults ``generation_config`` gives
+    (generation_defaults.py) and the reasoning parser ("none" = none). Raises ValueError
+    naming what is malformed."""
+    defaults = load_sampling_defaults(model_dir, generation_config)
+    return OpenAIOptions(defaults, "" if reasoning_parser == "none" else reasoning_parser)
+
+
 @dataclass(slots=True)
 class RouterConfig:
     """One router process: the model it fronts, its parts' options, and where it listens.
 
     - ports 0 = any free port; ``http_port`` None = no OpenAI-compatible HTTP server;
     - ``tokenizer`` encodes text prompts and decodes streamed text; ``chat`` renders chat
-      messages (None: chat is refused).
+      messages (None: chat is refused); ``openai``: the HTTP API's sampling defaults and
+      reasoning parser.
     """
 
     limits: ModelLimits
@@ -76,6 +91,7 @@ class RouterConfig:
     chat: ChatTemplate | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # connections, read timeouts
     deadlines: Deadlines = field(default_factory=Deadlines)  # of the calls to workers
+    openai: OpenAIOptions = field(default_factory=OpenAIOptions)
 
 
 async def run_router(
@@ -109,6 +125,12 @@ async def run_router(
     await health.set("", SERVING)
     router.health_monitor.readiness = health
     http_url = f" http=http://{host}:{http_port}" if http else ""
+    if http:
+        log.info(
+            "OpenAI API %s; reasoning parser: %s",
+            c.openai.defaults.describe(),
+            c.openai.reasoning_parser or "none",
+        )
     print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics{http_url}", flush=True)
     if bound is not None:
         bound.update(port=port, metrics_port=metrics_port, router=router, http_port=http_port)
@@ -131,5 +153,5 @@ async def _start_http(
     """The OpenAI-compatible HTTP server and its port; (None, None) without ``http_port``."""
     if config.http_port is None:
         return None, None
-    http = HttpServer(OpenAIServer(router, config.chat).routes(), config.http_limits)
+    http = HttpServer(OpenAIServer(router, config.chat, config.openai).routes(), config.http_limits)
     return http, await http.start(host, config.http_port)

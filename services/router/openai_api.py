@@ -1,4 +1,5 @@
-"""The router's OpenAI-compatible HTTP API: completions, chat, models, health, metrics.
+"""The router's OpenAI-compatible HTTP API: completions, chat, models, tokenize, version,
+health, metrics.
 
 Requests are served on the router's own asyncio loop by calling the in-process
 ``RouterAPI`` (``generate``, ``health``, ``model_info``, ``abort``): no extra network hop.
@@ -7,23 +8,24 @@ unknown model, 409 for a request id already running, 503 when no prefill/decode 
 ready or a worker died, 500 otherwise); an error after streaming started is sent as an SSE
 event ``{"error": {...}}``. A streaming client that disconnects aborts its request; a
 non-streaming one's handler is cancelled by the HTTP server (http.py), and its request with it.
+
+A request's body first gets the model's sampling defaults in the fields it leaves unset
+(generation_defaults.py); its output then passes its OutputRules (openai_output.py) and,
+for chat under a reasoning parser, the reasoning split (reasoning.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncGenerator
-
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.security import same_token
-from services.router.api import RouterAPI
-from services.router.chat_template import ChatTemplate
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
+from services.router.openai_info import ModelEndpoints, OpenAIOptions
+from services.router.openai_output import RuledOutput, prepare_prompt, tokenized_here
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
 from services.router.openai_responses import (
     DONE,
@@ -33,25 +35,33 @@ from services.router.openai_responses import (
     completion_json,
     completion_logprobs,
     error_json,
+    reasoning_message,
     sse,
 )
+from services.router.reasoning import ReasoningSplitter, split
+from services.router.stream_text import StreamText
 
 ABANDON_TIMEOUT_S = 5.0
 
 
-class OpenAIServer:
-    def __init__(self, router: RouterAPI, chat: ChatTemplate | None = None) -> None:
-        """``chat``: the model's chat template; None refuses /v1/chat/completions (400)."""
-        self.router = router
-        self.chat = chat
-        self.created = int(time.time())  # reported as the model's creation time
+__all__ = ["OpenAIOptions", "OpenAIServer"]
+
+
+class OpenAIServer(ModelEndpoints):
+    """The model's endpoints (openai_info.py), and completions and chat."""
 
     def routes(self) -> dict:
+        """/v1/* and the tokenizer's endpoints need the client token (when the router has
+        one); /health and /version do not."""
         guard = self._authorized
         return {
             "/v1/completions": {"POST": guard(self.completions)},
             "/v1/chat/completions": {"POST": guard(self.chat_completions)},
             "/v1/models": {"GET": guard(self.models)},
+            "/v1/models/{model}": {"GET": guard(self.model)},
+            "/tokenize": {"POST": guard(self.tokenize)},
+            "/detokenize": {"POST": guard(self.detokenize)},
+            "/version": {"GET": self.version},
             "/health": {"GET": self.health},
             "/metrics": {"GET": guard(self.metrics)},
         }
@@ -80,58 +90,20 @@ class OpenAIServer:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, http: Request) -> Response | StreamingResponse:
-        return await self._serve(parse_completion(http.json(), await self._model_id()))
+        info = await self.router.model_info()
+        request = parse_completion(self.options.defaults.fill(http.json()), info.model_id)
+        if tokenized_here(request):
+            prepare_prompt(request, self.router.tokenizer, info.max_model_len)
+        return await self._serve(request)
 
     async def chat_completions(self, http: Request) -> Response | StreamingResponse:
         info = await self.router.model_info()
-        return await self._serve(parse_chat(http.json(), info.model_id, self.chat, info.max_model_len))
-
-    async def models(self, http: Request) -> Response:
-        info = await self.router.model_info()
-        model = {
-            "id": info.model_id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tandem",
-            "root": info.model_id,
-            "max_model_len": info.max_model_len,
-            "tandem": {
-                "drafter_id": info.drafter_id,
-                "drafter_kind": info.drafter_kind,
-                "num_spec_tokens": info.num_spec_tokens,
-                # benchmarks only: N when a worker forces acceptance (outputs are NOT the
-                # target's, AL = N + 1); null when every worker verifies losslessly
-                "unsafe_forced_acceptance": (
-                    info.unsafe_forced_acceptance if info.HasField("unsafe_forced_acceptance") else None
-                ),
-            },
-        }
-        return Response.json({"object": "list", "data": [model]})
-
-    async def health(self, http: Request) -> Response:
-        """200 while at least one prefill/decode pair is ready, else 503."""
-        h = await self.router.health()
-        serving = h.status == cpb.SERVING_STATUS_SERVING
-        body = {
-            "status": "serving" if serving else "not_serving",
-            "num_prefill_workers": h.num_prefill_workers,
-            "num_decode_workers": h.num_decode_workers,
-            "num_ready_pairs": h.num_ready_pairs,
-            "message": h.message,
-        }
-        return Response.json(body, 200 if serving else 503)
-
-    async def metrics(self, http: Request) -> Response:
-        return Response(200, generate_latest(self.router.metrics.registry), CONTENT_TYPE_LATEST)
+        body = self.options.defaults.fill(http.json())
+        return await self._serve(parse_chat(body, info.model_id, self.chat, info.max_model_len))
 
     # ------------------------------------------------------------------ generation
 
-    async def _model_id(self) -> str:
-        return (await self.router.model_info()).model_id
-
     async def _serve(self, request: OpenAIRequest) -> Response | StreamingResponse:
-        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
-        request.generate.request_id = prefix + uuid.uuid4().hex
         messages = self._generate(request)
         first = await self._first(request, messages)
         if request.stream:
@@ -139,11 +111,33 @@ class OpenAIServer:
         return Response.json(await self._collect(request, first, messages))
 
     async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
+        """The router's messages as the request's OutputRules shape them; a stop token aborts
+        the router's request."""
+        output, aborted = self._ruled_output(request), False
         try:
             async for message in self.router.generate(request.generate):
-                yield message
+                if output is None:
+                    yield message
+                    continue
+                ruled = output.apply(message)
+                if output.stopped and not aborted:
+                    aborted = True
+                    await self.router.abort(request.generate.request_id)
+                for out in ruled:
+                    yield out
         except RouterError as e:
             raise _rejection(request, e) from None
+
+    def _ruled_output(self, request: OpenAIRequest) -> RuledOutput | None:
+        rules = request.rules
+        if not rules.own_text:
+            return None
+        text = None
+        if self.router.tokenizer is not None:
+            sampling = request.generate.sampling
+            stops, min_tokens = list(sampling.stop), sampling.min_tokens
+            text = StreamText(self.router.tokenizer, stops, min_tokens, rules.include_stop_str)
+        return RuledOutput(rules, text, len(request.generate.token_ids.ids))
 
     async def _first(self, request: OpenAIRequest, messages) -> cpb.GenerateResponse:
         """The first message; an error before any token is raised as an HttpError."""
@@ -166,22 +160,34 @@ class OpenAIServer:
                 raise _stream_error(request, message.error)
             else:
                 reason, usage = message.complete.finish_reason, message.complete.usage
-        build = chat_json if request.kind == "chat" else completion_json
+        chat = request.kind == "chat"
         logprobs = None
         if request.generate.sampling.HasField("logprobs"):
-            as_json = chat_logprobs if request.kind == "chat" else completion_logprobs
-            logprobs = as_json(entries, self._decode)
-        return build(
-            request.generate.request_id, _now(), request.model, "".join(texts), reason, usage, logprobs
-        )
+            logprobs = (chat_logprobs if chat else completion_logprobs)(entries, self._decoder(request))
+        head = (request.generate.request_id, _now(), request.model)
+        text = "".join(texts)
+        if not chat:
+            return completion_json(*head, text, reason, usage, logprobs)
+        payload = chat_json(*head, text, reason, usage, logprobs)
+        if parser := self.options.reasoning_parser:
+            payload["choices"][0]["message"] = reasoning_message(*split(parser, text))
+        return payload
 
     def _decode(self, token_ids: list[int]) -> str:
         """A token's string in logprobs."""
         return self.router.tokenizer.decode(token_ids)
 
+    def _decoder(self, request: OpenAIRequest):
+        """How logprobs name a token: its text, or ``token_id:<id>`` (return_tokens_as_token_ids)."""
+        return _token_id_name if request.rules.token_ids_as_text else self._decode
+
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
         rid = request.generate.request_id
-        chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decode)
+        chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
+        if request.rules.continuous_usage:
+            chunks.count_usage(len(request.generate.token_ids.ids))
+        parser = self.options.reasoning_parser
+        splitter = ReasoningSplitter(parser) if parser and chunks.chat else None
         try:
             if chunks.chat:
                 yield chunks.role()
@@ -189,12 +195,15 @@ class OpenAIServer:
                 async for message in _chain(first, messages):
                     kind = message.WhichOneof("payload")
                     if kind == "chunk":  # text the router trimmed of stop strings
-                        if message.chunk.text or message.chunk.logprobs:
-                            yield chunks.text(message.chunk.text, message.chunk.logprobs)
+                        chunks.tokens(len(message.chunk.token_ids))
+                        if event := _delta(chunks, splitter, message.chunk.text, message.chunk.logprobs):
+                            yield event
                     elif kind == "error":
                         yield sse(_stream_error(request, message.error).body)
                         break
                     else:
+                        if splitter is not None and any(rest := splitter.flush()):
+                            yield chunks.text(rest[1], (), rest[0])
                         yield chunks.finish(message.complete.finish_reason)
                         if request.include_usage:
                             yield chunks.usage(message.complete.usage)
@@ -217,6 +226,19 @@ class OpenAIServer:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _token_id_name(token_ids: list[int]) -> str:
+    return f"token_id:{token_ids[0]}"
+
+
+def _delta(chunks: StreamChunks, splitter: ReasoningSplitter | None, text: str, logprobs) -> bytes | None:
+    """A chunk's event (its text split into reasoning and content under a parser); None
+    when it has nothing to tell yet."""
+    if splitter is None:
+        return chunks.text(text, logprobs) if text or logprobs else None
+    reasoning, content = splitter.push(text)
+    return chunks.text(content, logprobs, reasoning) if reasoning or content or logprobs else None
 
 
 async def _chain(first: cpb.GenerateResponse, rest: AsyncGenerator):

@@ -25,6 +25,28 @@ def invalid(param: str, message: str, status: int = 400, code: str | None = None
     )
 
 
+def served_model(body: dict, model_id: str, required: bool = True) -> str:
+    """The body's ``model``: the served id (404 ``model_not_found`` for another); absent is
+    a 400 when ``required``, else reads as the served id."""
+    model = body.get("model")
+    if model is None and not required:
+        return model_id
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "required: the served model's id (see /v1/models)")
+    if model != model_id:
+        raise not_found(model, model_id)
+    return model
+
+
+def not_found(model: str, model_id: str) -> HttpError:
+    return invalid(
+        "model",
+        f"the model {model!r} does not exist; this server serves {model_id!r}",
+        status=404,
+        code="model_not_found",
+    )
+
+
 def as_object(body) -> dict:
     if not isinstance(body, dict):
         raise invalid("body", "must be a JSON object")

@@ -11,14 +11,15 @@ fields ``top_k`` (-1 or 0 = off), ``min_p`` ([0, 1]), ``repetition_penalty`` (> 
 and ``min_tokens`` (at most max_tokens). Logprobs: completions take ``logprobs`` (0..20
 alternatives per token), chat takes ``logprobs: true`` with ``top_logprobs`` (0..20); the
 values are the target's log-softmax over its raw logits, as vLLM returns them.
-Fields this server does not implement (logit_bias, best_of, echo, suffix, tools,
-response_format, ...) are refused when set to anything but their neutral value; other
-unknown fields are ignored.
+Every other field is one of openai_surface.py's table: honoured (the vLLM extras the OpenAI
+layer serves itself are openai_extras.py's), refused by name unless neutral, or unknown and
+refused by name.
 
 Chat: messages are rendered with the model's chat template (chat_template.py, as
-transformers' ``apply_chat_template(..., add_generation_prompt=True)``) and tokenized without
-adding special tokens; the request then carries token ids. A model without a template
-refuses chat with a 400 naming ``messages``. A message is an object with a string ``role``
+transformers' ``apply_chat_template(..., add_generation_prompt=True)``, or as the request's
+``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` say) and
+tokenized without adding special tokens; the request then carries token ids. A model
+without a template refuses chat with a 400 naming ``messages``. A message is an object with a string ``role``
 (any role the template accepts) and a ``content`` that is a string, null (rendered as "") or
 a list of ``{"type": "text", "text": ...}`` parts (joined without separator); its other
 fields reach the template unchanged.
@@ -27,32 +28,33 @@ fields reach the template unchanged.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
-from services.router.chat_template import ChatTemplate, ChatTemplateError
-from services.router.openai_fields import MAX_UINT32, as_object, boolean, integer, invalid, is_int, number
+from services.router.chat_template import DEFAULT_RENDER, ChatTemplate, ChatTemplateError, RenderOptions
+from services.router.openai_extras import (
+    OutputRules,
+    output_rules,
+    render_options,
+    response_id,
+    stream_options,
+)
+from services.router.openai_fields import (
+    MAX_UINT32,
+    as_object,
+    boolean,
+    integer,
+    invalid,
+    is_int,
+    number,
+    served_model,
+)
+from services.router.openai_surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
-
-# Fields we do not implement -> a test that the value is neutral (absent counts as neutral).
-_UNSUPPORTED_COMMON = {
-    "logit_bias": lambda v: not v,
-}
-_UNSUPPORTED_COMPLETION = {
-    **_UNSUPPORTED_COMMON,
-    "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
-}
-_UNSUPPORTED_CHAT = {
-    **_UNSUPPORTED_COMMON,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "response_format": lambda v: v in (None, {"type": "text"}),
-}
 
 
 @dataclass(slots=True)
@@ -65,13 +67,16 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     params: dict[str, str] = field(default_factory=dict)  # router field -> OpenAI field
+    rules: OutputRules = OutputRules()  # what the OpenAI layer does to the output
+    add_special_tokens: bool = True  # a text prompt gets the model's (a BOS): completions only
 
 
 def parse_completion(body, model_id: str) -> OpenAIRequest:
     body = as_object(body)
-    _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
+    check_fields(body, COMPLETION_FIELDS)
     request = _common(body, model_id, "completion")
     _set_prompt(request.generate, body)
+    request.add_special_tokens = boolean(body, "add_special_tokens", True)
     request.generate.sampling.max_tokens = integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, low=1)
     logprobs = integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
     if logprobs is not None:
@@ -86,8 +91,9 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: in
     """``max_model_len`` > 0 caps the rendered text before it is tokenized
     (validation.check_text_length)."""
     body = as_object(body)
-    _refuse_unsupported(body, _UNSUPPORTED_CHAT)
+    check_fields(body, CHAT_FIELDS)
     request = _common(body, model_id, "chat")
+    options = render_options(body)
     messages = chat_messages(body.get("messages"))
     if chat is None:
         raise invalid(
@@ -96,13 +102,13 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: in
             "tokenizer_config.json has no chat_template); start the server with "
             "--chat-template FILE, or use /v1/completions",
         )
-    text = render_chat(messages, chat)
+    text = render_chat(messages, chat, options)
     if max_model_len:
         try:
             check_text_length("messages", len(text), max_model_len)
         except RequestError as e:
             raise invalid("messages", str(e).partition(": ")[2]) from None
-    request.generate.token_ids.ids.extend(chat_ids(messages, chat))
+    request.generate.token_ids.ids.extend(chat_ids(messages, chat, options))
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request.generate.sampling.max_tokens = integer(body, limit, 0, low=1)
     top = integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
@@ -131,18 +137,18 @@ def chat_messages(messages) -> list[dict]:
     return out
 
 
-def render_chat(messages: list[dict], chat: ChatTemplate) -> str:
+def render_chat(messages: list[dict], chat: ChatTemplate, options: RenderOptions = DEFAULT_RENDER) -> str:
     """The prompt text of ``chat_messages(...)``; a template error is a 400 on messages."""
     try:
-        return chat.render(messages)
+        return chat.render(messages, options)
     except ChatTemplateError as e:
         raise invalid("messages", f"the chat template refused them: {e}") from None
 
 
-def chat_ids(messages: list[dict], chat: ChatTemplate) -> list[int]:
+def chat_ids(messages: list[dict], chat: ChatTemplate, options: RenderOptions = DEFAULT_RENDER) -> list[int]:
     """The prompt's token ids (the messages' own special-token text as plain text)."""
     try:
-        return chat.token_ids(messages)
+        return chat.token_ids(messages, options)
     except ChatTemplateError as e:
         raise invalid("messages", f"the chat template refused them: {e}") from None
 
@@ -160,25 +166,19 @@ def router_param(request: OpenAIRequest, router_field: str) -> str:
 
 
 def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "required: the served model's id (see /v1/models)")
-    if model != model_id:
-        raise invalid(
-            "model",
-            f"the model {model!r} does not exist; this server serves {model_id!r}",
-            status=404,
-            code="model_not_found",
-        )
+    model = served_model(body, model_id)
     if integer(body, "n", 1, low=1) != 1:
         raise invalid("n", "only n = 1 is supported; send one request per completion")
     stream = boolean(body, "stream", False)
+    include_usage, continuous_usage = stream_options(body, stream)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     request = OpenAIRequest(
         kind,
         model,
-        cpb.GenerateRequest(),
+        cpb.GenerateRequest(request_id=response_id(body, prefix, uuid.uuid4().hex)),
         stream,
-        _include_usage(body, stream),
+        include_usage,
+        rules=output_rules(body, continuous_usage),
         params={
             "sampling.temperature": "temperature",
             "sampling.top_p": "top_p",
@@ -252,20 +252,3 @@ def _stop(stop) -> list[str]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise invalid("stop", "must be a non-empty string or a list of non-empty strings")
     return stop
-
-
-def _include_usage(body: dict, stream: bool) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise invalid("stream_options", "only allowed when stream is true")
-    if not isinstance(options, dict):
-        raise invalid("stream_options", "must be an object")
-    return boolean(options, "include_usage", False, "stream_options.include_usage")
-
-
-def _refuse_unsupported(body: dict, unsupported: dict) -> None:
-    for name, is_neutral in unsupported.items():
-        if not is_neutral(body.get(name)):
-            raise invalid(name, "not supported by this server")

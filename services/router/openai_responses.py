@@ -131,6 +131,11 @@ def chat_json(
     }
 
 
+def reasoning_message(reasoning: str, content: str) -> dict:
+    """A chat answer's message under a reasoning parser: an empty part is null (as vLLM's)."""
+    return {"role": "assistant", "content": content or None, "reasoning_content": reasoning or None}
+
+
 class StreamChunks:
     """The SSE events of one streamed completion or chat, all with one id and time."""
 
@@ -139,6 +144,7 @@ class StreamChunks:
         self.chat = kind == "chat"
         self.decode = decode
         self.offset = 0  # completions' text_offset of the next token
+        self.running: list[int] | None = None  # [prompt, completion] tokens: see count_usage
         self.head = {
             "id": rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -146,19 +152,37 @@ class StreamChunks:
             "model": model,
         }
 
+    def count_usage(self, prompt_tokens: int) -> None:
+        """Every chunk from now on carries the usage so far (vLLM's continuous_usage_stats);
+        ``tokens`` advances its completion count."""
+        self.running = [prompt_tokens, 0]
+
+    def tokens(self, n: int) -> None:
+        if self.running is not None:
+            self.running[1] += n
+
     def role(self) -> bytes:
         """A chat stream opens with the assistant's role and no text."""
         return self._choice({"delta": {"role": "assistant", "content": ""}})
 
-    def text(self, text: str, logprobs: Sequence[cpb.TokenLogprobs] = ()) -> bytes:
-        """A text delta, with the logprobs of the chunk's tokens when there are any."""
+    def text(
+        self, text: str, logprobs: Sequence[cpb.TokenLogprobs] = (), reasoning: str | None = None
+    ) -> bytes:
+        """A text delta, with the logprobs of the chunk's tokens when there are any; chat's
+        ``reasoning`` (from a reasoning parser) goes in ``reasoning_content``, and then the
+        delta has ``content`` only when there is some."""
         lp = None
         if logprobs and self.chat:
             lp = chat_logprobs(logprobs, self.decode)
         elif logprobs:
             lp = completion_logprobs(logprobs, self.decode, self.offset)
             self.offset += sum(len(t) for t in lp["tokens"])
-        return self._choice({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=lp)
+        if not self.chat:
+            return self._choice({"text": text}, logprobs=lp)
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if text or not reasoning:
+            delta["content"] = text
+        return self._choice({"delta": delta}, logprobs=lp)
 
     def finish(self, reason: int) -> bytes:
         return self._choice({"delta": {}} if self.chat else {"text": ""}, finish_reason(reason))
@@ -169,7 +193,15 @@ class StreamChunks:
 
     def _choice(self, body: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
         choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
-        return sse({**self.head, "choices": [choice]})
+        event = {**self.head, "choices": [choice]}
+        if self.running is not None:
+            prompt, completion = self.running
+            event["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return sse(event)
 
 
 def error_json(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

@@ -3,15 +3,17 @@
 Workers end a request when a stop string appears, but the tokens already streamed decode
 to text that carries the stop string itself. ``StopTrimmer`` sits on the router's streamed
 text (gRPC and HTTP alike): it withholds any tail that could still begin a stop string, and
-cuts everything from the first match on. Token ids are not cut.
+cuts everything from the first match on (or after it: ``include_stop``, vLLM's
+include_stop_str_in_output). Token ids are not cut.
 """
 
 from __future__ import annotations
 
 
 class StopTrimmer:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop  # the text ends after the first stop string, not before
         self.pending = ""  # withheld: a tail that is a proper prefix of some stop string
         self.stopped = False
 
@@ -22,10 +24,11 @@ class StopTrimmer:
         if not self.stops:
             return text
         buffer = self.pending + text
-        hits = [i for s in self.stops if (i := buffer.find(s)) >= 0]
+        hits = [(i, len(s)) for s in self.stops if (i := buffer.find(s)) >= 0]
         if hits:
             self.stopped, self.pending = True, ""
-            return buffer[: min(hits)]
+            start, length = min(hits)
+            return buffer[: start + length] if self.include_stop else buffer[:start]
         held = self._held_length(buffer)
         self.pending = buffer[len(buffer) - held :]
         return buffer[: len(buffer) - held]

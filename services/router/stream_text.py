@@ -13,9 +13,12 @@ from services.tokenization.tokenizer import Tokenizer
 
 
 class StreamText:
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0, include_stop: bool = False
+    ) -> None:
+        """``include_stop``: the text keeps the stop string it ends with."""
         self.detok = Detokenizer(tokenizer)
-        self.trimmer = StopTrimmer(stops)
+        self.trimmer = StopTrimmer(stops, include_stop)
         self.protected_left = min_tokens  # tokens whose text no stop string may begin in
 
     def push(self, token_ids) -> str:

@@ -7,18 +7,20 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 
 from deploy.cli import build_parser
 from deploy.local import LocalCluster
 from deploy.options import RouterOptions, from_args, router_deadlines, router_http_limits, served_model_name
-from deploy.ray_launcher.config import parse_config
+from deploy.ray_launcher.config import ConfigError, parse_config
 from services.common.metrics import Metrics
 from services.router.api import RouterAPI
 from services.router.cluster import Deadlines
+from services.router.generation_defaults import SamplingDefaults
 from services.router.http import HttpLimits, ReadTimeouts
-from services.router.main import model_limits, router_text
-from services.router.openai_api import OpenAIServer
+from services.router.main import model_limits, openai_options, router_text
+from services.router.openai_api import OpenAIOptions, OpenAIServer
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-target"
 OPTIONS = ["--tokenizer", "/tok", "--chat-template", "/chat.jinja", "--served-model-name", "m"]
@@ -112,3 +114,33 @@ def test_the_routers_deadlines_default_to_the_clusters_and_take_their_flags():
     args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
     assert deadlines(args) == Deadlines(call_s=3.0, prefill_s=40.0, stream_idle_s=9.0, prefill_per_1k_s=2.5)
     assert deadlines(args).prefill_for(4000) == 50.0
+
+
+def test_up_gives_the_router_its_sampling_defaults_and_reasoning_parser_and_the_workers_neither():
+    args = build_parser().parse_args(["up", "--generation-config", "vllm", "--reasoning-parser", "qwen3"])
+    cluster = LocalCluster.from_args(args)
+    router, worker = cluster.router_args, cluster.worker_args
+    assert (_value(router, "--generation-config"), _value(router, "--reasoning-parser")) == ("vllm", "qwen3")
+    assert "--generation-config" not in worker and "--reasoning-parser" not in worker
+    plain = LocalCluster.from_args(build_parser().parse_args(["up"]))
+    assert "--generation-config" not in plain.router_args  # auto, the router's default
+
+
+def test_the_router_takes_them_and_defaults_to_the_folders_file_and_no_parser():
+    flags = ["--generation-config", "vllm", "--reasoning-parser", "deepseek_r1"]
+    args = build_parser().parse_args(["router", "--model", str(TINY), *flags])
+    options = openai_options(args.model, args.generation_config, args.reasoning_parser)
+    assert options == OpenAIOptions(SamplingDefaults(source="--generation-config vllm"), "deepseek_r1")
+    plain = build_parser().parse_args(["router", "--model", str(TINY)])
+    options = openai_options(plain.model, plain.generation_config, plain.reasoning_parser)
+    assert options == OpenAIOptions(SamplingDefaults(source="generation_config.json"), "")  # no sampling keys
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--reasoning-parser", "mine"])
+
+
+def test_the_ray_config_takes_them():
+    model = parse_config({"model": {"generation_config": "vllm", "reasoning_parser": "qwen3"}}).model
+    assert (model.generation_config_path, model.reasoning_parser) == ("vllm", "qwen3")
+    assert parse_config({}).model.generation_config_path == "auto"
+    with pytest.raises(ConfigError, match="^model.reasoning_parser: must be one of"):
+        parse_config({"model": {"reasoning_parser": "mine"}})

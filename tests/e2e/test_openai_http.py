@@ -227,6 +227,58 @@ def test_logprobs_with_and_without_speculation_agree_and_top_k_one_is_greedy(cli
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
+def _token_ids(choice) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def test_a_stop_token_id_ends_the_answer_and_frees_the_workers_request(cluster, client, model):
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    free = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, logprobs=0, temperature=0, extra_body=as_ids
+    ).choices[0]
+    ids = _token_ids(free)
+    cut = ids.index(ids[5])  # the stop token's first place
+    stopped = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=64,
+        logprobs=0,
+        temperature=0,
+        extra_body={**as_ids, "stop_token_ids": [ids[5]]},
+    )
+    choice = stopped.choices[0]
+    assert (choice.finish_reason, _token_ids(choice), stopped.usage.completion_tokens) == (
+        "stop",
+        ids[: cut + 1],
+        cut + 1,
+    )
+    assert free.text.startswith(choice.text) and stopped.usage.prompt_tokens == len(byte_ids(PROMPT))
+    deadline = time.monotonic() + 10  # the decode worker frees the pages once it sees the cancel
+    while time.monotonic() < deadline:
+        try:
+            return assert_no_request_holds_pages(cluster)
+        except AssertionError:
+            time.sleep(0.05)
+    assert_no_request_holds_pages(cluster)
+
+
+def test_tokenize_detokenize_and_the_model_by_id(cluster, client, model):
+    def post(path: str, payload: dict) -> dict:
+        request = urllib.request.Request(
+            cluster.http_address + path, json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    tokens = post("/tokenize", {"model": model, "prompt": PROMPT})["tokens"]
+    usage = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, **GREEDY).usage
+    assert len(tokens) == usage.prompt_tokens
+    assert post("/detokenize", {"model": model, "tokens": tokens})["prompt"].endswith(PROMPT)
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-nope")
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [
