@@ -24,7 +24,7 @@ def test_model_image_is_copied_by_an_init_container():
     assert router_init["command"][-1] == (
         "mkdir -p /model-volume/tiny-target && "
         "cp /weights/tiny-target/config.json /model-volume/tiny-target/ && "
-        "for f in tokenizer.json tokenizer_config.json chat_template.jinja; do "
+        "for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json; do "
         "if [ -f /weights/tiny-target/$f ]; then cp /weights/tiny-target/$f /model-volume/tiny-target/; fi; "
         "done"
     )
