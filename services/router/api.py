@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
@@ -151,7 +151,8 @@ class RouterAPI:
         return health_response(self.cluster.registry)
 
     async def model_info(self) -> cpb.ModelInfoResponse:
-        """The served model and its limits; the drafter as the first registered worker says;
+        """The served model and its limits (K as the workers serve it: ``served_k``); the
+        drafter as the first registered worker says;
         forced acceptance (benchmarks only) as the first worker that forces it says. The
         workers' RankInfos without where to reach them (gRPC address, transfer endpoint): this is a
         client call, and clients have no business with the workers' endpoints."""
@@ -162,7 +163,7 @@ class RouterAPI:
             model_id=lim.model_id or first.model_id,
             drafter_id=first.drafter_id,
             drafter_kind=first.drafter_kind,
-            num_spec_tokens=lim.num_spec_tokens,
+            num_spec_tokens=self.served_k(),
             max_model_len=lim.max_model_len,
             vocab_size=lim.vocab_size,
             default_max_tokens=lim.default_max_tokens,
@@ -174,6 +175,13 @@ class RouterAPI:
             info.unsafe_forced_acceptance = forced[0]
         return info
 
+    def served_k(self) -> int:
+        """The most draft tokens a request may ask for: the router's K (``-k``), or less where
+        a registered worker drafts fewer (0: one serves without a drafter). Before any worker
+        registers, the router's own."""
+        published = [w.info.num_spec_tokens for w in self.cluster.registry.workers.values()]
+        return min([self.limits.num_spec_tokens, *published])
+
     async def close(self) -> None:
         await self.cluster.close()
 
@@ -183,7 +191,8 @@ class RouterAPI:
         if (owner, rid) in self.flows:
             raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
         try:
-            token_ids = validate_generate(request, self.limits, self.tokenizer)
+            limits = replace(self.limits, num_spec_tokens=self.served_k())
+            token_ids = validate_generate(request, limits, self.tokenizer)
         except RequestError as e:
             raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         text = None
