@@ -16,7 +16,7 @@ from tests.services.engine.helpers import make_engine, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-TINY = Path(__file__).resolve().parents[3] / "models"
+TINY = Path(__file__).resolve().parents[4] / "models"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 PROMPTS = [
     "def fib(n):",

@@ -1,0 +1,161 @@
+"""The engine alone under the served sweep's closed-loop workload: the ceiling a served
+point is compared with when its prompts cost GPU time too.
+
+    python -m bench.loop_ceiling --model DIR [--drafter DIR -k 4 --forced-accept 3]
+        --device cuda --grid 512/128 --concurrency 64 --requests 192
+        [--policy decode-first|mixed] [--max-num-batched-tokens N]
+
+``bench.serve_ceiling`` times decode-only steps; a closed loop of C clients also prefills
+every new request's prompt, on the same GPU. Here one ``Engine`` in this process (no
+router, RPC or transfer) keeps C requests in flight: a finished request is replaced by the
+next prompt before the next step, until ``--requests`` have finished. Output tokens / wall
+seconds is the point's ceiling. Each step's time is split, with the device synchronized
+around them, into its decode phase, its prefill phase and the rest (scheduling, outputs:
+host work); TTFT is from a request's add to its first token. Prints a table, last one
+JSON list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from bench.serve_workload import Lengths, parse_grid, parse_numbers, point_seed, prompts
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.sampling.params import SamplingParams
+
+PHASES = ("_decode", "_prefill", "_mixed")
+
+
+def timed_phases(engine: Engine, sync: Callable[[], None]) -> dict[str, float]:
+    """Wrap the engine's step phases (those it has) with synchronized timers: seconds per phase."""
+    spent: dict[str, float] = defaultdict(float)
+    for name in PHASES:
+        fn = getattr(engine, name, None)
+        if fn is None:
+            continue
+
+        def call(*args, _fn=fn, _name=name):
+            sync()
+            start = time.perf_counter()
+            out = _fn(*args)
+            sync()
+            spent[_name] += time.perf_counter() - start
+            return out
+
+        setattr(engine, name, call)
+    return spent
+
+
+def closed_loop(engine: Engine, lengths: Lengths, concurrency: int, total: int, seed: int, sync) -> dict:
+    """C requests in flight until ``total`` finished; tok/s, TTFT and the phase split."""
+    vocab = engine.target.config.vocab_size
+    queue = prompts(total, lengths.isl, vocab, seed)
+    params = SamplingParams(temperature=0, max_tokens=lengths.osl, ignore_eos=True)
+    added: dict[str, float] = {}
+    ttft: list[float] = []
+    spent = timed_phases(engine, sync)
+    done = tokens = steps = 0
+
+    def add() -> None:
+        rid = engine.add_request(queue.pop(), params)
+        added[rid] = time.perf_counter()
+
+    for _ in range(min(concurrency, total)):
+        add()
+    sync()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outputs:
+            tokens += len(o.new_token_ids)
+            if o.request_id in added and o.token_ids:
+                ttft.append(now - added.pop(o.request_id))
+            if o.finished:
+                done += 1
+                if queue:
+                    add()
+    sync()
+    wall = time.perf_counter() - start
+    phases = {name.strip("_"): 1e3 * s / steps for name, s in spent.items()}
+    phases["rest"] = 1e3 * wall / steps - sum(phases.values())
+    return {
+        "isl": lengths.isl,
+        "osl": lengths.osl,
+        "concurrency": concurrency,
+        "requests": done,
+        "tok_s": tokens / wall,
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "phases_ms": phases,
+    }
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    k = args.k if args.drafter else 0
+    extra = {"scheduling_policy": args.policy} if args.policy else {}
+    return Engine(
+        EngineConfig(
+            model=args.model,
+            drafter=args.drafter or None,
+            num_spec_tokens=k,
+            device=args.device,
+            enable_prefix_cache=False,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=args.kv_mb << 20,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_chunk=args.max_prefill_chunk,
+            forced_acceptance=args.forced_accept if k and args.forced_accept >= 0 else -1,
+            unsafe_forced_acceptance=bool(k and args.forced_accept >= 0),
+            **extra,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.loop_ceiling", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--drafter", default="")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--forced-accept", type=int, default=-1, help="benchmarks only: drafts kept per step")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--grid", default="512/128")
+    p.add_argument("--concurrency", default="64")
+    p.add_argument("--requests", type=int, default=192, help="requests finished per point")
+    p.add_argument("--policy", default="", help="the engine's scheduling policy ('' = its default)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-prefill-chunk", type=int, default=512)
+    p.add_argument("--kv-mb", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    engine = make_engine(args)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    rows = []
+    for lengths in parse_grid(args.grid):
+        for c in parse_numbers(args.concurrency, "--concurrency"):
+            closed_loop(engine, Lengths(16, 8), c, c, args.seed, sync)  # warm-up at this batch
+            seed = point_seed(args.seed, lengths, f"loop{c}")
+            rows.append(closed_loop(engine, lengths, c, max(args.requests, c), seed, sync))
+    print(f"{'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT p50':>9}  phases ms/step")
+    for r in rows:
+        split = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
+        print(
+            f"{r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4} {r['tok_s']:>8.1f} "
+            f"{r['ms_per_step']:>8.2f} {r['ttft_p50_ms']:>9.1f}  {split}"
+        )
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
