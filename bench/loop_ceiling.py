@@ -3,7 +3,7 @@ point is compared with when its prompts cost GPU time too.
 
     python -m bench.loop_ceiling --model DIR [--drafter DIR -k 4 --forced-accept 3]
         --device cuda --grid 512/128 --concurrency 64 --requests 192
-        [--policy decode-first|mixed] [--max-num-batched-tokens N]
+        [--policy mixed,decode-first] [--max-num-batched-tokens 512,2048]
 
 ``bench.serve_ceiling`` times decode-only steps; a closed loop of C clients also prefills
 every new request's prompt, on the same GPU. Here one ``Engine`` in this process (no
@@ -12,7 +12,8 @@ next prompt before the next step, until ``--requests`` have finished. Output tok
 seconds is the point's ceiling. Each step's time is split, with the device synchronized
 around them, into its decode phase, its prefill phase and the rest (scheduling, outputs:
 host work); TTFT is from a request's add to its first token. Prints a table, last one
-JSON list.
+JSON list. Every (policy, budget) pair runs on one engine (loaded once, built with the
+largest budget; a prompt's chunk may take the whole budget, as served workers do).
 """
 
 from __future__ import annotations
@@ -101,9 +102,8 @@ def closed_loop(engine: Engine, lengths: Lengths, concurrency: int, total: int, 
     }
 
 
-def make_engine(args: argparse.Namespace) -> Engine:
+def make_engine(args: argparse.Namespace, budget: int) -> Engine:
     k = args.k if args.drafter else 0
-    extra = {"scheduling_policy": args.policy} if args.policy else {}
     return Engine(
         EngineConfig(
             model=args.model,
@@ -113,13 +113,18 @@ def make_engine(args: argparse.Namespace) -> Engine:
             enable_prefix_cache=False,
             max_num_seqs=args.max_num_seqs,
             kv_cache_bytes=args.kv_mb << 20,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_prefill_chunk=args.max_prefill_chunk,
+            max_num_batched_tokens=budget,
+            max_prefill_chunk=budget,
             forced_acceptance=args.forced_accept if k and args.forced_accept >= 0 else -1,
             unsafe_forced_acceptance=bool(k and args.forced_accept >= 0),
-            **extra,
         )
     )
+
+
+def set_variant(engine: Engine, policy: str, budget: int) -> None:
+    """This benchmark's variants on one loaded engine: its policy and its step budget."""
+    engine.config.scheduling_policy = policy
+    engine.scheduler.max_num_batched_tokens = engine.scheduler.max_prefill_chunk = budget
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,26 +137,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid", default="512/128")
     p.add_argument("--concurrency", default="64")
     p.add_argument("--requests", type=int, default=192, help="requests finished per point")
-    p.add_argument("--policy", default="", help="the engine's scheduling policy ('' = its default)")
+    p.add_argument("--policy", default="mixed,decode-first", help="scheduling policies, comma-separated")
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-prefill-chunk", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", default="2048", help="step budgets, comma-separated")
     p.add_argument("--kv-mb", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    engine = make_engine(args)
+    budgets = parse_numbers(args.max_num_batched_tokens, "--max-num-batched-tokens")
+    engine = make_engine(args, max(budgets))
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rows = []
-    for lengths in parse_grid(args.grid):
-        for c in parse_numbers(args.concurrency, "--concurrency"):
-            closed_loop(engine, Lengths(16, 8), c, c, args.seed, sync)  # warm-up at this batch
-            seed = point_seed(args.seed, lengths, f"loop{c}")
-            rows.append(closed_loop(engine, lengths, c, max(args.requests, c), seed, sync))
-    print(f"{'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT p50':>9}  phases ms/step")
+    for policy in args.policy.split(","):
+        for budget in budgets:
+            set_variant(engine, policy, budget)
+            for lengths in parse_grid(args.grid):
+                for c in parse_numbers(args.concurrency, "--concurrency"):
+                    closed_loop(engine, Lengths(16, 8), c, c, args.seed, sync)  # warm-up at this batch
+                    seed = point_seed(args.seed, lengths, f"loop{c}")
+                    row = closed_loop(engine, lengths, c, max(args.requests, c), seed, sync)
+                    rows.append({"policy": policy, "budget": budget, **row})
+    print(
+        f"{'policy':>13} {'budget':>6} {'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT p50':>9}  phases ms/step"
+    )
     for r in rows:
         split = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
         print(
-            f"{r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4} {r['tok_s']:>8.1f} "
+            f"{r['policy']:>13} {r['budget']:>6} {r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4} {r['tok_s']:>8.1f} "
             f"{r['ms_per_step']:>8.2f} {r['ttft_p50_ms']:>9.1f}  {split}"
         )
     print(json.dumps(rows))

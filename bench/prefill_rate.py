@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-mb", type=int, default=4096, help="KV cache MiB (one prompt of the longest length)")
     args = p.parse_args(argv)
-    rows = measure(args.model, args.device, parse_numbers(args.lengths, "--lengths"), args.repeats, args.kv_mb)
+    rows = measure(
+        args.model, args.device, parse_numbers(args.lengths, "--lengths"), args.repeats, args.kv_mb
+    )
     print(f"{'tokens':>7} {'forward ms':>11} {'tok/s':>9} {'TFLOP/s':>8} {'GEMM TFLOP/s':>13} {'of GEMM':>8}")
     for r in rows:
         print(

@@ -35,6 +35,7 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         max_model_len=options.max_model_len or model_max_len(options.model),
         max_num_batched_tokens=options.max_num_batched_tokens,
         max_prefill_chunk=options.max_num_batched_tokens,  # one prompt may take the whole step
+        scheduling_policy="" if options.scheduling_policy == "auto" else options.scheduling_policy,
         host_kv_cache_bytes=options.host_kv_cache_mb << 20,
         host_kv_write_policy=options.host_kv_write_policy,
         host_kv_recall_min_pages=options.host_kv_recall_min_pages,

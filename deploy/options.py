@@ -117,6 +117,14 @@ class EngineOptions:
         "this budget (one prompt's chunk may take all of it, as in vLLM's chunked prefill)",
         at_least(1),
     )
+    scheduling_policy: str = _option(
+        "auto",
+        "how a step's decode rows and prompt chunks share the target: mixed = one forward (the "
+        "decode rows ride on the prompt's weight reads, as vLLM's chunked prefill); decode-first / "
+        "prefill-first = two forwards in that order; auto = mixed on CUDA, decode-first on CPU "
+        "(the CPU attention pads every query block to the longest)",
+        choices=("auto", "mixed", "decode-first", "prefill-first"),
+    )
     host_kv_cache_mb: int = _option(
         0,
         "host-memory tier under the prefix cache, MiB (evicted pages are kept there and recalled); 0 = none",

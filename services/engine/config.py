@@ -10,6 +10,12 @@ from kvcore import KVLayout
 from kvcore.spec import dtype_from_name
 
 DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
+# How a step's decode rows and prefill chunks share the target: "mixed" runs them in one
+# forward (the decode rows ride on the prefill's weight reads); "decode-first" and
+# "prefill-first" run two forwards in that order. The CPU reference attention pads every
+# query block to the longest, so mixing costs it; CUDA's kernels do not.
+SCHEDULING_POLICIES = ("mixed", "decode-first", "prefill-first")
+DEFAULT_POLICIES = {"cpu": "decode-first", "cuda": "mixed"}
 
 
 @dataclass(slots=True)
@@ -39,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_prefill_chunk: int = 512
+    scheduling_policy: str = ""  # SCHEDULING_POLICIES; "" = mixed on CUDA, decode-first on CPU
     max_model_len: int = 0  # 0 = the target's max_position_embeddings
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
@@ -69,6 +76,12 @@ class EngineConfig:
         if not self.dtype:
             self.dtype = DEFAULT_DTYPES.get(torch.device(self.device).type, "float32")
         dtype_from_name(self.dtype)
+        if not self.scheduling_policy:
+            self.scheduling_policy = DEFAULT_POLICIES.get(torch.device(self.device).type, "decode-first")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
         for name in (
             "tokens_per_page",
             "kv_cache_bytes",

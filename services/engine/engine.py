@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from kvcore import AuxState, CacheStats, KVLayout, Reservation
-from services.engine.batch import Span, StepResult
+from services.engine.batch import Span, StepResult, TargetRun
 from services.engine.checks import (
     RequestExists,
     check_context_fits,
@@ -218,10 +218,17 @@ class Engine:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
+        """One scheduled step under the config's ``scheduling_policy``; no request is in
+        both phases, so the policy changes the forwards' shapes, never a request's tokens."""
         plan = self.scheduler.schedule()
-        if plan.decode:  # decode first: its outputs do not depend on this step's prefills
+        policy = self.config.scheduling_policy
+        if policy == "mixed" and plan.decode and plan.prefill:
+            self._mixed(plan.decode, plan.prefill)
+        elif policy == "prefill-first":
+            self._prefill(plan.prefill)
             self._decode(plan.decode)
-        if plan.prefill:
+        else:
+            self._decode(plan.decode)
             self._prefill(plan.prefill)
         return self.out.flush()
 
@@ -253,6 +260,8 @@ class Engine:
     # block as costly as a prefill chunk.
 
     def _decode(self, decode: list[Request]) -> None:
+        if not decode:
+            return
         k = max(r.num_spec_tokens for r in decode)
         rule = self.adaptive if self.adaptive is not None and k and greedy_only(decode) else None
         if rule is not None:
@@ -267,10 +276,14 @@ class Engine:
         for i, req in enumerate(decode):
             self.progress.advance_decode(req, step, i)
 
-    def _general_decode(self, decode: list[Request], k: int) -> StepResult:
-        """Any batch: the eager draft chain, the verify forward, rejection sampling."""
+    def _general_decode(
+        self, decode: list[Request], k: int, prefill: list[tuple[Request, PrefillSpan]] = ()
+    ) -> StepResult:
+        """Any batch: the eager draft chain, the verify forward, rejection sampling.
+        ``prefill`` chunks join the verify forward, after the decode rows (the mixed
+        policy): the result's ``offsets`` then go on over their rows."""
         drafts = draft(self.runner, decode, k, self.out.eos_ids) if self.drafter is not None else None
-        spans = verify_spans(decode, drafts)
+        spans = verify_spans(decode, drafts) + prefill_spans(prefill)
         run = self.runner.run_target(spans)
         offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
         emitted, logprobs = verify(
@@ -278,12 +291,26 @@ class Engine:
         )
         return StepResult(emitted, logprobs, run, offsets)
 
+    def _mixed(self, decode: list[Request], prefill: list[tuple[Request, PrefillSpan]]) -> None:
+        """Decode rows and prefill chunks in one target forward (eager: the decode graphs
+        hold decode rows only), then each phase's bookkeeping as when they run apart."""
+        step = self._general_decode(decode, max(r.num_spec_tokens for r in decode), prefill)
+        for i, req in enumerate(decode):
+            self.progress.advance_decode(req, step, i)
+        self._prefill_ran(prefill, step.run, step.offsets[len(decode) :])
+
     def _prefill(self, prefill: list[tuple[Request, PrefillSpan]]) -> None:
-        spans = [
-            Span(r.request_id, s.start, r.tokens[s.start : s.end], r.target_write_start) for r, s in prefill
-        ]
+        if not prefill:
+            return
+        spans = prefill_spans(prefill)
         run = self.runner.run_target(spans)
-        offsets = [0, *itertools.accumulate(len(s.token_ids) for s in spans)]
+        self._prefill_ran(prefill, run, [0, *itertools.accumulate(len(s.token_ids) for s in spans)])
+
+    def _prefill_ran(
+        self, prefill: list[tuple[Request, PrefillSpan]], run: TargetRun, offsets: list[int]
+    ) -> None:
+        """The chunks' rows are ``run``'s offsets[i]:offsets[i + 1]: the drafter's KV over
+        them, their progress, and the first token of each prompt they complete."""
         if self.drafter is not None:
             draft_prefill(self.runner, prefill, run, offsets)
         self.progress.chunks_ran(prefill, run, offsets)
@@ -324,3 +351,8 @@ class Engine:
         return request_seed(
             sampling.seed if sampling.seed is not None else self._seeds.getrandbits(SEED_BITS)
         )
+
+
+def prefill_spans(prefill: Sequence[tuple[Request, PrefillSpan]]) -> list[Span]:
+    """The target spans of a step's prefill chunks (KV written from each one's write start)."""
+    return [Span(r.request_id, s.start, r.tokens[s.start : s.end], r.target_write_start) for r, s in prefill]
