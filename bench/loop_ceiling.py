@@ -35,6 +35,10 @@ from services.engine.sampling.params import SamplingParams
 PHASES = ("_decode", "_prefill", "_mixed")
 
 
+def device_sync(engine: Engine) -> Callable[[], None]:
+    return torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+
 def timed_phases(engine: Engine, sync: Callable[[], None]) -> dict[str, float]:
     """Wrap the engine's step phases (those it has) with synchronized timers: seconds per phase."""
     spent: dict[str, float] = defaultdict(float)
@@ -55,8 +59,9 @@ def timed_phases(engine: Engine, sync: Callable[[], None]) -> dict[str, float]:
     return spent
 
 
-def closed_loop(engine: Engine, lengths: Lengths, concurrency: int, total: int, seed: int, sync) -> dict:
+def closed_loop(engine: Engine, lengths: Lengths, concurrency: int, total: int, seed: int) -> dict:
     """C requests in flight until ``total`` finished; tok/s, TTFT and the phase split."""
+    sync = device_sync(engine)
     vocab = engine.target.config.vocab_size
     queue = prompts(total, lengths.isl, vocab, seed)
     params = SamplingParams(temperature=0, max_tokens=lengths.osl, ignore_eos=True)
@@ -145,27 +150,31 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     budgets = parse_numbers(args.max_num_batched_tokens, "--max-num-batched-tokens")
     engine = make_engine(args, max(budgets))
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rows = []
     for policy in args.policy.split(","):
         for budget in budgets:
             set_variant(engine, policy, budget)
             for lengths in parse_grid(args.grid):
                 for c in parse_numbers(args.concurrency, "--concurrency"):
-                    closed_loop(engine, Lengths(16, 8), c, c, args.seed, sync)  # warm-up at this batch
+                    closed_loop(engine, Lengths(16, 8), c, c, args.seed)  # warm-up at this batch
                     seed = point_seed(args.seed, lengths, f"loop{c}")
-                    row = closed_loop(engine, lengths, c, max(args.requests, c), seed, sync)
+                    row = closed_loop(engine, lengths, c, max(args.requests, c), seed)
                     rows.append({"policy": policy, "budget": budget, **row})
+    print_rows(rows)
+    print(json.dumps(rows))
+
+
+def print_rows(rows: list[dict]) -> None:
     print(
-        f"{'policy':>13} {'budget':>6} {'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT p50':>9}  phases ms/step"
+        f"{'policy':>13} {'budget':>6} {'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT':>7}  phases, ms a step"
     )
     for r in rows:
         split = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
+        point = f"{r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4}"
         print(
-            f"{r['policy']:>13} {r['budget']:>6} {r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4} {r['tok_s']:>8.1f} "
-            f"{r['ms_per_step']:>8.2f} {r['ttft_p50_ms']:>9.1f}  {split}"
+            f"{r['policy']:>13} {r['budget']:>6} {point} {r['tok_s']:>8.1f} "
+            f"{r['ms_per_step']:>8.2f} {r['ttft_p50_ms']:>7.1f}  {split}"
         )
-    print(json.dumps(rows))
 
 
 if __name__ == "__main__":
