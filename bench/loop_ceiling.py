@@ -165,9 +165,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(
-        f"{'policy':>13} {'budget':>6} {'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT':>7}  phases, ms a step"
-    )
+    head = f"{'policy':>13} {'budget':>6} {'ISL/OSL':>9} {'C':>4} {'tok/s':>8} {'ms/step':>8} {'TTFT':>7}"
+    print(head + "  phases, ms a step")
     for r in rows:
         split = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
         point = f"{r['isl']:>4}/{r['osl']:<4} {r['concurrency']:>4}"
