@@ -48,6 +48,7 @@ CHART_VALUES: dict[str, ChartValue] = {
     "gpu_memory_utilization": ChartValue("{role}.gpuMemoryUtilization", by_role(0.85, 0.8)),
     "max_model_len": ChartValue("engine.maxModelLen", 4096),
     "max_num_batched_tokens": ChartValue("engine.maxNumBatchedTokens", 4096),
+    "scheduling_policy": ChartValue("engine.schedulingPolicy", "prefill-first"),
     "host_kv_cache_mb": ChartValue("{role}.hostKvCache.mb", by_role(2048, 4096)),
     "host_kv_write_policy": ChartValue("{role}.hostKvCache.writePolicy", by_role("through", "through")),
     "host_kv_recall_min_pages": ChartValue("{role}.hostKvCache.recallMinPages", by_role(3, 5)),

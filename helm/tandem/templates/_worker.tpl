@@ -99,6 +99,8 @@ spec:
             - $(TANDEM_MAX_NUM_SEQS)
             - --max-num-batched-tokens
             - $(TANDEM_MAX_NUM_BATCHED_TOKENS)
+            - --scheduling-policy
+            - $(TANDEM_SCHEDULING_POLICY)
             - --max-model-len
             - $(TANDEM_MAX_MODEL_LEN)
             - --log-level
