@@ -13,6 +13,8 @@ goes untested again. Pools end empty.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -29,9 +31,12 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 LENGTHS = (5, 23, 61)  # past the drafter's 8-token window
 DRAFTERS = ("none", "unified", "separate")
+# decode rows and prompt chunks in one forward (the CUDA default), on a TP 2 worker whose
+# 16-token step budget has the long prompt chunked while the others decode beside it
+MIXED = {"both-1": ["--scheduling-policy", "mixed", "--max-num-batched-tokens", "16"]}
 ROLES = [  # name in the cluster -> (role, TP size)
     ("both-0", ("both", 1)),
-    ("both-1", ("both", 2)),
+    ("both-1", ("both", 2)),  # and the mixed policy, its prompts in 16-token steps
     ("prefill-2", ("prefill", 1)),
     ("prefill-3", ("prefill", 2)),
     ("decode-4", ("decode", 1)),
@@ -56,7 +61,7 @@ def cluster(request, tiny_pair, target_only):  # the reference first: idle proce
     worker, router = cluster_args(tiny_pair, "separate" if request.param == "separate" else "unified")
     if request.param == "none":
         worker = _without_drafter(worker)
-    roles = [(role, ["--tp", str(tp)]) for _, (role, tp) in ROLES]
+    roles = [(role, ["--tp", str(tp), *MIXED.get(name, [])]) for name, (role, tp) in ROLES]
     cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
     cluster.start()
     yield cluster
@@ -71,10 +76,12 @@ def _without_drafter(worker: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("name", ["both-0", "both-1"])
 def test_aggregated_tp1_and_tp2_give_the_target_only_tokens(cluster, target_only, name):
+    """The prompts run at once, so steps batch them (both-1: mixed, with chunked prompts)."""
     address = next(p.grpc for p in cluster.processes if p.name == name)
-    for prompt, ref in zip(prompts(), target_only, strict=True):
-        tokens, complete = generate(address, prompt, MAX_TOKENS)
-        assert tokens == ref, (name, len(prompt))
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        results = list(pool.map(lambda p: generate(address, p, MAX_TOKENS), prompts()))
+    for (tokens, complete), ref, n in zip(results, target_only, LENGTHS, strict=True):
+        assert tokens == ref, (name, n)
         assert complete.usage.completion_tokens == len(ref)
 
 
