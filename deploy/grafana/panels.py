@@ -256,6 +256,21 @@ ROWS = (
                 width=12,
             ),
             Panel(
+                "Engine step time",
+                "Wall time of one engine step by the forwards it ran: decode, prefill, mixed (one "
+                "forward of both) or decode+prefill (two).",
+                quantiles("tandem_engine_step_seconds", by="kind"),
+                unit="s",
+                width=12,
+            ),
+            Panel(
+                "Engine busy",
+                "Fraction of the time each worker's engine spends in steps (1 = it never waits for work).",
+                ((rate("tandem_engine_step_seconds_sum", "instance"), "{{instance}}"),),
+                unit="percentunit",
+                width=12,
+            ),
+            Panel(
                 "Event loop lag",
                 "How late each process's event loop ran a 0.25 s timer: a second or more means a "
                 "call blocked the loop (every gRPC answer and UCX message waited); logged too.",

@@ -17,6 +17,7 @@ from services.common.metrics_http import serve_registry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 AL_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 
 
@@ -163,6 +164,14 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.step_seconds = Histogram(
+            "tandem_engine_step_seconds",
+            "Wall time of one engine step (scheduling, forwards, host read, outputs), by the "
+            "forwards it ran: decode, prefill, mixed (one forward of both) or decode+prefill (two)",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "tandem_event_loop_lag_seconds",
             "How late the process's event loop ran a 0.25 s timer: long turns (a blocking "
@@ -188,6 +197,11 @@ class Metrics:
                 self.pages.labels(group, state).set(n)
             self.pages_total.labels(group).set(u.total)
             self.kv_usage.labels(group).set(held / u.total if u.total else 0.0)
+
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """An engine step that ran ``kind``'s forwards in ``seconds`` (an empty kind: none)."""
+        if kind:
+            self.step_seconds.labels(kind).observe(seconds)
 
     def observe_chunk(self, role: str, gap_s: float, num_tokens: int) -> None:
         """A streamed chunk of ``num_tokens`` that came ``gap_s`` after the previous one."""

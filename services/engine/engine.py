@@ -101,6 +101,7 @@ class Engine:
             self.manager, self.scheduler, self.out, self.requests, self.drafter is not None
         )
         self.stats = self.progress.stats  # speculative counters per origin
+        self.last_step = ""  # the last step's forwards: decode, prefill, mixed or decode+prefill
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
 
@@ -222,7 +223,8 @@ class Engine:
         both phases, so the policy changes the forwards' shapes, never a request's tokens."""
         plan = self.scheduler.schedule()
         policy = self.config.scheduling_policy
-        if policy == "mixed" and plan.decode and plan.prefill:
+        self.last_step = step_kind(policy, bool(plan.decode), bool(plan.prefill))
+        if self.last_step == "mixed":
             self._mixed(plan.decode, plan.prefill)
         elif policy == "prefill-first":
             self._prefill(plan.prefill)
@@ -356,3 +358,11 @@ class Engine:
 def prefill_spans(prefill: Sequence[tuple[Request, PrefillSpan]]) -> list[Span]:
     """The target spans of a step's prefill chunks (KV written from each one's write start)."""
     return [Span(r.request_id, s.start, r.tokens[s.start : s.end], r.target_write_start) for r, s in prefill]
+
+
+def step_kind(policy: str, decode: bool, prefill: bool) -> str:
+    """What forwards a step of ``policy`` runs: "decode", "prefill", "mixed" (one forward
+    of both), "decode+prefill" (two), or "" (none)."""
+    if decode and prefill:
+        return "mixed" if policy == "mixed" else "decode+prefill"
+    return "decode" if decode else "prefill" if prefill else ""

@@ -9,6 +9,7 @@ so they run on the event loop at any time.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,8 +17,11 @@ from services.common.faults import delay
 
 
 class EngineLoop:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, on_step: Callable[[str, float], None] | None = None) -> None:
+        """``on_step(kind, seconds)``: told each step's forwards (``engine.last_step``) and
+        wall time, on the event-loop thread."""
         self.engine = engine
+        self.on_step = on_step
         self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -67,7 +71,10 @@ class EngineLoop:
             self._run_calls()
             if self.engine.has_unfinished():
                 try:
+                    start = time.perf_counter()
                     outputs = await asyncio.to_thread(self.engine.step)
+                    if self.on_step is not None:
+                        self.on_step(self.engine.last_step, time.perf_counter() - start)
                     if delay("engine.step"):
                         await asyncio.sleep(delay("engine.step"))
                 except Exception as e:  # a broken step fails its requests, not the server

@@ -37,8 +37,8 @@ class WorkerBase:
         self.engine = Engine(config.engine)
         if self.group is not None:
             self.engine.step = _exit_on_failure(self.engine.step)
-        self.loop = EngineLoop(self.engine)
         self.metrics = Metrics(config.role)
+        self.loop = EngineLoop(self.engine, self.metrics.observe_step)
         e = self.engine
         self.agent = TransferAgent(
             e.manager,

@@ -108,6 +108,10 @@ def test_prometheus_scrapes_a_live_metric_from_tandem_up(tmp_path):
         pages = wait_for(prometheus, 'tandem_kv_pages_total{role="decode"}')
         assert sorted(s["metric"]["group"] for s in pages) == ["draft", "target"]
         wait_for(prometheus, 'tandem_timeouts_total{kind="lease"} > 0')
+        steps = wait_for(prometheus, "tandem_engine_step_seconds_count > 0")
+        kinds = {(s["metric"]["role"], s["metric"]["kind"]) for s in steps}
+        assert {("prefill", "prefill"), ("decode", "decode")} <= kinds, kinds  # CPU: decode-first
+        assert all(kind != "mixed" for _, kind in kinds), kinds
         time.sleep(4)  # two more scrapes: every rate() has two samples since the load
         empty = [(title, expr) for title, expr in dashboard_queries() if not prometheus.query(live(expr))]
         assert empty == [], empty
