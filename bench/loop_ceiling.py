@@ -12,8 +12,8 @@ next prompt before the next step, until ``--requests`` have finished. Output tok
 seconds is the point's ceiling. Each step's time is split, with the device synchronized
 around them, into its decode phase, its prefill phase and the rest (scheduling, outputs:
 host work); TTFT is from a request's add to its first token. Prints a table, last one
-JSON list. Every (policy, budget) pair runs on one engine (loaded once, built with the
-largest budget; a prompt's chunk may take the whole budget, as served workers do).
+JSON list. Every (policy, budget) pair runs on one engine (``bench.serve_ceiling``'s, loaded once); a
+prompt's chunk may take the whole budget, as served workers' does.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from bench import serve_ceiling
+from bench.serve_ceiling_spec import CeilingSpec
 from bench.serve_workload import Lengths, parse_grid, parse_numbers, point_seed, prompts
-from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling.params import SamplingParams
 
@@ -107,23 +108,12 @@ def closed_loop(engine: Engine, lengths: Lengths, concurrency: int, total: int, 
     }
 
 
-def make_engine(args: argparse.Namespace, budget: int) -> Engine:
-    k = args.k if args.drafter else 0
-    return Engine(
-        EngineConfig(
-            model=args.model,
-            drafter=args.drafter or None,
-            num_spec_tokens=k,
-            device=args.device,
-            enable_prefix_cache=False,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_bytes=args.kv_mb << 20,
-            max_num_batched_tokens=budget,
-            max_prefill_chunk=budget,
-            forced_acceptance=args.forced_accept if k and args.forced_accept >= 0 else -1,
-            unsafe_forced_acceptance=bool(k and args.forced_accept >= 0),
-        )
+def make_engine(args: argparse.Namespace) -> Engine:
+    """The sweep's ceiling engine (``bench.serve_ceiling``): prefix cache off, the workers' K."""
+    spec = CeilingSpec(
+        args.model, args.drafter, args.k, args.forced_accept, args.device, args.max_num_seqs, args.kv_mb
     )
+    return serve_ceiling.make_engine(spec)
 
 
 def set_variant(engine: Engine, policy: str, budget: int) -> None:
@@ -137,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", default="")
     p.add_argument("-k", type=int, default=4)
-    p.add_argument("--forced-accept", type=int, default=-1, help="benchmarks only: drafts kept per step")
+    p.add_argument("--forced-accept", type=int, default=0, help="drafts kept per step, 0 = off")
     p.add_argument("--device", default="cuda")
     p.add_argument("--grid", default="512/128")
     p.add_argument("--concurrency", default="64")
@@ -149,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     budgets = parse_numbers(args.max_num_batched_tokens, "--max-num-batched-tokens")
-    engine = make_engine(args, max(budgets))
+    engine = make_engine(args)
     rows = []
     for policy in args.policy.split(","):
         for budget in budgets:
