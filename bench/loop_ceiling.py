@@ -122,7 +122,7 @@ def set_variant(engine: Engine, policy: str, budget: int) -> None:
     engine.scheduler.max_num_batched_tokens = engine.scheduler.max_prefill_chunk = budget
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.loop_ceiling", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", default="")
@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", default="2048", help="step budgets, comma-separated")
     p.add_argument("--kv-mb", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     budgets = parse_numbers(args.max_num_batched_tokens, "--max-num-batched-tokens")
     engine = make_engine(args)
     rows = []
