@@ -257,9 +257,9 @@ class Engine:
         return [final[i] for i in ids]
 
     # ------------------------------------------------------------ step phases
-    # Prefill chunks and verify blocks run as separate target forwards: a varlen batch
-    # padded to its longest query (the CPU reference attention) would make every verify
-    # block as costly as a prefill chunk.
+    # Prefill chunks and verify blocks share one target forward only under the mixed
+    # policy (the CUDA default): a varlen batch padded to its longest query (the CPU
+    # reference attention) would make every verify block as costly as a prefill chunk.
 
     def _decode(self, decode: list[Request]) -> None:
         if not decode:
@@ -279,7 +279,7 @@ class Engine:
             self.progress.advance_decode(req, step, i)
 
     def _general_decode(
-        self, decode: list[Request], k: int, prefill: list[tuple[Request, PrefillSpan]] = ()
+        self, decode: list[Request], k: int, prefill: Sequence[tuple[Request, PrefillSpan]] = ()
     ) -> StepResult:
         """Any batch: the eager draft chain, the verify forward, rejection sampling.
         ``prefill`` chunks join the verify forward, after the decode rows (the mixed
@@ -294,8 +294,10 @@ class Engine:
         return StepResult(emitted, logprobs, run, offsets)
 
     def _mixed(self, decode: list[Request], prefill: list[tuple[Request, PrefillSpan]]) -> None:
-        """Decode rows and prefill chunks in one target forward (eager: the decode graphs
-        hold decode rows only), then each phase's bookkeeping as when they run apart."""
+        """Decode rows and prefill chunks in one target forward, then each phase's
+        bookkeeping as when they run apart. It takes the general path: the device step's
+        graphs (and the adaptive K rule) serve decode-only steps; a decode graph runs it
+        only when every chunk has the graph's query length (graphs honour write_start)."""
         step = self._general_decode(decode, max(r.num_spec_tokens for r in decode), prefill)
         for i, req in enumerate(decode):
             self.progress.advance_decode(req, step, i)
