@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels import reference
+from services.engine.kernels.reference import Experts
 
 _enabled = True
 
@@ -73,6 +74,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     if gemv is None:
         return reference.fp8_linear(x, weight, scale)
     return gemv.fp8_gemv(x, weight, scale)
+
+
+def moe_experts(
+    x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts summed per token (:func:`reference.moe_experts` defines it):
+    x [T, H] -> [T, H]; the fused Triton MoE kernel on CUDA where it is built."""
+    moe = _triton("triton_moe") if _impl(x) is not reference else None
+    impl = reference if moe is None else moe
+    return impl.moe_experts(x, experts, topk_ids, topk_weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
