@@ -15,8 +15,10 @@ from typing import Any
 
 from services.engine.models.hf_config import (
     FULL,
+    MOE_FAMILIES,
     SLIDING,
     TARGET_ARCHITECTURES,
+    attention_family,
     aux_layers,
     check_attention_bias,
     check_drafter_family,
@@ -25,6 +27,7 @@ from services.engine.models.hf_config import (
     default_aux_layers,
     normalize_rope,
     read_layer_rope,
+    read_moe,
     read_rope,
     refuse,
     target_attention,
@@ -35,6 +38,14 @@ from services.engine.models.target import TargetConfig
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
 ARCHITECTURE_OF = {family: arch for arch, family in TARGET_ARCHITECTURES.items()}
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,12 @@ class LlamaConfig:
     layer_types: tuple[str, ...] = ()  # per layer, "full_attention" or "sliding_attention"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top k routing weights to sum 1
+    decoder_sparse_step: int = 1  # layer i is routed iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
 
     def __post_init__(self) -> None:
         _fill_heads(self)
@@ -82,9 +99,15 @@ class LlamaConfig:
         if self.model_type not in ARCHITECTURE_OF:
             refuse("model_type", self.model_type, ", ".join(ARCHITECTURE_OF))
         _check_windows(self)
-        if self.attention_bias and self.model_type not in ("llama", "qwen3"):
+        _check_moe(self)
+        if self.attention_bias and self.attention_family not in ("llama", "qwen3"):
             refuse("attention_bias", True, f"false for {self.model_type}")
         object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
+
+    @property
+    def attention_family(self) -> str:
+        """The dense family whose attention this model has (Qwen3-MoE: qwen3; Mixtral: mistral)."""
+        return attention_family(self.model_type)
 
     @property
     def qkv_bias(self) -> bool:
@@ -96,7 +119,15 @@ class LlamaConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.attention_family == "qwen3"
+
+    def routed(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the routed experts (else the dense SwiGLU)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_windows(self) -> tuple[int, ...]:
         """Per layer, its attention window in tokens (0 = full attention)."""
@@ -121,6 +152,7 @@ class LlamaConfig:
                 "rope_scaling": scaling,
                 "head_dim": d.get("head_dim") or 0,
                 "attention_bias": bool(d.get("attention_bias")) and family != "qwen2",
+                **read_moe(d, family),
             }
         )
 
@@ -128,6 +160,11 @@ class LlamaConfig:
         """The config.json of this config; a per-layer mix says ``use_sliding_window``, as
         transformers reads it."""
         d = {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
+        moe = {key: d.pop(key) for key in MOE_FIELDS}
+        if self.model_type == "mixtral":  # its experts' size is intermediate_size
+            d.update(num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"])
+        elif self.num_experts:
+            d.update(moe, mlp_only_layers=list(moe["mlp_only_layers"]))
         types = d.pop("layer_types")
         return {**d, "use_sliding_window": True, "layer_types": list(types)} if types else d
 
@@ -284,7 +321,7 @@ def _check_windows(c: LlamaConfig) -> None:
     _require(c.sliding_window >= 0, "sliding_window", f"must be >= 0, got {c.sliding_window}")
     object.__setattr__(c, "layer_types", tuple(c.layer_types))
     if not c.layer_types:
-        if c.sliding_window and c.model_type != "mistral":
+        if c.sliding_window and c.attention_family != "mistral":
             refuse(
                 "sliding_window",
                 c.sliding_window,
@@ -292,7 +329,7 @@ def _check_windows(c: LlamaConfig) -> None:
                 "or qwen3 one with layer_types)",
             )
         return
-    if c.model_type not in ("qwen2", "qwen3"):
+    if c.attention_family not in ("qwen2", "qwen3"):
         refuse("layer_types", list(c.layer_types), f"() for {c.model_type} (a mix is qwen2's or qwen3's)")
     _require(
         len(c.layer_types) == c.num_hidden_layers,
@@ -301,6 +338,24 @@ def _check_windows(c: LlamaConfig) -> None:
     )
     check_layer_types(c.layer_types)
     _require(c.sliding_window > 0, "sliding_window", f"must be > 0 for the {SLIDING!r} layers")
+
+
+def _check_moe(c: LlamaConfig) -> None:
+    """Routed experts belong to an MoE family, and their geometry is whole."""
+    object.__setattr__(c, "mlp_only_layers", tuple(c.mlp_only_layers))
+    if c.model_type not in MOE_FAMILIES:
+        if c.num_experts:
+            refuse("num_experts", c.num_experts, f"0 for {c.model_type} (a dense family)")
+        return
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        _require(getattr(c, name) > 0, name, f"must be > 0, got {getattr(c, name)}")
+    _require(
+        c.num_experts_per_tok <= c.num_experts,
+        "num_experts_per_tok",
+        f"{c.num_experts_per_tok} exceeds num_experts {c.num_experts}",
+    )
+    outside = [i for i in c.mlp_only_layers if not 0 <= i < c.num_hidden_layers]
+    _require(not outside, "mlp_only_layers", f"{outside} are not layers of {c.num_hidden_layers}")
 
 
 def _check_heads(c: LlamaConfig | EagleConfig) -> None:

@@ -17,7 +17,11 @@ TARGET_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+ATTENTION_OF = {"qwen3_moe": "qwen3", "mixtral": "mistral"}  # an MoE family's attention is its dense kin's
+MOE_FAMILIES = tuple(ATTENTION_OF)
 DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 ROPE_KEYS = {  # rope type -> the scaling keys it reads (all required)
     "default": (),
@@ -79,11 +83,47 @@ def check_drafter_family(d: dict[str, Any]) -> None:
         refuse("model_type", model_type, "llama")
 
 
+def attention_family(family: str) -> str:
+    """The dense family whose attention ``family`` has (itself for a dense one)."""
+    return ATTENTION_OF.get(family, family)
+
+
+def read_moe(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """The routed MLP's fields of an MoE family's config (none for a dense one): Qwen3-MoE
+    reads ``num_experts`` (transformers 5: ``num_local_experts``), ``moe_intermediate_size``,
+    ``norm_topk_prob`` (false if absent, as transformers), ``decoder_sparse_step`` and
+    ``mlp_only_layers`` (dense layers of ``intermediate_size``); Mixtral reads
+    ``num_local_experts`` (8 if absent), every layer routed over experts of
+    ``intermediate_size``, the top k always renormalised. The router's training keys
+    (aux loss, jitter noise, router logits) change nothing at inference."""
+    if family not in MOE_FAMILIES:
+        return {}
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    k = d.get("num_experts_per_tok")
+    if family == "mixtral":
+        return {
+            "num_experts": 8 if experts is None else experts,
+            "num_experts_per_tok": 2 if k is None else k,
+            "moe_intermediate_size": d.get("intermediate_size") or 0,
+            "norm_topk_prob": True,
+        }
+    return {
+        "num_experts": 128 if experts is None else experts,
+        "num_experts_per_tok": 8 if k is None else k,
+        "moe_intermediate_size": d.get("moe_intermediate_size") or 0,
+        "norm_topk_prob": bool(d.get("norm_topk_prob")),
+        "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+    }
+
+
 def target_attention(d: dict[str, Any], family: str) -> tuple[int, tuple[str, ...]]:
     """The target's attention window in tokens (0 = full) and its per-layer mix: each
     layer's type, or () when every layer is alike (windowed iff the window is not 0):
     Mistral reads ``sliding_window`` (null = full) for every layer; Llama has no window;
-    Qwen2/3 (:func:`qwen_layer_types`) attend fully unless ``use_sliding_window``."""
+    Qwen2/3 (:func:`qwen_layer_types`) attend fully unless ``use_sliding_window``. An MoE
+    family reads as its attention's dense family (:func:`attention_family`)."""
+    family = attention_family(family)
     if family in ("qwen2", "qwen3"):
         return qwen_layer_types(d)
     window = d.get("sliding_window") or 0
@@ -134,6 +174,7 @@ def check_uniform_layer_types(d: dict[str, Any], layer_type: str) -> None:
 def check_attention_bias(d: dict[str, Any], family: str) -> None:
     """``attention_bias`` (q/k/v/o biases) is read by Llama and Qwen3; Qwen2 has q/k/v
     biases and Mistral none whatever the key says, so there it may only be false."""
+    family = attention_family(family)
     if family in ("qwen2", "mistral") and d.get("attention_bias"):
         refuse("attention_bias", True, f"false for {family} (its biases are fixed)")
 

@@ -1,5 +1,6 @@
 """The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU), with the
-family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm). A window is
+family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm, and the routed
+experts of Qwen3-MoE and Mixtral in place of the SwiGLU, ``models/moe.py``). A window is
 the KV context's: the model declares its layer groups (:meth:`LlamaForCausalLM.kv_layer_groups`:
 one, windowed for Mistral; a full and a sliding one for a Qwen2/3 per-layer mix) and each
 layer attends through its group's context.
@@ -19,17 +20,32 @@ from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
 from services.engine.models.layer_contexts import GroupContext, LayerContexts
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
+from services.engine.models.moe import MIXTRAL_EXPERT, QWEN_EXPERT, SparseMoe
 from services.engine.models.target import KVLayerGroup, TargetOutput, layer_groups_by_window
 from services.engine.parallel import SINGLE, TensorParallel
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "LlamaModel", "TargetOutput"]
 
 
+def mlp_of(c: LlamaConfig, layer: int, tp: TensorParallel) -> tuple[str, nn.Module]:
+    """Layer ``layer``'s MLP and the checkpoint's name for it: the dense SwiGLU ("mlp"), or
+    the routed experts ("mlp" for Qwen3-MoE, "block_sparse_moe" for Mixtral)."""
+    if not (isinstance(c, LlamaConfig) and c.routed(layer)):
+        return "mlp", SwiGLU(c.hidden_size, c.intermediate_size, tp)
+    routing = (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+    if c.model_type == "mixtral":
+        return "block_sparse_moe", SparseMoe(
+            c.hidden_size, c.moe_intermediate_size, routing, tp, MIXTRAL_EXPERT
+        )
+    return "mlp", SparseMoe(c.hidden_size, c.moe_intermediate_size, routing, tp, QWEN_EXPERT)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). ``c`` is a LlamaConfig or
-    an EagleConfig (the drafter's extra layers)."""
+    an EagleConfig (the drafter's extra layers); the MLP is layer ``layer``'s
+    (:func:`mlp_of`), under the attribute name its checkpoint uses."""
 
-    def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
@@ -44,7 +60,13 @@ class DecoderLayer(nn.Module):
             tp,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp)
+        self.mlp_name, mlp = mlp_of(c, layer, tp)
+        setattr(self, self.mlp_name, mlp)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """This layer's MLP, whatever its checkpoint name."""
+        return getattr(self, self.mlp_name)
 
     def forward(
         self,
@@ -59,22 +81,22 @@ class DecoderLayer(nn.Module):
         it): the stream after the block is their sum, added by the next norm."""
         h, residual = self.input_layernorm.add(x, residual)
         h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, ctx, layer), residual)
-        return self.mlp(h), residual
+        return self.feed_forward(h), residual
 
     def merge(self) -> None:
         self.self_attn.merge()
-        self.mlp.merge()
+        self.feed_forward.merge()
 
     def quantize_fp8(self) -> None:
         self.self_attn.quantize_fp8()
-        self.mlp.quantize_fp8()
+        self.feed_forward.quantize_fp8()
 
 
 class LlamaModel(nn.Module):
     def __init__(self, c: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, tp, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         self.kv_groups = layer_groups_by_window(c.layer_windows(), c.num_key_value_heads, c.head_dim)

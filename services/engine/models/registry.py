@@ -31,6 +31,8 @@ TARGET_FAMILIES: dict[str, TargetFamily] = {
     "Qwen2ForCausalLM": TargetFamily("qwen2", LlamaConfig.from_dict, LlamaForCausalLM),
     "Qwen3ForCausalLM": TargetFamily("qwen3", LlamaConfig.from_dict, LlamaForCausalLM),
     "MistralForCausalLM": TargetFamily("mistral", LlamaConfig.from_dict, LlamaForCausalLM),
+    "Qwen3MoeForCausalLM": TargetFamily("qwen3_moe", LlamaConfig.from_dict, LlamaForCausalLM),
+    "MixtralForCausalLM": TargetFamily("mixtral", LlamaConfig.from_dict, LlamaForCausalLM),
 }
 
 
