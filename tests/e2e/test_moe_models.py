@@ -1,0 +1,77 @@
+"""A user's mixture-of-experts folder (Qwen3-MoE, Mixtral: a random checkpoint saved by
+``transformers`` in the published per-expert layout, a BPE tokenizer trained on the fly),
+served by a disaggregated cluster with a drafter in the published EAGLE-3 layout (unified
+KV) and without one: the streamed greedy text equals ``transformers``' greedy ``generate``,
+the target's (and the drafter's) pages move from the prefill to the decode worker, and no
+request holds pages afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from deploy.local import LocalCluster
+from proto.tandem.v1 import client_pb2 as cpb
+from tests.e2e.conftest import assert_no_request_holds_pages, stream
+from tests.e2e.test_hf_models import PROMPT, published_drafter, worker_args
+from tests.services.engine.models.hf_models import MOE, hf_checkpoint
+from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+LONG_PROMPT = " ".join([PROMPT] * 2)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def folders(request, tmp_path_factory):
+    """(family, root holding target/ and drafter/, the transformers model, its tokenizer)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    tok = trained_bpe(400)
+    model = hf_checkpoint(
+        root / "target",
+        family,
+        seed=11,
+        num_hidden_layers=4,
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+        **MOE[family],
+    )
+    write_folder(root / "target", tok)
+    published_drafter(root / "drafter", model.config, draft_vocab=96, seed=12)
+    return family, root, model, transformers.AutoTokenizer.from_pretrained(root / "target")
+
+
+@pytest.fixture(scope="module", params=["drafter", "none"])
+def served(request, folders):
+    """(whether a drafter runs, a running prefill + decode cluster)."""
+    root = folders[1]
+    worker = worker_args(root)
+    if request.param == "none":
+        args = dict(zip(worker[::2], worker[1::2], strict=True))
+        args.update({"--drafter": "none", "--layout": "auto"})
+        worker = [x for kv in args.items() for x in kv]
+    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
+    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
+    cluster.start()
+    yield request.param == "drafter", cluster
+    cluster.stop()
+
+
+def test_greedy_text_equals_transformers(folders, served):
+    _, _, model, hf_tok = folders
+    drafting, cluster = served
+    ids = hf_tok(LONG_PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
+        )
+    want = out[0, len(ids) :].tolist()
+    request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
+    tokens, text, complete = stream(cluster.router_address, request)
+    assert tokens == want
+    assert text == hf_tok.decode(want, skip_special_tokens=True)
+    assert {t.group for t in complete.usage.transfers} == {"target"} | ({"draft"} if drafting else set())
+    assert_no_request_holds_pages(cluster)
