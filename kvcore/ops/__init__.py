@@ -20,6 +20,7 @@ from kvcore.ops.dispatch import (
     write_kv,
     write_rotated_kv,
 )
+from kvcore.ops.reference import sink_share
 from kvcore.ops.slots import query_positions, slot_mapping_for, slots_at, uniform_slots
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "paged_attention",
     "prefill_attention",
     "query_positions",
+    "sink_share",
     "slot_mapping_for",
     "slots_at",
     "uniform_slots",

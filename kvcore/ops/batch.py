@@ -68,11 +68,13 @@ class AttentionParams:
     """One layer's attention constants: a query's score for a key is ``q . k * scale``
     before the softmax. ``softcap`` > 0 would cap each score to ``softcap * tanh(score /
     softcap)`` (Gemma 2's attention soft-capping); neither the reference nor the kernel
-    implements it yet, so any value but 0 is refused at construction. Attention sinks
-    would be one more field here."""
+    implements it yet, so any value but 0 is refused at construction. ``sinks`` [num_q_heads]
+    (this rank's heads) are learned logits, one per head, that join every row's softmax
+    without a value (gpt-oss): a row's output is scaled by sum / (sum + exp(sink))."""
 
     scale: float  # usually head_dim ** -0.5
     softcap: float = 0.0  # 0 = no cap
+    sinks: torch.Tensor | None = None  # [num_q_heads], any float dtype; None = no sinks
 
     def __post_init__(self) -> None:
         check_params(self)

@@ -106,7 +106,24 @@ def paged_attention(
         values = values.masked_fill(~key_ok[:, None, :, None], 0.0)
     mask = _attention_mask(q_pos, q_lens, key_pos, key_ok, batch.window)  # [batch, max_q, num_keys]
     out = _masked_attention(q, keys, values, mask, params.scale)  # [batch, max_q, num_q_heads, hd]
+    if params.sinks is not None:
+        out = out * sink_share(q, keys, mask, params)[..., None]
     return out[seq_of_token, index_in_seq].to(query.dtype)
+
+
+def sink_share(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, params: AttentionParams
+) -> torch.Tensor:
+    """What the keys keep of a row's softmax beside its head's sink: sum / (sum + exp(sink))
+    = sigmoid(logsumexp(scores) - sink). q [batch, max_q, num_q_heads, hd]; keys [batch,
+    num_kv_heads, num_keys, hd]; mask [batch, max_q, num_keys] -> [batch, max_q,
+    num_q_heads] float32 (0 for a row that sees no key)."""
+    group = q.shape[2] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)  # [batch, num_q_heads, num_keys, hd]
+    scores = torch.einsum("bqhd,bhkd->bqhk", q.float(), k) * params.scale
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [batch, max_q, num_q_heads]; -inf: no key
+    return torch.sigmoid(lse - params.sinks.float())
 
 
 def _gather_context(kv_pool: torch.Tensor, layer: int, batch: PagedBatch, q_lens: torch.Tensor):

@@ -34,6 +34,7 @@ def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides an
     part_lse_ptr,
     q_ptr,
     kv_ptr,
+    sinks_ptr,
     block_table_ptr,
     starts_ptr,
     seq_lens_ptr,
@@ -64,6 +65,7 @@ def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides an
     DOT_PRECISION: tl.constexpr,
     Q_CLAMP: tl.constexpr,
     UNIFORM_Q: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     first_q = (tl.program_id(0) % num_q_blocks) * BLOCK_Q
@@ -110,6 +112,11 @@ def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides an
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the head's sink logit starts the first split's softmax: one exp(sink)
+        sink = tl.load(sinks_ptr + row_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        first = (tl.zeros([BLOCK_M], tl.int32) + split) == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(split_lo, split_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -291,6 +298,7 @@ def launch_attention(
         part_lse,
         query,
         layer_kv,
+        query if params.sinks is None else params.sinks,  # placeholder without sinks
         batch.block_table,
         batch.seq_lens if uniform else batch.query_start_loc,  # placeholder when uniform
         batch.seq_lens,
@@ -321,6 +329,7 @@ def launch_attention(
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=q_clamp,
         UNIFORM_Q=max_q_len if uniform else 0,
+        HAS_SINKS=params.sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

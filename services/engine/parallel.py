@@ -156,12 +156,14 @@ class RowParallelLinear(nn.Linear):
 
 
 def shard_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors cut to what this rank's model holds (others unchanged)."""
+    """The checkpoint's tensors cut to what this rank's model holds (others unchanged): every
+    module with a ``shard(name, full)`` cuts its ``SHARDED`` tensors (a linear's weight and
+    bias when it names none)."""
     out = dict(state)
     for prefix, module in model.named_modules():
-        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        if not hasattr(module, "shard"):
             continue
-        for name in ("weight", "bias"):
+        for name in getattr(module, "SHARDED", ("weight", "bias")):
             key = f"{prefix}.{name}" if prefix else name
             if key in out:
                 out[key] = module.shard(name, out[key]).contiguous()

@@ -11,7 +11,7 @@ Both apply the same rule: a query at position q sees keys in (q - window, q]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -23,6 +23,7 @@ from kvcore.ops import (
     PagedBatch,
     RotaryWrite,
     paged_attention,
+    sink_share,
     write_kv,
     write_rotated_kv,
 )
@@ -121,7 +122,11 @@ class DenseContext:
             )
         else:
             out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape)
+        out = out.transpose(1, 2)  # [batch, seq, heads, hd]
+        if params.sinks is not None:
+            mask = self.mask(q.device).expand(self.batch, -1, -1)
+            out = out * sink_share(q4.transpose(1, 2), k4, mask, params)[..., None].to(out.dtype)
+        return out.reshape(q.shape)
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """[seq_len, seq_len] bool: query i sees key j iff i - window < j <= i (no lower
@@ -159,7 +164,9 @@ class Attention(nn.Module):
         q_heads = split(num_heads, tp, "num_attention_heads")
         own_kv = kv_heads(num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(own_kv), head_dim
+        self.q_heads = q_heads
         self.params = AttentionParams(scale=head_dim**-0.5)
+        self.sinks: nn.Parameter | None = None
         self.q_proj = ColumnParallelLinear(input_size, head_rows(q_heads, head_dim), qkv_bias)
         self.k_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
         self.v_proj = ColumnParallelLinear(input_size, head_rows(own_kv, head_dim), qkv_bias)
@@ -170,6 +177,17 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_eps is not None
         # (weight, bias) once merged
         self.qkv: tuple[torch.Tensor | Fp8Weight, torch.Tensor | None] | None = None
+
+    SHARDED = ("sinks",)
+
+    def add_sinks(self) -> None:
+        """A learned sink logit per query head from now on (gpt-oss's ``self_attn.sinks``;
+        this rank's heads): see :class:`AttentionParams`."""
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of the checkpoint's per-head ``sinks``."""
+        return full[self.q_heads.start : self.q_heads.stop]
 
     def merge(self) -> None:
         """Run q, k and v as one matmul from now on."""
@@ -193,11 +211,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, hidden_size]."""
         n = x.shape[0]
+        params = self.params if self.sinks is None else replace(self.params, sinks=self.sinks)
         if self.qkv is not None and not self.qk_norm and isinstance(ctx, WritesPages):
-            out = ctx.attend_packed(layer, self._merged_qkv(x), self.num_heads, rope, self.params)
+            out = ctx.attend_packed(layer, self._merged_qkv(x), self.num_heads, rope, params)
         else:
             q, k, v = self._rotated_qkv(x, rope) if self.qkv is not None else self._separate_qkv(x, rope)
-            out = ctx.attend(layer, q, k, v, self.params)  # [num_tokens, num_heads, head_dim]
+            out = ctx.attend(layer, q, k, v, params)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
     def _separate_qkv(

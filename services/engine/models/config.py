@@ -39,6 +39,7 @@ from services.engine.models.target import TargetConfig
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
 ARCHITECTURE_OF = {family: arch for arch, family in TARGET_ARCHITECTURES.items()}
 MOE_FIELDS = (
+    "swiglu_limit",
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
@@ -82,6 +83,7 @@ class LlamaConfig:
     norm_topk_prob: bool = False  # renormalise the top k routing weights to sum 1
     decoder_sparse_step: int = 1  # layer i is routed iff (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    swiglu_limit: float = 0.0  # gpt-oss: its experts' clamp (0 = the plain SwiGLU)
 
     def __post_init__(self) -> None:
         _fill_heads(self)
@@ -100,7 +102,7 @@ class LlamaConfig:
             refuse("model_type", self.model_type, ", ".join(ARCHITECTURE_OF))
         _check_windows(self)
         _check_moe(self)
-        if self.attention_bias and self.attention_family not in ("llama", "qwen3"):
+        if self.attention_bias and self.attention_family not in ("llama", "qwen3", "gpt_oss"):
             refuse("attention_bias", True, f"false for {self.model_type}")
         object.__setattr__(self, "rope_scaling", normalize_rope(self.rope_scaling, "rope_scaling"))
 
@@ -116,6 +118,11 @@ class LlamaConfig:
     @property
     def o_bias(self) -> bool:
         return self.attention_bias
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Each attention head has a learned sink logit in its softmax (gpt-oss)."""
+        return self.model_type == "gpt_oss"
 
     @property
     def qk_norm(self) -> bool:
@@ -138,7 +145,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         family = target_family(d)
-        check_neutral(d)
+        check_neutral(d, family)
         check_attention_bias(d, family)
         window, layer_types = target_attention(d, family)
         theta, scaling = read_layer_rope(d, layer_types or (SLIDING if window else FULL,))
@@ -161,10 +168,15 @@ class LlamaConfig:
         transformers reads it."""
         d = {"architectures": [ARCHITECTURE_OF[self.model_type]], **asdict(self)}
         moe = {key: d.pop(key) for key in MOE_FIELDS}
-        if self.model_type == "mixtral":  # its experts' size is intermediate_size
+        if self.model_type in ("mixtral", "gpt_oss"):  # their experts' size is intermediate_size
             d.update(num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"])
+            if self.model_type == "gpt_oss":
+                d.update(swiglu_limit=moe["swiglu_limit"], sliding_window=self.sliding_window)
         elif self.num_experts:
-            d.update(moe, mlp_only_layers=list(moe["mlp_only_layers"]))
+            d.update(
+                {k: v for k, v in moe.items() if k != "swiglu_limit"},
+                mlp_only_layers=list(moe["mlp_only_layers"]),
+            )
         types = d.pop("layer_types")
         return {**d, "use_sliding_window": True, "layer_types": list(types)} if types else d
 
@@ -329,7 +341,7 @@ def _check_windows(c: LlamaConfig) -> None:
                 "or qwen3 one with layer_types)",
             )
         return
-    if c.attention_family not in ("qwen2", "qwen3"):
+    if c.attention_family not in ("qwen2", "qwen3", "gpt_oss"):
         refuse("layer_types", list(c.layer_types), f"() for {c.model_type} (a mix is qwen2's or qwen3's)")
     _require(
         len(c.layer_types) == c.num_hidden_layers,

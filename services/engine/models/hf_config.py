@@ -19,14 +19,20 @@ TARGET_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 ATTENTION_OF = {"qwen3_moe": "qwen3", "mixtral": "mistral"}  # an MoE family's attention is its dense kin's
-MOE_FAMILIES = tuple(ATTENTION_OF)
+MOE_FAMILIES = (*ATTENTION_OF, "gpt_oss")
+GPT_OSS_ALPHA = 1.702  # the clamped SwiGLU's sigmoid slope (kernels.reference.expert_activation)
 DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 ROPE_KEYS = {  # rope type -> the scaling keys it reads (all required)
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+ROPE_OPTIONAL = {  # rope type -> the scaling keys it reads when given
+    "yarn": ("beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"),
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default: Qwen2/3 layers from here on slide
@@ -51,8 +57,14 @@ def require(cond: bool, field_name: str, msg: str) -> None:
         raise ValueError(f"{field_name}: {msg}")
 
 
-def check_neutral(d: dict[str, Any]) -> None:
-    """Refuse the keys that change the math in a way Tandem does not implement."""
+def check_neutral(d: dict[str, Any], family: str = "") -> None:
+    """Refuse the keys that change the math in a way Tandem does not implement. gpt-oss's
+    published MXFP4 experts (``quant_method: mxfp4``) are dequantized at load (``mxfp4.py``)."""
+    quant = d.get("quantization_config")
+    if family == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        for key in set(quant) - {"quant_method", "modules_to_not_convert"}:
+            refuse(f"quantization_config.{key}", quant[key], "quant_method, modules_to_not_convert")
+        d = {k: v for k, v in d.items() if k != "quantization_config"}
     for key, (ok, supported) in NEUTRAL.items():
         if key in d and not ok(d[key]):
             refuse(key, d[key], supported)
@@ -100,6 +112,8 @@ def read_moe(d: dict[str, Any], family: str) -> dict[str, Any]:
         return {}
     experts = d.get("num_experts", d.get("num_local_experts"))
     k = d.get("num_experts_per_tok")
+    if family == "gpt_oss":
+        return gpt_oss_moe(d, experts, k)
     if family == "mixtral":
         return {
             "num_experts": 8 if experts is None else experts,
@@ -117,6 +131,36 @@ def read_moe(d: dict[str, Any], family: str) -> dict[str, Any]:
     }
 
 
+def gpt_oss_moe(d: dict[str, Any], experts: int | None, k: int | None) -> dict[str, Any]:
+    """gpt-oss's routed MLP: ``num_local_experts`` (128 if absent) experts of
+    ``intermediate_size``, ``num_experts_per_tok`` (the original ``experts_per_token``, 4 if
+    absent) per token, the clamped SwiGLU at ``swiglu_limit`` (7.0 if absent) with the
+    sigmoid slope 1.702 (any other ``swiglu_alpha`` is refused)."""
+    alias = d.get("experts_per_token")
+    if k is not None and alias is not None and k != alias:
+        refuse("experts_per_token", alias, f"num_experts_per_tok's value {k}")
+    alpha = d.get("swiglu_alpha", GPT_OSS_ALPHA)
+    if alpha != GPT_OSS_ALPHA:
+        refuse("swiglu_alpha", alpha, str(GPT_OSS_ALPHA))
+    return {
+        "num_experts": 128 if experts is None else experts,
+        "num_experts_per_tok": k or alias or 4,
+        "moe_intermediate_size": d.get("intermediate_size") or 0,
+        "swiglu_limit": float(d.get("swiglu_limit") or 7.0),
+    }
+
+
+def gpt_oss_layer_types(d: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """gpt-oss's window (``sliding_window``, 128 if absent) and layer types: ``layer_types``,
+    or (as transformers) even layers sliding and odd ones full."""
+    window = d.get("sliding_window") or 128
+    types = d.get("layer_types")
+    if types is None:
+        types = [SLIDING if i % 2 == 0 else FULL for i in range(d.get("num_hidden_layers") or 0)]
+    check_layer_types(types)
+    return (window, tuple(types)) if SLIDING in types else (0, ())
+
+
 def target_attention(d: dict[str, Any], family: str) -> tuple[int, tuple[str, ...]]:
     """The target's attention window in tokens (0 = full) and its per-layer mix: each
     layer's type, or () when every layer is alike (windowed iff the window is not 0):
@@ -124,6 +168,8 @@ def target_attention(d: dict[str, Any], family: str) -> tuple[int, tuple[str, ..
     Qwen2/3 (:func:`qwen_layer_types`) attend fully unless ``use_sliding_window``. An MoE
     family reads as its attention's dense family (:func:`attention_family`)."""
     family = attention_family(family)
+    if family == "gpt_oss":
+        return gpt_oss_layer_types(d)
     if family in ("qwen2", "qwen3"):
         return qwen_layer_types(d)
     window = d.get("sliding_window") or 0
@@ -211,7 +257,8 @@ def normalize_rope(s: dict[str, Any] | None, field_name: str) -> dict[str, Any] 
     kind = s.get("rope_type", s.get("type", "default"))
     if kind not in ROPE_KEYS:
         refuse(f"{field_name}.rope_type", kind, ", ".join(ROPE_KEYS))
-    for key in set(s) - {"rope_type", "type", "rope_theta", *ROPE_KEYS[kind]}:
+    optional = ROPE_OPTIONAL.get(kind, ())
+    for key in set(s) - {"rope_type", "type", "rope_theta", *ROPE_KEYS[kind], *optional}:
         if not (key == "partial_rotary_factor" and s[key] in (1, 1.0)):
             refuse(f"{field_name}.{key}", s[key], f"the keys of {kind!r}: {ROPE_KEYS[kind]}")
     if kind == "default":
@@ -219,7 +266,7 @@ def normalize_rope(s: dict[str, Any] | None, field_name: str) -> dict[str, Any] 
     for key in ROPE_KEYS[kind]:
         require(key in s, f"{field_name}.{key}", f"required by rope_type {kind!r}")
         require(float(s[key]) > 0, f"{field_name}.{key}", f"must be > 0, got {s[key]}")
-    return {"rope_type": kind, **{k: s[k] for k in ROPE_KEYS[kind]}}
+    return {"rope_type": kind, **{k: s[k] for k in (*ROPE_KEYS[kind], *optional) if s.get(k) is not None}}
 
 
 def aux_layers(d: dict[str, Any]) -> tuple[int, ...]:

@@ -100,7 +100,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif kind == "yarn":
+        return _yarn_scaled(head_dim, theta, scaling)
     return inv_freq.float()
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's ``attention_factor`` (given, or from
+    ``mscale`` / ``mscale_all_dim``, or 0.1 ln(factor) + 1); 1 for every other type."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaled(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context
+    are divided by ``factor``, those turning more than ``beta_fast`` times kept, a linear
+    ramp between (over dimension indices, floored/ceiled unless ``truncate`` is false);
+    float32 as transformers computes them."""
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the unscaled frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -123,9 +166,13 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)  # [head_dim]
+        self.attention_factor = rope_attention_factor(scaling)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] float32, whose two
-        halves repeat (the position, made float32, times each frequency)."""
+        halves repeat (the position, made float32, times each frequency), times the scaling's
+        attention factor (YaRN's; 1 otherwise)."""
         angles = positions[:, None, None] * self.inv_freq.float()  # [num_tokens, 1, head_dim]
-        return angles.cos(), angles.sin()
+        if self.attention_factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor

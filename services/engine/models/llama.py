@@ -1,6 +1,7 @@
 """The target: a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU), with the
 family variants of :class:`LlamaConfig` (Qwen2 q/k/v bias, Qwen3 q/k norm, and the routed
-experts of Qwen3-MoE and Mixtral in place of the SwiGLU, ``models/moe.py``). A window is
+experts of Qwen3-MoE and Mixtral in place of the SwiGLU, ``models/moe.py``; gpt-oss's
+experts, attention sinks and biases, ``models/gpt_oss.py``). A window is
 the KV context's: the model declares its layer groups (:meth:`LlamaForCausalLM.kv_layer_groups`:
 one, windowed for Mistral; a full and a sliding one for a Qwen2/3 per-layer mix) and each
 layer attends through its group's context.
@@ -18,6 +19,7 @@ from torch import nn
 from services.engine import kernels
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
+from services.engine.models.gpt_oss import GptOssMlp
 from services.engine.models.layer_contexts import GroupContext, LayerContexts
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.moe import MIXTRAL_EXPERT, QWEN_EXPERT, SparseMoe
@@ -32,6 +34,9 @@ def mlp_of(c: LlamaConfig, layer: int, tp: TensorParallel) -> tuple[str, nn.Modu
     the routed experts ("mlp" for Qwen3-MoE, "block_sparse_moe" for Mixtral)."""
     if not (isinstance(c, LlamaConfig) and c.routed(layer)):
         return "mlp", SwiGLU(c.hidden_size, c.intermediate_size, tp)
+    if c.model_type == "gpt_oss":
+        routing = (c.num_experts, c.num_experts_per_tok, c.swiglu_limit)
+        return "mlp", GptOssMlp(c.hidden_size, c.moe_intermediate_size, routing, tp)
     routing = (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
     if c.model_type == "mixtral":
         return "block_sparse_moe", SparseMoe(
@@ -59,6 +64,8 @@ class DecoderLayer(nn.Module):
             c.rms_norm_eps if c.qk_norm else None,
             tp,
         )
+        if getattr(c, "attention_sinks", False):
+            self.self_attn.add_sinks()
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp_name, mlp = mlp_of(c, layer, tp)
         setattr(self, self.mlp_name, mlp)

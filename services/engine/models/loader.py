@@ -17,6 +17,7 @@ from torch import nn
 
 from services.engine.models.config import EagleConfig, read_config_json, write_config_json
 from services.engine.models.eagle import Eagle3Drafter
+from services.engine.models.mxfp4 import dequantize_state
 from services.engine.models.registry import family_of
 from services.engine.models.target import TargetModel
 from services.engine.parallel import SINGLE, TensorParallel, shard_state_dict
@@ -65,6 +66,8 @@ def load_target(
     config = family.read_config(d)
     model = family.model(config, tp)
     state = read_state_dict(folder)
+    if (d.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # gpt-oss's experts
+        state = dequantize_state(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     _load_into(model, shard_state_dict(model, state), folder)

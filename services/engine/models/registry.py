@@ -33,6 +33,7 @@ TARGET_FAMILIES: dict[str, TargetFamily] = {
     "MistralForCausalLM": TargetFamily("mistral", LlamaConfig.from_dict, LlamaForCausalLM),
     "Qwen3MoeForCausalLM": TargetFamily("qwen3_moe", LlamaConfig.from_dict, LlamaForCausalLM),
     "MixtralForCausalLM": TargetFamily("mixtral", LlamaConfig.from_dict, LlamaForCausalLM),
+    "GptOssForCausalLM": TargetFamily("gpt_oss", LlamaConfig.from_dict, LlamaForCausalLM),
 }
 
 

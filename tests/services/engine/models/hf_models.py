@@ -28,10 +28,29 @@ CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 MOE = {  # small routed MLPs: 4 experts, 2 per token, each of intermediate size 32
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "gpt_oss": dict(  # a 16-token window on layers 0 and 2, YaRN as published (scaled down)
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_hidden_layers=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+    ),
 }
 
 

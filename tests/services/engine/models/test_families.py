@@ -39,6 +39,17 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 24}),
     "mistral-window-8": ("mistral", {"sliding_window": 8}),
+    "qwen3-yarn-rope": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
 }
 
 

@@ -19,6 +19,7 @@ CASES = {
     "qwen3_moe-sparse-step-2": ("qwen3_moe", {**MOE["qwen3_moe"], "decoder_sparse_step": 2}),
     "mixtral": ("mixtral", MOE["mixtral"]),
     "mixtral-window-8": ("mixtral", {**MOE["mixtral"], "sliding_window": 8}),
+    "gpt_oss": ("gpt_oss", MOE["gpt_oss"]),
 }
 
 
@@ -32,7 +33,7 @@ def test_logits_match_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
-def test_grouped_weights_give_the_same_logits(tmp_path, case):
+def test_grouped_weights_are_views_of_the_experts(tmp_path, case):
     """merge() stacks the experts once, each expert's weights views of the stack."""
     family, overrides = CASES[case]
     hf_checkpoint(tmp_path, family, **overrides)
@@ -44,6 +45,20 @@ def test_grouped_weights_give_the_same_logits(tmp_path, case):
     gate = moe[0].experts[1].linears()[0].weight
     assert gate.data_ptr() == moe[0].grouped.w13[1].data_ptr()
     assert torch.equal(tandem_logits(model, prompt(24)), before)
+
+
+def test_gpt_oss_merged_experts_give_the_same_logits(tmp_path):
+    hf_checkpoint(tmp_path, "gpt_oss", **MOE["gpt_oss"])
+    model = load_target(tmp_path)
+    before = tandem_logits(model, prompt(24))
+    model.merge_projections()
+    assert torch.equal(tandem_logits(model, prompt(24)), before)
+
+
+def test_gpt_oss_layers_form_a_sliding_and_a_full_group(tmp_path):
+    hf_checkpoint(tmp_path, "gpt_oss", **MOE["gpt_oss"])
+    groups = {g.name: (g.layer_ids, g.window) for g in load_target(tmp_path).kv_layer_groups()}
+    assert groups == {"target": ((1, 3), 0), "target_sliding": ((0, 2), 16)}
 
 
 def test_which_layers_route_is_what_transformers_builds(tmp_path):

@@ -40,7 +40,7 @@ DRAFTER = {
     "rope_theta": 10000.0,
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+LONGROPE = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32}
 
 TARGET_CASES = [  # (config, field in the message, value in the message)
     ({**BASE, "architectures": ["GemmaForCausalLM"]}, "architectures", "'GemmaForCausalLM'"),
@@ -57,7 +57,7 @@ TARGET_CASES = [  # (config, field in the message, value in the message)
     ({**BASE, "quantization_config": {"quant_method": "fp8"}}, "quantization_config", "fp8"),
     ({**BASE, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
     ({**BASE, "final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
-    ({**BASE, "rope_parameters": {**YARN, "rope_theta": 1e4}}, "rope_parameters.rope_type", "'yarn'"),
+    ({**BASE, "rope_parameters": {**LONGROPE, "rope_theta": 1e4}}, "rope_parameters.rope_type", "'longrope'"),
     (
         {**BASE, "rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
         "rope_scaling.rope_type",
@@ -111,7 +111,7 @@ DRAFTER_CASES = [
     ({**DRAFTER, "attention_bias": True}, "attention_bias", "True"),
     ({**DRAFTER, "tie_word_embeddings": True}, "tie_word_embeddings", "True"),
     ({**DRAFTER, "num_aux_hidden_states": 4}, "num_aux_hidden_states", "4"),
-    ({**DRAFTER, "rope_scaling": YARN}, "rope_scaling.rope_type", "'yarn'"),
+    ({**DRAFTER, "rope_scaling": LONGROPE}, "rope_scaling.rope_type", "'longrope'"),
     ({**DRAFTER, "eagle_config": {"use_mtp_layernorm": True}}, "eagle_config.use_mtp_layernorm", "True"),
     (
         {**DRAFTER, "eagle_config": {"use_aux_hidden_state": False}},
@@ -151,8 +151,8 @@ def test_drafter_refusal_names_field_and_value(d, field, value):
 
 
 def test_unsupported_values_list_what_is_supported():
-    with pytest.raises(ValueError, match=re.escape("supported: default, linear, llama3")):
-        LlamaConfig.from_dict({**BASE, "rope_parameters": {**YARN}})
+    with pytest.raises(ValueError, match=re.escape("supported: default, linear, llama3, yarn")):
+        LlamaConfig.from_dict({**BASE, "rope_parameters": {**LONGROPE}})
     with pytest.raises(ValueError, match="supported: silu"):
         LlamaConfig.from_dict({**BASE, "hidden_act": "gelu_pytorch_tanh"})
 
