@@ -145,3 +145,24 @@ def test_decode_step_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(out, reference.decode_attention(q, *args)) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_sinks_match_the_reference(num_splits, window):
+    """gpt-oss's per-head sink logits: the kernel starts the first split's softmax at the
+    sink; the reference scales its rows by sum / (sum + exp(sink))."""
+    from dataclasses import replace
+
+    from kvcore.ops import reference
+    from kvcore.ops.triton_attention import launch_attention
+
+    case = make_case([1, 30, 200, 600], [1, 4, 8, 8], window=window, num_q_heads=8, seed=3, device="cuda")
+    sinks = torch.randn(8, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) * 2
+    params = replace(case.params(), sinks=sinks.to(torch.bfloat16))
+    out = torch.full_like(case.query, float("nan"))
+    launch_attention(
+        out, case.query, case.kv_pool[:, case.layer], case.batch(), params, num_splits=num_splits
+    )
+    ref = reference.paged_attention(case.query, case.kv_pool, case.layer, case.batch(), params)
+    assert relative_error(out, ref) < 1e-2
