@@ -339,7 +339,7 @@ def run_up(args: argparse.Namespace) -> int:
         print("a process exited; stopping the cluster", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("stopping: the router finishes its requests, then the workers exit", file=sys.stderr, flush=True)
+        print("stopping: the router finishes its requests, then the workers exit", file=sys.stderr)
         return 0
     except (RuntimeError, subprocess.SubprocessError) as e:
         print(f"tandem up: {e}", file=sys.stderr)

@@ -12,18 +12,18 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 
 REQUEST_ID: ContextVar[str] = ContextVar("tandem_request_id", default="")
+_ATTEMPT = re.compile(r"^(.+)#[0-9A-Za-z]+\.\d+$")
 
 
 def client_request_id(attempt_id: str) -> str:
     """The client's request id inside a worker's attempt id ``<request id>#<serial>.<n>``;
     an id without that suffix is returned as it is."""
-    head, sep, tail = attempt_id.rpartition("#")
-    if sep and head and tail.replace(".", "").isdigit():
-        return head
-    return attempt_id
+    match = _ATTEMPT.match(attempt_id)
+    return match.group(1) if match else attempt_id
 
 
 def bind_request(request_id: str) -> None:

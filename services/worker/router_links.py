@@ -104,7 +104,8 @@ class RouterLinks:
         except grpc.aio.AioRpcError as e:
             what = "draining" if draining else "deregistration"
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # that router is gone: nothing to tell
-                log.info("router %s is gone; no %s to tell it", address, what)
+                log.info("router %s is gone; nothing to tell it", address)
+                self.known.discard(address)
                 return
             log.warning(
                 "router %s did not take this worker's %s: %s: %s", address, what, e.code().name, e.details()
