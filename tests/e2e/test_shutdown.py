@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
-from tests.e2e.conftest import assert_no_request_holds_pages, start_cluster
+from tests.e2e.conftest import assert_no_request_holds_pages, cluster_args, start_cluster
 
 pytestmark = pytest.mark.slow
 SLOW = {"TANDEM_FAULTS": "engine.step=0.05"}  # a 40-token stream takes about 2 s
@@ -206,3 +208,41 @@ def _processes_naming(text: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def test_sigterm_to_an_aggregated_worker_mid_stream_finishes_it(tiny_pair):
+    cluster = start_cluster(tiny_pair, ["both"], worker_extra=("--shutdown-timeout-s", "20"), env=SLOW)
+    try:
+        worker = process(cluster, "both-0")
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            responses, first = started(cpb_grpc.TandemStub(channel))
+            worker.popen.send_signal(signal.SIGTERM)
+            tokens, error, complete = rest_of(responses)
+        assert not error and complete.finish_reason == cpb.FINISH_REASON_LENGTH and first + tokens == 40
+        assert worker.popen.wait(timeout=WAIT_S) == 0
+        assert "pages still held by requests: 0" in log(cluster, "both-0")
+    finally:
+        cluster.stop()
+
+
+def test_tandem_up_on_sigterm_stops_every_process_and_exits_0(tiny_pair):
+    worker, _ = cluster_args(tiny_pair)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "up", "--port", "0", *worker, "--shutdown-timeout-s", "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in up.stdout:
+            if line.startswith("tandem local cluster"):
+                break
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=WAIT_S) == 0
+        wait_for(
+            lambda: not _processes_naming(str(tiny_pair[0])), "a process of the cluster is still running"
+        )
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
