@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from proto.tandem.v1 import client_pb2 as cpb
-from services.common.request_context import bind_request
+from services.common.request_context import about_request, bind_request
 from services.common.security import same_token
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
@@ -199,6 +199,17 @@ class OpenAIServer(ModelEndpoints):
         return _token_id_name if request.rules.token_ids_as_text else self._decode
 
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
+        """The SSE events, sent from the connection's task: its lines name the request."""
+        rid = request.generate.request_id
+        events = self._stream(request, first, messages)
+        with about_request(rid):
+            try:
+                async for event in events:
+                    yield event
+            finally:  # a client gone closes this generator: its request must end now
+                await events.aclose()
+
+    async def _stream(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
         rid = request.generate.request_id
         chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
         if request.rules.continuous_usage:

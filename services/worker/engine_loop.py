@@ -14,11 +14,14 @@ came prefilled).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.common.faults import delay
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -90,6 +93,7 @@ class EngineLoop:
                     if delay("engine.step"):
                         await asyncio.sleep(delay("engine.step"))
                 except Exception as e:  # a broken step fails its requests, not the server
+                    log.exception("engine step failed; failing its %d requests", len(self._streams))
                     self._fail_all(e)
                     continue
                 for out in outputs:
