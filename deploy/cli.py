@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from deploy.options import (
     add_engine_args,
     from_args,
     positive_int,
+    process_settings,
     router_deadlines,
     router_http_limits,
     served_model_name,
@@ -217,7 +219,7 @@ def checked_engine_config(args: argparse.Namespace):
 
 
 def run_router_command(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, "router")
+    configure_logging(args.log_level, "router", args.log_format)
     raise_file_limit()
     name = served_model_name(args.model, args.served_model_name)
     router = from_args(RouterOptions, args)
@@ -249,6 +251,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         router_http_limits(router),
         router_deadlines(router),
         openai,
+        process_settings(from_args(ProcessOptions, args)),
     )
     with exit_on_busy_port("router"):
         asyncio.run(run_router(config))
@@ -277,10 +280,12 @@ def run_worker_command(args: argparse.Namespace) -> int:
             transfer_timeout_s=args.transfer_timeout_s,
             lease_s=args.lease_s,
             log_level=args.log_level,
+            log_format=args.log_format,
+            process=process_settings(from_args(ProcessOptions, args)),
         )
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
-    configure_logging(config.log_level, config.instance_id)
+    configure_logging(config.log_level, config.instance_id, config.log_format)
     name = served_model_name(args.model, args.served_model_name)
     with exit_on_busy_port(f"{config.role} worker {config.instance_id}"):
         asyncio.run(run_worker(config, WORKER_ROLES[config.role], model_name=name))
@@ -317,7 +322,7 @@ def run_ray_command(args: argparse.Namespace) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, "up")
+    configure_logging(args.log_level, "up", args.log_format)
     checked_engine_config(args)  # refuse a configuration the workers would refuse, before starting any
     router_text(args.model, args.tokenizer, args.chat_template)
     try:
@@ -325,6 +330,7 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None
     cluster = LocalCluster.from_args(args)
+    signal.signal(signal.SIGTERM, _interrupt)  # stopped as by Ctrl-C: routers, then workers
     try:
         cluster.start()
         print(cluster.describe(), flush=True)
@@ -333,12 +339,17 @@ def run_up(args: argparse.Namespace) -> int:
         print("a process exited; stopping the cluster", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("stopping: the router finishes its requests, then the workers exit", file=sys.stderr)
         return 0
     except (RuntimeError, subprocess.SubprocessError) as e:
         print(f"tandem up: {e}", file=sys.stderr)
         return 1
     finally:
         cluster.stop()
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

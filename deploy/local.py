@@ -2,6 +2,14 @@
 
 Each process prints one line naming its gRPC address and metrics URL; the cluster is
 ready when the router reports SERVING (every pair registered and test-transferred).
+
+``stop`` stops the routers first, then the workers: each router stops admitting and
+finishes (or, past its --shutdown-timeout-s, cuts) the requests in flight while every
+worker still serves them; once the routers have exited nothing is in flight, and the
+workers deregister, free their pages and exit. A process still running ``stop_wait_s``
+after its SIGTERM is killed. ``tandem up`` (``from_args``) starts its children in their
+own process group, so a terminal's Ctrl-C reaches ``tandem up`` alone, which stops them in
+that order.
 """
 
 from __future__ import annotations
@@ -34,8 +42,11 @@ from proto.tandem.v1 import client_pb2_grpc as cpb_grpc
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 _ENDPOINT = re.compile(r"grpc=(\S+) metrics=(\S+)")
 _HTTP = re.compile(r"http=(\S+)")
-_WARNING = re.compile(r"^\S+ \S+ (WARNING|ERROR) ")  # services/common/log_setup.py's format
+# services/common/log_setup.py's formats: text, then json
+_WARNING = re.compile(r'^\S+ \S+ (WARNING|ERROR) |^\{.*"level": "(WARNING|ERROR)"')
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible HTTP port, as vLLM's
+STOP_WAIT_S = 10.0  # after its SIGTERM, how long a process may take to exit before it is killed
+STOP_MARGIN_S = 10.0  # tandem up: the processes' --shutdown-timeout-s plus this
 
 
 @dataclass(slots=True)
@@ -89,6 +100,8 @@ class LocalCluster:
         self.expected_pairs = expected_pairs
         self.processes: list[Process] = []
         self.echo_warnings = False  # `tandem up`: every process's WARNING and ERROR lines to stderr
+        self.stop_wait_s = STOP_WAIT_S
+        self.own_group = False  # `tandem up`: children in their own process group (no terminal SIGINT)
 
     @classmethod
     def from_args(cls, args) -> LocalCluster:
@@ -122,6 +135,8 @@ class LocalCluster:
             routers=args.routers,
         )
         cluster.echo_warnings = True
+        cluster.own_group = True
+        cluster.stop_wait_s = args.shutdown_timeout_s + STOP_MARGIN_S
         return cluster
 
     @property
@@ -220,15 +235,28 @@ class LocalCluster:
         return all(p.popen.poll() is None for p in self.processes)
 
     def stop(self) -> None:
-        for p in reversed(self.processes):
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        for p in self.processes:
-            try:
-                p.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+        """SIGTERM the routers, wait for them to exit, then the same for the workers (the
+        module docstring says why); kill what is still running after ``stop_wait_s``, and
+        everything at once on a KeyboardInterrupt (a second Ctrl-C)."""
+        routers = [p for p in self.processes if p.name.startswith("router")]
+        workers = [p for p in self.processes if p not in routers]
+        try:
+            for group in (routers, workers):
+                for p in group:
+                    if p.popen.poll() is None:
+                        p.popen.terminate()
+                deadline = time.monotonic() + self.stop_wait_s
+                for p in group:
+                    try:
+                        p.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                    except subprocess.TimeoutExpired:
+                        p.popen.kill()
+                        p.popen.wait()
+        finally:
+            for p in self.processes:
+                if p.popen.poll() is None:
+                    p.popen.kill()
+                    p.popen.wait()
 
     def kill(self, name: str) -> None:
         """SIGKILL a process; it stays listed (dead) until ``restart``."""
@@ -263,6 +291,7 @@ class LocalCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            process_group=0 if self.own_group else None,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         process = Process(name, popen, argv=argv)

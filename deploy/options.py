@@ -35,7 +35,8 @@ from deploy.option_rules import (
     rule_problem,
     type_problem,
 )
-from services.common.log_setup import LOG_LEVELS
+from services.common.log_setup import LOG_FORMATS, LOG_LEVELS
+from services.common.process_settings import ProcessSettings
 from services.router.cluster import Deadlines
 from services.router.http import HttpLimits, ReadTimeouts
 
@@ -184,8 +185,33 @@ class ProcessOptions:
     log_level: str = _option(
         "INFO",
         "the least severe Python logging level printed (to stderr, one line each: time, level, "
-        "the process, the logger)",
+        "the process, the logger, the request's id when the line is about one)",
         choices=LOG_LEVELS,
+    )
+    log_format: str = _option(
+        "text",
+        "text = one readable line per record; json = one JSON object per line (time, level, "
+        "process, logger, message, request_id)",
+        choices=LOG_FORMATS,
+    )
+    disable_log_requests: bool = _option(
+        False,
+        "no INFO line per finished request (the router's: id, tokens, TTFT, e2e, AL, finish "
+        "reason, workers; a worker's: its part); a failed request is still logged, once, with its cause",
+    )
+    log_stats_interval_s: float = _option(
+        10.0,
+        "seconds between two stats lines (a worker's: running, waiting, KV usage per layer group, "
+        "prompt and generation tok/s, AL; the router's: running, waiting, ready pairs, tok/s), "
+        "printed only while requests run or wait or since the last line some ran; 0 = none",
+        at_least(0),
+    )
+    shutdown_timeout_s: float = _option(
+        30.0,
+        "on SIGTERM: how long in-flight requests may take to finish (the router stops admitting "
+        "at once; a worker deregisters first) before the rest are aborted with an error and the "
+        "process exits",
+        at_least(0),
     )
 
 
@@ -297,6 +323,16 @@ class RouterOptions:
     )
     http_body_timeout_s: float = _option(
         _HTTP.timeouts.body_s, "seconds after its headers for a request's whole body (else 408)", positive
+    )
+
+
+def process_settings(options: ProcessOptions) -> ProcessSettings:
+    """What a serving process (router or worker) is told of its request and stats lines
+    and its shutdown."""
+    return ProcessSettings(
+        log_requests=not options.disable_log_requests,
+        stats_interval_s=options.log_stats_interval_s,
+        shutdown_timeout_s=options.shutdown_timeout_s,
     )
 
 

@@ -13,6 +13,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
 from services.worker.outputs import OutputStream
+from services.worker.request_rpc import request_rpc
 from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
 
@@ -30,6 +31,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
     def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker
 
+    @request_rpc(new_work=True)
     async def Generate(self, request: cpb.GenerateRequest, context) -> None:
         await write_stream(self._generate(request, context), context)
 

@@ -29,6 +29,7 @@ from services.common.grpc_server import write_stream
 from services.common.transfer_failure import describe_landing
 from services.engine.checks import RequestExists
 from services.worker.outputs import OutputStream
+from services.worker.request_rpc import request_rpc
 from services.worker.transfer_proto import endpoint_to_proto
 from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
@@ -55,7 +56,15 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         self.reserved: dict[str, _Reservation] = {}
         self.reserving: dict[str, asyncio.Future] = {}  # Reserve calls still taking pages
         self.expired: dict[str, float] = {}  # request id -> the lease it outlived (s), latest last
+        worker.on_shutdown.append(self.drop_reservations)
 
+    async def drop_reservations(self) -> None:
+        """Free every reservation no Decode took (a shutdown that timed out: their prefill
+        fails and the router retries it on another pair)."""
+        for rid in [rid for rid, res in self.reserved.items() if not res.decoding]:
+            await self._drop(rid)
+
+    @request_rpc(new_work=True)
     async def Reserve(self, request: wpb.ReserveRequest, context) -> wpb.ReserveResponse:
         w, rid, n = self.worker, request.request_id, request.prompt_len
         if not rid:
@@ -192,6 +201,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             return wpb.ReleaseResponse(released=False)
         return wpb.ReleaseResponse(released=await self._drop(rid))
 
+    @request_rpc(new_work=False)
     async def Decode(self, request: wpb.DecodeRequest, context) -> None:
         """Written, not yielded: a cancel lands here and the pages are freed at once."""
         await write_stream(self._decode(request, context), context)

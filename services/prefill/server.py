@@ -26,6 +26,7 @@ from services.common.transfer_failure import describe
 from services.engine.request import RequestOutput
 from services.worker.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
 from services.worker.peering import PeerRegistry
+from services.worker.request_rpc import request_rpc
 from services.worker.transfer_proto import target_of
 from services.worker.worker import WorkerBase, sampling_from_proto
 
@@ -45,6 +46,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.peers = peers
 
+    @request_rpc(new_work=True)
     async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
         w, rid = self.worker, request.request_id
         try:

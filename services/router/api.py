@@ -7,9 +7,15 @@ maps it to its own status (gRPC in server.py, HTTP in openai_api.py).
 
 Invariants:
 - Every coroutine runs on the router's event loop (the registry is not thread-safe).
-- ``generate`` raises ALREADY_EXISTS (the id is running) or INVALID_ARGUMENT (the message
-  names the field) before it yields anything; UNAVAILABLE when a worker died under a
-  request that had streamed tokens. Otherwise its last message is the complete.
+- ``generate`` raises ALREADY_EXISTS (the id is running), INVALID_ARGUMENT (the message
+  names the field) or UNAVAILABLE (the router is shutting down: ``refusing``) before it
+  yields anything; UNAVAILABLE when a worker died under a request that had streamed
+  tokens. Otherwise its last message is the complete.
+- Every request is logged once when it ends (request_log.py), its lines carrying its id
+  (services/common/request_context.py); a failure's line names its cause, and nothing
+  else here logs it again.
+- A flow cut short by a shutdown (``RequestFlow.cut``) ends with an error naming the
+  cause, then a complete with FINISH_REASON_ERROR, not as a client's abort.
 - ``tandem_requests_running{role="router"}`` counts the requests between admission and
   their end; each ends counted once in ``tandem_requests_total{status}`` (the finish
   reason, "error" or "unavailable") and ``tandem_e2e_request_latency_seconds``.
@@ -17,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +32,9 @@ from dataclasses import dataclass, replace
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.common.metrics import Metrics
+from services.common.request_context import bind_request
 from services.common.security import TlsConfig
+from services.router import messages as msg
 from services.router.cluster import Cluster
 from services.router.dispatch import QUEUE_TIMEOUT_S, RequestFlow
 from services.router.errors import ErrorCode, RouterError
@@ -39,12 +47,11 @@ from services.router.health import (
 )
 from services.router.registration import Registration
 from services.router.registry import Registry
+from services.router.request_log import RequestEnd, log_end, log_refused
 from services.router.step_failures import STARTUP_WAIT_S
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from services.tokenization.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -92,6 +99,9 @@ class RouterAPI:
         self.token = options.token
         self.tokenizer = tokenizer
         self.queue_timeout_s = options.queue_timeout_s
+        self.log_requests = True  # an INFO line per finished request (failures are logged anyway)
+        self.refusing = ""  # why new requests are refused (shutting down); "" = admitting
+        self.token_totals = [0, 0]  # prompt and completion tokens of the requests that completed
         self.cluster = Cluster(Registry(options.tokens_per_page), options.tls, options.service_secret)
         self.cluster.startup_wait_s = options.startup_wait_s
         self.registration = Registration(self.cluster, metrics, model_contract(options))
@@ -107,31 +117,53 @@ class RouterAPI:
     ) -> AsyncIterator[cpb.GenerateResponse]:
         """One request's messages: chunks (text trimmed of stop strings), maybe an error,
         then its complete. ``owner``: the client it runs for; only it may ``abort`` it."""
-        flow = self._admit(request, owner)
+        try:
+            flow = self._admit(request, owner)
+        except RouterError as e:
+            log_refused(request.request_id or "(none)", e.message, self.log_requests)
+            raise
+        bind_request(flow.rid)
         self.flows[(owner, flow.rid)] = flow
         self.metrics.running.labels("router").inc()
-        status = "error"
+        status, end = "error", RequestEnd(flow.rid, "error", len(flow.token_ids), flow.start)
         try:
             async for message in flow.run():
-                yield message
                 kind = message.WhichOneof("payload")
+                if (
+                    kind == "complete"
+                    and flow.cut
+                    and message.complete.finish_reason == cpb.FINISH_REASON_ABORT
+                ):
+                    end.cause = flow.cut
+                    yield cpb.GenerateResponse(request_id=flow.rid, error=cpb.Error(message=flow.cut))
+                    message = msg.complete(flow.rid, cpb.FINISH_REASON_ERROR, message.complete.usage)
+                yield message
                 if kind == "complete":
-                    status = cpb.FinishReason.Name(message.complete.finish_reason).split("_")[-1]
+                    status = cpb.FinishReason.Name(message.complete.finish_reason).split("_")[-1].lower()
+                    end.usage = message.complete.usage
                     self._count_tokens(message.complete.usage)
                 elif kind == "error":
-                    log.warning("request %s failed: %s", flow.rid, message.error.message)
+                    end.cause = message.error.message
         except RouterError as e:
-            status = "unavailable"
-            log.warning("request %s failed: %s", flow.rid, e)
+            status, end.cause = "unavailable", str(e)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            end.status, end.cause = "cancelled", "the client went away"
             raise
         finally:
             flow.finish()
             self.flows.pop((owner, flow.rid), None)
             self.metrics.running.labels("router").dec()
-            self.metrics.requests.labels("router", status.lower()).inc()
+            self.metrics.requests.labels("router", status).inc()
             self.metrics.e2e.labels("router").observe(time.monotonic() - flow.start)
+            if end.status != "cancelled":
+                end.status = status
+            end.first_token_at, end.workers, end.attempts = flow.first_token_at, flow.placed_on, flow.attempts
+            log_end(end, self.log_requests)
 
     def _count_tokens(self, usage: cpb.Usage) -> None:
+        self.token_totals[0] += usage.prompt_tokens
+        self.token_totals[1] += usage.completion_tokens
         self.metrics.prompt_tokens.labels("router").inc(usage.prompt_tokens)
         self.metrics.generation_tokens.labels("router").inc(usage.completion_tokens)
 
@@ -148,7 +180,12 @@ class RouterAPI:
         return (owner, request_id) in self.flows
 
     async def health(self) -> cpb.HealthResponse:
-        return health_response(self.cluster.registry)
+        """The cluster's health; NOT_SERVING with the reason once the router refuses requests."""
+        response = health_response(self.cluster.registry)
+        if self.refusing:
+            response.status = cpb.SERVING_STATUS_NOT_SERVING
+            response.message = self.refusing
+        return response
 
     async def model_info(self) -> cpb.ModelInfoResponse:
         """The served model and its limits (K as the workers serve it: ``served_k``); the
@@ -188,6 +225,8 @@ class RouterAPI:
     def _admit(self, request: cpb.GenerateRequest, owner: str) -> RequestFlow:
         """The request's flow, once its id is free (among ``owner``'s) and its fields are valid."""
         rid = request.request_id or uuid.uuid4().hex
+        if self.refusing:
+            raise RouterError(ErrorCode.UNAVAILABLE, self.refusing)
         if (owner, rid) in self.flows:
             raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
         try:

@@ -87,6 +87,10 @@ class RequestFlow:
     prefilled_by: str = ""  # the prefill worker whose transfer fed the decode worker
     attempts: int = 0  # attempts begun: Reserves sent, or forwards to an aggregated worker
     serial: str = "0"  # unique to this flow in this router process (Cluster.next_serial)
+    first_token_at: float = 0.0  # monotonic: when its first token came; 0 = none yet
+    decoded_by: str = ""  # the decode worker of the pair that served it
+    served_by: str = ""  # the aggregated worker that served it
+    cut: str = ""  # why the router cut it short (a shutdown): it ends with this error
 
     @property
     def attempt(self) -> str:
@@ -100,6 +104,21 @@ class RequestFlow:
         self.aborted = True
         if self.call is not None:
             self.call.cancel()
+
+    def cut_short(self, cause: str) -> None:
+        """The router cannot wait for it (it is shutting down): abort it; it ends with an
+        error naming ``cause`` rather than as a client's abort (api.py)."""
+        self.cut = cause
+        self.abort()
+
+    @property
+    def placed_on(self) -> str:
+        """Where it ran, for its log line: ``prefill -> decode``, the aggregated worker, or ""."""
+        if self.served_by:
+            return self.served_by
+        if self.decoded_by:
+            return f"{self.prefilled_by or '?'} -> {self.decoded_by}"
+        return ""
 
     def lose(self, worker_id: str) -> None:
         """``worker_id`` failed its health poll: cancel the call if it depends on it."""
@@ -212,6 +231,8 @@ class RequestFlow:
     async def decode(self, decode: Worker) -> Messages:
         """The first token, then ``decode``'s stream of the rest (unless the first ended it,
         or the client aborted meanwhile: then the reservation is released, no Decode sent)."""
+        self.decoded_by = decode.id
+        self.first_token_at = time.monotonic()
         yield self._first_chunk()
         self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
         if self.aborted or self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
@@ -243,6 +264,7 @@ class RequestFlow:
         """Aggregated serving: the worker runs the whole request behind its own client API."""
         self._mark_scheduled()  # the worker's engine queues it from here
         self.attempts += 1
+        self.served_by = worker.id
         call = self.cluster.tandem_stub(worker.id).Generate(
             msg.forward_request(self.attempt, self.token_ids, self.request)
         )
@@ -324,6 +346,7 @@ class RequestFlow:
             if message.WhichOneof("payload") == "chunk":
                 now = time.monotonic()
                 if first:
+                    self.first_token_at = now
                     self.metrics.ttft.labels("router").observe(now - self.start)
                     first = False
                 elif n := len(message.chunk.token_ids):

@@ -13,6 +13,8 @@ process's file limit). A connection waiting for a request (idle keep-alive, or o
 has not sent its request line yet) is evicted, the longest idle first, to make room for a
 new one: the client's own at its limit, anyone's at the server's. Only when every held
 connection is serving a request is a new one answered 503 and closed.
+
+A request's ``X-Request-Id`` header is echoed on its response, whatever the response.
 """
 
 from __future__ import annotations
@@ -209,7 +211,15 @@ class HttpServer:
         return task.result()
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
-        """Answer one request (also usable without a socket, e.g. in tests)."""
+        """Answer one request (also usable without a socket, e.g. in tests), its
+        X-Request-Id echoed."""
+        response = await self._route(request)
+        rid = request.headers.get("x-request-id")
+        if rid is not None and "X-Request-Id" not in response.headers:
+            response.headers["X-Request-Id"] = rid.strip()
+        return response
+
+    async def _route(self, request: Request) -> Response | StreamingResponse:
         methods = _route_methods(self.routes, request.path)
         if methods is None:
             return _error_response(404, f"path: no route {request.path}")

@@ -12,7 +12,9 @@ from services.common.access import router_policy
 from services.common.grpc_server import SERVING, start_server, wait_for_stop
 from services.common.loop_watch import watch_loop
 from services.common.metrics import Metrics, serve_metrics
+from services.common.periodic import every
 from services.common.ports import PortInUse
+from services.common.process_settings import ProcessSettings
 from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.chat_template import ChatTemplate, load_chat_template
 from services.router.cluster import Deadlines
@@ -20,6 +22,8 @@ from services.router.generation_defaults import load_sampling_defaults
 from services.router.http import HttpLimits, HttpServer
 from services.router.openai_api import OpenAIOptions, OpenAIServer
 from services.router.server import add_router_servicers
+from services.router.shutdown import shut_down
+from services.router.stats_log import RouterStatsLine
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,7 +82,8 @@ class RouterConfig:
     - ports 0 = any free port; ``http_port`` None = no OpenAI-compatible HTTP server;
     - ``tokenizer`` encodes text prompts and decodes streamed text; ``chat`` renders chat
       messages (None: chat is refused); ``openai``: the HTTP API's sampling defaults and
-      reasoning parser.
+      reasoning parser;
+    - ``process``: request lines, the stats line's interval, the shutdown timeout.
     """
 
     limits: ModelLimits
@@ -92,6 +97,7 @@ class RouterConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # connections, read timeouts
     deadlines: Deadlines = field(default_factory=Deadlines)  # of the calls to workers
     openai: OpenAIOptions = field(default_factory=OpenAIOptions)
+    process: ProcessSettings = field(default_factory=ProcessSettings)
 
 
 async def run_router(
@@ -100,12 +106,15 @@ async def run_router(
     stop: asyncio.Event | None = None,
     bound: dict | None = None,
 ) -> None:
-    """Serve until ``stop`` is set. Prints one line with the endpoints; ``bound`` gets the
-    ports and the RouterAPI (``router``). A busy port (gRPC, metrics, HTTP) raises PortInUse
-    before anything is served."""
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT), then shut down gracefully
+    (shutdown.py: stop admitting, finish or cut the requests in flight within
+    ``process.shutdown_timeout_s``) and close. Prints one line with the endpoints; ``bound``
+    gets the ports and the RouterAPI (``router``). A busy port (gRPC, metrics, HTTP) raises
+    PortInUse before anything is served."""
     c, host = config, config.host
     metrics = Metrics("router", c.limits.model_id)
     router = RouterAPI(c.limits, metrics, c.options, c.tokenizer)
+    router.log_requests = c.process.log_requests
     router.cluster.deadlines = c.deadlines
     opts = c.options
     server, health, port = await start_server(
@@ -136,11 +145,14 @@ async def run_router(
         bound.update(port=port, metrics_port=metrics_port, router=router, http_port=http_port)
     poll = asyncio.ensure_future(router.health_monitor.poll_forever())
     watch = asyncio.ensure_future(watch_loop(metrics.loop_lag.observe))
+    stats = asyncio.ensure_future(every(c.process.stats_interval_s, RouterStatsLine(router).tick))
     if ready is not None:
         ready.set()
     await wait_for_stop(stop)
+    await shut_down(router, health, c.process.shutdown_timeout_s)
     poll.cancel()
     watch.cancel()
+    stats.cancel()
     if http is not None:
         await http.close()
     await router.close()

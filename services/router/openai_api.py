@@ -8,6 +8,8 @@ unknown model, 409 for a request id already running, 503 when no prefill/decode 
 ready or a worker died, 500 otherwise); an error after streaming started is sent as an SSE
 event ``{"error": {...}}``. A streaming client that disconnects aborts its request; a
 non-streaming one's handler is cancelled by the HTTP server (http.py), and its request with it.
+A client's ``X-Request-Id`` names the request (request_header.py); the response echoes it,
+or the id the router gave the request when the client sent none.
 
 A request's body first gets the model's sampling defaults in the fields it leaves unset
 (generation_defaults.py); its output then passes its OutputRules (openai_output.py) and,
@@ -21,6 +23,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.common.request_context import about_request, bind_request
 from services.common.security import same_token
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
@@ -39,9 +42,11 @@ from services.router.openai_responses import (
     sse,
 )
 from services.router.reasoning import ReasoningSplitter, split
+from services.router.request_header import HEADER, client_request_id
 from services.router.stream_text import StreamText
 
 ABANDON_TIMEOUT_S = 5.0
+SHUT_DOWN = "router shut down"  # how a request cut short by a shutdown's error begins (shutdown.py)
 
 
 __all__ = ["OpenAIOptions", "OpenAIServer"]
@@ -90,25 +95,37 @@ class OpenAIServer(ModelEndpoints):
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, http: Request) -> Response | StreamingResponse:
+        rid = client_request_id(http.headers)
         info = await self.router.model_info()
         request = parse_completion(self.options.defaults.fill(http.json()), info.model_id)
+        _name(request, rid)
         if tokenized_here(request):
             prepare_prompt(request, self.router.tokenizer, info.max_model_len)
-        return await self._serve(request)
+        return await self._serve(request, rid is None)
 
     async def chat_completions(self, http: Request) -> Response | StreamingResponse:
+        rid = client_request_id(http.headers)
         info = await self.router.model_info()
         body = self.options.defaults.fill(http.json())
-        return await self._serve(parse_chat(body, info.model_id, self.chat, info.max_model_len))
+        request = parse_chat(body, info.model_id, self.chat, info.max_model_len)
+        _name(request, rid)
+        return await self._serve(request, rid is None)
 
     # ------------------------------------------------------------------ generation
 
-    async def _serve(self, request: OpenAIRequest) -> Response | StreamingResponse:
+    async def _serve(self, request: OpenAIRequest, tell_id: bool = True) -> Response | StreamingResponse:
+        """The request's response; ``tell_id``: it carries the request's id as X-Request-Id
+        (else http.py echoes the client's own)."""
+        bind_request(request.generate.request_id)
         messages = self._generate(request)
         first = await self._first(request, messages)
         if request.stream:
-            return StreamingResponse(self._events(request, first, messages))
-        return Response.json(await self._collect(request, first, messages))
+            response = StreamingResponse(self._events(request, first, messages))
+        else:
+            response = Response.json(await self._collect(request, first, messages))
+        if tell_id:
+            response.headers[HEADER] = request.generate.request_id
+        return response
 
     async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
         """The router's messages as the request's OutputRules shape them; a stop token aborts
@@ -182,6 +199,17 @@ class OpenAIServer(ModelEndpoints):
         return _token_id_name if request.rules.token_ids_as_text else self._decode
 
     async def _events(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
+        """The SSE events, sent from the connection's task: its lines name the request."""
+        rid = request.generate.request_id
+        events = self._stream(request, first, messages)
+        with about_request(rid):
+            try:
+                async for event in events:
+                    yield event
+            finally:  # a client gone closes this generator: its request must end now
+                await events.aclose()
+
+    async def _stream(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
         rid = request.generate.request_id
         chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
         if request.rules.continuous_usage:
@@ -222,6 +250,13 @@ class OpenAIServer(ModelEndpoints):
             except (TimeoutError, HttpError):
                 pass
         await messages.aclose()
+
+
+def _name(request: OpenAIRequest, client_id: str | None) -> None:
+    """Name the request by the client's X-Request-Id (``cmpl-``/``chatcmpl-`` + it), if given."""
+    if client_id is not None:
+        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
+        request.generate.request_id = prefix + client_id
 
 
 def _now() -> int:
@@ -279,4 +314,6 @@ def _stream_error(request: OpenAIRequest, error: cpb.Error) -> HttpError:
         return HttpError(400, error_json(error.message, "invalid_request_error", param))
     if error.message.startswith("no ready prefill/decode pair"):
         return HttpError(503, error_json(error.message, "server_error", code="no_ready_pair"))
+    if error.message.startswith(SHUT_DOWN):
+        return HttpError(503, error_json(error.message, "server_error", code="shutting_down"))
     return HttpError(500, error_json(error.message, "server_error"))

@@ -105,9 +105,17 @@ class Registration:
                 f"rank_info: {', '.join(fields)} differ from what {where} reports",
             )
 
-    async def deregister(self, instance_id: str, identity: str = "") -> bool:
-        """Forget a worker and its pairs; True if it was registered."""
+    async def deregister(self, instance_id: str, identity: str = "", draining: bool = False) -> bool:
+        """Forget a worker and its pairs; True if it was registered. ``draining``: it is
+        shutting down: keep it (and its channel, for the requests in flight there) but send
+        it no new request; it deregisters again, not draining, when it exits."""
         self._check_caller(instance_id, identity)
+        if draining:
+            worker = self.registry.workers.get(instance_id)
+            if worker is not None and not worker.draining:
+                worker.draining = True
+                log.info("worker %s is draining: no new requests go to it", instance_id)
+            return worker is not None
         removed = self.registry.remove(instance_id)
         await self.cluster.disconnect(instance_id)
         return removed

@@ -49,6 +49,7 @@ class Worker:
     free_pages: int = 0  # target-group pages free or only cached, at the last Stats poll
     busy_pages: int = 0  # target-group pages requests hold: the last poll's, plus reservations since
     healthy: bool = True
+    draining: bool = False  # shutting down (Deregister draining): no new requests, its own finish
     missed: int = 0  # consecutive Stats polls without an answer
     identity: str = ""  # the credential it registered with (services/common/access.py); "" = none
 
@@ -59,6 +60,11 @@ class Worker:
     @property
     def role(self) -> int:
         return self.info.role
+
+    @property
+    def serves(self) -> bool:
+        """Whether it may get new requests: healthy and not draining."""
+        return self.healthy and not self.draining
 
 
 RETRIED = (PairState.DEGRADED, PairState.FAILED)  # re-paired in the background until READY
@@ -115,7 +121,7 @@ class Registry:
 
     def live_ids(self, role: int) -> list[str]:
         """The workers of ``role`` the health check has not lost."""
-        return [w.id for w in self.workers.values() if w.role == role and w.healthy]
+        return [w.id for w in self.workers.values() if w.role == role and w.serves]
 
     def set_pair(self, prefill_id: str, decode_id: str, state: PairState, reason: str = "") -> None:
         """A pairing attempt's outcome: READY, or a failure counted towards the next
@@ -177,7 +183,7 @@ class Registry:
         return [
             k
             for k, p in self.pairs.items()
-            if p.state == PairState.READY and self.workers[k[0]].healthy and self.workers[k[1]].healthy
+            if p.state == PairState.READY and self.workers[k[0]].serves and self.workers[k[1]].serves
         ]
 
     def is_serving(self) -> bool:
@@ -219,4 +225,4 @@ class Registry:
         return -(-(len(token_ids) - held) // page)
 
     def _aggregated(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == rpb.ROLE_BOTH and w.healthy]
+        return [w for w in self.workers.values() if w.role == rpb.ROLE_BOTH and w.serves]

@@ -65,7 +65,9 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
 
     async def Deregister(self, request: reg.DeregisterRequest, context) -> reg.DeregisterResponse:
         try:
-            removed = await self.registration.deregister(request.instance_id, caller_identity())
+            removed = await self.registration.deregister(
+                request.instance_id, caller_identity(), request.draining
+            )
         except RouterError as e:
             await _abort(context, e)
         return reg.DeregisterResponse(removed=removed)

@@ -130,8 +130,9 @@ def decode_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> l
     gone = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
     if gone and is_transfer_failure(error.details() or ""):
         flow.cluster.registry.degrade(flow.prefilled_by, decode_id, f"{decode_id}: {error.details()}")
-    if flow.lost or gone:
-        raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} is unavailable")
+    if flow.lost or gone:  # the worker's own reason (e.g. its shutdown), when it gave one
+        why = f": {error.details()}" if gone and not flow.lost and error.details() else ""
+        raise RouterError(ErrorCode.UNAVAILABLE, f"decode worker {decode_id} is unavailable{why}")
     if isinstance(error, asyncio.CancelledError):
         raise error
     message = f"decode worker {decode_id}: {error.code().name}: {error.details()}"

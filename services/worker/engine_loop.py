@@ -4,24 +4,38 @@ Invariant: the engine and its cache manager are mutated only by the engine threa
 while a step runs, and only by the event-loop thread between steps (``call``). Page
 transfers read and write pages of parked or reserved requests, which no step touches,
 so they run on the event loop at any time.
+
+Token counts for the stats line (services/worker/stats_log.py): ``generated_tokens`` adds
+every output's new tokens; ``prompt_tokens`` adds a request's prompt at its first output,
+when ``count_prompts`` (a worker that runs prompts: not a decode worker, whose prompts
+came prefilled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.common.faults import delay
 
+log = logging.getLogger(__name__)
+
 
 class EngineLoop:
-    def __init__(self, engine: Any, on_step: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self, engine: Any, on_step: Callable[[str, float], None] | None = None, count_prompts: bool = True
+    ) -> None:
         """``on_step(kind, seconds)``: told each step's forwards (``engine.last_step``) and
         wall time, on the event-loop thread."""
         self.engine = engine
         self.on_step = on_step
+        self.count_prompts = count_prompts
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self._started: set[str] = set()  # requests whose first output came and that run on
         self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -63,6 +77,7 @@ class EngineLoop:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._started.discard(request_id)
             if not finished:
                 await asyncio.shield(self.call(self.engine.abort, request_id))
 
@@ -78,9 +93,11 @@ class EngineLoop:
                     if delay("engine.step"):
                         await asyncio.sleep(delay("engine.step"))
                 except Exception as e:  # a broken step fails its requests, not the server
+                    log.exception("engine step failed; failing its %d requests", len(self._streams))
                     self._fail_all(e)
                     continue
                 for out in outputs:
+                    self._count(out)
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
@@ -98,9 +115,24 @@ class EngineLoop:
             except Exception as e:
                 future.set_exception(e)
 
+    def _count(self, out: Any) -> None:
+        self.generated_tokens += len(out.new_token_ids)
+        first = out.request_id not in self._started
+        if out.finished:
+            self._started.discard(out.request_id)
+        else:
+            self._started.add(out.request_id)
+        if first and self.count_prompts:
+            self.prompt_tokens += out.usage.prompt_tokens
+
     def _fail_all(self, error: Exception) -> None:
+        self.fail_all(RuntimeError(f"engine step failed: {error}"))
+
+    def fail_all(self, error: Exception) -> None:
+        """End every request streaming now with ``error`` (raised from its ``outputs``) and
+        abort it in the engine. Between steps only (through ``call``, or after a failed step)."""
         for rid, queue in list(self._streams.items()):
-            queue.put_nowait(RuntimeError(f"engine step failed: {error}"))
+            queue.put_nowait(error)
             try:
                 self.engine.abort(rid)
             except KeyError:

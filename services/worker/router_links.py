@@ -6,12 +6,15 @@ again every RESOLVE_INTERVAL_S, so router pods that come later are registered wi
 Each router gets its own loop: register, heartbeat every HEARTBEAT_S, register again when
 that router forgets the worker (its heartbeat says so, or it restarted). A refusal (the
 router's contract or a credential) is printed once per distinct reason, and retried.
+On shutdown (services/worker/shutdown.py) the loops stop first, then ``deregister`` tells
+every router, drain first (no new requests) and gone last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -23,7 +26,10 @@ from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import registration_pb2_grpc as reg_grpc
 from services.common.security import TlsConfig, aio_channel
 
+log = logging.getLogger(__name__)
+
 HEARTBEAT_S = 1.0
+DEREGISTER_TIMEOUT_S = 2.0  # a router that does not answer by then is left to notice the worker gone
 RESOLVE_INTERVAL_S = 5.0
 CALL_TIMEOUT_S = 5.0
 RECONNECT = [("grpc.max_reconnect_backoff_ms", 1000)]
@@ -78,7 +84,32 @@ class RouterLinks:
         self.spec, self.rank_info, self.tls, self.token = spec, rank_info, tls, token
         self.instance_id = rank_info().instance_id
         self.registered: set[str] = set()
+        self.known: set[str] = set()  # every router address registered with at some time
         self._loops: dict[str, asyncio.Task] = {}
+
+    async def deregister(self, draining: bool) -> None:
+        """Tell every router this worker registered with that it leaves: ``draining`` = it
+        gets no new requests but finishes those in flight; else it is gone. Stop ``run``
+        first, or its heartbeats register it again. A router that does not answer within
+        DEREGISTER_TIMEOUT_S is logged and skipped."""
+        await asyncio.gather(*(self._deregister(a, draining) for a in sorted(self.known)))
+
+    async def _deregister(self, address: str, draining: bool) -> None:
+        try:
+            async with aio_channel(address, self.tls, self.token) as channel:
+                await reg_grpc.RegistrationStub(channel).Deregister(
+                    reg.DeregisterRequest(instance_id=self.instance_id, draining=draining),
+                    timeout=DEREGISTER_TIMEOUT_S,
+                )
+        except grpc.aio.AioRpcError as e:
+            what = "draining" if draining else "deregistration"
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # that router is gone: nothing to tell
+                log.info("router %s is gone; nothing to tell it", address)
+                self.known.discard(address)
+                return
+            log.warning(
+                "router %s did not take this worker's %s: %s: %s", address, what, e.code().name, e.details()
+            )
 
     async def run(self, changed: Callable[[], Awaitable[None]]) -> None:
         """Keep a loop per resolved router address, forever; ``changed()`` after each round
@@ -117,6 +148,8 @@ class RouterLinks:
                     if e.code() in REFUSALS:
                         refusal = _note(address, refusal, f"{e.code().name}: {e.details()}")
                 (self.registered.add if known else self.registered.discard)(address)
+                if known:
+                    self.known.add(address)
                 await changed()
                 await asyncio.sleep(HEARTBEAT_S)
 

@@ -19,9 +19,12 @@ from services.common.access import worker_policy
 from services.common.grpc_server import NOT_SERVING, READY_SERVICE, SERVING, start_server, wait_for_stop
 from services.common.loop_watch import watch_loop
 from services.common.metrics import serve_metrics
+from services.common.periodic import every
 from services.common.ports import PortInUse
 from services.engine.config import forced_acceptance_banner
 from services.worker.peering import PeerRegistry
+from services.worker.shutdown import shut_down
+from services.worker.stats_log import WorkerStatsLine
 from services.worker.worker import WorkerBase, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,9 @@ async def run_worker(
     stop: asyncio.Event | None = None,
     model_name: str = "",
 ) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT). Prints one line with the endpoints.
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT), then shut down gracefully
+    (shutdown.py: deregister, finish or fail the requests in flight within
+    ``config.process.shutdown_timeout_s``) and stop. Prints one line with the endpoints.
     ``add_servicers``: the role's (``WORKER_ROLES[config.role]``); ``model_name``: the
     metrics' model_name label; "" = the model folder's name. A worker forcing acceptance
     (benchmarks only) says so in a WARNING banner before anything else. A busy port (gRPC,
@@ -81,11 +86,13 @@ async def run_worker(
 
     registration = asyncio.ensure_future(worker.register_forever(report_ready))
     watch = asyncio.ensure_future(watch_loop(worker.metrics.loop_lag.observe))
+    stats = asyncio.ensure_future(every(config.process.stats_interval_s, WorkerStatsLine(worker).tick))
     if ready is not None:
         ready.set()
     await wait_for_stop(stop)
-    registration.cancel()
+    await shut_down(worker, health, registration, config.process.shutdown_timeout_s)
     watch.cancel()
+    stats.cancel()
     await server.stop(grace=1)
     await worker.stop()
 

@@ -30,7 +30,7 @@ from services.worker.worker_config import WorkerConfig
 
 def run_rank(config: WorkerConfig, rank: int, dist_address: str, control_port: int) -> None:
     """Process entry of rank ``rank`` of the worker ``config`` describes."""
-    configure_logging(config.log_level, rank_instance_id(config.instance_id, rank))
+    configure_logging(config.log_level, rank_instance_id(config.instance_id, rank), config.log_format)
     device = config.engine.device
     tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address, backend_for(device), device)
     engine = Engine(config.engine)

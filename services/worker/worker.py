@@ -4,6 +4,7 @@ with the router, Stats, and request conversions (the config: services/worker/wor
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from services.worker.tp_group import RankGroup
 from services.worker.worker_config import ROLES, WorkerConfig
 
 DEFAULT_MAX_TOKENS = 128
+log = logging.getLogger(__name__)
 
 
 class WorkerBase:
@@ -38,7 +40,7 @@ class WorkerBase:
         if self.group is not None:
             self.engine.step = _exit_on_failure(self.engine.step)
         self.metrics = Metrics(config.role)
-        self.loop = EngineLoop(self.engine, self.metrics.observe_step)
+        self.loop = EngineLoop(self.engine, self.metrics.observe_step, count_prompts=config.role != "decode")
         e = self.engine
         self.agent = TransferAgent(
             e.manager,
@@ -50,6 +52,12 @@ class WorkerBase:
         self.grpc_address = ""
         self._rank_info: rpb.RankInfo | None = None  # rank_info()'s, for its grpc_address
         self.peers = None  # the PeerRegistry, once serving
+        self.links: RouterLinks | None = None  # its registrations, once registering
+        self.draining = ""  # why new requests are refused (shutting down); "" = taking them
+        self.in_flight = 0  # request RPCs being served (services/worker/request_rpc.py)
+        # what a shutdown that timed out runs, after the engine's requests failed (a decode
+        # worker drops its reservations that no Decode took)
+        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
         self._prefix_seen: dict[str, tuple[int, int]] = {}  # group -> (query, hit) tokens exported
 
@@ -111,7 +119,9 @@ class WorkerBase:
         least one pair that passed its test transfer (``paired``)."""
         if not self.config.router:
             return
-        links = RouterLinks(self.config.router, self.rank_info, self.config.tls, self.config.own_token)
+        links = self.links = RouterLinks(
+            self.config.router, self.rank_info, self.config.tls, self.config.own_token
+        )
 
         async def changed() -> None:
             if ready is not None:
@@ -139,10 +149,33 @@ class WorkerBase:
             m.prefix_hits.labels(name).inc(max(prefix.hit_tokens - hit, 0))
             self._prefix_seen[name] = (prefix.query_tokens, prefix.hit_tokens)
 
+    def busy_pages(self) -> int:
+        """Pages that requests (running, or reservations) hold, every group together: 0
+        once every request is gone (the prefix cache's pages are not counted)."""
+        return sum(u.used - u.cached for u in self.engine.cache_stats().usage.values())
+
     def record_finished(self, out, status: str, generated: int) -> None:
         """A finished request: its count by status, prompt tokens, the ``generated`` tokens
-        this worker produced, and its engine queue time; then the cache metrics."""
+        this worker produced, and its engine queue time; then the cache metrics. Its INFO
+        line unless ``--disable-log-requests`` (the request id is the bound one)."""
         m, role = self.metrics, self.config.role
+        if self.config.process.log_requests and out is not None:
+            u = out.usage
+            cached = max(u.cached_tokens.values(), default=0)
+            fields = {
+                "status": status,
+                "prompt_tokens": u.prompt_tokens,
+                "cached_tokens": cached,
+                "generated_tokens": generated,
+                "queue_s": round(u.queue_s, 4),
+                "acceptance_length": round(u.acceptance_length, 3),
+            }
+            log.info(
+                "%s request %s: prompt %d (cached %d), generated %d tokens here, queued %.3f s, AL %.2f",
+                role,
+                *fields.values(),
+                extra={"fields": fields},
+            )
         m.requests.labels(role, status).inc()
         if out is not None:
             m.prompt_tokens.labels(role).inc(out.usage.prompt_tokens)

@@ -7,10 +7,11 @@ every field and names the bad one.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
-from services.common.log_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS
+from services.common.log_setup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, check_log_options
+from services.common.process_settings import ProcessSettings
 from services.common.security import TlsConfig, worker_token
 from services.engine.config import EngineConfig
 
@@ -34,6 +35,9 @@ class WorkerConfig:
     # the logging level of the process's entry point, which configures it (the CLI, the Ray
     # actor); the other TP ranks' processes configure theirs from it (tp_rank.py)
     log_level: str = DEFAULT_LOG_LEVEL
+    log_format: str = DEFAULT_LOG_FORMAT  # text or json, as log_level
+    # request lines, the stats line's interval, the shutdown timeout (process_settings.py)
+    process: ProcessSettings = field(default_factory=ProcessSettings)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,8 +48,7 @@ class WorkerConfig:
         for name in ("transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level: must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        check_log_options(self.log_level, self.log_format)
 
     def _check_worker_token(self) -> None:
         """A worker token names its instance id: it sets an empty one, and must match a given one."""

@@ -125,7 +125,9 @@ def test_every_process_logs_at_info_and_a_forcing_worker_says_so_everywhere(pair
         expire_a_reservation(cluster)
         wait_for(lambda: EXPIRED in log(cluster, "decode-1"), "no warning from the decode worker")
         assert re.search(
-            rf"^{STAMP} WARNING decode-1 services\.decode\.server: {EXPIRED}$", log(cluster, "decode-1"), re.M
+            rf"^{STAMP} WARNING decode-1 services\.decode\.server \[lease-test\]: {EXPIRED}$",
+            log(cluster, "decode-1"),
+            re.M,
         )
         lose_the_decode_worker(cluster)
         wait_for(lambda: "lost worker decode-1" in log(cluster, "router"), "no warning from the router")
@@ -138,7 +140,9 @@ def test_every_process_logs_at_info_and_a_forcing_worker_says_so_everywhere(pair
         cluster.stop()
     echoed = capfd.readouterr().err
     assert re.search(
-        rf"^\[decode-1\] {STAMP} WARNING decode-1 services\.decode\.server: {EXPIRED}$", echoed, re.M
+        rf"^\[decode-1\] {STAMP} WARNING decode-1 services\.decode\.server \[lease-test\]: {EXPIRED}$",
+        echoed,
+        re.M,
     )
 
 

@@ -11,13 +11,15 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.engine_config import engine_config
-from deploy.local import LocalCluster
+from deploy.local import STOP_MARGIN_S, LocalCluster
 from deploy.options import (
     HOST_WRITE_POLICIES,
     EngineOptions,
+    ProcessOptions,
     TransferOptions,
     check,
     from_args,
+    process_settings,
     to_argv,
 )
 from deploy.ray_launcher.config import ConfigError, parse_config
@@ -255,3 +257,36 @@ def test_ray_takes_prompt_special_tokens_and_refuses_another_value():
     assert parse_config({}).model.prompt_special_tokens == "text"
     with pytest.raises(ConfigError, match=r"^model\.prompt_special_tokens: must be text or parse, got 'yes'"):
         parse_config({"model": {"prompt_special_tokens": "yes"}})
+
+
+def test_up_gives_every_process_its_log_format_request_and_stats_lines_and_shutdown_timeout():
+    flags = [
+        "--log-format",
+        "json",
+        "--disable-log-requests",
+        "--log-stats-interval-s",
+        "0",
+        "--shutdown-timeout-s",
+        "5",
+    ]
+    cluster = LocalCluster.from_args(build_parser().parse_args(["up", *flags]))
+    assert cluster.router_args == cluster.worker_args == [*flags[:4], "0.0", flags[5], "5.0"]
+    assert cluster.stop_wait_s == 5 + STOP_MARGIN_S and cluster.own_group
+    for command in (["router"], ["worker", "--role", "decode"]):
+        args = build_parser().parse_args([*command, *flags])
+        settings = process_settings(from_args(ProcessOptions, args))
+        assert args.log_format == "json"
+        assert (settings.log_requests, settings.stats_interval_s, settings.shutdown_timeout_s) == (
+            False,
+            0,
+            5,
+        )
+    default = process_settings(from_args(ProcessOptions, build_parser().parse_args(["router"])))
+    assert (default.log_requests, default.stats_interval_s, default.shutdown_timeout_s) == (True, 10, 30)
+
+
+def test_a_negative_stats_interval_or_shutdown_timeout_is_refused(capsys):
+    for flag in ("--log-stats-interval-s", "--shutdown-timeout-s"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["router", flag, "-1"])
+        assert flag in capsys.readouterr().err

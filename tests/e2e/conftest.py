@@ -49,11 +49,17 @@ def cluster_args(pair, layout: str = "unified", k: int = K) -> tuple[list[str], 
 
 
 def start_cluster(
-    pair, roles, layout: str = "unified", router_extra: tuple[str, ...] = (), **kwargs
+    pair,
+    roles,
+    layout: str = "unified",
+    router_extra: tuple[str, ...] = (),
+    worker_extra: tuple[str, ...] = (),
+    **kwargs,
 ) -> LocalCluster:
-    """A started cluster (its logs printed if it fails to start); ``router_extra``: more
-    router arguments."""
+    """A started cluster (its logs printed if it fails to start); ``router_extra`` and
+    ``worker_extra``: more router and worker arguments."""
     worker, router = cluster_args(pair, layout)
+    worker += list(worker_extra)
     cluster = LocalCluster(worker, router + list(router_extra), roles, start_timeout_s=90, **kwargs)
     cluster.start()
     return cluster

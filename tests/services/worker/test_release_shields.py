@@ -62,7 +62,9 @@ def test_the_prefill_workers_release_survives_a_second_cancel():
 
     async def scenario():
         loop = _PrefilledLoop(engine)
-        worker = SimpleNamespace(engine=engine, loop=loop, metrics=Metrics("prefill"))
+        worker = SimpleNamespace(
+            engine=engine, loop=loop, metrics=Metrics("prefill"), draining="", in_flight=0
+        )
         servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
         started = asyncio.Event()
 
@@ -85,7 +87,7 @@ def test_the_decode_workers_freeing_of_a_dropped_reservation_survives_a_second_c
 
     async def scenario():
         loop = EngineLoop(engine)
-        worker = SimpleNamespace(engine=engine, loop=loop, metrics=Metrics("decode"))
+        worker = SimpleNamespace(engine=engine, loop=loop, metrics=Metrics("decode"), on_shutdown=[])
         servicer = DecodeServicer(worker)
         receive = asyncio.ensure_future(asyncio.sleep(60))
         servicer.reserved["r"] = _Reservation(3, 0.0, receive, [])
