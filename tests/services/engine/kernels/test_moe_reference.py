@@ -190,3 +190,44 @@ def test_max_blocks_is_tight_for_one_slot_per_expert_and_for_full_blocks():
     assert max_blocks(64, 4, 16) == 4 + 4  # 4 full blocks, and up to one partial per expert
     for slots, e, m in [(16384, 128, 16), (1024, 8, 128), (5, 3, 4)]:
         assert max_blocks(slots, e, m) * m <= slots + e * (m - 1) + m - 1
+
+
+def sorted_moe(
+    x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """The Triton kernel's data flow in torch, block by block over ``align``'s output:
+    gather the block's token rows, both linears and the activation, times the slot's
+    weight, stored at row token * k + slot, then each token's k rows summed in slot order."""
+    t, k = topk_ids.shape
+    e_count, block_m = experts.w13.shape[0], 4
+    sorted_ids, block_expert = align(topk_ids, e_count, block_m)
+    weights = topk_weights.to(x.dtype).reshape(-1)
+    slots = torch.full((t * k, x.shape[1]), float("nan"), dtype=x.dtype)
+    for b, e in enumerate(block_expert.tolist()):
+        ids = sorted_ids[b * block_m : (b + 1) * block_m].long()
+        ids = ids[ids < t * k]
+        if e == e_count:
+            assert len(ids) == 0
+            continue
+        b13 = None if experts.b13 is None else experts.b13[e]
+        b2 = None if experts.b2 is None else experts.b2[e]
+        act = reference.expert_activation(
+            F.linear(x[ids // k], experts.w13[e], b13), experts.activation, experts.limit
+        )
+        slots[ids] = F.linear(act, experts.w2[e], b2) * weights[ids, None]
+    return slots.view(t, k, x.shape[1]).float().sum(1).to(x.dtype)
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped_swiglu-biases"])
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}" for c in CASES])
+def test_the_kernels_data_flow_over_align_matches_the_reference(case, gpt_oss):
+    """Equal but for the float32 sum's order (slot order against expert order): at most one
+    bf16 ulp of the output scale."""
+    t, e, k, i = case
+    experts = random_experts((e, i), torch.bfloat16, gpt_oss, seed=t + e)
+    x = random_x(t, torch.bfloat16, seed=t)
+    ids, weights = random_routing(t, e, k, seed=t * 7 + k)
+    out, ref = sorted_moe(x, experts, ids, weights), reference.moe_experts(x, experts, ids, weights)
+    assert out.shape == ref.shape and not out.isnan().any()
+    if t:
+        assert float((out.float() - ref.float()).abs().max()) <= 2**-7 * float(ref.float().abs().max())
