@@ -100,6 +100,8 @@ class RouterAPI:
         # the requests in flight, by (owner, request id): one client's ids are its own, so
         # another's running id is no answer (ALREADY_EXISTS only for the same client's)
         self.flows: dict[tuple[str, str], RequestFlow] = {}
+        if metrics.ready_pairs is not None:  # read when scraped
+            metrics.ready_pairs.set_function(lambda: self.cluster.registry.num_serving())
         self.health_monitor = HealthMonitor(
             self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )
