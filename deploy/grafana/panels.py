@@ -185,7 +185,9 @@ ROWS = (
                 (
                     (
                         ratio(
-                            "tandem_prefix_cache_hits_total", "tandem_prefix_cache_queries_total", "role, group"
+                            "tandem_prefix_cache_hits_total",
+                            "tandem_prefix_cache_queries_total",
+                            "role, group",
                         ),
                         "{{role}} {{group}}",
                     ),
@@ -198,7 +200,10 @@ ROWS = (
                 "Per second, by worker role and group (a decode worker looks up the prompts it "
                 "reserves for, a prefill worker the prompts it runs: never summed over roles).",
                 (
-                    (rate("tandem_prefix_cache_queries_total", "role, group"), "looked up {{role}} {{group}}"),
+                    (
+                        rate("tandem_prefix_cache_queries_total", "role, group"),
+                        "looked up {{role}} {{group}}",
+                    ),
                     (rate("tandem_prefix_cache_hits_total", "role, group"), "reused {{role}} {{group}}"),
                 ),
                 unit="short",
