@@ -40,11 +40,13 @@ def test_prefill_and_decode_run_their_own_tp_and_kv_size():
 
 def test_a_roles_own_kv_sizing_replaces_the_model_sections_other_way():
     cuda = {"device": "cuda", "gpu_memory_utilization": 0.8}
-    config = parse_config({"model": cuda, "prefill": {"kv_cache_mb": 2048}, "decode": {"gpu_memory_utilization": 0.6}})
+    roles = {"prefill": {"kv_cache_mb": 2048}, "decode": {"gpu_memory_utilization": 0.6}}
+    config = parse_config({"model": cuda, **roles})
     prefill, decode = _worker(config, "prefill").engine, _worker(config, "decode").engine
     assert (prefill.kv_cache_bytes, prefill.gpu_memory_utilization) == (2048 << 20, 0.0)
     assert decode.gpu_memory_utilization == 0.6
-    sized = parse_config({"model": {"device": "cuda", "kv_cache_mb": 1024}, "decode": {"gpu_memory_utilization": 0.5}})
+    model = {"device": "cuda", "kv_cache_mb": 1024}
+    sized = parse_config({"model": model, "decode": {"gpu_memory_utilization": 0.5}})
     assert _worker(sized, "decode").engine.gpu_memory_utilization == 0.5
 
 
@@ -61,7 +63,7 @@ def test_a_roles_own_kv_sizing_replaces_the_model_sections_other_way():
         ({"prefill": {"gpu_memory_utilization": 0.5}}, r"^prefill\.gpu_memory_utilization: .*CUDA"),
         ({"security": {"token": "x"}}, r"^security\.token: unknown key"),
         ({"security": {"client_token": "x"}}, r"^security\.client_token: unknown key"),  # never in the file
-        ({"security": {"tls_cert": "/c.pem"}}, r"^security\.tls_cert: mutual TLS needs tls_cert, tls_key and tls_ca"),
+        ({"security": {"tls_cert": "/c.pem"}}, r"^security\.tls_cert: mutual TLS needs tls_cert, tls_key"),
         ({"security": {"tls_server_name": "service"}}, r"^security\.tls_server_name: needs mutual TLS"),
         ({"security": {"client_token_env": "T"}}, r"^security\.client_token_env: a client token needs"),
         ({"security": {"service_token_env": "TANDEM_TEST_UNSET"}}, r"TANDEM_TEST_UNSET is not set"),
@@ -83,7 +85,8 @@ def test_credentials_come_from_the_launchers_environment_to_every_actor(monkeypa
     config = parse_config({"security": security | files | {"tls_server_name": "service"}})
     assert "client-secret" not in repr(config)
     router = router_settings(config)
-    assert (router.token, router.service_secret, router.tls.server_name) == ("client-secret", "service-secret", "service")
+    assert (router.token, router.service_secret) == ("client-secret", "service-secret")
+    assert router.tls.server_name == "service"
     worker = _worker(config, "decode")
     assert (worker.service_secret, worker.tls.ca) == ("service-secret", files["tls_ca"])
     plain = parse_config({})
@@ -101,7 +104,9 @@ def _keys(value, prefix: str = "") -> set[str]:
     if not isinstance(value, dict):
         return set()
     return {f"{prefix}{k}" for k in value} | {
-        name for k, v in value.items() if not isinstance(v, dict) or k not in ("env", "resources")
+        name
+        for k, v in value.items()
+        if not isinstance(v, dict) or k not in ("env", "resources")
         for name in _keys(v, f"{prefix}{k}.")
     }
 
