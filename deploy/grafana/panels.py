@@ -55,6 +55,12 @@ ROWS = (
                 ),
             ),
             Panel(
+                "Ready pairs",
+                "Prefill/decode pairs the router can send requests to (an aggregated worker counts "
+                "one), per router. 0: every request fails (the router's Health is NOT_SERVING).",
+                (("sum by (instance) (tandem_ready_pairs{" + JOB + "})", "{{instance}}"),),
+            ),
+            Panel(
                 "Peer registrations",
                 "Registrations accepted and refused. A refused pair gets no traffic: the router's "
                 "Health message names the field that differs.",
@@ -174,12 +180,16 @@ ROWS = (
         (
             Panel(
                 "Prefix hit rate by group",
-                "Prompt tokens reused / prompt tokens looked up. The "
+                "Prompt tokens reused / prompt tokens looked up, by worker role. The "
                 "target decides the match; the draft group hits only where its window is complete.",
                 (
                     (
-                        ratio("tandem_prefix_cache_hits_total", "tandem_prefix_cache_queries_total", "group"),
-                        "{{group}}",
+                        ratio(
+                            "tandem_prefix_cache_hits_total",
+                            "tandem_prefix_cache_queries_total",
+                            "role, group",
+                        ),
+                        "{{role}} {{group}}",
                     ),
                 ),
                 unit="percentunit",
@@ -187,10 +197,14 @@ ROWS = (
             ),
             Panel(
                 "Prompt tokens looked up and reused",
-                "Per second, by group.",
+                "Per second, by worker role and group (a decode worker looks up the prompts it "
+                "reserves for, a prefill worker the prompts it runs: never summed over roles).",
                 (
-                    (rate("tandem_prefix_cache_queries_total", "group"), "looked up {{group}}"),
-                    (rate("tandem_prefix_cache_hits_total", "group"), "reused {{group}}"),
+                    (
+                        rate("tandem_prefix_cache_queries_total", "role, group"),
+                        "looked up {{role}} {{group}}",
+                    ),
+                    (rate("tandem_prefix_cache_hits_total", "role, group"), "reused {{role}} {{group}}"),
                 ),
                 unit="short",
                 width=12,

@@ -8,19 +8,17 @@ Inside the actor the service is exactly what the CLI runs (``run_router`` /
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 from collections.abc import Callable, Coroutine
 
 import ray
 
-from deploy.engine_config import engine_config
 from deploy.options import served_model_name
 from deploy.ray_launcher.config import ClusterConfig
+from deploy.ray_launcher.service_configs import Listen, router_settings, worker_config
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.log_setup import configure_logging
-from services.router.api import RouterSettings
 from services.router.chat_template import load_chat_template
 from services.router.main import RouterConfig, model_limits, openai_options, run_router
 from services.tokenization.tokenizer import load_tokenizer
@@ -101,14 +99,12 @@ class ServiceActor:
         chat = load_chat_template(tokenizer, model.chat_template_path)
         openai = openai_options(engine.model, model.generation_config_path, model.reasoning_parser)
         http_port = None if options.http_port < 0 else options.http_port
+        settings = router_settings(cluster)  # ValueError names a missing TLS file
 
         def serve(ready: asyncio.Event, stop: asyncio.Event):
             config = RouterConfig(
                 limits,
-                RouterSettings(
-                    tokens_per_page=engine.tokens_per_page,
-                    model_id=os.path.basename(os.path.normpath(engine.model)),
-                ),
+                settings,
                 self.host,
                 options.port,
                 options.metrics_port,
@@ -134,27 +130,14 @@ class ServiceActor:
         returns its endpoints. A refused engine option raises ValueError naming it."""
         # the worker runs an engine: torch and its models load in its actor, never in the launcher
         from services.worker.serve import run_worker  # noqa: PLC0415 (torch: the router actor stays light)
-        from services.worker.worker import WorkerConfig  # noqa: PLC0415
         from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
         configure_logging(cluster.log_level, instance_id)
         options = getattr(cluster, role)
-        engine = engine_config(cluster.worker_engine_options(role))
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)
-        config = WorkerConfig(
-            role=role,
-            engine=engine,
-            host=self.host,
-            port=port,
-            metrics_port=metrics_port,
-            router=router,
-            instance_id=instance_id,
-            transfer_timeout_s=options.transfer_timeout_s,
-            lease_s=options.lease_s,
-            log_level=cluster.log_level,
-        )
-        name = served_model_name(engine.model, cluster.model.served_model_name)
+        config = worker_config(cluster, role, instance_id, router, Listen(self.host, port, metrics_port))
+        name = served_model_name(config.engine.model, cluster.model.served_model_name)
         self._start(
             instance_id,
             lambda ready, stop: run_worker(config, WORKER_ROLES[role], ready, stop, name),

@@ -2,6 +2,14 @@
 
 Every section and key is optional; ``cluster.example.yaml`` documents them all. Unknown keys
 are refused with their path, so a typo does not silently fall back to a default.
+
+Invariants:
+- A worker role's engine options are the model section's, with the role's own ``tp``,
+  ``gpu_memory_utilization`` and ``kv_cache_mb`` where it gives them (None = the model's):
+  prefill and decode may differ in TP where the heads divide (registration checks it).
+- Secrets never sit in the file: the security section names the launcher's environment
+  variables that hold the client token and the service secret, read once at parse time
+  (an unset one is refused); TLS files are paths as every node sees them.
 """
 
 from __future__ import annotations
@@ -9,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
@@ -98,6 +106,36 @@ class WorkerOptions(TransferOptions):
     num_cpus: float = 1.0
     num_gpus: float = 1.0  # per replica; the engine's device is then that GPU
     resources: dict[str, float] = field(default_factory=dict)
+    # the role's own engine sizing; None = the model section's
+    tp: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_mb: int | None = None
+
+
+ROLE_ENGINE_KEYS = ("tp", "gpu_memory_utilization", "kv_cache_mb")
+"""Engine options a worker role may set for itself, over the model section's."""
+
+RESOLVED = {"resolved": True}
+"""Metadata of a field parse_config fills in; cluster.yaml may not set it."""
+
+
+@dataclass(slots=True)
+class SecurityOptions:
+    """Credentials of every gRPC hop (docs/reliability.md): the client token clients must
+    send, the service secret workers' tokens derive from, and mutual TLS."""
+
+    client_token_env: str = ""  # the launcher's environment variable holding the client token; "" = none
+    service_token_env: str = ""  # ... holding the service secret; "" = none
+    tls_cert: str = ""  # PEM files as every node sees them; all three or none
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""  # the name servers' certificates must carry; "" = the address
+    client_token: str = field(default="", repr=False, metadata=RESOLVED)
+    service_token: str = field(default="", repr=False, metadata=RESOLVED)
+
+    @property
+    def tls_files(self) -> tuple[str, str, str]:
+        return self.tls_cert, self.tls_key, self.tls_ca
 
 
 @dataclass(slots=True)
@@ -107,6 +145,7 @@ class ClusterConfig:
     router: RouterPlacement = field(default_factory=RouterPlacement)
     prefill: WorkerOptions = field(default_factory=WorkerOptions)
     decode: WorkerOptions = field(default_factory=WorkerOptions)
+    security: SecurityOptions = field(default_factory=SecurityOptions)
     ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
     log_level: str = DEFAULT_LOG_LEVEL  # every actor's Python logging (tandem --log-level)
 
@@ -115,17 +154,30 @@ class ClusterConfig:
         return self.prefill.replicas * self.decode.replicas
 
     def worker_engine_options(self, role: str) -> EngineOptions:
-        """The engine options of a ``role`` worker: the model section's, and, when neither
-        gpu_memory_utilization nor kv_cache_mb is given, on CUDA, the default fraction times
-        the share of a GPU each of its ranks reserves (``num_gpus`` / ``tp`` below 1: actors
-        that share a GPU split its memory, as `tandem up` does)."""
-        engine = self.model.engine_options()
+        """The engine options of a ``role`` worker: the model section's with the role's own
+        sizing (:meth:`role_engine_options`), and, when neither gpu_memory_utilization nor
+        kv_cache_mb is given, on CUDA, the default fraction times the share of a GPU each of
+        its ranks reserves (``num_gpus`` / ``tp`` below 1: actors that share a GPU split its
+        memory, as `tandem up` does)."""
+        engine = self.role_engine_options(role)
         share = getattr(self, role).num_gpus / engine.tp
         sized = engine.gpu_memory_utilization or engine.kv_cache_mb
         if sized or not is_cuda(engine.device) or not 0 < share < 1:
             return engine
         engine.gpu_memory_utilization = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION * share * 10_000) / 10_000
         return engine
+
+    def role_engine_options(self, role: str) -> EngineOptions:
+        """The model section's engine options with ``role``'s own tp and KV sizing. A role
+        that sizes its KV one way drops the model section's other way (a role's
+        ``kv_cache_mb`` replaces the model's ``gpu_memory_utilization``, and back)."""
+        options, engine = getattr(self, role), self.model.engine_options()
+        own = {k: getattr(options, k) for k in ROLE_ENGINE_KEYS if getattr(options, k) is not None}
+        if "kv_cache_mb" in own and "gpu_memory_utilization" not in own:
+            own["gpu_memory_utilization"] = 0.0
+        if "gpu_memory_utilization" in own and "kv_cache_mb" not in own:
+            own["kv_cache_mb"] = 0
+        return replace(engine, **own)
 
 
 def load_config(path: str) -> ClusterConfig:
@@ -140,7 +192,7 @@ def parse_config(data: dict) -> ClusterConfig:
         raise ConfigError("cluster.yaml: must be a mapping of sections")
     _refuse_unknown(data, ClusterConfig, "")
     config = ClusterConfig(**{k: v for k, v in data.items() if k in ("ready_timeout_s", "log_level")})
-    for name in ("ray", "model", "router", "prefill", "decode"):
+    for name in ("ray", "model", "router", "prefill", "decode", "security"):
         section = {} if data.get(name) is None else data[name]
         if not isinstance(section, dict):
             raise ConfigError(f"{name}: must be a mapping")
@@ -148,11 +200,12 @@ def parse_config(data: dict) -> ClusterConfig:
         _refuse_unknown(section, kind, name + ".")
         setattr(config, name, kind(**section))
     _check(config)
+    config.security = _resolve_secrets(config.security)
     return config
 
 
 def _refuse_unknown(section: dict, kind: type, prefix: str) -> None:
-    known = {f.name for f in dataclasses.fields(kind)}
+    known = {f.name for f in dataclasses.fields(kind) if not f.metadata.get("resolved")}
     for key in section:
         if key not in known:
             raise ConfigError(f"{prefix}{key}: unknown key (known: {', '.join(sorted(known))})")
@@ -172,11 +225,14 @@ def _check(config: ClusterConfig) -> None:
         ("model", config.model.engine_options()),
         ("prefill", config.prefill),
         ("decode", config.decode),
+        ("prefill", config.role_engine_options("prefill")),
+        ("decode", config.role_engine_options("decode")),
     ):
         try:
             check(options)
         except ValueError as e:
             raise ConfigError(f"{section}.{e}") from None
+    _check_security(config.security)
     if config.model.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
         raise ConfigError(
             f"model.prompt_special_tokens: must be text or parse, got {config.model.prompt_special_tokens!r}"
@@ -194,6 +250,37 @@ def _check(config: ClusterConfig) -> None:
         raise ConfigError(
             f"log_level: must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}, got {config.log_level!r}"
         )
+
+
+def _check_security(security: SecurityOptions) -> None:
+    """Every key a string; TLS files all three or none, a server name only with them; a
+    client token only with the service secret or TLS (the router refuses it alone)."""
+    for f in dataclasses.fields(security):
+        if not isinstance(getattr(security, f.name), str):
+            raise ConfigError(f"security.{f.name}: must be a string, got {getattr(security, f.name)!r}")
+    given = [bool(path) for path in security.tls_files]
+    if any(given) and not all(given):
+        raise ConfigError("security.tls_cert: mutual TLS needs tls_cert, tls_key and tls_ca")
+    if security.tls_server_name and not any(given):
+        raise ConfigError("security.tls_server_name: needs mutual TLS (tls_cert, tls_key and tls_ca)")
+    if security.client_token_env and not (security.service_token_env or any(given)):
+        raise ConfigError(
+            "security.client_token_env: a client token needs the service secret (service_token_env) "
+            "or mutual TLS: clients and workers hold separate credentials"
+        )
+
+
+def _resolve_secrets(security: SecurityOptions) -> SecurityOptions:
+    """``security`` with the tokens read from the launcher's environment; a named variable
+    that is unset or empty is refused."""
+    values = {}
+    for key, target in (("client_token_env", "client_token"), ("service_token_env", "service_token")):
+        name = getattr(security, key)
+        if name:
+            if not os.environ.get(name):
+                raise ConfigError(f"security.{key}: ${name} is not set in the launcher's environment")
+            values[target] = os.environ[name]
+    return replace(security, **values)
 
 
 def _from_tree(path: str) -> str:

@@ -5,13 +5,21 @@ Units: seconds and bytes; counters end in ``_total``. Every sample carries a
 ``model_name`` label (the served model name, as vLLM labels its metrics) once
 ``model_name`` is set: the registry adds it when it is scraped, so call sites pass only
 their own labels.
+
+Invariants:
+- A failure counter has its series from the start, at 0 (requests ended in error, expired
+  deadlines, refused registrations; failed transfers once the groups are known:
+  ``start_groups``), so ``rate()`` and ``increase()`` see the first failure.
+- The process's own ``process_*`` series (CPU seconds, resident memory, open files, start
+  time; Linux only) are on the same registry, as vLLM exports them.
+- ``tandem_ready_pairs`` is the router's alone: workers do not export it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from services.common.metrics_http import serve_registry
 
@@ -51,6 +59,8 @@ class Metrics:
         self._declare_transfer(self.registry)
         self._declare_speculation(self.registry)
         self._declare_cluster(self.registry)
+        ProcessCollector(registry=self.registry)
+        self._start_failure_series()
 
     def _declare_requests(self, r: CollectorRegistry) -> None:
         """Finished requests, their tokens, latencies and the queues, by role."""
@@ -99,12 +109,15 @@ class Metrics:
         )
         self.prefix_queries = Counter(
             "tandem_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            ["group"],
+            "Prompt tokens looked up in the prefix cache, by the worker role that looked",
+            ["role", "group"],
             registry=r,
         )
         self.prefix_hits = Counter(
-            "tandem_prefix_cache_hits", "Prompt tokens reused from the prefix cache", ["group"], registry=r
+            "tandem_prefix_cache_hits",
+            "Prompt tokens reused from the prefix cache, by the worker role that reused them",
+            ["role", "group"],
+            registry=r,
         )
 
     def _declare_transfer(self, r: CollectorRegistry) -> None:
@@ -145,7 +158,9 @@ class Metrics:
         )
         self.spec_al = Histogram(
             "tandem_spec_acceptance_length",
-            "Tokens emitted per verify step",
+            "Mean tokens emitted per verify step (accepted drafts + 1) over the steps since the "
+            "last observation: one observation per finished request on a decode or aggregated "
+            "worker, not one per step",
             ["origin"],
             buckets=AL_BUCKETS,
             registry=r,
@@ -179,6 +194,27 @@ class Metrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.ready_pairs = None  # the router's alone
+        if self.role == "router":
+            self.ready_pairs = Gauge(
+                "tandem_ready_pairs",
+                "Prefill/decode pairs ready to take requests, an aggregated worker counting one; "
+                "the router's: 0 = it serves nothing",
+                registry=r,
+            )
+
+    def _start_failure_series(self) -> None:
+        """The failure counters' series at 0 (see the module's invariants)."""
+        for status in ("error", "unavailable") if self.role == "router" else ("error",):
+            self.requests.labels(self.role, status)
+        for kind in ("lease", "transfer"):
+            self.timeouts.labels(kind)
+        self.registrations.labels("refused")
+
+    def start_groups(self, groups) -> None:
+        """A worker's layer groups, once its engine is built: their failed-transfer series at 0."""
+        for group in groups:
+            self.transfer_failures.labels(group)
 
     @property
     def model_name(self) -> str:

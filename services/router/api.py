@@ -27,7 +27,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
@@ -35,6 +35,7 @@ from services.common.metrics import Metrics
 from services.common.request_context import bind_request
 from services.common.security import TlsConfig
 from services.router import messages as msg
+from services.router.capacity import longest_request, served_limits
 from services.router.cluster import Cluster
 from services.router.dispatch import QUEUE_TIMEOUT_S, RequestFlow
 from services.router.errors import ErrorCode, RouterError
@@ -59,6 +60,7 @@ class ModelLimits:
     model_id: str = ""  # the served model name (--served-model-name; default the folder's)
     vocab_size: int = 264
     max_model_len: int = 2048  # tokens, prompt plus completion
+    max_request_tokens: int = 0  # what the smallest worker's empty KV cache holds; 0 = unknown
     default_max_tokens: int = 0  # what max_tokens = 0 means; 0 = the room the prompt leaves (as vLLM)
     num_spec_tokens: int = 0
 
@@ -108,6 +110,8 @@ class RouterAPI:
         # the requests in flight, by (owner, request id): one client's ids are its own, so
         # another's running id is no answer (ALREADY_EXISTS only for the same client's)
         self.flows: dict[tuple[str, str], RequestFlow] = {}
+        if metrics.ready_pairs is not None:  # read when scraped
+            metrics.ready_pairs.set_function(lambda: self.cluster.registry.num_serving())
         self.health_monitor = HealthMonitor(
             self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )
@@ -188,20 +192,20 @@ class RouterAPI:
         return response
 
     async def model_info(self) -> cpb.ModelInfoResponse:
-        """The served model and its limits (K as the workers serve it: ``served_k``); the
-        drafter as the first registered worker says;
+        """The served model and its limits (K and the longest request as the workers serve
+        them: ``served``); the drafter as the first registered worker says;
         forced acceptance (benchmarks only) as the first worker that forces it says. The
         workers' RankInfos without where to reach them (gRPC address, transfer endpoint): this is a
         client call, and clients have no business with the workers' endpoints."""
-        lim = self.limits
+        lim = self.served()
         workers = [_without_addresses(w.info) for w in self.cluster.registry.workers.values()]
         first = workers[0] if workers else rpb.RankInfo()
         info = cpb.ModelInfoResponse(
             model_id=lim.model_id or first.model_id,
             drafter_id=first.drafter_id,
             drafter_kind=first.drafter_kind,
-            num_spec_tokens=self.served_k(),
-            max_model_len=lim.max_model_len,
+            num_spec_tokens=lim.num_spec_tokens,
+            max_model_len=longest_request(lim),
             vocab_size=lim.vocab_size,
             default_max_tokens=lim.default_max_tokens,
             workers=workers,
@@ -212,12 +216,10 @@ class RouterAPI:
             info.unsafe_forced_acceptance = forced[0]
         return info
 
-    def served_k(self) -> int:
-        """The most draft tokens a request may ask for: the router's K (``-k``), or less where
-        a registered worker drafts fewer (0: one serves without a drafter). Before any worker
-        registers, the router's own."""
-        published = [w.info.num_spec_tokens for w in self.cluster.registry.workers.values()]
-        return min([self.limits.num_spec_tokens, *published])
+    def served(self) -> ModelLimits:
+        """The router's limits lowered to what its workers serve (capacity.served_limits):
+        K (0 where one serves without a drafter), the context and the KV cache's bound."""
+        return served_limits(self.limits, self.cluster.registry.workers.values())
 
     async def close(self) -> None:
         await self.cluster.close()
@@ -230,8 +232,7 @@ class RouterAPI:
         if (owner, rid) in self.flows:
             raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id: {rid!r} is running")
         try:
-            limits = replace(self.limits, num_spec_tokens=self.served_k())
-            token_ids = validate_generate(request, limits, self.tokenizer)
+            token_ids = validate_generate(request, self.served(), self.tokenizer)
         except RequestError as e:
             raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         text = None

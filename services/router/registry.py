@@ -187,7 +187,11 @@ class Registry:
         ]
 
     def is_serving(self) -> bool:
-        return bool(self.ready_pairs()) or bool(self._aggregated())
+        return self.num_serving() > 0
+
+    def num_serving(self) -> int:
+        """READY pairs of healthy workers, plus healthy aggregated workers (one each)."""
+        return len(self.ready_pairs()) + len(self._aggregated())
 
     # ------------------------------------------------------------------ choice
 

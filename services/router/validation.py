@@ -33,7 +33,15 @@ def validate_generate(request: cpb.GenerateRequest, limits, tokenizer) -> list[i
             f"{limits.max_model_len}-token context"
         )
     room = limits.max_model_len - len(token_ids)
-    _check_sampling(request.sampling, room)
+    if request.sampling.max_tokens > room:
+        raise RequestError(
+            f"sampling.max_tokens: {request.sampling.max_tokens} exceeds the {room} tokens left "
+            f"in the {limits.max_model_len}-token context after the {len(token_ids)}-token prompt"
+        )
+    _check_kv(len(token_ids), request.sampling.max_tokens, limits.max_request_tokens)
+    if limits.max_request_tokens:
+        room = min(room, limits.max_request_tokens - len(token_ids))
+    _check_sampling(request.sampling)
     if not request.sampling.max_tokens:
         request.sampling.max_tokens = min(limits.default_max_tokens or room, room)
     _check_min_tokens(request.sampling, request.sampling.max_tokens)
@@ -86,12 +94,26 @@ def check_text_length(name: str, num_chars: int, max_model_len: int) -> None:
         )
 
 
-def _check_sampling(sampling: cpb.SamplingParams, room: int) -> None:
-    if sampling.max_tokens > room:
+def _check_kv(prompt_len: int, max_tokens: int, kv_tokens: int) -> None:
+    """Prompt plus ``max_tokens`` fit ``kv_tokens``, the most one request may hold in the
+    smallest worker's KV cache (0 = unknown: nothing to check). A request over it could
+    never be placed, so it is refused now rather than queued."""
+    if not kv_tokens:
+        return
+    if prompt_len >= kv_tokens:
         raise RequestError(
-            f"sampling.max_tokens: {sampling.max_tokens} exceeds the {room} "
-            "tokens left in the context after the prompt"
+            f"prompt: {prompt_len} tokens leave no room in the {kv_tokens} tokens the "
+            "workers' KV cache holds for one request"
         )
+    if prompt_len + max_tokens > kv_tokens:
+        raise RequestError(
+            f"sampling.max_tokens: {prompt_len} prompt tokens + {max_tokens} = "
+            f"{prompt_len + max_tokens} exceed the {kv_tokens} tokens the workers' KV cache "
+            "holds for one request"
+        )
+
+
+def _check_sampling(sampling: cpb.SamplingParams) -> None:
     if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
         raise RequestError(f"sampling.temperature: must be >= 0, got {sampling.temperature}")
     if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:

@@ -16,6 +16,7 @@ from kvcore.spec import CacheConfig, KVLayout, LayerGroupSpec, Lifecycle, Owner,
 from kvcore.transfer import EndpointInfo
 from proto.tandem.v1 import rank_info_pb2
 from services.common.peer_check import heads_per_rank
+from services.engine.checks import longest_fitting
 from services.engine.engine import Engine
 from services.engine.setup import group_kv_heads
 from services.worker.transfer_proto import endpoint_to_proto
@@ -125,7 +126,8 @@ def engine_kv_heads(engine: Engine) -> dict[str, int]:
 def engine_rank_info(
     engine: Engine, role: str, instance_id: str, endpoint: EndpointInfo | None
 ) -> rank_info_pb2.RankInfo:
-    """The RankInfo of the rank running ``engine``: its own pools' heads, TP size and rank."""
+    """The RankInfo of the rank running ``engine``: its own pools' heads, TP size and rank,
+    and the longest request it serves (its context and what its empty KV cache holds)."""
     e = engine
     info = build_rank_info(
         e.manager.config,
@@ -140,6 +142,8 @@ def engine_rank_info(
         total_kv_heads=engine_kv_heads(e),
         num_pages=tuple(e.manager.num_pages(g) for g in e.manager.groups),
     )
+    info.max_model_len = e.max_model_len
+    info.max_request_tokens = longest_fitting(e.manager)
     if e.config.forced_acceptance >= 0:  # benchmarks only: say so to every peer and the router
         info.unsafe_forced_acceptance = e.config.forced_acceptance
     return info

@@ -40,6 +40,7 @@ class WorkerBase:
         if self.group is not None:
             self.engine.step = _exit_on_failure(self.engine.step)
         self.metrics = Metrics(config.role)
+        self.metrics.start_groups(self.engine.manager.groups)
         self.loop = EngineLoop(self.engine, self.metrics.observe_step, count_prompts=config.role != "decode")
         e = self.engine
         self.agent = TransferAgent(
@@ -145,8 +146,8 @@ class WorkerBase:
         m.waiting.labels(role).set(waiting)
         for name, prefix in cache.prefix.items():
             queried, hit = self._prefix_seen.get(name, (0, 0))
-            m.prefix_queries.labels(name).inc(max(prefix.query_tokens - queried, 0))
-            m.prefix_hits.labels(name).inc(max(prefix.hit_tokens - hit, 0))
+            m.prefix_queries.labels(role, name).inc(max(prefix.query_tokens - queried, 0))
+            m.prefix_hits.labels(role, name).inc(max(prefix.hit_tokens - hit, 0))
             self._prefix_seen[name] = (prefix.query_tokens, prefix.hit_tokens)
 
     def busy_pages(self) -> int:

@@ -13,13 +13,18 @@ import pytest
 
 from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
 from tests.helm.test_credentials import NAMED, TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
+from tests.helm.test_operations import OPERATIONS
 from tests.helm.test_pod_values import EXISTING_ACCOUNT, EXTRAS, PDBS
 from tests.helm.test_value_sets import ONE_P_ONE_D, SEPARATE, TP_2, TWO_P_FOUR_D
 
 # The chart's kubeVersion floor (gRPC probes are GA in 1.27) and the newest schemas we have.
 KUBERNETES_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 # Prometheus Operator CRDs: no schema for them ships with kubernetes-validate.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
 MONITORS = {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
 IMAGE_MODEL = {"model": {"source": "image", "image": {"repository": "registry.example/llama"}}}
 VALUE_SETS = {
@@ -39,12 +44,14 @@ VALUE_SETS = {
     "extra env and volumes": EXTRAS,
     "disruption budgets": PDBS,
     "existing service account": EXISTING_ACCOUNT,
+    "operations": OPERATIONS,
 }
 # ConfigMap x2 (config, dashboard), Deployment x3, Service x4, the ServiceAccount, the test Pod
 KINDS = Counter({"ConfigMap": 2, "Deployment": 3, "Service": 4, "ServiceAccount": 1, "Pod": 1})
 EXPECTED_KINDS = {
     "disruption budgets": KINDS + Counter({"PodDisruptionBudget": 3}),
     "existing service account": KINDS - Counter({"ServiceAccount": 1}),
+    "operations": KINDS + Counter({"HorizontalPodAutoscaler": 2, "Ingress": 1}),
 }
 
 
@@ -73,7 +80,7 @@ def test_every_manifest_validates_strictly(name):
                 )
         _validated.add(key)
     assert checked == EXPECTED_KINDS.get(name, KINDS)
-    assert len(manifests) - checked.total() == (2 if values is MONITORS else 0)
+    assert len(manifests) - checked.total() == {"monitors": 2, "operations": 1}.get(name, 0)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +94,7 @@ def test_every_manifest_validates_strictly(name):
         WORKER_TOKEN,
         {**TOKENS, **{c: {**EXTRAS[c], **PDBS[c]} for c in PDBS}},
         EXISTING_ACCOUNT,
+        OPERATIONS,
     ],
     ids=[
         "defaults",
@@ -97,6 +105,7 @@ def test_every_manifest_validates_strictly(name):
         "worker token",
         "tokens, extras, budgets",
         "existing service account",
+        "operations",
     ],
 )
 def test_helm_lint_strict_finds_nothing_above_info(values):

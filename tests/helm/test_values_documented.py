@@ -21,6 +21,7 @@ FREE_FORM = {
     "labels",
     "annotations",
     "volume",
+    "selector",
 }
 
 

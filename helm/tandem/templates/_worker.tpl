@@ -15,7 +15,9 @@ metadata:
     {{- include "tandem.labels" $root | nindent 4 }}
     app.kubernetes.io/component: {{ .role }}
 spec:
+  {{- if not $w.autoscaling.enabled }}  {{- /* else the HorizontalPodAutoscaler owns it */}}
   replicas: {{ $w.replicas }}
+  {{- end }}
   strategy:  # replace pods in place: a surge pod would need GPUs the old one still holds
     type: RollingUpdate
     rollingUpdate: {maxSurge: 0, maxUnavailable: 1}
@@ -39,11 +41,7 @@ spec:
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with $v.podSecurityContext }}
-      securityContext:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- include "tandem.podOperations" (dict "root" $root "component" .role) | trim | nindent 6 }}
       {{- if eq $m.source "image" }}
       initContainers:
         {{- $script := printf "cp -a %s/. /model-volume/" $m.image.path }}
@@ -53,9 +51,8 @@ spec:
         - name: {{ .role }}
           image: {{ include "tandem.image" $root }}
           imagePullPolicy: {{ $v.image.pullPolicy }}
-          {{- with $v.securityContext }}
-          securityContext:
-            {{- toYaml . | nindent 12 }}
+          {{- with (include "tandem.containerOperations" (dict "root" $root "component" .role) | trim) }}
+          {{- . | nindent 10 }}
           {{- end }}
           args:
             - worker

@@ -21,6 +21,8 @@ def full_rank_info() -> rank_info_pb2.RankInfo:
         num_draft_layers=1,
         num_spec_tokens=3,
         draft_block_width=4,
+        max_model_len=4096,
+        max_request_tokens=8000,
         transfer_endpoint=rank_info_pb2.TransferEndpoint(
             backend="ucx", address=b"\x00\x01ucx\xff", host="127.0.0.1", port=13337
         ),

@@ -104,7 +104,8 @@ def test_an_invalid_request_is_refused_naming_the_field_before_it_runs():
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT
     assert (
         refused.value.message
-        == "sampling.max_tokens: 100 exceeds the 59 tokens left in the context after the prompt"
+        == "sampling.max_tokens: 100 exceeds the 59 tokens left in the 64-token context "
+        "after the 5-token prompt"
     )
     assert api.flows == {} and _requests(api, "error") == 0
 

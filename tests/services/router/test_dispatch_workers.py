@@ -203,13 +203,47 @@ def test_losing_the_decode_worker_after_the_first_token_fails_the_request_unavai
     assert held == 0  # the cancelled Decode call freed the worker's pages
 
 
-def test_a_prompt_the_decode_worker_has_no_room_for_queues_until_its_timeout(cluster):
+HOG_TOKENS = 60  # a reservation holding most of the decode worker's 96 tokens
+QUEUED = [i % 30 for i in range(40)]  # fits the empty pool, not beside the hog
+
+
+async def _hog(api) -> None:
+    """Hold most of the decode worker's pages under a reservation of its own."""
+    request = wpb.ReserveRequest(request_id="hog", prompt_len=HOG_TOKENS)
+    await api.cluster.decode_stub("decode-0").Reserve(request, timeout=5)
+
+
+async def _free_hog(api) -> None:
+    await api.cluster.decode_stub("decode-0").Release(wpb.ReleaseRequest(request_id="hog"), timeout=5)
+
+
+def test_a_prompt_the_decode_worker_can_never_hold_is_refused_at_once_naming_the_numbers(cluster):
     api = cluster.bound["router"]
-    api.queue_timeout_s = 0.3
     long_prompt = [i % 30 for i in range(200)]
 
     async def scenario():
         return [m async for m in api.generate(_request("too-long", long_prompt, max_tokens=4))]
+
+    with pytest.raises(RouterError) as refused:
+        cluster.run(scenario())
+    kv = api.served().max_request_tokens
+    assert 0 < kv < 200 and refused.value.code == ErrorCode.INVALID_ARGUMENT
+    assert str(refused.value) == (
+        f"prompt: 200 tokens leave no room in the {kv} tokens the workers' KV cache holds for one request"
+    )
+    assert api.metrics.waiting.labels("router")._value.get() == 0
+
+
+def test_a_prompt_the_decode_worker_has_no_room_for_now_queues_until_its_timeout(cluster):
+    api = cluster.bound["router"]
+    api.queue_timeout_s = 0.3
+
+    async def scenario():
+        await _hog(api)
+        try:
+            return [m async for m in api.generate(_request("no-room", QUEUED, max_tokens=4))]
+        finally:
+            await _free_hog(api)
 
     try:
         messages = cluster.run(scenario())
@@ -223,16 +257,19 @@ def test_a_prompt_the_decode_worker_has_no_room_for_queues_until_its_timeout(clu
 
 def test_a_queued_request_aborted_ends_with_abort(cluster):
     api = cluster.bound["router"]
-    long_prompt = [i % 30 for i in range(200)]
 
     async def scenario():
-        messages = api.generate(_request("queued", long_prompt, max_tokens=4))
-        head = asyncio.ensure_future(anext(messages))
-        while not api.is_running("queued"):
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # a few Reserve refusals later
-        found = await api.abort("queued")
-        return found, [await head] + [m async for m in messages]
+        await _hog(api)
+        try:
+            messages = api.generate(_request("queued", QUEUED, max_tokens=4))
+            head = asyncio.ensure_future(anext(messages))
+            while not api.is_running("queued"):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # a few Reserve refusals later
+            found = await api.abort("queued")
+            return found, [await head] + [m async for m in messages]
+        finally:
+            await _free_hog(api)
 
     found, messages = cluster.run(scenario())
     assert found

@@ -225,7 +225,9 @@ def test_the_routers_own_validation_is_a_400_under_the_openai_field_name():
     )
     error = json.loads(response.body)["error"]
     assert response.status == 400 and error["param"] == "max_tokens"
-    assert error["message"] == "max_tokens: 100 exceeds the 29 tokens left in the context after the prompt"
+    assert error["message"] == (
+        "max_tokens: 100 exceeds the 29 tokens left in the 32-token context after the 3-token prompt"
+    )
 
 
 def test_chat_prompt_overflow_names_messages():

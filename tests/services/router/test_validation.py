@@ -42,10 +42,32 @@ def test_an_explicit_max_tokens_is_kept_when_it_fits_and_refused_when_it_does_no
     with pytest.raises(RequestError) as e:
         validate_generate(_request(10, max_tokens=55), LIMITS, None)
     assert (
-        str(e.value) == "sampling.max_tokens: 55 exceeds the 54 tokens left in the context after the prompt"
+        str(e.value) == "sampling.max_tokens: 55 exceeds the 54 tokens left in the 64-token context "
+        "after the 10-token prompt"
     )
 
 
 def test_min_tokens_counts_against_the_clamped_default():
     with pytest.raises(RequestError, match=r"^sampling\.min_tokens: 4 exceeds max_tokens \(3\)$"):
         validate_generate(_request(61, min_tokens=4), LIMITS, None)
+
+
+KV_LIMITS = ModelLimits(max_model_len=64, max_request_tokens=40)
+
+
+def test_a_request_over_what_the_kv_cache_holds_is_refused_naming_both_numbers():
+    with pytest.raises(RequestError) as e:
+        validate_generate(_request(10, max_tokens=31), KV_LIMITS, None)
+    assert str(e.value) == (
+        "sampling.max_tokens: 10 prompt tokens + 31 = 41 exceed the 40 tokens the workers' "
+        "KV cache holds for one request"
+    )
+    with pytest.raises(RequestError, match=r"^prompt: 40 tokens leave no room in the 40 tokens"):
+        validate_generate(_request(40), KV_LIMITS, None)
+
+
+def test_an_unset_max_tokens_is_clamped_to_what_the_kv_cache_holds():
+    request = _request(10)
+    validate_generate(request, KV_LIMITS, None)
+    assert request.sampling.max_tokens == 30
+    validate_generate(_request(10, max_tokens=30), KV_LIMITS, None)

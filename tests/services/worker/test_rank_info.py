@@ -198,3 +198,14 @@ def test_an_engine_forcing_acceptance_publishes_it_and_a_lossless_one_does_not(t
     lossless = engine_rank_info(make_engine(pair, k=2), "prefill", "prefill-0", None)
     assert not lossless.HasField("unsafe_forced_acceptance")
     assert [m.field for m in check_peer(info, lossless)] == ["unsafe_forced_acceptance"]
+
+
+def test_an_engine_publishes_its_context_and_what_its_kv_holds(tmp_path):
+    """max_model_len is the engine's context; max_request_tokens the longest request its
+    empty cache takes (the target's 256 pages of 4 tokens less the headroom)."""
+    pair = write_pair(tmp_path)
+    engine = make_engine(pair, k=2, max_model_len=512)
+    info = engine_rank_info(engine, "decode", "decode-0", None)
+    assert info.max_model_len == 512
+    assert info.max_request_tokens == 256 * 4 - engine.manager.config.headroom_tokens
+    assert build(make_config()).max_model_len == 0  # a bare config publishes none
