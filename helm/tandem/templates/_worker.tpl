@@ -102,6 +102,8 @@ spec:
             - $(TANDEM_MAX_MODEL_LEN)
             - --log-level
             - $(TANDEM_LOG_LEVEL)
+            - --shutdown-timeout-s
+            - $(TANDEM_SHUTDOWN_TIMEOUT_S)
             {{- /* the KV memory: kvCacheMb, else gpuMemoryUtilization of the GPU (the worker's default without either) */}}
             {{- if gt (int ($w.kvCacheMb | default 0)) 0 }}
             - --kv-cache-mb
