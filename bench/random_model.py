@@ -69,7 +69,9 @@ def shard_name(i: int, shards: int) -> str:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], layers: int, g: torch.Generator) -> torch.Tensor:
-    """bf16 on the CPU, drawn on the generator's device."""
+    """bf16 on the CPU, drawn on the generator's device; biases and attention sinks zero."""
+    if name.endswith(("bias", "sinks")):
+        return torch.zeros(shape, dtype=torch.bfloat16)
     std = weight_std(name, shape, layers)
     if std == 0.0:
         return torch.ones(shape, dtype=torch.bfloat16)

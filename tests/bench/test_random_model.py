@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from bench.random_model import INDEX, build, shard_plan, weight_std
 from bench.random_shapes import PRESETS, drafter_config, shape_from, target_config
-from services.engine.models import DenseContext, load_drafter, load_target
+from services.engine.models import DenseContext, dense_contexts, load_drafter, load_target
 from services.engine.models.config import EagleConfig, LlamaConfig
 from services.tokenization.tokenizer import load_tokenizer
 
@@ -101,3 +101,30 @@ def test_ids_past_the_tokenizer_decode_to_no_text(pair):
     tokenizer = load_tokenizer(str(pair[0]))
     assert tokenizer.vocab_size == 259  # the model's 1024 ids are a superset
     assert tokenizer.decode([104, 1000, 105, 259]) == "hi"
+
+
+def test_the_gpt_oss_config_is_gpt_oss_20b():
+    config = LlamaConfig.from_dict(target_config(PRESETS["gpt-oss-20b"]))
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.head_dim) == (
+        "gpt_oss",
+        2880,
+        24,
+        64,
+    )
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (32, 4, 2880)
+    assert config.layer_types[:2] == ("sliding_attention", "full_attention") and config.sliding_window == 128
+    assert config.rope_scaling["rope_type"] == "yarn" and config.attention_sinks
+
+
+def test_a_tiny_gpt_oss_pair_loads_and_its_bf16_activations_stay_finite(tmp_path):
+    target, drafter = build(tmp_path, PRESETS["tiny-moe"], shards=2, device="cpu")
+    model = load_target(target, dtype=torch.bfloat16)
+    draft = load_drafter(drafter, dtype=torch.bfloat16)
+    aux = draft.config.check_target(model.config).aux_layer_ids
+    ids = torch.randint(0, 1024, (64,), generator=torch.Generator().manual_seed(0))
+    ctx = dense_contexts(model.kv_layer_groups(), batch=1, seq_len=64)
+    with torch.inference_mode():
+        out = model(ids, torch.arange(64), ctx, aux)
+        logits = model.head(out.hidden).float()
+    assert torch.isfinite(out.aux.float()).all() and torch.isfinite(logits).all()
+    assert 0.3 < logits.std().item() < 3.0
