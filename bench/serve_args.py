@@ -20,7 +20,8 @@ TINY = ("models/tiny-target", "models/tiny-drafter")
 DEVICE_DEFAULTS = {
     "cuda": dict(
         grid="512/128,2048/256,8192/256", concurrency="1,8,32,64,128", rates="1,2,4,8", forced_accept=3,
-        worker_args="--max-num-seqs 128", aggregated_args="--gpu-memory-utilization 0.9",
+        worker_args="--max-num-seqs 128 --max-model-len 16384",
+        aggregated_args="--gpu-memory-utilization 0.9",
         prefill_args="--gpu-memory-utilization 0.3", decode_args="--gpu-memory-utilization 0.6",
         client_procs=4, ceiling_kv_mb=65536, ceiling_repeats=1, start_timeout_s=900.0,
     ),
@@ -94,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--worker-args",
         help="more flags for every worker, one string (a lone flag: --worker-args=--flag) "
-        "(default: cuda '--max-num-seqs 128'; cpu none)",
+        "(default: cuda '--max-num-seqs 128 --max-model-len 16384', the grid's longest with room: "
+        "a prefill worker on 0.3 of an 80 GB card cannot hold an 8B model's 131072 tokens; cpu none)",
     )
     add(
         "--aggregated-args",
