@@ -77,3 +77,44 @@ def test_greedy_text_equals_transformers(folders, served):
     target = {"target", "target_sliding"} if family == "gpt_oss" else {"target"}
     assert {t.group for t in complete.usage.transfers} == target | ({"draft"} if drafting else set())
     assert_no_request_holds_pages(cluster)
+
+
+TP_LAYOUTS = {  # name -> the cluster's roles: aggregated TP 2, and a TP 2 prefill beside a TP 1 decode
+    "aggregated-tp2": [("both", ["--tp", "2"])],
+    "prefill-tp2-decode-tp1": [("prefill", ["--tp", "2"]), ("decode", ["--tp", "1"])],
+}
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_gpt_oss_under_tensor_parallelism_equals_transformers(tmp_path_factory, layout):
+    """Experts split over their intermediate size, sinks over the heads, the drafter's KV moved
+    beside both target groups when the pair differs in TP."""
+    root = tmp_path_factory.mktemp("gpt-oss-tp")
+    tok = trained_bpe(400)
+    model = hf_checkpoint(
+        root / "target",
+        "gpt_oss",
+        seed=13,
+        **MOE["gpt_oss"],
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+    )
+    write_folder(root / "target", tok)
+    published_drafter(root / "drafter", model.config, draft_vocab=96, seed=14)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
+    ids = hf_tok(LONG_PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
+        )
+    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
+    cluster = LocalCluster(worker_args(root), router, TP_LAYOUTS[layout], start_timeout_s=120)
+    cluster.start()
+    try:
+        request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
+        tokens, _, _ = stream(cluster.router_address, request)
+        assert tokens == out[0, len(ids) :].tolist()
+        assert_no_request_holds_pages(cluster)
+    finally:
+        cluster.stop()
