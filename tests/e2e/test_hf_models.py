@@ -129,10 +129,7 @@ def served(request, tmp_path_factory):
     write_folder(root / "target", tok, template)
     published_drafter(root / "drafter", model.config, draft_vocab=96, seed=8)
     hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
-    worker = worker_args(root)
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
-    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
-    cluster.start()
+    cluster = pair_cluster(root, drafter=True)
     yield family, model, hf_tok, template, cluster
     cluster.stop()
 
@@ -155,6 +152,20 @@ def worker_args(root: Path) -> list[str]:
         "--max-num-seqs",
         "8",
     ]
+
+
+def pair_cluster(root: Path, drafter: bool, roles=("prefill", "decode")) -> LocalCluster:
+    """A started cluster serving the pair in ``root`` (:func:`worker_args`), or its target
+    alone (``--drafter none``, the layout left to the workers) when ``drafter`` is false."""
+    worker = worker_args(root)
+    if not drafter:
+        args = dict(zip(worker[::2], worker[1::2], strict=True))
+        args.update({"--drafter": "none", "--layout": "auto"})
+        worker = [x for kv in args.items() for x in kv]
+    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
+    cluster = LocalCluster(worker, router, list(roles), start_timeout_s=120)
+    cluster.start()
+    return cluster
 
 
 def reference(model, hf_tok, ids: list[int]) -> tuple[list[int], str]:

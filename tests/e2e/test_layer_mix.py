@@ -11,10 +11,9 @@ import pytest
 import torch
 import transformers
 
-from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
 from tests.e2e.conftest import assert_no_request_holds_pages, stream
-from tests.e2e.test_hf_models import PROMPT, published_drafter, worker_args
+from tests.e2e.test_hf_models import PROMPT, pair_cluster, published_drafter
 from tests.services.engine.models.hf_models import hf_checkpoint, layer_mix
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 
@@ -47,15 +46,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module", params=["drafter", "none"])
 def served(request, folders):
     """(whether a drafter runs, a running prefill + decode cluster)."""
-    root = folders[0]
-    worker = worker_args(root)
-    if request.param == "none":
-        args = dict(zip(worker[::2], worker[1::2], strict=True))
-        args.update({"--drafter": "none", "--layout": "auto"})
-        worker = [x for kv in args.items() for x in kv]
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
-    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
-    cluster.start()
+    cluster = pair_cluster(folders[0], drafter=request.param == "drafter")
     yield request.param == "drafter", cluster
     cluster.stop()
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 import transformers
 
-from deploy.local import LocalCluster
 from proto.tandem.v1 import client_pb2 as cpb
 from tests.e2e.conftest import assert_no_request_holds_pages, stream
-from tests.e2e.test_hf_models import PROMPT, published_drafter, worker_args
+from tests.e2e.test_hf_models import PROMPT, pair_cluster, published_drafter
 from tests.services.engine.models.hf_models import MOE, hf_checkpoint
 from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 
@@ -24,38 +23,47 @@ MAX_TOKENS = 12
 LONG_PROMPT = " ".join([PROMPT] * 2)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
-def folders(request, tmp_path_factory):
-    """(family, root holding target/ and drafter/, the transformers model, its tokenizer)."""
-    family = request.param
-    root = tmp_path_factory.mktemp(family)
+def moe_folders(root, family: str, seed: int, **overrides):
+    """``root``/target (a random ``family`` checkpoint saved by transformers, a trained BPE
+    tokenizer) and ``root``/drafter (published EAGLE-3 layout); returns (the transformers
+    model, its tokenizer)."""
     tok = trained_bpe(400)
     model = hf_checkpoint(
         root / "target",
         family,
-        seed=11,
-        **{"num_hidden_layers": 4, **MOE[family]},
+        seed=seed,
+        **{**MOE[family], **overrides},
         vocab_size=tok.get_vocab_size(),
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
     )
     write_folder(root / "target", tok)
-    published_drafter(root / "drafter", model.config, draft_vocab=96, seed=12)
-    return family, root, model, transformers.AutoTokenizer.from_pretrained(root / "target")
+    published_drafter(root / "drafter", model.config, draft_vocab=96, seed=seed + 1)
+    return model, transformers.AutoTokenizer.from_pretrained(root / "target")
+
+
+def greedy_reference(model, hf_tok, text: str) -> list[int]:
+    """transformers' greedy continuation of ``text``: MAX_TOKENS new ids."""
+    ids = hf_tok(text)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
+def folders(request, tmp_path_factory):
+    """(family, root holding target/ and drafter/, the transformers model, its tokenizer)."""
+    root = tmp_path_factory.mktemp(request.param)
+    model, hf_tok = moe_folders(root, request.param, seed=11, num_hidden_layers=4)
+    return request.param, root, model, hf_tok
 
 
 @pytest.fixture(scope="module", params=["drafter", "none"])
 def served(request, folders):
     """(whether a drafter runs, a running prefill + decode cluster)."""
-    root = folders[1]
-    worker = worker_args(root)
-    if request.param == "none":
-        args = dict(zip(worker[::2], worker[1::2], strict=True))
-        args.update({"--drafter": "none", "--layout": "auto"})
-        worker = [x for kv in args.items() for x in kv]
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
-    cluster = LocalCluster(worker, router, ["prefill", "decode"], start_timeout_s=90)
-    cluster.start()
+    cluster = pair_cluster(folders[1], drafter=request.param == "drafter")
     yield request.param == "drafter", cluster
     cluster.stop()
 
@@ -63,13 +71,8 @@ def served(request, folders):
 def test_greedy_text_equals_transformers(folders, served):
     family, _, model, hf_tok = folders
     drafting, cluster = served
-    ids = hf_tok(LONG_PROMPT)["input_ids"]
-    assert len(ids) > 16  # past gpt-oss's window
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
-        )
-    want = out[0, len(ids) :].tolist()
+    assert len(hf_tok(LONG_PROMPT)["input_ids"]) > 16  # past gpt-oss's window
+    want = greedy_reference(model, hf_tok, LONG_PROMPT)
     request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
     tokens, text, complete = stream(cluster.router_address, request)
     assert tokens == want
@@ -90,31 +93,13 @@ def test_gpt_oss_under_tensor_parallelism_equals_transformers(tmp_path_factory, 
     """Experts split over their intermediate size, sinks over the heads, the drafter's KV moved
     beside both target groups when the pair differs in TP."""
     root = tmp_path_factory.mktemp("gpt-oss-tp")
-    tok = trained_bpe(400)
-    model = hf_checkpoint(
-        root / "target",
-        "gpt_oss",
-        seed=13,
-        **MOE["gpt_oss"],
-        vocab_size=tok.get_vocab_size(),
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_id=tok.token_to_id("</s>"),
-    )
-    write_folder(root / "target", tok)
-    published_drafter(root / "drafter", model.config, draft_vocab=96, seed=14)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
-    ids = hf_tok(LONG_PROMPT)["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
-        )
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
-    cluster = LocalCluster(worker_args(root), router, TP_LAYOUTS[layout], start_timeout_s=120)
-    cluster.start()
+    model, hf_tok = moe_folders(root, "gpt_oss", seed=13)
+    want = greedy_reference(model, hf_tok, LONG_PROMPT)
+    cluster = pair_cluster(root, drafter=True, roles=TP_LAYOUTS[layout])
     try:
         request = cpb.GenerateRequest(text=LONG_PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
         tokens, _, _ = stream(cluster.router_address, request)
-        assert tokens == out[0, len(ids) :].tolist()
+        assert tokens == want
         assert_no_request_holds_pages(cluster)
     finally:
         cluster.stop()
