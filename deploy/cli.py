@@ -227,7 +227,9 @@ def run_router_command(args: argparse.Namespace) -> int:
     limits = model_limits(args.model, args.num_spec_tokens, args.max_model_len, name, max_tokens)
     tokenizer, chat = router_text(args.model, args.tokenizer, args.chat_template, args.prompt_special_tokens)
     try:
-        openai = openai_options(args.model, args.generation_config, args.reasoning_parser)
+        openai = openai_options(
+            args.model, args.generation_config, args.reasoning_parser, args.tool_call_parser
+        )
         settings = RouterSettings(
             tokens_per_page=args.tokens_per_page,
             token=args.token,

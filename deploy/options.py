@@ -48,8 +48,15 @@ DRAFT_QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
 PROMPT_SPECIAL_TOKENS = ("text", "parse")
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # services.router.reasoning.PARSERS, and none
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral")  # services.router.tool_calls.PARSERS
 # serving options workers do not take
-ROUTER_ONLY_SERVING = ("chat_template", "prompt_special_tokens", "generation_config", "reasoning_parser")
+ROUTER_ONLY_SERVING = (
+    "chat_template",
+    "prompt_special_tokens",
+    "generation_config",
+    "reasoning_parser",
+    "tool_call_parser",
+)
 # what the router takes of the engine options: its limits, its text, its page hashing
 ROUTER_ENGINE_OPTIONS = ("model", "tokenizer", "num_spec_tokens", "tokens_per_page", "max_model_len")
 CPU_KV_CACHE_MB = 256  # the KV cache off CUDA when --kv-cache-mb is not given
@@ -247,6 +254,13 @@ class ServingOptions:
         "split a chat answer's <think>...</think> into reasoning_content (streamed too): qwen3 = an "
         "answer opening with <think>; deepseek_r1 = the template opened it; none = the text as it comes",
         choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str = _option(
+        "none",
+        "parse a chat answer's tool calls into tool_calls (streamed too) when a request sends tools "
+        "with tool_choice auto: hermes (Qwen2.5/3, Hermes <tool_call>), llama3_json (Llama 3.x), "
+        "mistral ([TOOL_CALLS]); none = tool_choice auto is refused",
+        choices=TOOL_CALL_PARSERS,
     )
 
 

@@ -97,7 +97,9 @@ class ServiceActor:
         tokenizer = load_tokenizer(engine.model, engine.tokenizer)  # ValueError names what is wrong
         tokenizer.special_in_text = model.prompt_special_tokens == "parse"
         chat = load_chat_template(tokenizer, model.chat_template_path)
-        openai = openai_options(engine.model, model.generation_config_path, model.reasoning_parser)
+        openai = openai_options(
+            engine.model, model.generation_config_path, model.reasoning_parser, model.tool_call_parser
+        )
         http_port = None if options.http_port < 0 else options.http_port
         settings = router_settings(cluster)  # ValueError names a missing TLS file
 

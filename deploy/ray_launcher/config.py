@@ -29,6 +29,7 @@ from deploy.options import (
     HERE,
     PROMPT_SPECIAL_TOKENS,
     REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     EngineOptions,
     TransferOptions,
     check,
@@ -63,6 +64,7 @@ class ModelOptions(EngineOptions):
     prompt_special_tokens: str = "text"  # "parse": clients' text may hold special tokens
     generation_config: str = "auto"  # sampling defaults: auto (the model's file), vllm (none), a folder
     reasoning_parser: str = "none"  # none, qwen3 or deepseek_r1: <think> text -> reasoning_content
+    tool_call_parser: str = "none"  # none, hermes, llama3_json or mistral: calls -> tool_calls
 
     def engine_options(self) -> EngineOptions:
         """The engine options with the paths resolved."""
@@ -241,6 +243,11 @@ def _check(config: ClusterConfig) -> None:
         raise ConfigError(
             f"model.reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
             f"got {config.model.reasoning_parser!r}"
+        )
+    if config.model.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(
+            f"model.tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+            f"got {config.model.tool_call_parser!r}"
         )
     if not isinstance(config.ray.env, dict):
         raise ConfigError("ray.env: must be a mapping of variable names to values")

@@ -52,6 +52,7 @@ class RenderOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # never with add_generation_prompt (as transformers)
     documents: list[dict] | None = None
+    tools: list[dict] | None = None  # OpenAI's tools, as apply_chat_template(tools=...) takes them
     variables: dict = field(default_factory=dict)  # more template variables (chat_template_kwargs)
 
 
@@ -88,7 +89,7 @@ class ChatTemplate:
             **self.tokenizer.special_tokens,
             **options.variables,
             "messages": _alias_reasoning(messages),
-            "tools": None,
+            "tools": options.tools,
             "documents": options.documents,
             "add_generation_prompt": options.add_generation_prompt,
         }

@@ -66,13 +66,17 @@ def router_text(
 
 
 def openai_options(
-    model_dir: str, generation_config: str = "auto", reasoning_parser: str = "none"
+    model_dir: str,
+    generation_config: str = "auto",
+    reasoning_parser: str = "none",
+    tool_call_parser: str = "none",
 ) -> OpenAIOptions:
     """The OpenAI layer's options: the sampling defaults ``generation_config`` gives
-    (generation_defaults.py) and the reasoning parser ("none" = none). Raises ValueError
-    naming what is malformed."""
+    (generation_defaults.py), the reasoning and tool-call parsers ("none" = none). Raises
+    ValueError naming what is malformed."""
     defaults = load_sampling_defaults(model_dir, generation_config)
-    return OpenAIOptions(defaults, "" if reasoning_parser == "none" else reasoning_parser)
+    parsers = ("" if p == "none" else p for p in (reasoning_parser, tool_call_parser))
+    return OpenAIOptions(defaults, *parsers)
 
 
 @dataclass(slots=True)
@@ -136,9 +140,10 @@ async def run_router(
     http_url = f" http=http://{host}:{http_port}" if http else ""
     if http:
         log.info(
-            "OpenAI API %s; reasoning parser: %s",
+            "OpenAI API %s; reasoning parser: %s; tool-call parser: %s",
             c.openai.defaults.describe(),
             c.openai.reasoning_parser or "none",
+            c.openai.tool_call_parser or "none",
         )
     print(f"router grpc={host}:{port} metrics=http://{host}:{metrics_port}/metrics{http_url}", flush=True)
     if bound is not None:

@@ -25,8 +25,10 @@ from collections.abc import AsyncGenerator
 from proto.tandem.v1 import client_pb2 as cpb
 from services.common.request_context import about_request, bind_request
 from services.common.security import same_token
+from services.router.chat_answer import ChatAnswer, finish_name
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
+from services.router.openai_fields import invalid
 from services.router.openai_info import ModelEndpoints, OpenAIOptions
 from services.router.openai_output import RuledOutput, prepare_prompt, tokenized_here
 from services.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion, router_param
@@ -38,10 +40,8 @@ from services.router.openai_responses import (
     completion_json,
     completion_logprobs,
     error_json,
-    reasoning_message,
     sse,
 )
-from services.router.reasoning import ReasoningSplitter, split
 from services.router.request_header import HEADER, client_request_id
 from services.router.stream_text import StreamText
 
@@ -108,6 +108,12 @@ class OpenAIServer(ModelEndpoints):
         info = await self.router.model_info()
         body = self.options.defaults.fill(http.json())
         request = parse_chat(body, info.model_id, self.chat, info.max_model_len)
+        if request.tools and request.tools.parse and not self.options.tool_call_parser:
+            raise invalid(
+                "tool_choice",
+                "auto needs the server to parse tool calls: start it with --tool-call-parser "
+                "(hermes, llama3_json, mistral), or send tool_choice none",
+            )
         _name(request, rid)
         return await self._serve(request, rid is None)
 
@@ -186,9 +192,22 @@ class OpenAIServer(ModelEndpoints):
         if not chat:
             return completion_json(*head, text, reason, usage, logprobs)
         payload = chat_json(*head, text, reason, usage, logprobs)
-        if parser := self.options.reasoning_parser:
-            payload["choices"][0]["message"] = reasoning_message(*split(parser, text))
+        if answer := self._answer(request):
+            choice = payload["choices"][0]
+            choice["message"] = answer.message(text)
+            choice["finish_reason"] = finish_name(
+                choice["finish_reason"], choice["message"].get("tool_calls")
+            )
         return payload
+
+    def _answer(self, request: OpenAIRequest) -> ChatAnswer | None:
+        """The chat answer's parsers (none: the text as it comes)."""
+        tools = self.options.tool_call_parser if request.tools and request.tools.parse else ""
+        if request.kind != "chat" or not (self.options.reasoning_parser or tools):
+            return None
+        return ChatAnswer(
+            self.options.reasoning_parser, tools, request.tools is None or request.tools.parallel
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         """A token's string in logprobs."""
@@ -214,8 +233,7 @@ class OpenAIServer(ModelEndpoints):
         chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
         if request.rules.continuous_usage:
             chunks.count_usage(len(request.generate.token_ids.ids))
-        parser = self.options.reasoning_parser
-        splitter = ReasoningSplitter(parser) if parser and chunks.chat else None
+        answer = self._answer(request)
         try:
             if chunks.chat:
                 yield chunks.role()
@@ -224,15 +242,18 @@ class OpenAIServer(ModelEndpoints):
                     kind = message.WhichOneof("payload")
                     if kind == "chunk":  # text the router trimmed of stop strings
                         chunks.tokens(len(message.chunk.token_ids))
-                        if event := _delta(chunks, splitter, message.chunk.text, message.chunk.logprobs):
+                        if event := _delta(chunks, answer, message.chunk.text, message.chunk.logprobs):
                             yield event
                     elif kind == "error":
                         yield sse(_stream_error(request, message.error).body)
                         break
                     else:
-                        if splitter is not None and any(rest := splitter.flush()):
-                            yield chunks.text(rest[1], (), rest[0])
-                        yield chunks.finish(message.complete.finish_reason)
+                        reasoning, content, calls = answer.finish() if answer else ("", "", [])
+                        if reasoning or content:
+                            yield chunks.text(content, (), reasoning)
+                        if calls:
+                            yield chunks.tool_calls(calls)
+                        yield chunks.finish(message.complete.finish_reason, bool(calls))
                         if request.include_usage:
                             yield chunks.usage(message.complete.usage)
             except HttpError as e:  # the router ended the stream (e.g. its decode worker died)
@@ -267,12 +288,12 @@ def _token_id_name(token_ids: list[int]) -> str:
     return f"token_id:{token_ids[0]}"
 
 
-def _delta(chunks: StreamChunks, splitter: ReasoningSplitter | None, text: str, logprobs) -> bytes | None:
-    """A chunk's event (its text split into reasoning and content under a parser); None
-    when it has nothing to tell yet."""
-    if splitter is None:
+def _delta(chunks: StreamChunks, answer: ChatAnswer | None, text: str, logprobs) -> bytes | None:
+    """A chunk's event (its text split into reasoning and content, tool calls held, under
+    the parsers); None when it has nothing to tell yet."""
+    if answer is None:
         return chunks.text(text, logprobs) if text or logprobs else None
-    reasoning, content = splitter.push(text)
+    reasoning, content = answer.push(text)
     return chunks.text(content, logprobs, reasoning) if reasoning or content or logprobs else None
 
 

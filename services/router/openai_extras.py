@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from services.router.chat_template import RenderOptions
 from services.router.openai_fields import MAX_UINT32, boolean, invalid, is_int
-from services.router.openai_surface import STREAM_OPTIONS, TOOLS, check_fields
+from services.router.openai_surface import STREAM_OPTIONS, check_fields
+from services.router.openai_tools import read_tools
 
 # template variables a request sets through its own fields, never chat_template_kwargs
 RESERVED_TEMPLATE_VARIABLES = ("messages", "documents", "add_generation_prompt", "continue_final_message")
@@ -95,7 +96,10 @@ def render_options(body: dict) -> RenderOptions:
     cont = boolean(body, "continue_final_message", False)
     if add and cont:
         raise invalid("continue_final_message", "needs add_generation_prompt: false (as vLLM)")
-    return RenderOptions(add, cont, _documents(body.get("documents")), _template_kwargs(body))
+    tools = read_tools(body)
+    return RenderOptions(
+        add, cont, _documents(body.get("documents")), tools.tools if tools else None, _template_kwargs(body)
+    )
 
 
 def _documents(documents) -> list[dict] | None:
@@ -113,7 +117,7 @@ def _template_kwargs(body: dict) -> dict:
     if not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs", "must be an object of template variables")
     if "tools" in kwargs:
-        raise invalid("chat_template_kwargs.tools", f"not implemented by this server: {TOOLS}")
+        raise invalid("chat_template_kwargs.tools", "give tools in the request's tools field")
     for name in RESERVED_TEMPLATE_VARIABLES:
         if name in kwargs:
             raise invalid(

@@ -32,6 +32,7 @@ class OpenAIOptions:
 
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset fields
     reasoning_parser: str = ""  # a reasoning.PARSERS name; "" = none, the text as it comes
+    tool_call_parser: str = ""  # a tool_calls.PARSERS name; "" = none: tool_choice auto refused
 
 
 class ModelEndpoints:
@@ -92,6 +93,7 @@ class ModelEndpoints:
             },
             "sampling_defaults": self.options.defaults.as_json(),
             "reasoning_parser": self.options.reasoning_parser or None,
+            "tool_call_parser": self.options.tool_call_parser or None,
         }
 
     async def health(self, http: Request) -> Response:

@@ -51,6 +51,7 @@ from services.router.openai_fields import (
     served_model,
 )
 from services.router.openai_surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from services.router.openai_tools import ToolRequest, read_tools, template_tool_calls
 from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -69,6 +70,7 @@ class OpenAIRequest:
     params: dict[str, str] = field(default_factory=dict)  # router field -> OpenAI field
     rules: OutputRules = OutputRules()  # what the OpenAI layer does to the output
     add_special_tokens: bool = True  # a text prompt gets the model's (a BOS): completions only
+    tools: ToolRequest | None = None  # chat: the request's tools, and whether calls are parsed
 
 
 def parse_completion(body, model_id: str) -> OpenAIRequest:
@@ -94,6 +96,7 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: in
     check_fields(body, CHAT_FIELDS)
     request = _common(body, model_id, "chat")
     options = render_options(body)
+    request.tools = read_tools(body)
     messages = chat_messages(body.get("messages"))
     if chat is None:
         raise invalid(
@@ -133,6 +136,7 @@ def chat_messages(messages) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise invalid(f"messages[{i}].role", f"must be a non-empty string; got {role!r}")
+        message = template_tool_calls(message, f"messages[{i}]")
         out.append({**message, "content": _content(message.get("content"), f"messages[{i}].content")})
     return out
 

@@ -18,6 +18,8 @@ import json
 from collections.abc import Callable, Sequence
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.chat_answer import finish_name
+from services.router.tool_calls import ToolCall
 
 FINISH_REASONS = {
     cpb.FINISH_REASON_STOP: "stop",
@@ -184,8 +186,13 @@ class StreamChunks:
             delta["content"] = text
         return self._choice({"delta": delta}, logprobs=lp)
 
-    def finish(self, reason: int) -> bytes:
-        return self._choice({"delta": {}} if self.chat else {"text": ""}, finish_reason(reason))
+    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
+        """A chat delta with the answer's tool calls, whole (the SDKs join deltas by index)."""
+        return self._choice({"delta": {"tool_calls": [c.to_json(i) for i, c in enumerate(calls)]}})
+
+    def finish(self, reason: int, made_calls: bool = False) -> bytes:
+        name = finish_name(finish_reason(reason), made_calls)
+        return self._choice({"delta": {}} if self.chat else {"text": ""}, name)
 
     def usage(self, usage: cpb.Usage) -> bytes:
         """The last chunk under ``stream_options.include_usage``: no choices, only usage."""

@@ -138,9 +138,9 @@ CHAT_FIELDS: dict[str, str | Refused] = {
     "documents": HONOURED,
     "prompt_cache_key": HONOURED,  # a caching hint: the router routes by prompt prefix anyway
     "safety_identifier": HONOURED,  # an end-user id, like ``user``
-    "tools": Refused(_empty, TOOLS),
-    "tool_choice": Refused(lambda v: v in (None, "none"), TOOLS),
-    "parallel_tool_calls": Refused(_true, TOOLS),
+    "tools": HONOURED,  # rendered by the template; calls parsed by --tool-call-parser
+    "tool_choice": HONOURED,  # auto and none (openai_tools refuses required and named ones)
+    "parallel_tool_calls": HONOURED,
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(lambda v: v in (None, "none"), TOOLS),
     "best_of": Refused(_one, "best-of-n sampling"),

@@ -154,15 +154,18 @@ def worker_args(root: Path) -> list[str]:
     ]
 
 
-def pair_cluster(root: Path, drafter: bool, roles=("prefill", "decode")) -> LocalCluster:
+def pair_cluster(
+    root: Path, drafter: bool, roles=("prefill", "decode"), router_extra: tuple[str, ...] = ()
+) -> LocalCluster:
     """A started cluster serving the pair in ``root`` (:func:`worker_args`), or its target
-    alone (``--drafter none``, the layout left to the workers) when ``drafter`` is false."""
+    alone (``--drafter none``, the layout left to the workers) when ``drafter`` is false;
+    ``router_extra``: more router flags."""
     worker = worker_args(root)
     if not drafter:
         args = dict(zip(worker[::2], worker[1::2], strict=True))
         args.update({"--drafter": "none", "--layout": "auto"})
         worker = [x for kv in args.items() for x in kv]
-    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4"]
+    router = ["--model", str(root / "target"), "-k", "3", "--tokens-per-page", "4", *router_extra]
     cluster = LocalCluster(worker, router, list(roles), start_timeout_s=120)
     cluster.start()
     return cluster

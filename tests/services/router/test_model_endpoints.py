@@ -57,7 +57,7 @@ def test_detokenize_keeps_special_tokens_as_vllm():
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/tokenize", {"prompt": "x", "chat_template_kwargs": {}}, "chat_template_kwargs"),
-        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function"),
         ("/tokenize", {"prompt": "x" * 1025}, "prompt"),
         ("/detokenize", {"tokens": [1, 999]}, "tokens"),
         ("/detokenize", {"tokens": "ab"}, "tokens"),

@@ -139,7 +139,7 @@ def test_bad_completion_fields_are_400s_naming_the_field(patch, param):
         ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 3}, "n"),
     ],

@@ -96,7 +96,7 @@ def test_bad_or_unsupported_completion_fields_name_themselves(patch, param):
 @pytest.mark.parametrize(
     "patch",
     [
-        {"tools": [{"type": "function"}]},
+        {"functions": [{"name": "f"}]},
         {"response_format": {"type": "json_object"}},
         {"logit_bias": {"3": 1}},
     ],

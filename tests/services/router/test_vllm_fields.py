@@ -82,7 +82,7 @@ CHAT_ONLY = {
     "chat_template_kwargs": {"flag": True},
     "mm_processor_kwargs": {"num_crops": 4},
     "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
+    "tool_choice": "none",
     "parallel_tool_calls": False,
     "functions": [{"name": "f"}],
     "function_call": "auto",
@@ -122,9 +122,16 @@ EFFECTS = {
     "continue_final_message": lambda r: _ids(r) == "<bos>user: hi\nassistant: ok",
     "documents": lambda r: "docs=1\n" in _ids(r),
     "chat_template_kwargs": lambda r: "F\n" in _ids(r),
+    "tools": lambda r: r.tools.parse and r.tools.tools[0]["function"]["name"] == "f",
+    "tool_choice": lambda r: not r.tools.parse,  # none: rendered, not parsed
+    "parallel_tool_calls": lambda r: not r.tools.parallel,
 }
 # continue_final_message needs add_generation_prompt: false (as vLLM)
-COMPANIONS = {"continue_final_message": {"add_generation_prompt": False}}
+COMPANIONS = {
+    "continue_final_message": {"add_generation_prompt": False},
+    "tool_choice": {"tools": CHAT_ONLY["tools"]},
+    "parallel_tool_calls": {"tools": CHAT_ONLY["tools"]},
+}
 
 
 def _parse(kind: str, fields: dict):
