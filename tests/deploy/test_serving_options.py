@@ -144,3 +144,18 @@ def test_the_ray_config_takes_them():
     assert parse_config({}).model.generation_config_path == "auto"
     with pytest.raises(ConfigError, match="^model.reasoning_parser: must be one of"):
         parse_config({"model": {"reasoning_parser": "mine"}})
+
+
+def test_the_tool_call_parser_reaches_the_router_only_from_every_launcher():
+    args = build_parser().parse_args(["up", "--tool-call-parser", "hermes"])
+    cluster = LocalCluster.from_args(args)
+    assert _value(cluster.router_args, "--tool-call-parser") == "hermes"
+    assert "--tool-call-parser" not in cluster.worker_args
+    router = build_parser().parse_args(["router", "--model", str(TINY), "--tool-call-parser", "llama3_json"])
+    options = openai_options(router.model, "vllm", "none", router.tool_call_parser)
+    assert (options.reasoning_parser, options.tool_call_parser) == ("", "llama3_json")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--tool-call-parser", "mine"])
+    assert parse_config({"model": {"tool_call_parser": "mistral"}}).model.tool_call_parser == "mistral"
+    with pytest.raises(ConfigError, match="^model.tool_call_parser: must be one of"):
+        parse_config({"model": {"tool_call_parser": "mine"}})
