@@ -89,7 +89,7 @@ class ServiceActor:
     def start_router(self, cluster: ClusterConfig) -> dict:
         """Start ``cluster``'s router; returns its endpoints (grpc host:port, http and
         metrics URLs)."""
-        configure_logging(cluster.log_level, "router")
+        configure_logging(cluster.log_level, "router", cluster.log_format)
         model, options = cluster.model, cluster.router
         engine = model.engine_options()
         name = served_model_name(engine.model, model.served_model_name)
@@ -134,7 +134,7 @@ class ServiceActor:
         from services.worker.serve import run_worker  # noqa: PLC0415 (torch: the router actor stays light)
         from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
-        configure_logging(cluster.log_level, instance_id)
+        configure_logging(cluster.log_level, instance_id, cluster.log_format)
         options = getattr(cluster, role)
         port = options.port or _free_port(self.host)
         metrics_port = options.metrics_port or _free_port(self.host)

@@ -150,6 +150,7 @@ class ClusterConfig:
     security: SecurityOptions = field(default_factory=SecurityOptions)
     ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
     log_level: str = DEFAULT_LOG_LEVEL  # every actor's Python logging (tandem --log-level)
+    log_format: str = "text"  # text or json (tandem --log-format)
 
     @property
     def expected_pairs(self) -> int:
@@ -193,7 +194,8 @@ def parse_config(data: dict) -> ClusterConfig:
     if not isinstance(data, dict):
         raise ConfigError("cluster.yaml: must be a mapping of sections")
     _refuse_unknown(data, ClusterConfig, "")
-    config = ClusterConfig(**{k: v for k, v in data.items() if k in ("ready_timeout_s", "log_level")})
+    top = ("ready_timeout_s", "log_level", "log_format")
+    config = ClusterConfig(**{k: v for k, v in data.items() if k in top})
     for name in ("ray", "model", "router", "prefill", "decode", "security"):
         section = {} if data.get(name) is None else data[name]
         if not isinstance(section, dict):
@@ -253,6 +255,8 @@ def _check(config: ClusterConfig) -> None:
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s: must be > 0, got {config.ready_timeout_s}")
+    if config.log_format not in ("text", "json"):
+        raise ConfigError(f"log_format: must be text or json, got {config.log_format!r}")
     if config.log_level not in LOG_LEVELS:
         raise ConfigError(
             f"log_level: must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}, got {config.log_level!r}"

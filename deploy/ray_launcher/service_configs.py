@@ -68,6 +68,7 @@ def worker_config(
         transfer_timeout_s=options.transfer_timeout_s,
         lease_s=options.lease_s,
         log_level=cluster.log_level,
+        log_format=cluster.log_format,
         service_secret=cluster.security.service_token,
         tls=tls_config(cluster),
     )

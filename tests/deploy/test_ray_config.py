@@ -127,3 +127,10 @@ def test_the_example_lists_every_accepted_key_and_parses():
     example = yaml.safe_load(EXAMPLE.read_text())
     assert _keys(example) == _accepted()
     parse_config(example)
+
+
+def test_the_log_format_is_read_and_checked():
+    assert parse_config({"log_format": "json"}).log_format == "json"
+    assert parse_config({}).log_format == "text"
+    with pytest.raises(ConfigError, match="^log_format: must be text or json"):
+        parse_config({"log_format": "xml"})

@@ -102,6 +102,8 @@ spec:
             - $(TANDEM_MAX_MODEL_LEN)
             - --log-level
             - $(TANDEM_LOG_LEVEL)
+            - --log-format
+            - $(TANDEM_LOG_FORMAT)
             - --shutdown-timeout-s
             - $(TANDEM_SHUTDOWN_TIMEOUT_S)
             {{- /* the KV memory: kvCacheMb, else gpuMemoryUtilization of the GPU (the worker's default without either) */}}
