@@ -114,6 +114,7 @@ class ServiceActor:
                 tokenizer,
                 chat,
                 openai=openai,
+                process=cluster.process_settings(),
             )
             return run_router(config, ready, stop, self.bound)
 

@@ -35,6 +35,7 @@ from deploy.options import (
     check,
 )
 from services.common.log_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS
+from services.common.process_settings import ProcessSettings
 
 
 class ConfigError(ValueError):
@@ -151,6 +152,13 @@ class ClusterConfig:
     ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
     log_level: str = DEFAULT_LOG_LEVEL  # every actor's Python logging (tandem --log-level)
     log_format: str = "text"  # text or json (tandem --log-format)
+    log_requests: bool = True  # a line per finished request (tandem --disable-log-requests)
+    log_stats_interval_s: float = 10.0  # a stats line per process; 0 = none
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take
+
+    def process_settings(self) -> ProcessSettings:
+        """Every actor's request lines, stats interval and shutdown drain."""
+        return ProcessSettings(self.log_requests, self.log_stats_interval_s, self.shutdown_timeout_s)
 
     @property
     def expected_pairs(self) -> int:
@@ -194,7 +202,14 @@ def parse_config(data: dict) -> ClusterConfig:
     if not isinstance(data, dict):
         raise ConfigError("cluster.yaml: must be a mapping of sections")
     _refuse_unknown(data, ClusterConfig, "")
-    top = ("ready_timeout_s", "log_level", "log_format")
+    top = (
+        "ready_timeout_s",
+        "log_level",
+        "log_format",
+        "log_requests",
+        "log_stats_interval_s",
+        "shutdown_timeout_s",
+    )
     config = ClusterConfig(**{k: v for k, v in data.items() if k in top})
     for name in ("ray", "model", "router", "prefill", "decode", "security"):
         section = {} if data.get(name) is None else data[name]
@@ -255,6 +270,10 @@ def _check(config: ClusterConfig) -> None:
         raise ConfigError("ray.env: must be a mapping of variable names to values")
     if config.ready_timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s: must be > 0, got {config.ready_timeout_s}")
+    try:
+        config.process_settings()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if config.log_format not in ("text", "json"):
         raise ConfigError(f"log_format: must be text or json, got {config.log_format!r}")
     if config.log_level not in LOG_LEVELS:

@@ -69,6 +69,7 @@ def worker_config(
         lease_s=options.lease_s,
         log_level=cluster.log_level,
         log_format=cluster.log_format,
+        process=cluster.process_settings(),
         service_secret=cluster.security.service_token,
         tls=tls_config(cluster),
     )

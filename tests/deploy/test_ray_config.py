@@ -12,6 +12,7 @@ import yaml
 
 from deploy.ray_launcher.config import ClusterConfig, ConfigError, parse_config
 from deploy.ray_launcher.service_configs import Listen, router_settings, worker_config
+from services.common.process_settings import ProcessSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "ray" / "cluster.example.yaml"
@@ -134,3 +135,10 @@ def test_the_log_format_is_read_and_checked():
     assert parse_config({}).log_format == "text"
     with pytest.raises(ConfigError, match="^log_format: must be text or json"):
         parse_config({"log_format": "xml"})
+
+
+def test_the_process_settings_reach_every_worker():
+    cluster = parse_config({"log_requests": False, "log_stats_interval_s": 0, "shutdown_timeout_s": 5})
+    assert cluster.process_settings() == ProcessSettings(False, 0.0, 5.0)
+    with pytest.raises(ConfigError, match="shutdown_timeout_s"):
+        parse_config({"shutdown_timeout_s": -1})
