@@ -68,3 +68,22 @@ def test_without_credentials_nothing_is_set(monkeypatch):
     assert (router.token, router.service_token) == ("", "")
     decode = parse(m, "decode", monkeypatch)
     assert (decode.service_token, decode.worker_token) == ("", "")
+
+
+@pytest.mark.parametrize("component", ["router", "prefill", "decode"])
+def test_the_log_and_drain_values_reach_every_process(component, monkeypatch):
+    values = {
+        "logFormat": "json",
+        "logRequests": False,
+        "logStatsIntervalS": 0,
+        "shutdown": {"drainSeconds": 12},
+    }
+    args = parse(render(values), component, monkeypatch)
+    assert (args.log_format, args.disable_log_requests, args.log_stats_interval_s) == ("json", True, 0.0)
+    assert args.shutdown_timeout_s == 12.0
+    default = parse(render(), component, monkeypatch)
+    assert (default.log_format, default.disable_log_requests, default.shutdown_timeout_s) == (
+        "text",
+        False,
+        30.0,
+    )

@@ -104,6 +104,11 @@ spec:
             - $(TANDEM_LOG_LEVEL)
             - --log-format
             - $(TANDEM_LOG_FORMAT)
+            - --log-stats-interval-s
+            - $(TANDEM_LOG_STATS_INTERVAL_S)
+            {{- if not $v.logRequests }}
+            - --disable-log-requests
+            {{- end }}
             - --shutdown-timeout-s
             - $(TANDEM_SHUTDOWN_TIMEOUT_S)
             {{- /* the KV memory: kvCacheMb, else gpuMemoryUtilization of the GPU (the worker's default without either) */}}
