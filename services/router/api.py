@@ -35,7 +35,7 @@ from services.common.metrics import Metrics
 from services.common.request_context import bind_request
 from services.common.security import TlsConfig
 from services.router import messages as msg
-from services.router.capacity import longest_request, served_limits
+from services.router.capacity import ModelLimits, longest_request, served_limits
 from services.router.cluster import Cluster
 from services.router.dispatch import QUEUE_TIMEOUT_S, RequestFlow
 from services.router.errors import ErrorCode, RouterError
@@ -53,16 +53,6 @@ from services.router.step_failures import STARTUP_WAIT_S
 from services.router.stream_text import StreamText
 from services.router.validation import RequestError, validate_generate
 from services.tokenization.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class ModelLimits:
-    model_id: str = ""  # the served model name (--served-model-name; default the folder's)
-    vocab_size: int = 264
-    max_model_len: int = 2048  # tokens, prompt plus completion
-    max_request_tokens: int = 0  # what the smallest worker's empty KV cache holds; 0 = unknown
-    default_max_tokens: int = 0  # what max_tokens = 0 means; 0 = the room the prompt leaves (as vLLM)
-    num_spec_tokens: int = 0
 
 
 @dataclass(slots=True)

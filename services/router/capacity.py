@@ -18,13 +18,21 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 from services.router.registry import Worker
 
-if TYPE_CHECKING:
-    from services.router.api import ModelLimits
+
+@dataclass(slots=True)
+class ModelLimits:
+    """What the router serves: the model's name and vocabulary, the longest request, K."""
+
+    model_id: str = ""  # the served model name (--served-model-name; default the folder's)
+    vocab_size: int = 264
+    max_model_len: int = 2048  # tokens, prompt plus completion
+    max_request_tokens: int = 0  # what the smallest worker's empty KV cache holds; 0 = unknown
+    default_max_tokens: int = 0  # what max_tokens = 0 means; 0 = the room the prompt leaves (as vLLM)
+    num_spec_tokens: int = 0
 
 
 def served_limits(limits: ModelLimits, workers: Iterable[Worker]) -> ModelLimits:
