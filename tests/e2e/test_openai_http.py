@@ -326,11 +326,20 @@ def _running(cluster) -> float:
     return metric_sample(text, "tandem_requests_running", role="router")
 
 
-def test_a_non_streaming_client_that_disconnects_ends_its_generation(cluster, client, model):
+def _finished(cluster, status: str) -> float:
+    """The router's requests that ended with ``status`` so far (0 before the first)."""
+    with urllib.request.urlopen(cluster.http_address + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    if f'status="{status}"' not in text:
+        return 0.0
+    return metric_sample(text, "tandem_requests_total", role="router", status=status)
+
+
+def test_a_non_streaming_client_that_disconnects_ends_its_generation(cluster, model):
+    """The request ends because its client left, not because it ran its course: no request
+    finishes by length meanwhile (a behaviour, not a timing: the deadline is generous)."""
     body = json.dumps({"model": model, "prompt": "x", "max_tokens": 200, "ignore_eos": True}).encode()
-    start = time.monotonic()
-    client.completions.create(model=model, prompt="x", max_tokens=200, **GREEDY)
-    whole = time.monotonic() - start
+    by_length = _finished(cluster, "length")
     host, port = cluster.http_address.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -339,10 +348,10 @@ def test_a_non_streaming_client_that_disconnects_ends_its_generation(cluster, cl
             time.sleep(0.005)
         assert _running(cluster) == 1
     left = time.monotonic()
-    while _running(cluster) and time.monotonic() - left < whole:
+    while _running(cluster) and time.monotonic() - left < 60:
         time.sleep(0.02)
-    took = time.monotonic() - left
-    assert _running(cluster) == 0 and took < whole / 2, (whole, took)
+    assert _running(cluster) == 0
+    assert _finished(cluster, "length") == by_length  # it did not run its 200 tokens out
     assert_no_request_holds_pages(cluster)
 
 

@@ -86,7 +86,9 @@ def moe_experts(
     [0, E)); topk_weights [T, k]. Returns [T, H] in x's dtype: for each token, the sum
     over its k slots of weight * w2[e] @ act(w13[e] @ x + b13[e]) (+ b2[e]), where every
     expert's output is rounded to x's dtype, multiplied by its weight in x's dtype and
-    summed in float32 in slot order (transformers rounds each product the same way)."""
+    summed in float32, here expert by expert (the Triton kernel sums slot by slot: equal
+    but for float32 rounding; transformers rounds each product the same way, then sums in
+    x's dtype)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     weights = topk_weights.to(x.dtype)
     w, b13, b2 = experts, experts.b13, experts.b2
