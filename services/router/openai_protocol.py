@@ -11,7 +11,9 @@ fields ``top_k`` (-1 or 0 = off), ``min_p`` ([0, 1]), ``repetition_penalty`` (> 
 and ``min_tokens`` (at most max_tokens). Logprobs: completions take ``logprobs`` (0..20
 alternatives per token), chat takes ``logprobs: true`` with ``top_logprobs`` (0..20); the
 values are the target's log-softmax over its raw logits, as vLLM returns them.
-Every other field is one of openai_surface.py's table: honoured (the vLLM extras the OpenAI
+Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``)
+become ``sampling.structured`` (openai_structured.py). Every other field is one of
+openai_surface.py's table: honoured (the vLLM extras the OpenAI
 layer serves itself are openai_extras.py's), refused by name unless neutral, or unknown and
 refused by name.
 
@@ -32,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.grammar import constraint_to_proto
 from services.router.chat_template import DEFAULT_RENDER, ChatTemplate, ChatTemplateError, RenderOptions
 from services.router.openai_extras import (
     OutputRules,
@@ -50,6 +53,7 @@ from services.router.openai_fields import (
     number,
     served_model,
 )
+from services.router.openai_structured import read_structured
 from services.router.openai_surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from services.router.openai_tools import ToolRequest, read_tools, template_tool_calls
 from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
@@ -191,6 +195,10 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
         },
     )
     _set_sampling(request.generate, body)
+    constraint, where = read_structured(body)
+    if constraint is not None:
+        constraint_to_proto(constraint, request.generate.sampling.structured)
+        request.params["sampling.structured"] = where
     return request
 
 
