@@ -82,4 +82,5 @@ def _text(value) -> str:
 
 
 def _first_line(error: str) -> str:
-    return " ".join(error.strip().splitlines()[:3])
+    """The error on one line, its whitespace collapsed, at most 300 characters."""
+    return " ".join(error.split())[:300]
