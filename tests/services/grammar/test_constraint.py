@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
@@ -60,6 +62,4 @@ def test_an_unknown_kind_is_refused():
 
 @pytest.mark.parametrize("text", ["a.b", "x-y [z] (w)", "q\"'\\", "#&~ é\t\n", "$^*+?{}|"])
 def test_literal_regex_matches_its_text_only(text):
-    import re
-
     assert re.fullmatch(literal_regex(text), text)
