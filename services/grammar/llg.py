@@ -2,8 +2,8 @@
 
 The grammar text is what ``llguidance.LLMatcher`` compiles: JSON schemas through
 llguidance's JSON compiler (between two JSON tokens, DEFAULT_JSON_WHITESPACE: at most one
-line break and 64 spaces or tabs, enough for any indentation, so a model cannot loop in
-whitespace; a constraint's own ``whitespace`` pattern replaces it), regexes as they are,
+line break and 32 spaces or tabs, eight levels of four-space indentation, so a model
+cannot loop in whitespace; a constraint's own ``whitespace`` pattern replaces it), regexes as they are,
 choices as a regex of their literal alternatives, grammars in GBNF/EBNF or Lark. Validation
 needs no tokenizer, so the router refuses a bad constraint before any worker sees it.
 """
@@ -18,7 +18,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from services.grammar.constraint import Constraint
 
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar of at most 1 MiB of text
-DEFAULT_JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,64}"
+DEFAULT_JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,32}"
 REGEX_META = set("\\.+*?()|[]{}^$-&~#")
 
 

@@ -7,7 +7,8 @@ Spellings taken (at most one of them per request, else a 400 naming the second):
   ``regex``, ``choice``, ``grammar`` (GBNF/EBNF or Lark), ``json_object: true``, with
   ``whitespace_pattern`` for JSON;
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
-  with ``guided_whitespace_pattern`` and ``guided_decoding_backend`` (``auto``,
+  with ``guided_whitespace_pattern`` (for any JSON constraint, ``response_format``'s too)
+  and ``guided_decoding_backend`` (``auto``,
   ``guidance`` or ``llguidance``: the only engine served).
 The constraint is checked here (llguidance compiles it without a tokenizer): a bad schema,
 regex or grammar is a 400 naming the field it came in.
@@ -16,6 +17,7 @@ regex or grammar is a 400 naming the field it came in.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from services.grammar import Constraint, ConstraintError, check_constraint
 from services.router.openai_fields import invalid
@@ -43,16 +45,20 @@ def read_structured(body: dict) -> tuple[Constraint | None, str]:
     for name, kind in GUIDED.items():
         value = body.get(name)
         if value is not None:
-            found.append((_constraint(kind, value, name, whitespace), name))
+            found.append((_constraint(kind, value, name), name))
     if body.get("guided_decoding_backend") not in BACKENDS:
         raise invalid("guided_decoding_backend", f"this server's engine is llguidance; one of {BACKENDS[1:]}")
     if len(found) > 1:
         raise invalid(found[1][1], f"only one structured-output constraint per request; {found[0][1]} is set")
     if not found:
         if whitespace is not None:
-            raise invalid("guided_whitespace_pattern", "needs guided_json")
+            raise invalid("guided_whitespace_pattern", "needs a JSON constraint")
         return None, ""
     constraint, field = found[0]
+    if whitespace is not None:
+        if constraint.kind not in ("json_schema", "json_object"):
+            raise invalid("guided_whitespace_pattern", "applies to JSON constraints only")
+        constraint = replace(constraint, whitespace=whitespace)
     try:
         check_constraint(constraint)
     except ConstraintError as e:
