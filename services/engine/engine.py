@@ -269,7 +269,8 @@ class Engine:
         if not decode:
             return
         k = max(r.num_spec_tokens for r in decode)
-        rule = self.adaptive if self.adaptive is not None and k and greedy_only(decode) else None
+        device = not any(r.grammar is not None for r in decode)  # grammars mask on the host
+        rule = self.adaptive if self.adaptive is not None and k and device and greedy_only(decode) else None
         if rule is not None:
             k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
