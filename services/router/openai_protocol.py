@@ -3,8 +3,8 @@
 Defaults follow OpenAI's API reference: ``temperature`` 1, ``top_p`` 1, and for
 ``/v1/completions`` ``max_tokens`` 16. Chat without ``max_completion_tokens`` /
 ``max_tokens`` gets the room the prompt leaves in the context, as vLLM (ModelInfo's
-``default_max_tokens``, 0 = that room). Only ``n`` = 1
-is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
+``default_max_tokens``, 0 = that room). ``n`` (1..MAX_N) choices are n requests
+(openai_choices.py). Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
 ``num_spec_tokens`` (draft tokens per step, at most the server's K; 0 = no speculation).
 Sampling: OpenAI's ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]) and vLLM's extra
 fields ``top_k`` (-1 or 0 = off), ``min_p`` ([0, 1]), ``repetition_penalty`` (> 0, 1 = off)
@@ -59,6 +59,7 @@ from services.router.openai_tools import ToolRequest, read_tools, template_tool_
 from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_N = 16  # choices per request (each one a request of its own to the workers)
 MAX_SEED = 2**64 - 1
 
 
@@ -75,6 +76,9 @@ class OpenAIRequest:
     rules: OutputRules = OutputRules()  # what the OpenAI layer does to the output
     add_special_tokens: bool = True  # a text prompt gets the model's (a BOS): completions only
     tools: ToolRequest | None = None  # chat: the request's tools, and whether calls are parsed
+    n: int = 1  # choices asked for: n > 1 runs n requests (openai_choices.py)
+    index: int = 0  # which choice this request answers (one of n)
+    response_id: str = ""  # the response's id when it is not generate.request_id (a choice of n)
 
 
 def parse_completion(body, model_id: str) -> OpenAIRequest:
@@ -175,8 +179,7 @@ def router_param(request: OpenAIRequest, router_field: str) -> str:
 
 def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
     model = served_model(body, model_id)
-    if integer(body, "n", 1, low=1) != 1:
-        raise invalid("n", "only n = 1 is supported; send one request per completion")
+    n = integer(body, "n", 1, low=1, high=MAX_N)
     stream = boolean(body, "stream", False)
     include_usage, continuous_usage = stream_options(body, stream)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
@@ -187,6 +190,7 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
         stream,
         include_usage,
         rules=output_rules(body, continuous_usage),
+        n=n,
         params={
             "sampling.temperature": "temperature",
             "sampling.top_p": "top_p",

@@ -75,7 +75,7 @@ _COMMON: dict[str, str | Refused] = {
     "max_tokens": HONOURED,
     "temperature": HONOURED,
     "top_p": HONOURED,
-    "n": HONOURED,  # 1 only (openai_protocol refuses more)
+    "n": HONOURED,  # 1..MAX_N choices (openai_choices.py)
     "stream": HONOURED,
     "stream_options": HONOURED,  # its keys: STREAM_OPTIONS
     "stop": HONOURED,

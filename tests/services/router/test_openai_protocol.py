@@ -103,7 +103,7 @@ def test_chat_takes_max_completion_tokens_over_max_tokens_and_defaults_to_the_se
 @pytest.mark.parametrize(
     "patch, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -157,7 +157,7 @@ def test_bad_completion_fields_are_400s_naming_the_field(patch, param):
         ({"guided_regex": "a("}, "guided_regex"),
         ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
         ({"structured_outputs": {"json": {"type": 1}}}, "structured_outputs"),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
     ],
 )
 def test_bad_chat_fields_are_400s_naming_the_field(patch, param):
