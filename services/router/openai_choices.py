@@ -4,8 +4,9 @@ Choice i is the parent request with the router id ``<id>-<i>`` (the response kee
 parent's id) and, when the request is seeded, the seed + i (mod 2^64): its answer is then
 exactly what a single request with that seed answers. Unseeded choices each get a fresh
 seed; greedy ones are all the same answer (as vLLM). Choice 0 starts first and the others
-once its first token came: its prompt's pages are then in the prefix cache, which the others
-reuse instead of prefilling the prompt again.
+once its first token came: disaggregated, its prefill worker has by then released the
+prompt's pages into its prefix cache, and the others' prefill reuses them (an aggregated
+worker offers pages to its cache when a request finishes, so there each choice prefills).
 
 Usage counts the prompt once and the completion tokens of every choice; the rest of it
 (cached tokens, Tandem's speculation and transfer figures) is choice 0's.
