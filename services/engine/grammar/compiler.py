@@ -53,6 +53,11 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             backend = self.tokenizer.backend
             n_vocab = max(self.vocab, backend.get_vocab_size(with_added_tokens=True))
-            eos = sorted(t for t in self.eos_ids if t < n_vocab)
-            self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+            eos = sorted(t for t in self.eos_ids if t < n_vocab) or None  # None: the tokenizer's
+            try:
+                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+            except Exception as e:  # the grammar engine cannot read this tokenizer
+                raise ValueError(
+                    f"structured: the grammar engine cannot read this model's tokenizer: {e}"
+                ) from None
         return self._ll_tokenizer
