@@ -170,15 +170,17 @@ class OpenAIServer(ModelEndpoints):
         """The n choices' events, interleaved as they come, then the usage and DONE."""
         chunks = [self._chunks(c) for c, _, _ in started]
         streams = [self._choice_events(c, k, f, g) for (c, g, f), k in zip(started, chunks, strict=True)]
+        merged = interleaved(streams)
         with about_request(request.generate.request_id):
             try:
-                async for event in interleaved(streams):
+                async for event in merged:
                     yield event
                 usages = [k.final_usage for k in chunks]
                 if request.include_usage and all(u is not None for u in usages):
                     yield chunks[0].usage(merged_usage(usages))
                 yield DONE
-            finally:
+            finally:  # a client gone closes this generator: every choice's request ends now
+                await merged.aclose()
                 for stream in streams:
                     await stream.aclose()
                 for c, g, _ in started:

@@ -4,9 +4,11 @@ events carry each choice's index, with one usage chunk and one DONE."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.router.http import Request
 from services.router.openai_api import OpenAIServer
 from services.router.openai_choices import choice_requests, merged_usage
 from services.router.openai_protocol import parse_completion
@@ -18,6 +20,7 @@ from tests.services.router.scripted_router import (
     chunk_message,
     complete_message,
     error_message,
+    request_body,
 )
 
 
@@ -74,3 +77,19 @@ def test_an_error_before_choice_zeros_first_token_is_the_response_and_starts_no_
 def test_merged_usage_keeps_choice_zeros_figures():
     a, b = cpb.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=3), cpb.Usage(completion_tokens=4)
     assert merged_usage([a, b]) == cpb.Usage(prompt_tokens=5, completion_tokens=6, cached_tokens=3)
+
+
+def test_a_client_gone_mid_stream_ends_every_choice():
+    router = ScriptedRouter([chunk_message("a"), chunk_message("b")], hold=True)
+
+    async def scenario():
+        handler = OpenAIServer(router).routes()["/v1/completions"]["POST"]
+        body = request_body({"model": MODEL, "prompt": "x", "stream": True, "n": 2})
+        response = await handler(Request("POST", "/v1/completions", "", {}, body))
+        first = await anext(response.chunks)
+        await response.chunks.aclose()  # what the server does when the client goes away
+        return first
+
+    first = asyncio.run(scenario())
+    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "a"
+    assert len(router.requests) == 2 and router.inflight == {}  # both ended (cancelled or aborted)
