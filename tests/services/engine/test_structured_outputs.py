@@ -14,6 +14,7 @@ import pytest
 import services.engine.engine as engine_module
 from services.engine import Engine, EngineConfig, SamplingParams
 from services.grammar import Constraint
+from tests.services.engine.json_schemas import SCHEMAS as TWENTY
 from tests.services.engine.test_lossless import TINY
 
 pytestmark = pytest.mark.skipif(
@@ -170,3 +171,15 @@ def test_a_bad_constraint_is_refused_naming_structured(engine):
     with pytest.raises(ValueError, match="^structured: "):
         engine.add_request("x", greedy(Constraint("json_schema", '{"type": 3}')))
     assert not engine.has_unfinished()
+
+
+def test_twenty_schemas_greedy_equal_with_and_without_speculation_and_valid(engine):
+    """One batch of twenty schemas (at most one space between JSON tokens, so the answers
+    end): every answer validates, with speculation on and off alike."""
+    constraints = [Constraint("json_schema", json.dumps(s), whitespace=" ?") for s in TWENTY]
+    params = [greedy(c, 200) for c in constraints]
+    prompts = [PROMPTS[i % 2] for i in range(len(TWENTY))]
+    plain, spec = run(engine, prompts, params, 0), run(engine, prompts, params, 3)
+    for schema, a, b in zip(TWENTY, plain, spec, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == "stop", (schema, a.text)
+        jsonschema.validate(json.loads(a.text), schema)
