@@ -183,3 +183,15 @@ def test_twenty_schemas_greedy_equal_with_and_without_speculation_and_valid(engi
     for schema, a, b in zip(TWENTY, plain, spec, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == "stop", (schema, a.text)
         jsonschema.validate(json.loads(a.text), schema)
+
+
+def test_twenty_schemas_sampled_with_speculation_are_valid(engine):
+    constraints = [Constraint("json_schema", json.dumps(s), whitespace=" ?") for s in TWENTY]
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=200, structured=c)
+        for i, c in enumerate(constraints)
+    ]
+    prompts = [PROMPTS[i % 2] for i in range(len(TWENTY))]
+    for schema, out in zip(TWENTY, run(engine, prompts, params, 3), strict=True):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
