@@ -56,7 +56,6 @@ def _zero(v) -> bool:
     return v is None or (v == 0 and not isinstance(v, bool))
 
 
-GRAMMAR = "grammar-constrained decoding (structured outputs)"
 TOOLS = "tool calls"
 
 _GRAMMAR_FIELDS = (  # openai_structured.py
