@@ -38,6 +38,7 @@ from services.engine.config import EngineConfig
 from services.engine.device.adaptive_k import AdaptiveK, greedy_only
 from services.engine.device.cuda_graphs import capture_decode_graphs
 from services.engine.device.device_step import device_step, device_step_fits
+from services.engine.grammar import GrammarCompiler
 from services.engine.lockstep import attach_lockstep
 from services.engine.memory_budget import MemoryReadings
 from services.engine.memory_profile import derive_kv_bytes, graphs_taken
@@ -96,6 +97,7 @@ class Engine:
         self.out = StepOutputs(
             self.tokenizer, eos_ids(config.model, self.target.config, self.tokenizer), self.k > 0
         )
+        self.grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size, self.out.eos_ids)
         self.requests: dict[str, Request] = {}
         self.progress = RequestProgress(
             self.manager, self.scheduler, self.out, self.requests, self.drafter is not None
@@ -123,6 +125,7 @@ class Engine:
         request_id = self._new_id(request_id)
         check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
         req = Request(request_id, prompt_ids, sampling, self._seed(sampling), prefill_only, num_spec_tokens=k)
+        self._constrain(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -152,6 +155,7 @@ class Engine:
         req = Request(
             request_id, prompt_ids, sampling, self._seed(sampling), origin=origin, num_spec_tokens=k
         )
+        self._constrain(req)  # a fresh matcher: the first token is fed as it is appended
         hidden = aux.hidden.reshape(1, -1).to(self.device, self.config.torch_dtype)
         self.progress.start_prefilled(req, aux, hidden)
 
@@ -265,7 +269,8 @@ class Engine:
         if not decode:
             return
         k = max(r.num_spec_tokens for r in decode)
-        rule = self.adaptive if self.adaptive is not None and k and greedy_only(decode) else None
+        device = not any(r.grammar is not None for r in decode)  # grammars mask on the host
+        rule = self.adaptive if self.adaptive is not None and k and device and greedy_only(decode) else None
         if rule is not None:
             k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
@@ -341,6 +346,12 @@ class Engine:
             graphs_taken(self.device, reserved, self.memory.graphs)
         if c.adaptive_k and self.k:
             self.adaptive = AdaptiveK(self.k, c.max_num_seqs)
+
+    def _constrain(self, req: Request) -> None:
+        """The request's grammar matcher when it asks for structured output (ValueError
+        naming ``structured`` when its constraint does not compile)."""
+        if req.sampling.structured is not None:
+            req.grammar = self.grammars.matcher(req.sampling.structured)
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

@@ -10,6 +10,9 @@ Per request (positions as in ``request.py``):
   the pending ones instead, and the drafter's exact prefix stays where it was;
 - after each, the cache is told how far KV is final, and a request that met a stop rule
   ends: its pages are freed (offered to the prefix cache) and its final output is queued.
+A request with a grammar feeds its matcher every token appended (and only those), so the
+matcher's state is always its output's; the grammar's end (an EOS it took, even under
+``ignore_eos``) or a token it refused ends the request with reason "stop".
 """
 
 from __future__ import annotations
@@ -114,7 +117,14 @@ class RequestProgress:
     def append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
         """Append under the stop rules, with the logprobs of the tokens kept."""
         before = len(req.output_ids)
+        grammar = req.grammar
+        if grammar is not None:
+            tokens = grammar.cut(tokens)
         self.out.append(req, tokens)
+        if grammar is not None and req.finish_reason is None:
+            took = grammar.feed(req.output_ids)
+            if not took or req.output_ids[-1] in grammar.eos_ids:
+                req.finish_reason = "stop"
         if req.sampling.logprobs is not None:
             req.output_logprobs.extend(logprobs[: len(req.output_ids) - before])
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore import AuxState
+from services.engine.grammar import RequestGrammar
 from services.engine.sampling.params import SamplingParams
 from services.engine.stats import SpecStats, Usage
 
@@ -91,6 +92,7 @@ class Request:
         self.stop_search_floor = 0  # a stop string must begin here or later (min_tokens)
         self.spec = SpecStats()
         self.cached_tokens: dict[str, int] = {}  # prompt tokens reused per layer group
+        self.grammar: RequestGrammar | None = None  # set by the engine with sampling.structured
         self.arrival_s = time.monotonic()
         self.queue_s = 0.0  # arrival to first scheduled; stays 0 when admitted directly
         self.reset_kv_state()

@@ -28,6 +28,7 @@ from services.common.security import same_token
 from services.router.chat_answer import ChatAnswer, finish_name
 from services.router.errors import ErrorCode, RouterError
 from services.router.http import HttpError, Request, Response, StreamingResponse
+from services.router.openai_choices import choice_requests, interleaved, merged_payload, merged_usage
 from services.router.openai_fields import invalid
 from services.router.openai_info import ModelEndpoints, OpenAIOptions
 from services.router.openai_output import RuledOutput, prepare_prompt, tokenized_here
@@ -46,6 +47,7 @@ from services.router.request_header import HEADER, client_request_id
 from services.router.stream_text import StreamText
 
 ABANDON_TIMEOUT_S = 5.0
+Started = tuple[OpenAIRequest, AsyncGenerator, cpb.GenerateResponse]  # a choice, its messages, the first
 SHUT_DOWN = "router shut down"  # how a request cut short by a shutdown's error begins (shutdown.py)
 
 
@@ -123,15 +125,66 @@ class OpenAIServer(ModelEndpoints):
         """The request's response; ``tell_id``: it carries the request's id as X-Request-Id
         (else http.py echoes the client's own)."""
         bind_request(request.generate.request_id)
-        messages = self._generate(request)
-        first = await self._first(request, messages)
-        if request.stream:
-            response = StreamingResponse(self._events(request, first, messages))
+        if request.n > 1:
+            response = await self._serve_choices(request)
         else:
-            response = Response.json(await self._collect(request, first, messages))
+            messages = self._generate(request)
+            first = await self._first(request, messages)
+            if request.stream:
+                response = StreamingResponse(self._events(request, first, messages))
+            else:
+                response = Response.json(await self._collect(request, first, messages))
         if tell_id:
             response.headers[HEADER] = request.generate.request_id
         return response
+
+    async def _serve_choices(self, request: OpenAIRequest) -> Response | StreamingResponse:
+        """n > 1: choice 0 first, the others once its first token came (openai_choices.py)."""
+        started: list[Started] = []
+        choices = choice_requests(request)
+        try:
+            for group in (choices[:1], choices[1:]):
+                gens = [self._generate(c) for c in group]
+                firsts = await asyncio.gather(
+                    *(self._first(c, g) for c, g in zip(group, gens, strict=True)), return_exceptions=True
+                )
+                started += [
+                    (c, g, f)
+                    for c, g, f in zip(group, gens, firsts, strict=True)
+                    if isinstance(f, cpb.GenerateResponse)
+                ]
+                if failed := [f for f in firsts if isinstance(f, BaseException)]:
+                    raise failed[0]
+            if request.stream:
+                return StreamingResponse(self._choice_stream(request, started))
+            payloads = await _all_or_none([self._collect(c, f, g) for c, g, f in started])
+        except BaseException:
+            for c, g, _ in started:
+                await self._abandon(c.generate.request_id, g)
+            raise
+        return Response.json(merged_payload(list(payloads), request.generate.request_id))
+
+    async def _choice_stream(
+        self, request: OpenAIRequest, started: list[Started]
+    ) -> AsyncGenerator[bytes, None]:
+        """The n choices' events, interleaved as they come, then the usage and DONE."""
+        chunks = [self._chunks(c) for c, _, _ in started]
+        streams = [self._choice_events(c, k, f, g) for (c, g, f), k in zip(started, chunks, strict=True)]
+        merged = interleaved(streams)
+        with about_request(request.generate.request_id):
+            try:
+                async for event in merged:
+                    yield event
+                usages = [k.final_usage for k in chunks]
+                if request.include_usage and all(u is not None for u in usages):
+                    yield chunks[0].usage(merged_usage(usages))
+                yield DONE
+            finally:  # a client gone closes this generator: every choice's request ends now
+                await merged.aclose()
+                for stream in streams:
+                    await stream.aclose()
+                for c, g, _ in started:
+                    await self._abandon(c.generate.request_id, g)
 
     async def _generate(self, request: OpenAIRequest) -> AsyncGenerator[cpb.GenerateResponse, None]:
         """The router's messages as the request's OutputRules shape them; a stop token aborts
@@ -229,38 +282,53 @@ class OpenAIServer(ModelEndpoints):
                 await events.aclose()
 
     async def _stream(self, request: OpenAIRequest, first, messages) -> AsyncGenerator[bytes, None]:
-        rid = request.generate.request_id
-        chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
-        if request.rules.continuous_usage:
-            chunks.count_usage(len(request.generate.token_ids.ids))
-        answer = self._answer(request)
+        chunks = self._chunks(request)
         try:
-            if chunks.chat:
-                yield chunks.role()
-            try:
-                async for message in _chain(first, messages):
-                    kind = message.WhichOneof("payload")
-                    if kind == "chunk":  # text the router trimmed of stop strings
-                        chunks.tokens(len(message.chunk.token_ids))
-                        if event := _delta(chunks, answer, message.chunk.text, message.chunk.logprobs):
-                            yield event
-                    elif kind == "error":
-                        yield sse(_stream_error(request, message.error).body)
-                        break
-                    else:
-                        reasoning, content, calls = answer.finish() if answer else ("", "", [])
-                        if reasoning or content:
-                            yield chunks.text(content, (), reasoning)
-                        if calls:
-                            yield chunks.tool_calls(calls)
-                        yield chunks.finish(message.complete.finish_reason, bool(calls))
-                        if request.include_usage:
-                            yield chunks.usage(message.complete.usage)
-            except HttpError as e:  # the router ended the stream (e.g. its decode worker died)
-                yield sse(e.body)
+            async for event in self._choice_events(request, chunks, first, messages):
+                yield event
+            if request.include_usage and chunks.final_usage is not None:
+                yield chunks.usage(chunks.final_usage)
             yield DONE
         finally:
-            await self._abandon(rid, messages)
+            await self._abandon(request.generate.request_id, messages)
+
+    def _chunks(self, request: OpenAIRequest) -> StreamChunks:
+        """The SSE events of the request's choice (its index; the response's id)."""
+        rid = request.response_id or request.generate.request_id
+        chunks = StreamChunks(request.kind, rid, _now(), request.model, self._decoder(request))
+        chunks.index = request.index
+        if request.rules.continuous_usage:
+            chunks.count_usage(len(request.generate.token_ids.ids))
+        return chunks
+
+    async def _choice_events(
+        self, request: OpenAIRequest, chunks: StreamChunks, first, messages
+    ) -> AsyncGenerator[bytes, None]:
+        """One choice's events up to its finish (its usage left in ``chunks.final_usage``),
+        or up to an error event."""
+        answer = self._answer(request)
+        if chunks.chat:
+            yield chunks.role()
+        try:
+            async for message in _chain(first, messages):
+                kind = message.WhichOneof("payload")
+                if kind == "chunk":  # text the router trimmed of stop strings
+                    chunks.tokens(len(message.chunk.token_ids))
+                    if event := _delta(chunks, answer, message.chunk.text, message.chunk.logprobs):
+                        yield event
+                elif kind == "error":
+                    yield sse(_stream_error(request, message.error).body)
+                    return
+                else:
+                    reasoning, content, calls = answer.finish() if answer else ("", "", [])
+                    if reasoning or content:
+                        yield chunks.text(content, (), reasoning)
+                    if calls:
+                        yield chunks.tool_calls(calls)
+                    yield chunks.finish(message.complete.finish_reason, bool(calls))
+                    chunks.final_usage = message.complete.usage
+        except HttpError as e:  # the router ended the stream (e.g. its decode worker died)
+            yield sse(e.body)
 
     async def _abandon(self, rid: str, messages: AsyncGenerator) -> None:
         """Abort the request if it still runs, let the router finish it, close the stream."""
@@ -295,6 +363,19 @@ def _delta(chunks: StreamChunks, answer: ChatAnswer | None, text: str, logprobs)
         return chunks.text(text, logprobs) if text or logprobs else None
     reasoning, content = answer.push(text)
     return chunks.text(content, logprobs, reasoning) if reasoning or content or logprobs else None
+
+
+async def _all_or_none(coroutines: list) -> list:
+    """Their results in order; the first to raise cancels the others (whose streams the
+    caller then abandons) and its error propagates."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _chain(first: cpb.GenerateResponse, rest: AsyncGenerator):

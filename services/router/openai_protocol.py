@@ -3,15 +3,17 @@
 Defaults follow OpenAI's API reference: ``temperature`` 1, ``top_p`` 1, and for
 ``/v1/completions`` ``max_tokens`` 16. Chat without ``max_completion_tokens`` /
 ``max_tokens`` gets the room the prompt leaves in the context, as vLLM (ModelInfo's
-``default_max_tokens``, 0 = that room). Only ``n`` = 1
-is served. Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
+``default_max_tokens``, 0 = that room). ``n`` (1..MAX_N) choices are n requests
+(openai_choices.py). Vendor fields (send them with the SDK's ``extra_body``): ``ignore_eos`` and
 ``num_spec_tokens`` (draft tokens per step, at most the server's K; 0 = no speculation).
 Sampling: OpenAI's ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]) and vLLM's extra
 fields ``top_k`` (-1 or 0 = off), ``min_p`` ([0, 1]), ``repetition_penalty`` (> 0, 1 = off)
 and ``min_tokens`` (at most max_tokens). Logprobs: completions take ``logprobs`` (0..20
 alternatives per token), chat takes ``logprobs: true`` with ``top_logprobs`` (0..20); the
 values are the target's log-softmax over its raw logits, as vLLM returns them.
-Every other field is one of openai_surface.py's table: honoured (the vLLM extras the OpenAI
+Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``)
+become ``sampling.structured`` (openai_structured.py). Every other field is one of
+openai_surface.py's table: honoured (the vLLM extras the OpenAI
 layer serves itself are openai_extras.py's), refused by name unless neutral, or unknown and
 refused by name.
 
@@ -32,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.grammar import constraint_to_proto
 from services.router.chat_template import DEFAULT_RENDER, ChatTemplate, ChatTemplateError, RenderOptions
 from services.router.openai_extras import (
     OutputRules,
@@ -50,11 +53,13 @@ from services.router.openai_fields import (
     number,
     served_model,
 )
+from services.router.openai_structured import read_structured
 from services.router.openai_surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from services.router.openai_tools import ToolRequest, read_tools, template_tool_calls
 from services.router.validation import MAX_LOGPROBS, RequestError, check_text_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_N = 16  # choices per request (each one a request of its own to the workers)
 MAX_SEED = 2**64 - 1
 
 
@@ -71,6 +76,9 @@ class OpenAIRequest:
     rules: OutputRules = OutputRules()  # what the OpenAI layer does to the output
     add_special_tokens: bool = True  # a text prompt gets the model's (a BOS): completions only
     tools: ToolRequest | None = None  # chat: the request's tools, and whether calls are parsed
+    n: int = 1  # choices asked for: n > 1 runs n requests (openai_choices.py)
+    index: int = 0  # which choice this request answers (one of n)
+    response_id: str = ""  # the response's id when it is not generate.request_id (a choice of n)
 
 
 def parse_completion(body, model_id: str) -> OpenAIRequest:
@@ -171,8 +179,7 @@ def router_param(request: OpenAIRequest, router_field: str) -> str:
 
 def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
     model = served_model(body, model_id)
-    if integer(body, "n", 1, low=1) != 1:
-        raise invalid("n", "only n = 1 is supported; send one request per completion")
+    n = integer(body, "n", 1, low=1, high=MAX_N)
     stream = boolean(body, "stream", False)
     include_usage, continuous_usage = stream_options(body, stream)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
@@ -183,6 +190,7 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
         stream,
         include_usage,
         rules=output_rules(body, continuous_usage),
+        n=n,
         params={
             "sampling.temperature": "temperature",
             "sampling.top_p": "top_p",
@@ -191,6 +199,10 @@ def _common(body: dict, model_id: str, kind: str) -> OpenAIRequest:
         },
     )
     _set_sampling(request.generate, body)
+    constraint, where = read_structured(body)
+    if constraint is not None:
+        constraint_to_proto(constraint, request.generate.sampling.structured)
+        request.params["sampling.structured"] = where
     return request
 
 

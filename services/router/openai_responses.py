@@ -143,6 +143,8 @@ class StreamChunks:
 
     def __init__(self, kind: str, rid: str, created: int, model: str, decode: Decode | None = None) -> None:
         """``decode``: token strings for logprobs (needed only when chunks carry them)."""
+        self.index = 0  # the choice's index (n > 1: one StreamChunks per choice)
+        self.final_usage: cpb.Usage | None = None  # the usage its complete message brought
         self.chat = kind == "chat"
         self.decode = decode
         self.offset = 0  # completions' text_offset of the next token
@@ -199,7 +201,7 @@ class StreamChunks:
         return sse({**self.head, "choices": [], "usage": usage_json(usage)})
 
     def _choice(self, body: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
-        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": self.index, **body, "logprobs": logprobs, "finish_reason": reason}
         event = {**self.head, "choices": [choice]}
         if self.running is not None:
             prompt, completion = self.running

@@ -56,16 +56,14 @@ def _zero(v) -> bool:
     return v is None or (v == 0 and not isinstance(v, bool))
 
 
-GRAMMAR = "grammar-constrained decoding (structured outputs)"
 TOOLS = "tool calls"
 
-_GRAMMAR_FIELDS = (
+_GRAMMAR_FIELDS = (  # openai_structured.py
     "structured_outputs",
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    "structural_tag",
     "guided_decoding_backend",
     "guided_whitespace_pattern",
 )
@@ -76,7 +74,7 @@ _COMMON: dict[str, str | Refused] = {
     "max_tokens": HONOURED,
     "temperature": HONOURED,
     "top_p": HONOURED,
-    "n": HONOURED,  # 1 only (openai_protocol refuses more)
+    "n": HONOURED,  # 1..MAX_N choices (openai_choices.py)
     "stream": HONOURED,
     "stream_options": HONOURED,  # its keys: STREAM_OPTIONS
     "stop": HONOURED,
@@ -107,8 +105,9 @@ _COMMON: dict[str, str | Refused] = {
     "request_id": HONOURED,
     "return_tokens_as_token_ids": HONOURED,
     "return_token_ids": Refused(_false, "token ids in the response"),
-    "response_format": Refused(lambda v: v is None or v == {"type": "text"}, GRAMMAR),
-    **dict.fromkeys(_GRAMMAR_FIELDS, Refused(_empty, GRAMMAR)),
+    "response_format": HONOURED,  # openai_structured.py
+    **dict.fromkeys(_GRAMMAR_FIELDS, HONOURED),
+    "structural_tag": Refused(_none, "structural tags"),
     "priority": Refused(_zero, "priority scheduling"),
     "cache_salt": Refused(_none, "per-tenant prefix caches"),
     "kv_transfer_params": Refused(_none, "an external KV connector"),

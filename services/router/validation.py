@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from proto.tandem.v1 import client_pb2 as cpb
+from services.grammar import check_constraint, constraint_from_proto
 
 MAX_LOGPROBS = 20  # top alternatives per token: the engine's bound (vLLM's default max_logprobs)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI), as in the engine
@@ -130,6 +131,17 @@ def _check_sampling(sampling: cpb.SamplingParams) -> None:
             raise RequestError(f"sampling.{name}: must be in [-2, 2], got {value}")
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {sampling.logprobs}")
+    _check_structured(sampling.structured)
+
+
+def _check_structured(message: cpb.StructuredOutput) -> None:
+    """A constraint that does not compile is refused here, before any worker sees it."""
+    try:
+        constraint = constraint_from_proto(message)
+        if constraint is not None:
+            check_constraint(constraint)
+    except ValueError as e:  # ConstraintError, or an unknown kind
+        raise RequestError(f"sampling.structured: {e}") from None
 
 
 def _check_min_tokens(sampling: cpb.SamplingParams, max_tokens: int) -> None:

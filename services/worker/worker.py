@@ -18,6 +18,7 @@ from services.common.faults import delay
 from services.common.metrics import Metrics
 from services.engine.engine import Engine
 from services.engine.sampling.params import SamplingParams
+from services.grammar import constraint_from_proto
 from services.worker.engine_loop import EngineLoop
 from services.worker.rank_info import engine_kv_heads, engine_rank_info
 from services.worker.router_links import RouterLinks
@@ -244,7 +245,8 @@ def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:
 
 def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
     """Proto defaults: max_tokens 0 = the server default, temperature 0 = greedy, top_p 0 = 1,
-    repetition_penalty 0 = 1; logprobs unset = none. Raises ValueError naming the field."""
+    repetition_penalty 0 = 1; logprobs unset = none; structured unset = unconstrained.
+    Raises ValueError naming the field."""
     return SamplingParams(
         temperature=float(params.temperature),
         top_p=float(params.top_p) if params.top_p > 0 else 1.0,
@@ -259,6 +261,7 @@ def sampling_from_proto(params: cpb.SamplingParams) -> SamplingParams:
         frequency_penalty=float(params.frequency_penalty),
         min_tokens=params.min_tokens,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        structured=constraint_from_proto(params.structured),
     )
 
 

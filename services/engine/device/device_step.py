@@ -22,8 +22,9 @@ batch runs the same transforms and draws as the general path (``speculative.draf
 a = min(N, K) instead.
 
 A request is on the device when nothing but its temperature, top-k, top-p, min-p and seed
-picks its tokens: no penalties, min_tokens reached (no stop token banned), and it verifies
-the batch's K drafts. Other batches take the general path.
+picks its tokens: no penalties, min_tokens reached (no stop token banned), no grammar
+(structured outputs mask on the host), and it verifies the batch's K drafts. Other batches
+take the general path.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def on_device(req: Request, k: int) -> bool:
     drafts (the chain's K, which ``req`` must verify in full, or 0: a step without drafts)."""
     sp = req.sampling
     uniform = k == 0 or req.num_spec_tokens == k
-    return not sp.penalized and len(req.output_ids) >= sp.min_tokens and uniform
+    return not sp.penalized and len(req.output_ids) >= sp.min_tokens and uniform and req.grammar is None
 
 
 @dataclass(frozen=True, slots=True)

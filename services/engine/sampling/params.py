@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.grammar import Constraint
+
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
@@ -33,7 +35,9 @@ class SamplingParams:
     ``seed`` fixes the request's random stream. Generation stops after ``max_tokens``
     tokens, at EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, or when the text
     contains one of ``stop`` (the text is cut before it). ``logprobs`` = N asks for each
-    emitted token's log-probability and its N most likely alternatives (None = none)."""
+    emitted token's log-probability and its N most likely alternatives (None = none).
+    ``structured``: the grammar the output must match (structured outputs; None = none):
+    every row's logits are masked to the tokens it allows, EOS only where it is complete."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +83,8 @@ class SamplingParams:
                 f"min_tokens: must be an integer in [0, max_tokens = "
                 f"{self.max_tokens}], got {self.min_tokens!r}"
             )
+        if self.structured is not None and not isinstance(self.structured, Constraint):
+            raise ValueError(f"structured: must be a Constraint or None, got {self.structured!r}")
         n = self.logprobs
         if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")

@@ -6,7 +6,9 @@ drafter's own earlier drafts in its chain. Penalties and ``min_tokens`` read pro
 output + extra, so the target at verify position j sees exactly the state target-only
 decoding has there once d_1..d_j are accepted, which keeps greedy speculation lossless.
 The drafter's q takes the same transforms (a q closer to p accepts more drafts; any q
-whose draws it reports exactly keeps sampling lossless).
+whose draws it reports exactly keeps sampling lossless). A request with a grammar bans, at
+each row, what its grammar refuses after output + extra (``grammar/matcher.py``): the
+target's rows and the drafter's alike, so no draft breaks the grammar.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ def row_params(
     top_k = per_row([s.top_k for s in sp], torch.long) if any(s.top_k > 0 for s in sp) else None
     min_p = per_row([s.min_p for s in sp]) if any(s.min_p > 0 for s in sp) else None
     penalties = banned = None
-    if any(s.penalized or s.min_tokens for s in sp):
+    any_grammar = any(r.grammar is not None for r in requests)
+    if any(s.penalized or s.min_tokens for s in sp) or any_grammar:
         rows = [(r, x) for r, e in zip(requests, extras, strict=True) for x in e]
         penalties = _penalties(rows, vocab, device)
-        banned = _banned(rows, vocab, eos_ids, device)
+        banned = _banned(rows, vocab, eos_ids)
+        if any_grammar:
+            banned = with_grammar(banned, requests, extras, vocab)
+        banned = banned.to(device) if banned is not None else None
     return RowParams(
         per_row([s.temperature for s in sp]),
         per_row([s.top_p for s in sp]),
@@ -54,6 +60,7 @@ def row_params(
         top_k_max=max((s.top_k for s in sp), default=0),
         any_greedy=any(s.greedy for s in sp),
         any_top_p=any(s.top_p < 1 for s in sp),
+        any_grammar=any_grammar,
     )
 
 
@@ -94,9 +101,26 @@ def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties |
     )
 
 
-def _banned(
-    rows: list[Row], vocab: int, eos_ids: frozenset[int], device: torch.device
-) -> torch.Tensor | None:
+def with_grammar(
+    banned: torch.Tensor | None, requests: list[Request], extras: list[list[list[int]]], vocab: int
+) -> torch.Tensor:
+    """[rows, vocab] bool on the host: ``banned`` (min_tokens' stop tokens, or None) and
+    what each request's grammar refuses at its rows. Where the two leave nothing (the
+    grammar complete, min_tokens not reached), the grammar wins."""
+    parts = []
+    for req, e in zip(requests, extras, strict=True):
+        if req.grammar is None:
+            parts.append(torch.zeros(len(e), vocab, dtype=torch.bool))
+        else:
+            parts.append(req.grammar.banned(e))
+    grammar = torch.cat(parts)
+    if banned is None:
+        return grammar
+    both = banned | grammar
+    return torch.where(both.all(dim=-1, keepdim=True), grammar, both)
+
+
+def _banned(rows: list[Row], vocab: int, eos_ids: frozenset[int]) -> torch.Tensor | None:
     """[rows, vocab] bool: the stop tokens (EOS unless ignored, stop_token_ids) of rows whose
     request has generated fewer than min_tokens tokens before that row."""
     banned = None
@@ -109,7 +133,7 @@ def _banned(
             if banned is None:
                 banned = torch.zeros(len(rows), vocab, dtype=torch.bool)
             banned[i, ids] = True
-    return banned.to(device) if banned is not None else None
+    return banned
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[TokenLogprob]:

@@ -48,6 +48,7 @@ class RowParams:
     top_k_max: int | None = None
     any_greedy: bool | None = None
     any_top_p: bool | None = None
+    any_grammar: bool = False  # a row's ``banned`` comes from a grammar (may ban all it can reach)
 
     def flags(self) -> tuple[int, bool, bool, bool]:
         """(top_k_max, any min_p, any top_p, any greedy); reads the device only for a flag
@@ -105,10 +106,20 @@ def process_logits(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """The logits every choice reads: min_tokens' ban, then penalties (a copy when either
     applies; ``logits`` is never modified)."""
     if params.banned is not None:
-        logits = logits.masked_fill(params.banned, float("-inf"))
+        masked = logits.masked_fill(params.banned, float("-inf"))
+        logits = allowed_fallback(masked, params.banned) if params.any_grammar else masked
     if params.penalties is not None:
         logits = apply_penalties(logits, params.penalties)
     return logits
+
+
+def allowed_fallback(masked: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Rows left all -inf by ``banned`` (a drafter whose reduced vocabulary holds none of
+    the tokens a grammar allows) become uniform over what ``banned`` allows, so a draft is
+    still one the grammar takes; other rows are unchanged. No host read."""
+    dead = (masked == float("-inf")).all(dim=-1, keepdim=True)
+    uniform = torch.zeros_like(masked).masked_fill(banned, float("-inf"))
+    return torch.where(dead, uniform, masked)
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:

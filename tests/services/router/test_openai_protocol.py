@@ -103,7 +103,7 @@ def test_chat_takes_max_completion_tokens_over_max_tokens_and_defaults_to_the_se
 @pytest.mark.parametrize(
     "patch, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -140,8 +140,24 @@ def test_bad_completion_fields_are_400s_naming_the_field(patch, param):
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"tools": [{"type": "function"}]}, "tools[0].function"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"n": 3}, "n"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_regex": "a("}, "guided_regex"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"json": {"type": 1}}}, "structured_outputs"),
+        ({"n": 17}, "n"),
     ],
 )
 def test_bad_chat_fields_are_400s_naming_the_field(patch, param):

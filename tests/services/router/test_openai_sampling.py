@@ -97,7 +97,7 @@ def test_bad_or_unsupported_completion_fields_name_themselves(patch, param):
     "patch",
     [
         {"functions": [{"name": "f"}]},
-        {"response_format": {"type": "json_object"}},
+        {"structural_tag": '{"type": "structural_tag"}'},
         {"logit_bias": {"3": 1}},
     ],
 )

@@ -50,9 +50,9 @@ SHARED = {
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
     "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'",
+    "guided_grammar": 'root ::= "a"',
     "structural_tag": '{"type": "structural_tag"}',
-    "guided_decoding_backend": "xgrammar",
+    "guided_decoding_backend": "guidance",
     "guided_whitespace_pattern": " ",
     "priority": 3,
     "request_id": "mine",
@@ -102,6 +102,14 @@ def _sampling(name, value):
     return lambda r: getattr(r.generate.sampling, name) == pytest.approx(value)
 
 
+def _structured(kind: str, value=None):
+    def check(r) -> bool:
+        s = r.generate.sampling.structured
+        return s.WhichOneof("kind") == kind and (value is None or value(s))
+
+    return check
+
+
 def _ids(r) -> str:
     return TOKENIZER.backend.decode(list(r.generate.token_ids.ids), skip_special_tokens=False)
 
@@ -125,12 +133,21 @@ EFFECTS = {
     "tools": lambda r: r.tools.parse and r.tools.tools[0]["function"]["name"] == "f",
     "tool_choice": lambda r: not r.tools.parse,  # none: rendered, not parsed
     "parallel_tool_calls": lambda r: not r.tools.parallel,
+    "response_format": _structured("json_object"),
+    "structured_outputs": _structured("json_schema"),
+    "guided_json": _structured("json_schema"),
+    "guided_regex": _structured("regex", lambda s: s.regex == "a+"),
+    "guided_choice": _structured("choice", lambda s: list(s.choice.choices) == ["a", "b"]),
+    "guided_grammar": _structured("grammar"),
+    "guided_decoding_backend": lambda r: r.generate.sampling.structured.WhichOneof("kind") is None,
+    "guided_whitespace_pattern": _structured("json_schema", lambda s: s.whitespace_pattern == " "),
 }
 # continue_final_message needs add_generation_prompt: false (as vLLM)
 COMPANIONS = {
     "continue_final_message": {"add_generation_prompt": False},
     "tool_choice": {"tools": CHAT_ONLY["tools"]},
     "parallel_tool_calls": {"tools": CHAT_ONLY["tools"]},
+    "guided_whitespace_pattern": {"guided_json": {"type": "object"}},
 }
 
 
