@@ -110,7 +110,12 @@ class OpenAIServer(ModelEndpoints):
         info = await self.router.model_info()
         body = self.options.defaults.fill(http.json())
         request = parse_chat(body, info.model_id, self.chat, info.max_model_len)
-        if request.tools and request.tools.parse and not self.options.tool_call_parser:
+        if (
+            request.tools
+            and request.tools.parse
+            and not request.tools.forced
+            and not self.options.tool_call_parser
+        ):
             raise invalid(
                 "tool_choice",
                 "auto needs the server to parse tool calls: start it with --tool-call-parser "
@@ -255,7 +260,9 @@ class OpenAIServer(ModelEndpoints):
 
     def _answer(self, request: OpenAIRequest) -> ChatAnswer | None:
         """The chat answer's parsers (none: the text as it comes)."""
-        tools = self.options.tool_call_parser if request.tools and request.tools.parse else ""
+        tools = ""
+        if request.tools and request.tools.parse:
+            tools = request.tools.parser or self.options.tool_call_parser
         if request.kind != "chat" or not (self.options.reasoning_parser or tools):
             return None
         return ChatAnswer(

@@ -105,6 +105,13 @@ def parse_chat(body, model_id: str, chat: ChatTemplate | None, max_model_len: in
     request = _common(body, model_id, "chat")
     options = render_options(body)
     request.tools = read_tools(body)
+    if request.tools and request.tools.forced:  # the answer kept to the calls' JSON schema
+        if request.generate.sampling.HasField("structured"):
+            raise invalid(
+                "tool_choice", "a required or named tool choice excludes a structured-output constraint"
+            )
+        constraint_to_proto(request.tools.constraint(), request.generate.sampling.structured)
+        request.params["sampling.structured"] = "tool_choice"
     messages = chat_messages(body.get("messages"))
     if chat is None:
         raise invalid(

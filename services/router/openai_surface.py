@@ -138,7 +138,7 @@ CHAT_FIELDS: dict[str, str | Refused] = {
     "prompt_cache_key": HONOURED,  # a caching hint: the router routes by prompt prefix anyway
     "safety_identifier": HONOURED,  # an end-user id, like ``user``
     "tools": HONOURED,  # rendered by the template; calls parsed by --tool-call-parser
-    "tool_choice": HONOURED,  # auto and none (openai_tools refuses required and named ones)
+    "tool_choice": HONOURED,  # auto, none, required, a named function (openai_tools.py)
     "parallel_tool_calls": HONOURED,
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(lambda v: v in (None, "none"), TOOLS),

@@ -4,9 +4,10 @@ checked, and the assistant's earlier tool calls made ready for the chat template
 The tools reach the template as transformers' ``apply_chat_template(tools=...)`` takes them
 (the request's list as sent). ``tool_choice``: ``auto`` (the default with tools) renders them
 and parses the answer's calls with the server's ``--tool-call-parser``; ``none`` renders them
-and parses nothing. ``required`` and a named function need decoding constrained to a call,
-which this server does not do yet: refused by name. ``parallel_tool_calls: false`` keeps
-the first call of an answer.
+and parses nothing. ``required`` and a named function constrain the answer (as vLLM does):
+to a JSON list of ``{"name", "parameters"}`` calls of the given tools, or to the named
+function's parameters, by a JSON-schema grammar; the answer is then the calls, whatever
+the server's parser. ``parallel_tool_calls: false`` keeps the first call of an answer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from services.grammar import Constraint
 from services.router.openai_fields import invalid
 
 NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -26,8 +28,37 @@ class ToolRequest:
     """The request's tools as the template gets them, and whether to parse calls."""
 
     tools: list[dict]
-    parse: bool  # tool_choice auto
+    parse: bool  # tool_choice auto, required or named: the answer's calls are read
     parallel: bool
+    forced: str = ""  # "required", or the named function's name; "" = auto or none
+
+    @property
+    def parser(self) -> str:
+        """tool_calls.py's reader of a forced answer ("" when the server's parser reads)."""
+        return "" if not self.forced else "required" if self.forced == "required" else f"named:{self.forced}"
+
+    def constraint(self) -> Constraint:
+        """The JSON schema a forced answer keeps to: the named function's parameters, or a
+        non-empty list of ``{"name": <a tool>, "parameters": <its schema>}`` (of one call
+        without parallel tool calls)."""
+        schemas = {
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools
+        }
+        if self.forced != "required":
+            return Constraint("json_schema", json.dumps(schemas[self.forced]))
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in schemas.items()
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:  # one call: the list ends after it
+            schema["maxItems"] = 1
+        return Constraint("json_schema", json.dumps(schema))
 
 
 def read_tools(body: dict) -> ToolRequest | None:
@@ -44,15 +75,24 @@ def read_tools(body: dict) -> ToolRequest | None:
         raise invalid("tools", "must be a list of {type: function, function: {...}} objects")
     for i, tool in enumerate(tools):
         _check_tool(tool, f"tools[{i}]")
-    if choice in ("required",) or isinstance(choice, dict):
-        raise invalid(
-            "tool_choice",
-            f"{choice!r} is not implemented by this server: it needs decoding constrained to a tool "
-            "call (structured outputs); use auto",
-        )
-    if choice not in (None, "auto", "none"):
+    if isinstance(choice, dict):
+        return ToolRequest(tools, True, parallel is not False, _named(choice, tools))
+    if choice not in (None, "auto", "none", "required"):
         raise invalid("tool_choice", f"must be auto, none, required or a named function; got {choice!r}")
-    return ToolRequest(tools, choice != "none", parallel is not False)
+    return ToolRequest(
+        tools, choice != "none", parallel is not False, "required" if choice == "required" else ""
+    )
+
+
+def _named(choice: dict, tools: list[dict]) -> str:
+    """The name of ``{"type": "function", "function": {"name": ...}}``, one of ``tools``."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid("tool_choice", 'a named choice is {"type": "function", "function": {"name": ...}}')
+    if name not in {t["function"]["name"] for t in tools}:
+        raise invalid("tool_choice.function.name", f"{name!r} is not one of the request's tools")
+    return name
 
 
 def _check_tool(tool, where: str) -> None:

@@ -10,6 +10,10 @@
   the text before it is content. ``[TOOL_CALLS]`` is a special token, which the output text
   skips: an answer that is a JSON list of such objects is read the same.
 
+Two readers serve ``tool_choice`` ``required`` and a named function, whose answers a grammar
+kept to JSON (openai_tools.py): ``required`` reads a list of ``{"name", "parameters"}``,
+``named:<function>`` reads the function's arguments object.
+
 A call whose JSON does not parse, or lacks a string ``name``, leaves the whole answer as
 content (as vLLM does). Streamed, content passes through until a format's opening could
 begin; from there the text is held, and the calls are emitted at the end.
@@ -57,6 +61,8 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
 
 def opening(parser: str, text: str) -> int:
     """Where ``text``'s tool calls begin (-1: none)."""
+    if parser == "required" or parser.startswith("named:"):
+        return 0  # the whole answer is the calls
     if parser == "hermes":
         return text.find(HERMES_OPEN)
     stripped = text.lstrip()
@@ -86,8 +92,16 @@ def may_open(parser: str, text: str) -> int:
 
 def _calls(parser: str, text: str) -> list[ToolCall] | None:
     """The calls from the opening on; None when any fails to parse."""
+    if parser.startswith("named:"):
+        try:
+            arguments = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [ToolCall(parser.removeprefix("named:"), json.dumps(arguments, ensure_ascii=False))]
     try:
-        if parser == "hermes":
+        if parser == "required":
+            objects, key = json.loads(text), "parameters"
+        elif parser == "hermes":
             blocks = [b.split(HERMES_CLOSE, 1)[0] for b in text.split(HERMES_OPEN)[1:]]
             objects = [json.loads(b.strip()) for b in blocks]
             key = "arguments"

@@ -1,11 +1,14 @@
 """Tool calls through a running cluster and the openai SDK: a Qwen-style folder whose chat
 template renders tools, served 1P+1D with its drafter and ``--tool-call-parser hermes``. The
 prompt the workers get is transformers' rendering with the tools (counted in usage), a
-streamed answer joins to the whole one, and the refused tool choices are 400s naming the
-field. (A random model's answer makes no call; the parsing of calls is tested on scripted
-answers in tests/services/router/test_tool_calls.py.)"""
+streamed answer joins to the whole one, a required or named tool choice makes even a random
+model call the tool (its answer kept to the calls' JSON schema), and a choice naming no tool
+is a 400 naming the field. (The parsers' formats are tested on scripted answers in
+tests/services/router/test_tool_calls.py.)"""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -17,6 +20,12 @@ from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 from tests.services.router.test_tool_calls import HISTORY, TOOL_TEMPLATE, TOOLS
 
 pytestmark = pytest.mark.slow
+BOUNDED = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +34,12 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools")
     tok = trained_bpe(400)
     model = hf_checkpoint(
-        root / "target", "qwen3", seed=21, vocab_size=tok.get_vocab_size(), num_hidden_layers=4
+        root / "target",
+        "qwen3",
+        seed=21,
+        vocab_size=tok.get_vocab_size(),
+        num_hidden_layers=4,
+        max_position_embeddings=960,  # within what the 8 MiB KV cache holds
     )
     write_folder(root / "target", tok, TOOL_TEMPLATE)
     published_drafter(root / "drafter", model.config, draft_vocab=96, seed=22)
@@ -63,11 +77,35 @@ def test_the_prompt_is_rendered_with_the_tools_and_a_stream_joins_to_the_answer(
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_constrained_tool_choices_are_refused_by_name(served, choice):
+def test_a_forced_choice_makes_the_model_call_a_tool(served, choice):
+    """Even a random model calls: its answer is kept to the calls' JSON schema (the city an
+    enum, so the random model's answer ends)."""
+    _, client = served
+    model = client.models.list().data[0].id
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": BOUNDED}}]
+    answer = client.chat.completions.create(
+        model=model,
+        messages=HISTORY[:1],
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=False,  # one call: a random model would add calls to the list forever
+        max_tokens=600,
+        temperature=0,
+    )
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_choice_naming_no_tool_is_refused_by_name(served):
     _, client = served
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=model, messages=HISTORY[:1], tools=TOOLS, tool_choice=choice, max_tokens=4
+            model=model,
+            messages=HISTORY[:1],
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nothing"}},
+            max_tokens=4,
         )
-    assert e.value.body["param"] == "tool_choice"
+    assert e.value.body["param"] == "tool_choice.function.name"

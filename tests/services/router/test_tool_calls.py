@@ -166,8 +166,9 @@ def test_tools_and_earlier_calls_render_as_transformers_renders_them(tmp_path):
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function.extra"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nothing"}}}, "tool_choice.function.name"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": None, "tool_choice": "auto"}, "tool_choice"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -234,3 +235,34 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     body = {**BODY, "parallel_tool_calls": False}
     message = json.loads(call(_server(two), "/v1/chat/completions", body).body)["choices"][0]["message"]
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"] and message["content"] is None
+
+
+@pytest.mark.parametrize(
+    "choice, answer, calls",
+    [
+        (
+            "required",
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            '{"city": "Paris"}',
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+    ],
+)
+def test_a_forced_choice_constrains_the_answer_and_reads_it_as_calls(choice, answer, calls):
+    """required and a named function: the answer kept to a JSON schema of the calls, read as
+    calls whatever the server's parser (here none)."""
+    body = {**BODY, "tool_choice": choice}
+    request = parse_chat(body, MODEL, CHAT)
+    schema = json.loads(request.generate.sampling.structured.json_schema)
+    assert schema["type"] == ("array" if choice == "required" else "object")
+    server = OpenAIServer(
+        ScriptedRouter([chunk_message(answer), complete_message(cpb.FINISH_REASON_STOP)]), CHAT
+    )
+    choice_json = json.loads(call(server, "/v1/chat/completions", body).body)["choices"][0]
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice_json["message"]["tool_calls"]]
+    assert got == calls and choice_json["message"]["content"] is None
+    assert choice_json["finish_reason"] == "tool_calls"
