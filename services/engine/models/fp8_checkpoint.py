@@ -71,10 +71,11 @@ def read_fp8(state: dict[str, torch.Tensor], module: str, layout: Fp8Layout) -> 
         raise ValueError(f"{module}.weight: an fp8 weight without {scale_key}")
     scale = state.pop(scale_key).float()
     b = scheme.block
-    want = {"channel": [(n, 1), (n,)], "tensor": [(), (1,)], "block": [(-(-n // b), -(-k // b))]}
-    if tuple(scale.shape) not in want[scheme.weights]:
+    want = {"channel": [(n, 1), (n,)], "tensor": [(), (1,)]}
+    want = want.get(scheme.weights) or [(-(-n // b), -(-k // b))]
+    if tuple(scale.shape) not in want:
         raise ValueError(
-            f"{scale_key}: shape {tuple(scale.shape)}, expected {want[scheme.weights][0]} "
+            f"{scale_key}: shape {tuple(scale.shape)}, expected {want[0]} "
             f"for {scheme.weights} scales of a [{n}, {k}] weight"
         )
     if scheme.weights == "block":
