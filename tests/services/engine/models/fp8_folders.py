@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,15 +70,17 @@ def expanded(scale: torch.Tensor, shape: torch.Size, layout: str) -> torch.Tenso
     return scale.reshape(-1, 1).expand(shape) if scale.numel() > 1 else scale.reshape(1, 1).expand(shape)
 
 
-def write_fp8(src: Path, dst: Path, layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``dst``: ``src``'s folder with its decoder linears in ``layout``; returns the
-    dequantized weights by tensor name (float32) and, for ``static``, the input scales under
-    ``<module>.input_scale``."""
+def write_fp8(
+    src: Path, dst: Path, layout: str, seed: int = 0, names: Callable[[dict], list[str]] = quantized_names
+) -> dict[str, torch.Tensor]:
+    """``dst``: ``src``'s folder with its decoder linears (``names`` of its state) in
+    ``layout``; returns the dequantized weights by tensor name (float32) and, for
+    ``static``, the input scales under ``<module>.input_scale``."""
     state = load_file(str(src / "model.safetensors"))
     out, dequantized = dict(state), {}
     g = torch.Generator().manual_seed(seed)
     scale_name = "weight_scale_inv" if layout == "block" else "weight_scale"
-    for name in quantized_names(state):
+    for name in names(state):
         w = state[name].float()
         s = scales(w, layout)
         data = (w / expanded(s, w.shape, layout)).clamp(-448, 448).to(E4M3)
