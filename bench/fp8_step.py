@@ -108,7 +108,8 @@ def table(results: dict[str, dict]) -> str:
     for b, f in zip(base["decode"], fp8["decode"], strict=True):
         lines.append(
             f"| decode B{f['batch']} | {b['graph_ms']:.3f} | {f['graph_ms']:.3f} | "
-            f"{f['graph_ms'] / b['graph_ms']:.2f} | {f['roofline_ms']:.3f} | {f['graph_ms'] / f['roofline_ms']:.2f} |"
+            f"{f['graph_ms'] / b['graph_ms']:.2f} | {f['roofline_ms']:.3f} | "
+            f"{f['graph_ms'] / f['roofline_ms']:.2f} |"
         )
     p, q = base["prefill_ms"], fp8["prefill_ms"]
     lines.append(f"| prefill {results['prefill']} | {p:.2f} | {q:.2f} | {q / p:.2f} | | |")
