@@ -45,6 +45,7 @@ DEFAULT_MODEL = os.path.join(HERE, "models", "tiny-target")
 DEFAULT_DRAFTER = os.path.join(HERE, "models", "tiny-drafter")
 LAYOUTS = ("auto", "unified", "separate")
 DRAFT_QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8")
 HOST_WRITE_POLICIES = ("evict", "through")  # kvcore.spec's (a module that loads torch)
 PROMPT_SPECIAL_TOKENS = ("text", "parse")
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # services.router.reasoning.PARSERS, and none
@@ -159,6 +160,14 @@ class EngineOptions:
         "draft K tokens every step; by default, with CUDA graphs, a step of greedy requests drafts "
         "only when its measured cost pays for the running acceptance (fixed K: measuring AL)",
         flags=("--no-adaptive-k",),
+    )
+    quantization: str = _option(
+        "none",
+        "fp8: the target's linear weights quantized at load to e4m3 with a scale per output "
+        "channel, activations per token at run time (as a published FP8-Dynamic folder; the "
+        "embedding and LM head stay in the model's dtype). A folder that ships FP8 weights "
+        "loads as its quantization_config says either way",
+        choices=QUANTIZATIONS,
     )
     draft_quantization: str = _option(
         "none",

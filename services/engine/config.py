@@ -55,6 +55,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the decode step
     device_draft_chain: bool = True  # batches without penalties or pending min_tokens: one host read a step
     adaptive_k: bool = True  # with CUDA graphs: a step drafts only when it pays (adaptive_k.py)
+    quantization: str = ""  # "fp8": the target's linears quantized at load (models/fp8.py); "" = as loaded
     draft_quantization: str = ""  # "fp8": the drafter's own weights in e4m3 (models/fp8.py); "" = as loaded
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
@@ -102,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         check_forced_acceptance(self.forced_acceptance, self.unsafe_forced_acceptance)
         check_draft_quantization(self.draft_quantization, self.speculative)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tp_size > 1 and self.host_kv_cache_bytes:
             raise ValueError(
                 "host_kv_cache_bytes: the host KV tier's page copies are not "
@@ -157,6 +160,7 @@ def check_forced_acceptance(accept: int, unsafe: bool) -> None:
 
 
 DRAFT_QUANTIZATIONS = ("", "fp8")
+QUANTIZATIONS = ("", "fp8")  # the target's (models/loader.py)
 
 
 def check_draft_quantization(kind: str, speculative: bool) -> None:

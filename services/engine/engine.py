@@ -62,7 +62,7 @@ class Engine:
         self.config = config
         self.tp = tensor_parallel(config.tp_size)
         self.device = rank_device(config.device, self.tp)
-        self.target = load_target(config.model, self.device, config.torch_dtype, self.tp)
+        self.target = load_target(config.model, self.device, config.torch_dtype, self.tp, config.quantization)
         self.drafter = None
         if config.speculative:
             self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype, self.tp)

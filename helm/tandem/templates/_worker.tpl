@@ -143,6 +143,10 @@ spec:
             {{- if not $v.engine.adaptiveK }}
             - --no-adaptive-k
             {{- end }}
+            {{- if ne $v.engine.quantization "none" }}
+            - --quantization
+            - {{ $v.engine.quantization | quote }}
+            {{- end }}
             {{- if ne $v.engine.draftQuantization "none" }}
             - --draft-quantization
             - {{ $v.engine.draftQuantization | quote }}

@@ -16,7 +16,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels import reference
+from services.engine.kernels import fp8_reference, reference
+from services.engine.kernels.fp8_reference import Fp8Weight
 from services.engine.kernels.reference import Experts
 
 _enabled = True
@@ -74,6 +75,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     if gemv is None:
         return reference.fp8_linear(x, weight, scale)
     return gemv.fp8_gemv(x, weight, scale)
+
+
+def fp8_scaled_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x [num_tokens, K] -> x @ w.T [num_tokens, N] in x's dtype over an fp8 weight, its
+    activations quantized as ``weight.act`` says (:func:`fp8_reference.fp8_scaled_linear`
+    defines it): ``fp8_cuda``'s paths for bf16/fp16 CUDA activations, the reference
+    otherwise."""
+    cuda = _triton("fp8_cuda") if _impl(x) is not reference and x.dtype != torch.float32 else None
+    return (fp8_reference if cuda is None else cuda).fp8_scaled_linear(x, weight)
 
 
 def moe_experts(

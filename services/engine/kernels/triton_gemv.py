@@ -14,7 +14,9 @@ in float32 registers (e4m3 widened exactly), then multiplies by the row scales. 
 is computed alone, in the same order whatever M is, so a row's output does not depend on
 the batch around it (a graphed and an eager forward at other row counts agree). The M
 programs of one weight tile are adjacent in launch order: one of them reads it from
-memory, the others from L2. Meant for a few rows (``models/fp8.py`` uses it up to 16):
+memory, the others from L2. Rows may come quantized (``Fp8Rows``: e4m3 with a scale per
+row, ``models/fp8.py``'s activation quantization): then each product is of two e4m3 values,
+summed in float32 and times both scales. Meant for a few rows (``models/fp8.py`` uses it up to 16):
 past that the matmul is compute-bound and cuBLAS on bf16 weights is faster.
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from services.engine.kernels.fp8_reference import Fp8Rows
 
 MAX_ROWS = 64
 GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, warps, stages, split_k
@@ -122,6 +126,7 @@ def gemv(
 @triton.jit
 def _fp8_row_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     scale_ptr,
     out_ptr,
@@ -134,6 +139,7 @@ def _fp8_row_kernel(
     K_PER_SPLIT,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_SCALED: tl.constexpr,
 ):
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,6 +157,8 @@ def _fp8_row_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     y = tl.sum(acc, axis=1) * scale  # [BLOCK_N]
+    if X_SCALED:  # e4m3 activations: times the row's scale
+        y = y * tl.load(xs_ptr + row)
     out = out_ptr + split * stride_os + row.to(tl.int64) * stride_om + rn
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
@@ -173,22 +181,27 @@ def fp8_tiles(n: int, k: int) -> Fp8Tiles:
 
 
 def fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles: Fp8Tiles | None = None
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, tiles: Fp8Tiles | None = None
 ) -> torch.Tensor:
-    """x [M, K] bf16 or fp16, weight [N, K] float8_e4m3fn row-major, scale [N] float32 ->
-    [M, N] = x @ (weight * scale[:, None]).T in x's dtype; ``tiles`` None: ``fp8_tiles``."""
+    """x [M, K] bf16 or fp16 (or e4m3 rows with their scales), weight [N, K] float8_e4m3fn
+    row-major, scale [N] float32 -> [M, N] = x @ (weight * scale[:, None]).T in x's dtype
+    (``Fp8Rows.dtype`` for quantized rows); ``tiles`` None: ``fp8_tiles``."""
     block_n, block_k, num_warps, num_stages, split_k = tiles or fp8_tiles(*weight.shape)
+    rows, x_dtype = (x, None) if isinstance(x, Fp8Rows) else (None, x.dtype)
+    x = rows.data if rows is not None else x
+    x_dtype = rows.dtype if rows is not None else x_dtype
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
-    dtype = x.dtype if splits == 1 else torch.float32
+    dtype = x_dtype if splits == 1 else torch.float32
     out = torch.empty((splits, m, n), dtype=dtype, device=x.device)
     if m == 0:
-        return out.sum(0).to(x.dtype)
+        return out.sum(0).to(x_dtype)
     _fp8_row_kernel[(m, triton.cdiv(n, block_n), splits)](
         x,
+        rows.scale if rows is not None else scale,
         weight,
         scale,
         out,
@@ -201,7 +214,8 @@ def fp8_gemv(
         k_per_split,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        X_SCALED=rows is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+    return out[0] if splits == 1 else out.sum(0).to(x_dtype)

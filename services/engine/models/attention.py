@@ -28,7 +28,16 @@ from kvcore.ops import (
     write_rotated_kv,
 )
 from services.engine import kernels
-from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
+from services.engine.models.fp8 import (
+    DRAFT,
+    Fp8Linear,
+    Fp8Mode,
+    Fp8Weight,
+    fp8_linear_of,
+    fp8_merged,
+    linear,
+    merge_fp8,
+)
 from services.engine.models.layers import RMSNorm, merge_linears
 from services.engine.parallel import (
     SINGLE,
@@ -190,21 +199,26 @@ class Attention(nn.Module):
         return full[self.q_heads.start : self.q_heads.stop]
 
     def merge(self) -> None:
-        """Run q, k and v as one matmul from now on."""
-        self.qkv = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+        """Run q, k and v as one matmul from now on (fp8 ones, an fp8 checkpoint's, too)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(p, Fp8Linear) for p in parts):
+            self.qkv = merge_fp8(parts)
+        else:
+            self.qkv = merge_linears(parts)
 
-    def quantize_fp8(self) -> None:
-        """Every projection's weight in fp8 from now on (``fp8.py``)."""
+    def quantize_fp8(self, mode: Fp8Mode = DRAFT) -> None:
+        """Every projection's weight in fp8 from now on, as ``mode`` says (``fp8.py``); those
+        already fp8 stay as they are."""
         if self.qkv is not None:
             merged, (self.q_proj, self.k_proj, self.v_proj) = fp8_merged(
-                self.qkv[0], [self.q_proj, self.k_proj, self.v_proj]
+                self.qkv[0], [self.q_proj, self.k_proj, self.v_proj], mode
             )
             self.qkv = (merged, self.qkv[1])
         else:
-            self.q_proj, self.k_proj, self.v_proj = map(
-                fp8_linear_of, (self.q_proj, self.k_proj, self.v_proj)
+            self.q_proj, self.k_proj, self.v_proj = (
+                fp8_linear_of(p, mode=mode) for p in (self.q_proj, self.k_proj, self.v_proj)
             )
-        self.o_proj = fp8_linear_of(self.o_proj)
+        self.o_proj = fp8_linear_of(self.o_proj, mode=mode)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVContext, layer: int

@@ -34,6 +34,7 @@ from services.engine.models.hf_config import (
     target_family,
 )
 from services.engine.models.hf_config import require as _require
+from services.engine.models.quant_config import without_fp8
 from services.engine.models.target import TargetConfig
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high target layer
@@ -145,7 +146,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         family = target_family(d)
-        check_neutral(d, family)
+        check_neutral(without_fp8(d, family), family)
         check_attention_bias(d, family)
         window, layer_types = target_attention(d, family)
         theta, scaling = read_layer_rope(d, layer_types or (SLIDING if window else FULL,))
@@ -247,7 +248,7 @@ class EagleConfig:
     def from_dict(cls, d: dict[str, Any]) -> EagleConfig:
         """Tandem's configs and the published ones (the EAGLE authors', SpecForge's)."""
         check_drafter_family(d)
-        check_neutral(d)
+        check_neutral(without_fp8(d))
         for key in ("attention_bias", "tie_word_embeddings"):
             if d.get(key):
                 refuse(key, d[key], "false")

@@ -23,7 +23,7 @@ from torch import nn
 
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import NUM_AUX_LAYERS, EagleConfig
-from services.engine.models.fp8 import fp8_linear_of, linear
+from services.engine.models.fp8 import DRAFT, fp8_linear_of, linear
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
 from services.engine.models.llama import DecoderLayer
 from services.engine.models.target import TargetModel
@@ -68,8 +68,8 @@ class Eagle3Layer(nn.Module):
         self.mlp.merge()
 
     def quantize_fp8(self) -> None:
-        self.self_attn.quantize_fp8()
-        self.mlp.quantize_fp8()
+        self.self_attn.quantize_fp8(DRAFT)
+        self.mlp.quantize_fp8(DRAFT)
 
 
 class Eagle3Drafter(nn.Module):
@@ -132,7 +132,7 @@ class Eagle3Drafter(nn.Module):
         self.fc = fp8_linear_of(self.fc)
         self.midlayer.quantize_fp8()
         for layer in self.layers:
-            layer.quantize_fp8()
+            layer.quantize_fp8(DRAFT)
         if self.lm_head is not None:
             self.lm_head = fp8_linear_of(self.lm_head)
 

@@ -89,8 +89,9 @@ class GptOssMlp(nn.Module):
         for p in (self.experts.gate_up_proj, self.experts.down_proj):
             p.data = p.data.new_empty(0)
 
-    def quantize_fp8(self) -> None:
-        raise ValueError("draft_quantization: fp8 is not supported for mixture-of-experts layers")
+    def quantize_fp8(self, mode: object = None) -> None:
+        """``--quantization fp8``: the experts keep their weights (published as MXFP4,
+        dequantized at load); only the attention's linears go fp8."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden_size] -> [num_tokens, hidden_size], whole on every rank."""

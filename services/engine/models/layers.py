@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine import kernels
-from services.engine.models.fp8 import Fp8Weight, fp8_linear_of, fp8_merged, linear
+from services.engine.models.fp8 import (
+    DRAFT,
+    Fp8Linear,
+    Fp8Mode,
+    Fp8Weight,
+    fp8_linear_of,
+    fp8_merged,
+    linear,
+    merge_fp8,
+)
 from services.engine.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -73,18 +82,22 @@ class SwiGLU(nn.Module):
         self.gate_up: torch.Tensor | Fp8Weight | None = None  # [2 * rows, hidden_size] once merged
 
     def merge(self) -> None:
-        """Run gate and up as one matmul from now on."""
-        self.gate_up, _ = merge_linears([self.gate_proj, self.up_proj])
+        """Run gate and up as one matmul from now on (fp8 ones, an fp8 checkpoint's, too)."""
+        parts = [self.gate_proj, self.up_proj]
+        merge = merge_fp8 if all(isinstance(p, Fp8Linear) for p in parts) else merge_linears
+        self.gate_up, _ = merge(parts)
 
-    def quantize_fp8(self) -> None:
-        """Every projection's weight in fp8 from now on (``fp8.py``)."""
+    def quantize_fp8(self, mode: Fp8Mode = DRAFT) -> None:
+        """Every projection's weight in fp8 from now on, as ``mode`` says (``fp8.py``); those
+        already fp8 stay as they are."""
         if self.gate_up is not None:
             self.gate_up, (self.gate_proj, self.up_proj) = fp8_merged(
-                self.gate_up, [self.gate_proj, self.up_proj]
+                self.gate_up, [self.gate_proj, self.up_proj], mode
             )
         else:
-            self.gate_proj, self.up_proj = fp8_linear_of(self.gate_proj), fp8_linear_of(self.up_proj)
-        self.down_proj = fp8_linear_of(self.down_proj)
+            self.gate_proj = fp8_linear_of(self.gate_proj, mode=mode)
+            self.up_proj = fp8_linear_of(self.up_proj, mode=mode)
+        self.down_proj = fp8_linear_of(self.down_proj, mode=mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

@@ -19,6 +19,7 @@ from torch import nn
 from services.engine import kernels
 from services.engine.models.attention import Attention, KVContext
 from services.engine.models.config import LlamaConfig
+from services.engine.models.fp8 import DRAFT, SERVE, Fp8Mode
 from services.engine.models.gpt_oss import GptOssMlp
 from services.engine.models.layer_contexts import GroupContext, LayerContexts
 from services.engine.models.layers import RMSNorm, Rotary, SwiGLU
@@ -94,9 +95,9 @@ class DecoderLayer(nn.Module):
         self.self_attn.merge()
         self.feed_forward.merge()
 
-    def quantize_fp8(self) -> None:
-        self.self_attn.quantize_fp8()
-        self.feed_forward.quantize_fp8()
+    def quantize_fp8(self, mode: Fp8Mode = DRAFT) -> None:
+        self.self_attn.quantize_fp8(mode)
+        self.feed_forward.quantize_fp8(mode)
 
 
 class LlamaModel(nn.Module):
@@ -161,6 +162,13 @@ class LlamaForCausalLM(nn.Module):
         parameters keep their checkpoint names and values."""
         for layer in self.model.layers:
             layer.merge()
+
+    def quantize_fp8(self, mode: Fp8Mode = SERVE) -> None:
+        """``--quantization fp8``: every layer's linears in fp8 from now on (``fp8.py``;
+        routed experts keep their dtype with fp8-rounded values, ``moe.py``); the embedding
+        and the LM head stay as loaded. Call after ``merge_projections``, if at all."""
+        for layer in self.model.layers:
+            layer.quantize_fp8(mode)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

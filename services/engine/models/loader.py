@@ -17,13 +17,16 @@ from torch import nn
 
 from services.engine.models.config import EagleConfig, read_config_json, write_config_json
 from services.engine.models.eagle import Eagle3Drafter
+from services.engine.models.fp8_checkpoint import install_fp8, split_fp8
 from services.engine.models.mxfp4 import dequantize_state
+from services.engine.models.quant_config import Fp8Layout, read_quantization
 from services.engine.models.registry import family_of
 from services.engine.models.target import TargetModel
 from services.engine.parallel import SINGLE, TensorParallel, shard_state_dict
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX = "model.safetensors.index.json"
+QUANTIZATIONS = ("", "fp8")  # --quantization: "" = the weights as the checkpoint has them
 UNSUPPORTED_TENSORS = {"fc_norm.": "a norm on the drafter's fc input"}
 
 
@@ -58,9 +61,14 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     tp: TensorParallel = SINGLE,
+    quantization: str = "",
 ) -> TargetModel:
     """The target of the family its config.json names (``registry.py``). A tied config's
-    stored ``lm_head.weight`` is skipped (as vLLM does): the head is the embedding."""
+    stored ``lm_head.weight`` is skipped (as vLLM does): the head is the embedding. FP8
+    weights load as the config's layout says (``fp8_checkpoint.py``); ``quantization``
+    "fp8" quantizes the other linears at load (``--quantization fp8``)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {quantization!r} is not supported; supported: {QUANTIZATIONS}")
     d = read_config_json(folder)
     family = family_of(d)
     config = family.read_config(d)
@@ -70,8 +78,11 @@ def load_target(
         state = dequantize_state(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    _load_into(model, shard_state_dict(model, state), folder)
-    return _placed(model, device, dtype)
+    _load_quantized(model, state, read_quantization(d, family.model_type), (folder, device))
+    model = _placed(model, device, dtype)
+    if quantization == "fp8":
+        model.quantize_fp8()
+    return model
 
 
 def load_drafter(
@@ -91,8 +102,23 @@ def load_drafter(
     model = Eagle3Drafter(
         config, own_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state, tp=tp
     )
-    _load_into(model, shard_state_dict(model, state), folder)
+    _load_quantized(model, state, read_quantization(read_config_json(folder)), (folder, device))
     return _placed(model, device, dtype)
+
+
+def _load_quantized(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    layout: Fp8Layout | None,
+    where: tuple[str | Path, str | torch.device],
+) -> None:
+    """``state`` into ``model``: its fp8 linears installed on the device (``where``: the
+    folder, the device), every other tensor through :func:`_load_into`."""
+    folder, device = where
+    quantized, state = split_fp8(state, layout, model)
+    state = shard_state_dict(model, state)
+    install_fp8(model, quantized, device)
+    _load_into(model, state, folder)
 
 
 def _placed(model: TargetModel | Eagle3Drafter, device: str | torch.device, dtype: torch.dtype):

@@ -17,6 +17,7 @@ from torch import nn
 
 from services.engine import kernels
 from services.engine.kernels import Experts
+from services.engine.models.fp8 import Fp8Mode, quantize_fp8
 from services.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, split
 
 QWEN_EXPERT = ("gate_proj", "up_proj", "down_proj")
@@ -86,8 +87,15 @@ class SparseMoe(nn.Module):
             down.weight.data = w2[e]
         self.grouped = Experts(w13, w2)
 
-    def quantize_fp8(self) -> None:
-        raise ValueError("draft_quantization: fp8 is not supported for mixture-of-experts layers")
+    def quantize_fp8(self, mode: Fp8Mode | None = None) -> None:
+        """``--quantization fp8``: every expert's weights rounded to e4m3 with a scale per
+        row and kept in the model's dtype (in place: the grouped weights see it). The fused
+        MoE kernel has no fp8 path, so the experts run as an fp8 checkpoint's do
+        (``fp8_checkpoint``): the same values, dequantized, on unquantized activations."""
+        with torch.no_grad():
+            for expert in self.experts:
+                for lin in expert.linears():
+                    lin.weight.copy_(quantize_fp8(lin.weight).dequantized())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden_size] -> [num_tokens, hidden_size], whole on every rank."""

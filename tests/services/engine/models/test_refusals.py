@@ -54,7 +54,7 @@ TARGET_CASES = [  # (config, field in the message, value in the message)
     ({**BASE, "hidden_act": "gelu"}, "hidden_act", "'gelu'"),
     ({**BASE, "mlp_bias": True}, "mlp_bias", "True"),
     ({**BASE, "partial_rotary_factor": 0.5}, "partial_rotary_factor", "0.5"),
-    ({**BASE, "quantization_config": {"quant_method": "fp8"}}, "quantization_config", "fp8"),
+    ({**BASE, "quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method", "awq"),
     ({**BASE, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
     ({**BASE, "final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
     ({**BASE, "rope_parameters": {**LONGROPE, "rope_theta": 1e4}}, "rope_parameters.rope_type", "'longrope'"),
