@@ -9,7 +9,10 @@ way a captured decode step runs its layers: no launch cost is counted.
     python -m bench.gemv [--rows 1,8,32,64] [--shapes qkv,o] [--fp8] [--out results.json]
 
 ``--fp8``: the fp8 kernel (``fp8_gemv``: e4m3 weights, a scale per row) over the same
-shapes instead, against cuBLAS on the bf16 weights; its GB/s count the fp8 bytes.
+shapes instead, against cuBLAS on the bf16 weights and cuBLASLt's FP8 GEMM
+(``torch._scaled_mm``, the activations quantized per row beforehand, as
+``kernels/fp8_cuda.py`` calls it); its GB/s count the fp8 bytes. ``--no-tune``: the kernel's
+default tiles only.
 ``draft_qkv``, ``draft_head`` and ``fc`` are the EAGLE-3 drafter's own shapes.
 """
 
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8")
     p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     p.add_argument("--fp8", action="store_true", help="the fp8 kernel instead of the bf16 one")
+    p.add_argument("--no-tune", action="store_true", help="--fp8: the default tiles only, no tile sweep")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     from services.engine.kernels.triton_gemv import fp8_gemv, gemv
@@ -69,10 +73,16 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     shapes = {name: SHAPES[name] for name in a.shapes.split(",")}
     for (name, (n, k)), m in itertools.product(shapes.items(), [int(r) for r in a.rows.split(",")]):
-        row = measure_fp8(fp8_gemv, name, (m, n, k)) if a.fp8 else measure(gemv, name, (m, n, k))
+        row = (
+            measure_fp8(fp8_gemv, name, (m, n, k), not a.no_tune) if a.fp8 else measure(gemv, name, (m, n, k))
+        )
         results.append(row)
         if a.fp8:
-            print(f"  {name} M {m}: fp8_tiles' choice takes {row['default_ms'] * 1e3:.1f} us", flush=True)
+            print(
+                f"  {name} M {m}: fp8_tiles' choice takes {row['default_ms'] * 1e3:.1f} us, "
+                f"torch._scaled_mm {row['scaled_mm_ms'] * 1e3:.1f} us",
+                flush=True,
+            )
         print(
             f"| {name} | {m} | {n}x{k} | {row['cublas_ms'] * 1e3:.1f} | {row['cublas_gbps']:,.0f} "
             f"| {row['triton_ms'] * 1e3:.1f} | {row['triton_gbps']:,.0f} | {row['config']} |",
@@ -117,9 +127,11 @@ def measure(gemv, name: str, mnk: tuple[int, int, int]) -> dict:
     )
 
 
-def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int]) -> dict:
-    """As :func:`measure`, for the fp8 kernel over quantized copies of the weights; its
-    GB/s count its own (fp8) bytes, cuBLAS's the bf16 ones."""
+def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int], tune: bool = True) -> dict:
+    """As :func:`measure`, for the fp8 kernel over quantized copies of the weights (and
+    ``torch._scaled_mm`` on the same bytes); its GB/s count its own (fp8) bytes, cuBLAS's the
+    bf16 ones."""
+    from services.engine.kernels.fp8_reference import quantize_rows
     from services.engine.models.fp8 import quantize_fp8
 
     m, n, k = mnk
@@ -130,7 +142,7 @@ def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int]) -> dict:
     fp8 = [quantize_fp8(torch.randn(n, k, device="cuda")) for _ in range(copies)]
     ref = (F.linear(x.float(), fp8[0].data.float()) * fp8[0].scale).float()
     best = (float("inf"), None)
-    for config in FP8_CONFIGS:
+    for config in FP8_CONFIGS if tune else ():
         run = functools.partial(lambda w, x, c: fp8_gemv(x, w.data, w.scale, c), x=x, c=config)
         try:
             out = run(fp8[0])
@@ -141,12 +153,28 @@ def measure_fp8(fp8_gemv, name: str, mnk: tuple[int, int, int]) -> dict:
         if ms < best[0] and err < 2**-7:
             best = (ms, config)
     default_ms = graphed_ms(lambda w: fp8_gemv(x, w.data, w.scale), fp8)
+    rows, scales = quantize_rows(x)
+    rows = rows.contiguous()
+
+    def scaled_mm(w) -> torch.Tensor:
+        return torch._scaled_mm(
+            rows, w.data.t(), scale_a=scales[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype
+        )
+
+    try:
+        scaled_mm_ms = graphed_ms(scaled_mm, fp8)
+    except RuntimeError as e:  # a shape cuBLASLt's FP8 GEMM refuses
+        print(f"  {name} M {m}: torch._scaled_mm refused: {str(e).splitlines()[0]}", flush=True)
+        scaled_mm_ms = float("nan")
+    if not tune:
+        best = (default_ms, "default")
     return dict(
         name=name,
         rows=m,
         n=n,
         k=k,
         default_ms=default_ms,
+        scaled_mm_ms=scaled_mm_ms,
         cublas_ms=cublas,
         cublas_gbps=2 * n * k / cublas / 1e6,
         triton_ms=best[0],

@@ -1,14 +1,15 @@
 """The cost of a grammar on the bundled tiny pair: tokens/s and acceptance length (AL) with
 and without a JSON schema, the target alone (K = 0) and with the drafter.
 
-    python bench/grammar_cost.py [--k 3] [--batch 1,4] [--max-tokens 192] [--repeats 3]
+    python bench/grammar_cost.py [--k 3] [--batch 1,4] [--max-tokens 192] [--repeats 3] [--device cuda]
 
 Each row is one batch of ``B`` prompts run to completion, greedy (a constrained request
 ends where its JSON does, so tokens/s counts the tokens each run emitted over its wall
 time, prefill included). ``speedup`` is tokens/s over the same row's K = 0 run, and
 ``kept`` the schema's speedup over the unconstrained one (issue target: >= 0.9). The
 masks are computed on the host per verified and drafted row (llguidance), and constrained
-requests take the engine's general step. The constrained text is JSON, the unconstrained
+requests take the engine's general step (on CUDA the unconstrained ones take the
+device-resident, graph-captured step). The constrained text is JSON, the unconstrained
 one Python: their ALs differ with the text, not only with the masks.
 """
 
@@ -82,11 +83,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (tiny models: 1)")
     p.add_argument("--json", default="", help="write the rows to this file too")
+    p.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     engine = Engine(
         EngineConfig(
-            model=MODEL, drafter=DRAFTER, num_spec_tokens=a.k, enable_prefix_cache=False, max_num_seqs=16
+            model=MODEL,
+            drafter=DRAFTER,
+            num_spec_tokens=a.k,
+            enable_prefix_cache=False,
+            max_num_seqs=max(16, *(int(b) for b in a.batch.split(","))),
+            device=a.device,
         )
     )
     schema = Constraint("json_schema", json.dumps(SCHEMA))

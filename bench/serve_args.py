@@ -110,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
         "--decode-args",
         help="more flags for the decode worker (default: cuda '--gpu-memory-utilization 0.6')",
     )
+    add(
+        "--structured-regex",
+        default="",
+        help="constrain every request's output to this regular expression (structured outputs; "
+        "it must allow max_tokens tokens, e.g. an unbounded repetition); '' = unconstrained",
+    )
     add("--client-procs", type=int, help="client processes sharing each point's streams (cuda 4, cpu 1)")
     add("--ceiling", default="on", choices=("on", "off"), help="the engine's own decode ceiling per batch")
     add("--ceiling-kv-mb", type=int, help="the ceiling engine's KV memory, MiB (cuda 65536, cpu 256)")
@@ -208,10 +214,15 @@ def worker_roles(config: Config, a: argparse.Namespace) -> tuple[list[str], list
 
 def flag_of(argv: list[str], flag: str, default: int) -> int:
     """The last integer value of ``flag`` in ``argv`` (``--f v`` or ``--f=v``), else ``default``."""
+    return int(text_flag_of(argv, flag, str(default)))
+
+
+def text_flag_of(argv: list[str], flag: str, default: str) -> str:
+    """The last value of ``flag`` in ``argv`` (``--f v`` or ``--f=v``), else ``default``."""
     value = default
     for i, token in enumerate(argv):
         if token == flag and i + 1 < len(argv):
-            value = int(argv[i + 1])
+            value = argv[i + 1]
         elif token.startswith(flag + "="):
-            value = int(token.split("=", 1)[1])
+            value = token.split("=", 1)[1]
     return value

@@ -47,6 +47,7 @@ def make_engine(spec: CeilingSpec) -> Engine:
             max_prefill_chunk=CHUNK,
             forced_acceptance=spec.forced if k and spec.forced else -1,
             unsafe_forced_acceptance=bool(k and spec.forced),
+            quantization=spec.quantization,
         )
     )
 
@@ -110,10 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", required=True, help="B,...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per batch; the fastest is kept")
+    p.add_argument(
+        "--quantization", default="none", help="the target's, as the workers' flag; 'none' = as loaded"
+    )
     a = p.parse_args(argv)
     drafter = "" if a.drafter == "none" else a.drafter
     spec = CeilingSpec(
-        a.model, drafter, a.k, a.forced_accept, a.device, a.max_num_seqs, a.kv_mb, a.seed, a.repeats
+        a.model,
+        drafter,
+        a.k,
+        a.forced_accept,
+        a.device,
+        a.max_num_seqs,
+        a.kv_mb,
+        a.seed,
+        a.repeats,
+        "" if a.quantization == "none" else a.quantization,
     )
     rows = measure(spec, parse_grid(a.grid), parse_numbers(a.batches, "--batches"))
     print(json.dumps(rows))

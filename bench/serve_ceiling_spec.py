@@ -24,13 +24,14 @@ class CeilingSpec:
     kv_mb: int
     seed: int = 0  # the sweep's: the ceiling at B decodes the first B prompts of the served point C = B
     repeats: int = 1  # timed runs per batch; the fastest is kept (a ceiling: the best the engine did)
+    quantization: str = ""  # the workers' --quantization ("" = as loaded)
 
     def argv(self) -> list[str]:
         return [
             "--model", self.model, "--drafter", self.drafter or "none", "-k", str(self.k),
             "--forced-accept", str(self.forced), "--device", self.device,
             "--max-num-seqs", str(self.max_num_seqs), "--kv-mb", str(self.kv_mb), "--seed", str(self.seed),
-            "--repeats", str(self.repeats),
+            "--repeats", str(self.repeats), "--quantization", self.quantization or "none",
         ]  # fmt: skip
 
 

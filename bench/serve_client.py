@@ -1,6 +1,7 @@
 """Streaming gRPC clients of ``tandem.v1.Tandem/Generate`` for the served-load sweep.
 
-A :class:`Load` is what one client process sends: token-id prompts, greedy, ``ignore_eos``,
+A :class:`Load` is what one client process sends: token-id prompts, greedy, ``ignore_eos``
+(optionally constrained by a regular expression),
 ``max_tokens`` each, either closed loop (``concurrency`` streams, each sending its next
 prompt when its last one ended) or open loop (prompt i sent at ``start + arrivals[i]``).
 :func:`split` spreads a point over several processes (so that the client's Python is not
@@ -36,6 +37,7 @@ class Load:
     arrivals: tuple[float, ...] = ()
     start: float = 0.0
     timeout_s: float = 600.0
+    structured_regex: str = ""  # every request's output constrained to it; "" = unconstrained
 
 
 def split(load: Load, processes: int) -> list[Load]:
@@ -76,7 +78,7 @@ async def _closed(stub: cpb_grpc.TandemStub, load: Load) -> list[RequestRecord]:
 
     async def stream() -> None:
         while queue:
-            records.append(await request(stub, queue.popleft(), load.max_tokens, load.timeout_s))
+            records.append(await request(stub, queue.popleft(), load))
 
     await asyncio.gather(*(stream() for _ in range(load.concurrency)))
     return records
@@ -85,22 +87,22 @@ async def _closed(stub: cpb_grpc.TandemStub, load: Load) -> list[RequestRecord]:
 async def _open(stub: cpb_grpc.TandemStub, load: Load) -> list[RequestRecord]:
     async def at(prompt: list[int], offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, load.start + offset - time.monotonic()))
-        return await request(stub, prompt, load.max_tokens, load.timeout_s)
+        return await request(stub, prompt, load)
 
     return list(await asyncio.gather(*(at(p, t) for p, t in zip(load.prompts, load.arrivals, strict=True))))
 
 
-async def request(
-    stub: cpb_grpc.TandemStub, prompt: list[int], max_tokens: int, timeout_s: float
-) -> RequestRecord:
-    """One streaming Generate, greedy with ``ignore_eos``; never raises for a failed RPC."""
-    message = cpb.GenerateRequest(
-        token_ids=cpb.TokenIds(ids=prompt),
-        sampling=cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
-    )
+async def request(stub: cpb_grpc.TandemStub, prompt: list[int], load: Load) -> RequestRecord:
+    """One streaming Generate of ``load``'s kind, greedy with ``ignore_eos``; never raises for
+    a failed RPC."""
+    max_tokens = load.max_tokens
+    sampling = cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    if load.structured_regex:
+        sampling.structured.regex = load.structured_regex
+    message = cpb.GenerateRequest(token_ids=cpb.TokenIds(ids=prompt), sampling=sampling)
     record = RequestRecord(sent=time.monotonic(), prompt_tokens=len(prompt))
     try:
-        async for response in stub.Generate(message, timeout=timeout_s):
+        async for response in stub.Generate(message, timeout=load.timeout_s):
             take(record, response, time.monotonic())
     except grpc.aio.AioRpcError as e:
         record.error = f"{e.code().name}: {e.details()}"

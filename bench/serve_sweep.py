@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import serve_svg
-from bench.serve_args import Config, configs, flag_of, parse, worker_roles
+from bench.serve_args import Config, configs, flag_of, parse, text_flag_of, worker_roles
 from bench.serve_ceiling_spec import CeilingSpec, run_ceiling
 from bench.serve_client import Load, run_load, split
 from bench.serve_report import number, point, tables, write_json
@@ -76,6 +76,7 @@ def ceilings(a: argparse.Namespace, spec: bool) -> tuple[dict, str]:
         kv_mb=a.ceiling_kv_mb,
         seed=a.seed,
         repeats=a.ceiling_repeats,
+        quantization=text_flag_of(common, "--quantization", ""),
     )
     return run_ceiling(ceiling, a.grid, a.concurrency)
 
@@ -136,7 +137,17 @@ class Sweep:
             for lengths in a.grid:
                 warm = prompts(a.warmup, lengths.isl, self.vocab, a.seed + 999)
                 if warm:
-                    self.send([Load(cluster.router_address, warm, lengths.osl, concurrency=1)])
+                    self.send(
+                        [
+                            Load(
+                                cluster.router_address,
+                                warm,
+                                lengths.osl,
+                                concurrency=1,
+                                structured_regex=a.structured_regex,
+                            )
+                        ]
+                    )
                 kinds = [("closed", c) for c in a.concurrency] + [("poisson", r) for r in a.rates]
                 for kind in kinds:
                     self.point(config, lengths, kind, self.load(cluster.router_address, lengths, kind))
@@ -150,11 +161,25 @@ class Sweep:
         if mode == "closed":
             count = closed_requests(int(value), a.rounds, a.min_requests)
             ids = prompts(count, lengths.isl, self.vocab, seed)
-            return Load(address, ids, lengths.osl, concurrency=int(value), timeout_s=a.request_timeout_s)
+            return Load(
+                address,
+                ids,
+                lengths.osl,
+                concurrency=int(value),
+                timeout_s=a.request_timeout_s,
+                structured_regex=a.structured_regex,
+            )
         count = open_requests(value, a.poisson_seconds, a.min_requests)
         ids = prompts(count, lengths.isl, self.vocab, seed)
         arrivals = tuple(poisson_arrivals(value, count, seed))
-        return Load(address, ids, lengths.osl, arrivals=arrivals, timeout_s=a.request_timeout_s)
+        return Load(
+            address,
+            ids,
+            lengths.osl,
+            arrivals=arrivals,
+            timeout_s=a.request_timeout_s,
+            structured_regex=a.structured_regex,
+        )
 
     def point(self, config: Config, lengths: Lengths, kind: tuple[str, float], load: Load) -> None:
         """Send ``load`` (the point ``kind`` at ``lengths``), summarize it into the payload,
@@ -189,6 +214,8 @@ def report(payload: dict, a: argparse.Namespace) -> str:
     write_json(out / "sweep.json", payload)
     title = f"Tandem served load, {Path(a.model).name}, {a.device}, {payload['date']}"
     note = f"\n{FORCED_NOTE}\n" if any(p["forced_al"] for p in payload["points"]) else ""
+    if a.structured_regex:
+        note += f"\nEvery request's output constrained to the regular expression `{a.structured_regex}`.\n"
     text = f"{title}\n{note}" + tables(payload["points"], (a.slo_ttft_ms, a.slo_tpot_ms))
     failed = {**payload["ceiling_errors"], **{f["config"]: f["error"] for f in payload["failures"]}}
     for name, error in failed.items():

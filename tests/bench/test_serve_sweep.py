@@ -11,7 +11,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from bench import serve_sweep
-from bench.serve_args import Config, configs, flag_of, parse, worker_roles
+from bench.serve_args import Config, configs, flag_of, parse, text_flag_of, worker_roles
+from bench.serve_ceiling_spec import CeilingSpec
 from services.engine.models.config import read_config_json
 
 TINY_POINT = ["--device", "cpu", "--spec", "on", "--grid", "32/8", "--concurrency", "2", "--rounds", "1",
@@ -67,6 +68,14 @@ def test_worker_arguments_of_each_configuration():
         32,
         8,
     )
+
+
+def test_the_workers_quantization_reaches_the_ceiling_engine():
+    argv = ["--model", "m", "--quantization", "fp8", "--quantization=none", "--quantization", "fp8"]
+    assert (text_flag_of(argv, "--quantization", ""), text_flag_of([], "--quantization", "")) == ("fp8", "")
+    spec = CeilingSpec("m", "", 0, 0, "cuda", 64, 1024, quantization="fp8")
+    assert spec.argv()[-2:] == ["--quantization", "fp8"]
+    assert CeilingSpec("m", "", 0, 0, "cuda", 64, 1024).argv()[-2:] == ["--quantization", "none"]
 
 
 def test_a_flag_the_worker_lacks_is_refused_before_anything_starts():
