@@ -3,8 +3,9 @@ defines, computed from the e4m3 bytes.
 
 - Quantized activations ("token", "static") over a per-row-scaled weight: up to
   ``GEMV_ROWS`` rows the weight-streaming kernel (``triton_gemv.fp8_gemv``, e4m3 times e4m3
-  products summed in float32, each row alone); above, cuBLASLt's FP8 GEMM
-  (``torch._scaled_mm`` with a scale per activation row and per weight row).
+  products summed in float32, each row alone; per-token rows quantized inside it); above,
+  cuBLASLt's FP8 GEMM (``torch._scaled_mm`` with a scale per activation row and per weight
+  row) over rows quantized by one launch (``triton_fp8_quant``).
 - Weight-only ("none"): the streaming kernel up to ``GEMV_ROWS`` rows, above it the weight
   dequantized to the activations' dtype for one ``F.linear``.
 - Block-scaled weights and shapes cuBLASLt's FP8 GEMM does not take (K or N not a multiple
@@ -18,10 +19,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.fp8_reference import Fp8Rows, Fp8Weight, fake_quantized, quantize_rows, to_fp8
+from services.engine.kernels.fp8_reference import Fp8Rows, Fp8Weight, fake_quantized, to_fp8
+from services.engine.kernels.triton_fp8_quant import quantize_rows_cuda
 from services.engine.kernels.triton_gemv import fp8_gemv
 
-GEMV_ROWS = 1  # matmuls of at most this many rows stream the weight (models/fp8.py's FP8_ROWS)
+# Matmuls of at most this many rows stream the weight. bench.gemv --fp8 on an H100
+# (2026-12-05), 8B shapes qkv / o / gate_up / down, us: M 1 streaming 11.5 / 9.3 / 44.5 /
+# 27.6 against torch._scaled_mm 19.6 / 15.2 / 50.9 / 48.1; M 2 15.2 / 13.3 / 54.6 / 33.6
+# against 20.0 / 15.1 / 51.1 / 46.6 (a layer 117 against 133); M 4 and up _scaled_mm wins.
+GEMV_ROWS = 2
 MM_ALIGN = 16  # cuBLASLt's FP8 GEMM wants K and N multiples of 16
 
 
@@ -34,9 +40,11 @@ def fp8_scaled_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         if x.shape[0] <= GEMV_ROWS:
             return fp8_gemv(x, w.data, w.scale)
         return F.linear(x, w.dequantized().to(x.dtype))
-    rows = quantized_rows(x, w)
     if x.shape[0] <= GEMV_ROWS:
-        return fp8_gemv(rows, w.data, w.scale)
+        if w.act == "token":
+            return fp8_gemv(x, w.data, w.scale, quantize=True)
+        return fp8_gemv(quantized_rows(x, w), w.data, w.scale)
+    rows = quantized_rows(x, w)
     return torch._scaled_mm(
         rows.data,
         w.data.t(),
@@ -51,5 +59,5 @@ def quantized_rows(x: torch.Tensor, w: Fp8Weight) -> Fp8Rows:
     if w.act == "static":
         scale = w.input_scale.reshape(1).expand(x.shape[0]).contiguous()  # [M]
         return Fp8Rows(to_fp8(x, w.input_scale).contiguous(), scale, x.dtype)
-    data, scale = quantize_rows(x)
-    return Fp8Rows(data.contiguous(), scale.contiguous(), x.dtype)
+    data, scale = quantize_rows_cuda(x)
+    return Fp8Rows(data, scale, x.dtype)

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.fp8_reference import Fp8Rows
+from services.engine.kernels.fp8_reference import FP8_MAX, Fp8Rows
+from services.engine.kernels.triton_fp8_quant import row_scale, to_e4m3
 
 MAX_ROWS = 64
 GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, warps, stages, split_k
@@ -140,10 +141,14 @@ def _fp8_row_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     X_SCALED: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
 ):
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
+    if X_QUANT:  # the whole row's scale, whichever K range this program sums
+        x_scale = row_scale(x_ptr + row.to(tl.int64) * stride_xm, K, BLOCK_K, FP8_LIMIT)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = split * K_PER_SPLIT
     for k in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
@@ -154,11 +159,15 @@ def _fp8_row_kernel(
             other=0.0,
         )  # [BLOCK_N, BLOCK_K] e4m3
         x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk, mask=rk < K, other=0.0)  # [BLOCK_K]
+        if X_QUANT:
+            x = to_e4m3(x, x_scale, FP8_LIMIT)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     y = tl.sum(acc, axis=1) * scale  # [BLOCK_N]
     if X_SCALED:  # e4m3 activations: times the row's scale
         y = y * tl.load(xs_ptr + row)
+    if X_QUANT:
+        y = y * x_scale
     out = out_ptr + split * stride_os + row.to(tl.int64) * stride_om + rn
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
@@ -181,11 +190,17 @@ def fp8_tiles(n: int, k: int) -> Fp8Tiles:
 
 
 def fp8_gemv(
-    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, tiles: Fp8Tiles | None = None
+    x: torch.Tensor | Fp8Rows,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    tiles: Fp8Tiles | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor:
     """x [M, K] bf16 or fp16 (or e4m3 rows with their scales), weight [N, K] float8_e4m3fn
     row-major, scale [N] float32 -> [M, N] = x @ (weight * scale[:, None]).T in x's dtype
-    (``Fp8Rows.dtype`` for quantized rows); ``tiles`` None: ``fp8_tiles``."""
+    (``Fp8Rows.dtype`` for quantized rows); ``tiles`` None: ``fp8_tiles``. ``quantize``: x's
+    rows quantized per token inside the kernel first (each program finds its row's scale,
+    then rounds x to e4m3 as it streams: ``quantize_rows``'s bytes, no launch of its own)."""
     block_n, block_k, num_warps, num_stages, split_k = tiles or fp8_tiles(*weight.shape)
     rows, x_dtype = (x, None) if isinstance(x, Fp8Rows) else (None, x.dtype)
     x = rows.data if rows is not None else x
@@ -215,6 +230,8 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         X_SCALED=rows is not None,
+        X_QUANT=quantize and rows is None,
+        FP8_LIMIT=FP8_MAX,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -83,3 +83,27 @@ def test_gemv_over_quantized_rows_matches_the_reference():
     one = cuda_ops().fp8_gemv(rows, w.data, w.scale)
     ref = fp8_reference.fp8_scaled_linear(x, w)
     close(one, ref)
+
+
+@pytest.mark.parametrize("m,k", [(1, 4096), (3, 14336), (64, 1000), (2, 5)])
+def test_one_launch_row_quantization_gives_the_references_bytes(m, k):
+    from services.engine.kernels.triton_fp8_quant import quantize_rows_cuda  # noqa: PLC0415 (Triton)
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    x[0, : min(k, 7)] = 0
+    if m > 1:
+        x[1] = 0  # an all-zero row: scale 1, zeros
+    data, scale = quantize_rows_cuda(x)
+    ref_data, ref_scale = fp8_reference.quantize_rows(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (2, 4096, 14336), (2, 6144, 4096)])
+def test_gemv_quantizing_its_rows_equals_the_gemv_over_quantized_rows(m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = weight(n, k, "token")
+    fused = cuda_ops().fp8_gemv(x, w.data, w.scale, quantize=True)
+    apart = cuda_ops().fp8_gemv(cuda_ops().quantized_rows(x, w), w.data, w.scale)
+    close(fused, apart, ulps=1)
+    close(fused, fp8_reference.fp8_scaled_linear(x, w))
