@@ -5,8 +5,8 @@ Program m reads row m twice: once for its largest magnitude, once to write
 ``clamp(x / scale, +-448)`` rounded to e4m3 (nearest even) with ``scale = amax / 448``
 (1 for an all-zero row). The arithmetic is torch's on CUDA (a tensor over a Python number
 is a product with its float32 reciprocal; tensor over tensor an IEEE-rounded division), so
-the bytes and scales equal the reference's. The eager reference is about ten kernels a matmul, which at 4 matmuls x 32
-layers cost an 8B decode step more than FP8 saves on its weights.
+the bytes and scales equal the reference's. The eager reference is about ten kernels a
+matmul, which at 4 matmuls x 32 layers cost an 8B decode step more than FP8 saved.
 """
 
 from __future__ import annotations

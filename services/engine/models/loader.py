@@ -9,6 +9,8 @@ rank reads the whole checkpoint and keeps the slices it owns.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,7 +74,8 @@ def load_target(
     d = read_config_json(folder)
     family = family_of(d)
     config = family.read_config(d)
-    model = family.model(config, tp)
+    with default_dtype(dtype):
+        model = family.model(config, tp)
     state = read_state_dict(folder)
     if (d.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # gpt-oss's experts
         state = dequantize_state(state)
@@ -99,11 +102,25 @@ def load_drafter(
         for prefix, what in UNSUPPORTED_TENSORS.items():
             if name.startswith(prefix):
                 raise ValueError(f"{name}: {what} is not supported")
-    model = Eagle3Drafter(
-        config, own_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state, tp=tp
-    )
+    with default_dtype(dtype):
+        model = Eagle3Drafter(
+            config, own_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state, tp=tp
+        )
     _load_quantized(model, state, read_quantization(read_config_json(folder)), (folder, device))
     return _placed(model, device, dtype)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside take ``dtype`` for their parameters: a model is built on the
+    host in the dtype it will run in, not in float32 and cast (a 21 B-parameter target built
+    in float32 beside its loaded bf16 tensors outgrew a 128 GiB host)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _load_quantized(
