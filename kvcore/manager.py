@@ -186,6 +186,10 @@ class KVCacheManager:
         """Evict everything unlocked from the prefix cache, host tier included."""
         self._store.reset()
 
+    def reset_stats(self) -> None:
+        """The prefix-cache counters back to zero (after work that is not traffic)."""
+        self._stats = {g: GroupStats() for g in self.groups}
+
     # ------------------------------------------------------------ views
 
     def has_request(self, request_id: str) -> bool:

@@ -54,6 +54,7 @@ from services.engine.setup import build_cache, cache_config, log_groups
 from services.engine.speculation.speculative import draft, draft_prefill, verify_spans
 from services.engine.speculation.verify import sample_first, verify
 from services.engine.step_outputs import StepOutputs
+from services.engine.warm_up import warm_up
 from services.tokenization.tokenizer import load_tokenizer
 
 
@@ -106,6 +107,8 @@ class Engine:
         self.last_step = ""  # the last step's forwards: decode, prefill, mixed or decode+prefill
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        if self.device.type == "cuda" and self.tp.size == 1:  # TP ranks step in lockstep only once served
+            warm_up(self)
 
     # ------------------------------------------------------------ public API
 
@@ -345,7 +348,11 @@ class Engine:
         if self.memory is not None:
             graphs_taken(self.device, reserved, self.memory.graphs)
         if c.adaptive_k and self.k:
-            self.adaptive = AdaptiveK(self.k, c.max_num_seqs)
+            self.adaptive = self.new_adaptive_k()
+
+    def new_adaptive_k(self) -> AdaptiveK:
+        """The per-step K rule as it starts: no step measured yet."""
+        return AdaptiveK(self.k, self.config.max_num_seqs)
 
     def _constrain(self, req: Request) -> None:
         """The request's grammar matcher when it asks for structured output (ValueError
