@@ -213,3 +213,21 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks():
 def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="num_attention_heads"):
         LlamaForCausalLM(target_config(), TensorParallel(3, 0))
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "block"])
+def test_tp2_serves_an_fp8_checkpoint_losslessly(tmp_path, layout):
+    """An FP8 folder (FP8-Dynamic, or 128 x 128 block scales) sharded over two ranks: each
+    rank keeps its rows' scales (and its K range's blocks); with the drafter, its greedy
+    output is TP2's own target-only output, token for token, and every page comes back."""
+    from tests.services.engine.models.fp8_folders import write_fp8  # noqa: PLC0415 (test-only helper)
+
+    folder = tmp_path / "target"
+    write_fp8(Path(BUNDLED["model"]), folder, layout)
+    sampling = SamplingParams(temperature=0.0, max_tokens=24)
+    fp8 = {**BUNDLED, "model": str(folder)}
+    plain = run_tp2({**fp8, "drafter": None, "num_spec_tokens": 0}, [CODE[:3]], sampling)
+    spec = run_tp2(fp8, [CODE[:3]], sampling)
+    assert spec["tokens"] == plain["tokens"]
+    assert sum(spec["al"]) / len(spec["al"]) > 1.5
+    assert spec["held"] == {"target": 0, "draft": 0} and set(plain["held"].values()) == {0}
