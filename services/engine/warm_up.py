@@ -10,8 +10,9 @@ both (mixed, under CUDA's default policy). A prompt the KV pool or context canno
 left out, never an error at start.
 
 Invariant: nothing of it stays. Afterwards no request is held, every pool is empty, the
-prefix cache and its counters, the speculative counters and the adaptive-K state are as
-a fresh engine has them, and no request id or seed was drawn from the engine's sequences.
+prefix cache and its counters, the speculative counters, the graphs' replay counters and
+the adaptive-K state are as a fresh engine has them, and no request id or seed was drawn
+from the engine's sequences.
 """
 
 from __future__ import annotations
@@ -67,3 +68,5 @@ def forget(engine: Engine) -> None:
     engine.last_step = ""
     if engine.adaptive is not None:
         engine.adaptive = engine.new_adaptive_k()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.reset_replays()

@@ -137,6 +137,15 @@ class DecodeGraphs:
             if graphed is not None:
                 graphed.capture(pool)
 
+    def reset_replays(self) -> None:
+        """Every graph's replay counters back to zero (after the warm-up's steps)."""
+        for graphed in (self.target, self.plain, self.catch_up, self.lagged, self.drafter):
+            if graphed is not None:
+                graphed.replays.clear()
+        if self.chain is not None:
+            self.chain.replays = dict.fromkeys(self.chain.replays, 0)
+            self.chain.caught_up = 0
+
     def force_acceptance(self, n: int) -> None:
         """Greedy verdicts keep exactly min(n, K) drafts from now on (benchmarks only, not
         lossless); n = -1: off. A device value: the captured graphs read it at replay."""

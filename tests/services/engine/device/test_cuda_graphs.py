@@ -161,3 +161,22 @@ def test_device_step_catches_up_in_the_chain(pair):
     graphs = engine.runner.graphs
     assert graphs.chain.caught_up == sum(graphs.chain.replays.values()) > 0
     assert not graphs.catch_up.replays  # every pending span fit the chain's stage
+
+
+def test_the_warm_up_replays_the_graphs_and_leaves_their_counters_at_zero(pair, monkeypatch):
+    from services.engine import warm_up  # noqa: PLC0415 (the module, to wrap its forget)
+
+    engine = with_static_path(make_engine(pair, k=3, scheduling_policy="mixed"))
+    graphs, seen = engine.runner.graphs, []
+    real_forget = warm_up.forget
+
+    def forget(e):
+        seen.append(sum(graphs.chain.replays.values()) + sum(graphs.target.replays.values()))
+        real_forget(e)
+
+    monkeypatch.setattr(warm_up, "forget", forget)
+    warm_up.warm_up(engine)
+    assert seen[0] > 0  # the warm-up's decode steps ran the graphs' path
+    assert graphs.chain.caught_up == 0 and not any(graphs.chain.replays.values())
+    for graphed in (graphs.target, graphs.plain, graphs.catch_up, graphs.lagged, graphs.drafter):
+        assert graphed is None or not graphed.replays
