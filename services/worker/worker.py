@@ -75,6 +75,9 @@ class WorkerBase:
         if self.config.moves_pages:
             await self.agent.close()
         if self.group is not None:
+            for link in self.group.links.values():
+                link.close()
+            await asyncio.sleep(0)  # the loop closes the links' sockets: the other ranks see EOF and exit
             self.group.close()
 
     def rank_info(self) -> rpb.RankInfo:

@@ -14,7 +14,6 @@ stopped (complete, or after its end), only the end-of-sequence tokens are allowe
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch as llt
 import torch
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -49,7 +48,7 @@ class RequestGrammar:
 
     def banned(self, extras: list[list[int]]) -> torch.Tensor:
         """[len(extras), vocab] bool: True where row i (after ``extras[i]``) may not go."""
-        bitmask = llt.allocate_token_bitmask(len(extras), self.n_vocab)
+        bitmask = torch.full((len(extras), -(-self.n_vocab // 32)), -1, dtype=torch.int32)  # [rows, words]
         held: list[int] = []  # extra tokens consumed on top of the output
         dead = []  # rows whose extras the grammar refuses
         for i, extra in enumerate(extras):
@@ -64,7 +63,7 @@ class RequestGrammar:
             if n < len(rest):
                 dead.append(i)
                 continue
-            llt.fill_next_token_bitmask(self.matcher, bitmask, i)
+            fill_mask(self.matcher, bitmask[i])
         if held:
             self.matcher.rollback(len(held))
         allowed = ((bitmask[:, :, None] >> _SHIFTS) & 1).view(len(extras), -1)[:, : self.vocab].bool()
@@ -73,6 +72,14 @@ class RequestGrammar:
             banned[dead] = False
         banned[banned.all(dim=-1)] = False  # nothing allowed: leave the row to the model
         return banned
+
+
+def fill_mask(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
+    """The matcher's next-token bitmask into ``row`` (contiguous int32 on the CPU, a bit per
+    token id). What ``llguidance.torch.fill_next_token_bitmask`` does; that module is not
+    imported: its ``torch.compile`` kernel pulls in torch._dynamo, about 2 s of every
+    process's start."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
