@@ -11,7 +11,7 @@ import transformers
 
 from proto.tandem.v1 import client_pb2 as cpb
 from services.engine.models import load_target
-from tests.e2e.conftest import assert_no_request_holds_pages, stream
+from tests.e2e.conftest import assert_no_request_holds_pages, generate, stream
 from tests.e2e.test_hf_models import PROMPT, pair_cluster, published_drafter
 from tests.services.engine.models.fp8_folders import write_fp8
 from tests.services.engine.models.hf_models import hf_checkpoint, tandem_logits
@@ -19,7 +19,6 @@ from tests.services.engine.tokenizer_helpers import trained_bpe, write_folder
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
-ROLES = {"aggregated": ("both",), "disaggregated": ("prefill", "decode")}
 
 
 def drafter_linears(state: dict) -> list[str]:
@@ -48,25 +47,33 @@ def root(tmp_path_factory):
     return root
 
 
-def target_greedy(root, ids: list[int]) -> list[int]:
-    """The FP8 target's own greedy continuation (dense forward, in-process)."""
+@pytest.fixture(scope="module")
+def reference(root) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, the FP8 target's own greedy continuation: dense forward, in-process)."""
+    ids = transformers.AutoTokenizer.from_pretrained(root / "target")(PROMPT)["input_ids"]
     model, out = load_target(root / "target"), list(ids)
     for _ in range(MAX_TOKENS):
         out.append(int(tandem_logits(model, torch.tensor(out))[-1].argmax()))
-    return out[len(ids) :]
+    return ids, out[len(ids) :]
 
 
-@pytest.mark.parametrize("mode", ROLES)
-def test_speculative_greedy_equals_the_fp8_target(root, mode):
-    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "target")
-    want = target_greedy(root, hf_tok(PROMPT)["input_ids"])
-    cluster = pair_cluster(root, drafter=True, roles=ROLES[mode])
-    try:
+@pytest.fixture(scope="module")
+def cluster(root, reference):  # the reference first: idle processes take CPU
+    """Both modes in one cluster: an aggregated worker (called directly: the router sends to
+    the pair while it is ready) and a prefill + decode pair (the router's)."""
+    cluster = pair_cluster(root, drafter=True, roles=("both", "prefill", "decode"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+def test_speculative_greedy_equals_the_fp8_target(cluster, reference, mode):
+    ids, want = reference
+    if mode == "aggregated":
+        tokens, _ = generate(next(p.grpc for p in cluster.processes if p.name == "both-0"), ids, MAX_TOKENS)
+    else:
         request = cpb.GenerateRequest(text=PROMPT, sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS))
         tokens, _, complete = stream(cluster.router_address, request)
-        assert tokens == want
-        if mode == "disaggregated":
-            assert {t.group for t in complete.usage.transfers} == {"target", "draft"}
-        assert_no_request_holds_pages(cluster)
-    finally:
-        cluster.stop()
+        assert {t.group for t in complete.usage.transfers} == {"target", "draft"}
+    assert tokens == want
+    assert_no_request_holds_pages(cluster)

@@ -4,8 +4,10 @@ processes, by reference in one: :mod:`tests.kvcore.transfer.conns`).
 The services carry jobs over their JSON control channel; here a pipe carries the same
 dataclasses, so the tests run the real agent, fan-out and per-rank code without the
 services. Messages, rank 0 -> rank 1: ``("job", id, key, op, job)``,
-``("cancel", id)``, ``("stop",)``; rank 1 -> rank 0: ``("done", id, ok, value)``. ``key``
-picks one of several RankTransfers the rank-1 process serves (one per scenario).
+``("cancel", id)``, ``("stop",)``; rank 1 -> rank 0: ``("done", id, ok, value)``, and
+``("done", None, True, None)`` last, answering the stop: rank 0's reader thread has a
+receive pending, and a process waits for its threads before it exits. ``key`` picks one of
+several RankTransfers the rank-1 process serves (one per scenario).
 """
 
 from __future__ import annotations
@@ -109,4 +111,5 @@ async def serve_pipe(conn, ranks: dict[Any, RankTransfer]) -> dict[str, int]:
         _, n, key, op, job = message
         running[n] = asyncio.ensure_future(run(n, key, op, job))
     await asyncio.gather(*cancelled, return_exceptions=True)
+    conn.send(("done", None, True, None))  # ends rank 0's pending receive (else its exit waits)
     return outcomes
