@@ -137,17 +137,7 @@ class Sweep:
             for lengths in a.grid:
                 warm = prompts(a.warmup, lengths.isl, self.vocab, a.seed + 999)
                 if warm:
-                    self.send(
-                        [
-                            Load(
-                                cluster.router_address,
-                                warm,
-                                lengths.osl,
-                                concurrency=1,
-                                structured_regex=a.structured_regex,
-                            )
-                        ]
-                    )
+                    self.send([self.load_of(cluster.router_address, warm, lengths.osl, concurrency=1)])
                 kinds = [("closed", c) for c in a.concurrency] + [("poisson", r) for r in a.rates]
                 for kind in kinds:
                     self.point(config, lengths, kind, self.load(cluster.router_address, lengths, kind))
@@ -161,24 +151,18 @@ class Sweep:
         if mode == "closed":
             count = closed_requests(int(value), a.rounds, a.min_requests)
             ids = prompts(count, lengths.isl, self.vocab, seed)
-            return Load(
-                address,
-                ids,
-                lengths.osl,
-                concurrency=int(value),
-                timeout_s=a.request_timeout_s,
-                structured_regex=a.structured_regex,
-            )
+            return self.load_of(address, ids, lengths.osl, concurrency=int(value))
         count = open_requests(value, a.poisson_seconds, a.min_requests)
         ids = prompts(count, lengths.isl, self.vocab, seed)
         arrivals = tuple(poisson_arrivals(value, count, seed))
+        return self.load_of(address, ids, lengths.osl, arrivals=arrivals)
+
+    def load_of(self, address: str, ids: list[list[int]], osl: int, **pace) -> Load:
+        """A Load of the sweep's request kind (its timeout and constraint); ``pace``:
+        ``concurrency`` or ``arrivals``."""
+        a = self.a
         return Load(
-            address,
-            ids,
-            lengths.osl,
-            arrivals=arrivals,
-            timeout_s=a.request_timeout_s,
-            structured_regex=a.structured_regex,
+            address, ids, osl, timeout_s=a.request_timeout_s, structured_regex=a.structured_regex, **pace
         )
 
     def point(self, config: Config, lengths: Lengths, kind: tuple[str, float], load: Load) -> None:
