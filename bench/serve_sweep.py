@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench import serve_svg
+from bench import serve_steps, serve_svg
 from bench.serve_args import Config, configs, flag_of, parse, text_flag_of, worker_roles
 from bench.serve_ceiling_spec import CeilingSpec, run_ceiling
 from bench.serve_client import Load, run_load, split
@@ -140,7 +140,7 @@ class Sweep:
                     self.send([self.load_of(cluster.router_address, warm, lengths.osl, concurrency=1)])
                 kinds = [("closed", c) for c in a.concurrency] + [("poisson", r) for r in a.rates]
                 for kind in kinds:
-                    self.point(config, lengths, kind, self.load(cluster.router_address, lengths, kind))
+                    self.point(config, lengths, kind, self.load(cluster.router_address, lengths, kind), cluster)
         finally:
             cluster.stop()
 
@@ -165,10 +165,16 @@ class Sweep:
             address, ids, osl, timeout_s=a.request_timeout_s, structured_regex=a.structured_regex, **pace
         )
 
-    def point(self, config: Config, lengths: Lengths, kind: tuple[str, float], load: Load) -> None:
-        """Send ``load`` (the point ``kind`` at ``lengths``), summarize it into the payload,
-        rewrite sweep.json, print a line."""
+    def point(
+        self, config: Config, lengths: Lengths, kind: tuple[str, float], load: Load, cluster: LocalCluster
+    ) -> None:
+        """Send ``load`` (the point ``kind`` at ``lengths``), summarize it into the payload
+        with the workers' engine steps over it (bench/serve_steps.py), rewrite sweep.json,
+        print a line."""
+        workers = {p.name: p.metrics for p in cluster.processes[cluster.num_routers :]}
+        before = serve_steps.scrape(workers)
         records = self.send(split(replace(load, start=time.monotonic() + START_DELAY_S), self.a.client_procs))
+        steps = serve_steps.step_means(before, serve_steps.scrape(workers))
         stats = summarize(records, Slo(self.a.slo_ttft_ms, self.a.slo_tpot_ms), config.gpus)
         (mode, value), (isl, osl) = kind, (lengths.isl, lengths.osl)
         base = {
@@ -178,9 +184,10 @@ class Sweep:
             "rate": float(value) if mode == "poisson" else 0.0,
         }  # fmt: skip
         ceiling = self.ceilings.get(config.spec, {}).get((isl, osl, value)) if mode == "closed" else None
-        self.payload["points"].append(point(base, stats, ceiling))
+        self.payload["points"].append({**point(base, stats, ceiling), "engine_steps": steps})
         write_json(Path(self.a.out) / "sweep.json", self.payload)
         print(progress(self.payload["points"][-1]), flush=True)
+        print(f"  engine steps: {serve_steps.describe(steps)}", flush=True)
 
 
 def progress(p: dict) -> str:

@@ -1,9 +1,16 @@
-"""EngineLoop: runs an engine's steps off the event loop and fans out their outputs.
+"""EngineLoop: the engine's steps on a thread of their own, their outputs fanned out on
+the event loop.
 
-Invariant: the engine and its cache manager are mutated only by the engine thread
-while a step runs, and only by the event-loop thread between steps (``call``). Page
-transfers read and write pages of parked or reserved requests, which no step touches,
-so they run on the event loop at any time.
+The engine thread steps back to back while the engine has work: it never waits for the
+event loop, so gRPC streams, the relay and transfers run beside the step's GPU work, not
+between two steps (the served-speed issue's overlap of the path around the engine).
+
+Invariant: the engine and its cache manager are mutated only by the engine thread: its
+steps, and between two steps the functions queued with ``call``. Page transfers read and
+write pages of parked or reserved requests, which no step touches, so they run on the
+event loop at any time. Outputs, call results and failures cross to the event loop with
+``call_soon_threadsafe``, in the order the engine thread made them: a request's outputs
+come after the result of the ``call`` that submitted it.
 
 Token counts for the stats line (services/worker/stats_log.py): ``generated_tokens`` adds
 every output's new tokens; ``prompt_tokens`` adds a request's prompt at its first output,
@@ -15,13 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.common.faults import delay
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's GIL switch interval while an engine thread runs (Python's default is
+5 ms). When the engine thread comes back from a GPU wait or a kernel launch (both release
+the GIL) while the event loop runs Python, it waits at most this long for the GIL."""
+
+IDLE_WAIT_S = 0.001
+"""How long the engine thread sleeps after a step that ran nothing (every waiting request
+is blocked, e.g. on pages), unless a call or a stop wakes it sooner."""
+
+_Call = tuple[Callable[[], Any], asyncio.Future]
 
 
 class EngineLoop:
@@ -36,27 +57,38 @@ class EngineLoop:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self._started: set[str] = set()  # requests whose first output came and that run on
-        self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._calls: deque[_Call] = deque()  # appended by the event loop, taken by the engine thread
+        self._wake = threading.Condition()  # guards _calls and _stopping
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
+        """Start the engine thread (from the event loop the outputs go to)."""
+        self._loop = asyncio.get_running_loop()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        """Stop the engine thread after its current step; calls it never ran are cancelled."""
+        if self._thread is None:
+            return
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        while self._calls:
+            self._calls.popleft()[1].cancel()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the event-loop thread between two steps; returns its result."""
+        """Run ``fn(*args)`` on the engine thread between two steps; returns its result."""
         future = asyncio.get_running_loop().create_future()
-        self._calls.append((lambda: fn(*args), future))
-        self._wake.set()
+        with self._wake:
+            self._calls.append((lambda: fn(*args), future))
+            self._wake.notify()
         return await future
 
     async def outputs(self, request_id: str, submit: Callable[[], Any]) -> AsyncIterator[Any]:
@@ -81,39 +113,97 @@ class EngineLoop:
             if not finished:
                 await asyncio.shield(self.call(self.engine.abort, request_id))
 
-    async def _run(self) -> None:
-        while True:
-            self._run_calls()
-            if self.engine.has_unfinished():
-                try:
-                    start = time.perf_counter()
-                    outputs = await asyncio.to_thread(self.engine.step)
-                    if self.on_step is not None:
-                        self.on_step(self.engine.last_step, time.perf_counter() - start)
-                    if delay("engine.step"):
-                        await asyncio.sleep(delay("engine.step"))
-                except Exception as e:  # a broken step fails its requests, not the server
-                    log.exception("engine step failed; failing its %d requests", len(self._streams))
-                    self._fail_all(e)
-                    continue
-                for out in outputs:
-                    self._count(out)
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-            elif not self._calls:
-                self._wake.clear()
-                await self._wake.wait()
+    async def fail_all(self, error: Exception) -> None:
+        """End every request streaming now with ``error`` (raised from its ``outputs``) and
+        abort it in the engine."""
+        request_ids = self._raise_in_streams(list(self._streams), error)
+        await self.call(self._abort, request_ids)
 
-    def _run_calls(self) -> None:
-        calls, self._calls = self._calls, []
+    # ------------------------------------------------------------ the engine thread
+
+    def _main(self) -> None:
+        while True:
+            calls = self._next_calls()
+            if calls is None:
+                return
+            self._run_calls(calls)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _next_calls(self) -> list[_Call] | None:
+        """The calls queued since the last step, once there is work; None when stopping."""
+        with self._wake:
+            while not (self._stopping or self._calls or self.engine.has_unfinished()):
+                self._wake.wait()
+            if self._stopping:
+                return None
+            calls = list(self._calls)
+            self._calls.clear()
+            return calls
+
+    def _run_calls(self, calls: list[_Call]) -> None:
         for fn, future in calls:
             if future.cancelled():
                 continue
             try:
-                future.set_result(fn())
+                self._post(_settle, future, fn(), None)
             except Exception as e:
-                future.set_exception(e)
+                self._post(_settle, future, None, e)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a broken step fails its requests, not the server
+            request_ids = list(self._streams)  # one C-level copy: atomic under the GIL
+            log.exception("engine step failed; failing its %d requests", len(request_ids))
+            self._abort(request_ids)
+            self._post(self._raise_in_streams, request_ids, RuntimeError(f"engine step failed: {e}"))
+            return
+        seconds = time.perf_counter() - start
+        if delay("engine.step"):
+            self._sleep(delay("engine.step"))
+        self._post(self._deliver, outputs, self.engine.last_step, seconds)
+        if not outputs and not self.engine.last_step:  # nothing could run: do not spin
+            self._sleep(IDLE_WAIT_S)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on the engine thread; a stop ends the wait early."""
+        with self._wake:
+            if not self._stopping:
+                self._wake.wait(seconds)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            try:
+                self.engine.abort(rid)
+            except KeyError:
+                pass
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop, after what was posted before it."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop closed under a stopping worker
+            pass
+
+    # ------------------------------------------------------------ the event loop
+
+    def _deliver(self, outputs: list[Any], kind: str, seconds: float) -> None:
+        if self.on_step is not None:
+            self.on_step(kind, seconds)
+        for out in outputs:
+            self._count(out)
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _raise_in_streams(self, request_ids: list[str], error: Exception) -> list[str]:
+        for rid in request_ids:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(error)
+        return request_ids
 
     def _count(self, out: Any) -> None:
         self.generated_tokens += len(out.new_token_ids)
@@ -125,15 +215,11 @@ class EngineLoop:
         if first and self.count_prompts:
             self.prompt_tokens += out.usage.prompt_tokens
 
-    def _fail_all(self, error: Exception) -> None:
-        self.fail_all(RuntimeError(f"engine step failed: {error}"))
 
-    def fail_all(self, error: Exception) -> None:
-        """End every request streaming now with ``error`` (raised from its ``outputs``) and
-        abort it in the engine. Between steps only (through ``call``, or after a failed step)."""
-        for rid, queue in list(self._streams.items()):
-            queue.put_nowait(error)
-            try:
-                self.engine.abort(rid)
-            except KeyError:
-                pass
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.done():  # its caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -56,7 +56,7 @@ async def shut_down(
             f"worker {who} shut down: the request did not finish within the shutdown timeout "
             f"({timeout_s:g} s, --shutdown-timeout-s)"
         )
-        await worker.loop.call(worker.loop.fail_all, error)
+        await worker.loop.fail_all(error)
         for hook in worker.on_shutdown:
             await hook()
         await _until_idle(worker, time.monotonic() + CUT_WAIT_S)

@@ -114,6 +114,14 @@ def test_one_tiny_point_end_to_end(tmp_path):
         )
         assert p["served_over_ceiling"] == pytest.approx(p["output_tok_s"] / p["ceiling_tok_s"])
     assert agg["transfers"] == {}
+    # the engine steps over each point, per worker: the aggregated one prefilled and
+    # decoded (a prompt that came mid-decode in a step of both); of the pair, the prefill
+    # worker only prefilled, the decode worker only decoded
+    [agg_kinds] = [set(k) for k in agg["engine_steps"].values()]
+    assert {"decode", "prefill"} <= agg_kinds <= {"decode", "prefill", "decode+prefill"}
+    assert sorted(sorted(k) for k in disagg["engine_steps"].values()) == [["decode"], ["prefill"]]
+    steps = [m for kinds in disagg["engine_steps"].values() for m in kinds.values()]
+    assert all(m["steps"] >= 1 and m["mean_ms"] > 0 for m in steps)
     transfers = disagg["transfers"]  # 32 prompt tokens: two whole pages per group
     assert transfers["target"]["bytes_mean"] == 2 * page_bytes("models/tiny-target", 6)
     assert transfers["draft"]["bytes_mean"] == 2 * page_bytes("models/tiny-drafter", 1)
