@@ -140,7 +140,8 @@ class Sweep:
                     self.send([self.load_of(cluster.router_address, warm, lengths.osl, concurrency=1)])
                 kinds = [("closed", c) for c in a.concurrency] + [("poisson", r) for r in a.rates]
                 for kind in kinds:
-                    self.point(config, lengths, kind, self.load(cluster.router_address, lengths, kind), cluster)
+                    load = self.load(cluster.router_address, lengths, kind)
+                    self.point(config, lengths, kind, load, cluster)
         finally:
             cluster.stop()
 
