@@ -10,6 +10,10 @@ between runs; the reference (not capturable: it reads the routing on the host) i
 eagerly. Routing is a softmax top k over random logits.
 
     python -m bench.moe_kernel --device cuda [--shapes qwen3-30b-a3b] [--tokens 1,8,64]
+                               [--tiles "16,32,64,128,4,4;16,16,32,256,4,3"]
+
+``--tiles``: time the kernel at each of these tile choices (``triton_moe.MoeTiles``: BLOCK_M,
+BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, warps, stages) instead of ``tiles_for``'s.
 
 ``--device cpu`` runs tiny shapes through the reference on both sides: a check that the
 script runs, not a measurement.
@@ -21,6 +25,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 import torch
 
@@ -42,7 +47,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shapes", default="", help="comma-separated, of " + ", ".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--tiles", default="", help="';'-separated tile choices, each m,n1,n2,k,warps,stages")
     return p
+
+
+def parse_tiles(text: str) -> list:
+    """--tiles -> MoeTiles (CUDA only); [] = the kernel's own choice. ValueError names it."""
+    specs = [spec.split(",") for spec in text.split(";")] if text else []
+    for fields in specs:
+        if len(fields) != 6 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(
+                f"--tiles: {','.join(fields)!r} is not six positive integers m,n1,n2,k,warps,stages"
+            )
+    if not specs:
+        return []
+    from services.engine.kernels.triton_moe import MoeTiles  # noqa: PLC0415 (imports triton)
+
+    return [MoeTiles(*map(int, fields)) for fields in specs]
 
 
 def make_layer(dims: tuple, num_tokens: int, device: str) -> tuple[Experts, tuple[torch.Tensor, ...]]:
@@ -88,15 +109,23 @@ def time_ms(fn: Callable[[], object], device: str, graph: bool) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(name: str, dims: tuple, num_tokens: int, device: str) -> dict:
-    """One row: kernel and reference ms, GB/s of touched weights and TFLOP/s of the kernel."""
+def measure(name: str, dims: tuple, num_tokens: int, device: str, tiles=None) -> dict:
+    """One row: kernel and reference ms, GB/s of touched weights and TFLOP/s of the kernel
+    (at ``tiles``, a MoeTiles, when given; else the kernel's choice)."""
     experts, (x, ids, weights) = make_layer(dims, num_tokens, device)
     _, k, h, i, _ = dims
-    kernel_ms = time_ms(lambda: kernels.moe_experts(x, experts, ids, weights), device, graph=True)
+    if tiles is None:
+        kernel = lambda: kernels.moe_experts(x, experts, ids, weights)  # noqa: E731
+    else:
+        from services.engine.kernels.triton_moe import moe_experts_tiled  # noqa: PLC0415
+
+        kernel = lambda: moe_experts_tiled(x, experts, ids, weights, tiles)  # noqa: E731
+    kernel_ms = time_ms(kernel, device, graph=True)
     reference_ms = time_ms(lambda: reference.moe_experts(x, experts, ids, weights), device, graph=False)
     return dict(
         shape=name,
         tokens=num_tokens,
+        tiles=",".join(map(str, astuple(tiles))) if tiles is not None else "auto",
         kernel_ms=kernel_ms,
         reference_ms=reference_ms,
         gbps=touched_bytes(experts, ids) / kernel_ms / 1e6,
@@ -107,12 +136,12 @@ def measure(name: str, dims: tuple, num_tokens: int, device: str) -> dict:
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table."""
     lines = [
-        "| shape | T | kernel ms | reference ms | speedup | touched weights GB/s | TFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | T | tiles | kernel ms | reference ms | speedup | touched weights GB/s | TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['kernel_ms']:.4f} | {r['reference_ms']:.4f} "
+            f"| {r['shape']} | {r['tokens']} | {r['tiles']} | {r['kernel_ms']:.4f} | {r['reference_ms']:.4f} "
             f"| {r['reference_ms'] / r['kernel_ms']:.1f}x | {r['gbps']:,.0f} | {r['tflops']:.1f} |"
         )
     return "\n".join(lines)
@@ -125,8 +154,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [n for n in names if n not in shapes]
     if unknown:
         parser().error(f"--shapes: {', '.join(unknown)} unknown on {a.device}; known: {', '.join(shapes)}")
+    if a.tiles and a.device != "cuda":
+        parser().error("--tiles: the Triton kernel's tiles, CUDA only")
+    try:
+        choices = parse_tiles(a.tiles) or [None]
+    except ValueError as e:
+        parser().error(str(e))
     torch.manual_seed(0)
-    rows = [measure(name, shapes[name], int(t), a.device) for name in names for t in a.tokens.split(",")]
+    rows = [
+        measure(name, shapes[name], int(t), a.device, tiles)
+        for name in names
+        for t in a.tokens.split(",")
+        for tiles in choices
+    ]
     print(table(rows), flush=True)
     return rows
 

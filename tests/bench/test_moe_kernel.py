@@ -17,7 +17,7 @@ def test_tiny_shapes_run_and_print_a_table(capsys):
         r["kernel_ms"] > 0 and r["reference_ms"] > 0 and r["gbps"] > 0 and r["tflops"] > 0 for r in rows
     )
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("| shape | T | kernel ms") and len(lines) == 2 + len(rows)
+    assert lines[0].startswith("| shape | T | tiles | kernel ms") and len(lines) == 2 + len(rows)
 
 
 def test_touched_bytes_count_only_the_routed_experts():
@@ -25,6 +25,17 @@ def test_touched_bytes_count_only_the_routed_experts():
     e, k, h, i, _ = moe_kernel.TINY_SHAPES["tiny-gpt-oss"]
     per_expert = 2 * (2 * i * h + h * i + 2 * i + h)  # bf16 w13, w2, b13, b2
     assert moe_kernel.touched_bytes(experts, ids) == k * per_expert
+
+
+def test_tile_choices_are_checked(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        moe_kernel.main(["--device", "cpu", "--tiles", "16,32,64,128,4,4"])
+    assert (
+        exit_.value.code == 2 and "--tiles: the Triton kernel's tiles, CUDA only" in capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match="--tiles: '16,32,64' is not six positive integers"):
+        moe_kernel.parse_tiles("16,32,64")
+    assert moe_kernel.parse_tiles("") == []
 
 
 def test_an_unknown_shape_is_refused(capsys):

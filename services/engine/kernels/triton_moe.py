@@ -2,7 +2,9 @@
 (:func:`reference.moe_experts` defines the function; bf16/fp16 CUDA tensors).
 
 1. ``moe_align.align`` sorts the T * k (token, slot) pairs by expert into blocks of
-   BLOCK_M rows of one expert (padded; blocks of padding alone name expert E).
+   BLOCK_M rows of one expert (padded; blocks of padding alone name expert E); one token's
+   k slots, of distinct experts, take a block each with no sort (ONE_TOKEN: the kernels
+   make ``moe_align.one_token_blocks``'s ids in registers).
 2. ``_gate_up_kernel``: program (block, n) gathers its block's token rows of x and
    multiplies them by the expert's gate rows n and up rows I + n of w13 (two float32
    accumulators), adds b13, rounds both to x's dtype as the reference's linear does, and
@@ -70,6 +72,15 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _slot_ids(sorted_ids_ptr, rm, block, num_slots, ONE_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The slot ids of a block's rows: sorted_ids[rm], or for one token slot ``block`` in
+    row 0 and padding (num_slots) after it."""
+    if ONE_TOKEN:
+        return tl.where(tl.arange(0, BLOCK_M) == 0, block, num_slots)
+    return tl.load(sorted_ids_ptr + rm)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -90,6 +101,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -99,7 +111,7 @@ def _gate_up_kernel(
     if expert >= NUM_EXPERTS:  # a block of padding alone
         return
     rm = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of act
-    sid = tl.load(sorted_ids_ptr + rm)  # [BM] slot ids, num_slots for padding
+    sid = _slot_ids(sorted_ids_ptr, rm, block, num_slots, ONE_TOKEN, BLOCK_M)  # [BM], num_slots: padding
     valid = sid < num_slots
     token = sid // TOP_K
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of act
@@ -156,6 +168,7 @@ def _down_kernel(
     stride_st,
     NUM_EXPERTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -165,7 +178,7 @@ def _down_kernel(
     if expert >= NUM_EXPERTS:
         return
     rm = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of act
-    sid = tl.load(sorted_ids_ptr + rm)  # [BM]
+    sid = _slot_ids(sorted_ids_ptr, rm, block, num_slots, ONE_TOKEN, BLOCK_M)  # [BM]
     valid = sid < num_slots
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of the output
     n_ok = rn < H
@@ -232,7 +245,12 @@ def moe_experts_tiled(
     w13, w2 = _unit_last(experts.w13), _unit_last(experts.w2)
     b13 = w13 if experts.b13 is None else experts.b13.contiguous()  # unused pointer when None
     b2 = w2 if experts.b2 is None else experts.b2.contiguous()
-    sorted_ids, block_expert = align(topk_ids, num_experts, t.block_m)
+    one_token = num_tokens == 1  # k distinct experts: block b is slot b's (one_token_blocks)
+    if one_token:
+        block_expert = topk_ids.reshape(-1).to(torch.int32)
+        sorted_ids = block_expert  # not read
+    else:
+        sorted_ids, block_expert = align(topk_ids, num_experts, t.block_m)
     blocks = block_expert.shape[0]
     num_slots = num_tokens * top_k
     weights = topk_weights.to(x.dtype).reshape(-1)  # [S] as the reference rounds them
@@ -257,6 +275,7 @@ def moe_experts_tiled(
         TOP_K=top_k,
         HAS_BIAS=experts.b13 is not None,
         ACTIVATION=ACTIVATIONS[experts.activation],
+        ONE_TOKEN=one_token,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n1,
         BLOCK_K=t.block_k,
@@ -282,6 +301,7 @@ def moe_experts_tiled(
         slots.stride(0),
         NUM_EXPERTS=num_experts,
         HAS_BIAS=experts.b2 is not None,
+        ONE_TOKEN=one_token,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n2,
         BLOCK_K=t.block_k,

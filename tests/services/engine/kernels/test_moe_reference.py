@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels import reference
-from services.engine.kernels.moe_align import align, max_blocks
+from services.engine.kernels.moe_align import align, max_blocks, one_token_blocks
 from services.engine.kernels.reference import Experts
 
 HIDDEN = 16  # sum of 16 products of |x| <= 1 and |w| <= 1/2 in steps of 1/16: exact in bf16
@@ -184,6 +184,29 @@ def test_align_properties_on_random_routing(t, e, k, block_m):
     assert torch.equal(torch.bincount(used.long(), minlength=e), (counts + block_m - 1) // block_m)
 
 
+def test_one_token_takes_a_block_per_slot_without_a_sort():
+    ids = torch.tensor([[7, 3, 5]])
+    sorted_ids, block_expert = one_token_blocks(ids, block_m=4)
+    assert sorted_ids.tolist() == [0, 3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3]  # slot b alone in block b
+    assert block_expert.tolist() == [7, 3, 5]
+    assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
+    # the same blocks as the sort's, in slot order instead of expert order
+    blocks, experts = align(ids, num_experts=8, block_m=4)
+    pairs = lambda s, e: sorted(zip(e.tolist(), s.view(-1, 4).tolist(), strict=True))  # noqa: E731
+    assert pairs(sorted_ids, block_expert) == pairs(blocks, experts)
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped_swiglu-biases"])
+def test_one_token_through_the_kernels_data_flow_equals_the_sorted_one(gpt_oss):
+    """Bitwise: each slot's product is computed alone and the k are summed in slot order,
+    whichever order the blocks come in."""
+    experts = random_experts((8, 12), torch.bfloat16, gpt_oss, seed=4)
+    ids, weights = random_routing(1, 8, 3, seed=4)
+    x = random_x(1, torch.bfloat16, 4)
+    out = sorted_moe(x, experts, ids, weights, one_token_blocks(ids, block_m=4))
+    assert torch.equal(out, sorted_moe(x, experts, ids, weights))
+
+
 def test_max_blocks_is_tight_for_one_slot_per_expert_and_for_full_blocks():
     assert max_blocks(8, 128, 16) == 8  # decode: one block per touched expert
     assert max_blocks(0, 8, 16) == 0
@@ -193,14 +216,19 @@ def test_max_blocks_is_tight_for_one_slot_per_expert_and_for_full_blocks():
 
 
 def sorted_moe(
-    x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    x: torch.Tensor,
+    experts: Experts,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel's data flow in torch, block by block over ``align``'s output:
-    gather the block's token rows, both linears and the activation, times the slot's
-    weight, stored at row token * k + slot, then each token's k rows summed in slot order."""
+    """The Triton kernel's data flow in torch, block by block over ``align``'s output (or
+    ``blocks``, another (sorted_ids, block_expert) of 4 rows a block): gather the block's
+    token rows, both linears and the activation, times the slot's weight, stored at row
+    token * k + slot, then each token's k rows summed in slot order."""
     t, k = topk_ids.shape
     e_count, block_m = experts.w13.shape[0], 4
-    sorted_ids, block_expert = align(topk_ids, e_count, block_m)
+    sorted_ids, block_expert = blocks or align(topk_ids, e_count, block_m)
     weights = topk_weights.to(x.dtype).reshape(-1)
     slots = torch.full((t * k, x.shape[1]), float("nan"), dtype=x.dtype)
     for b, e in enumerate(block_expert.tolist()):
