@@ -84,9 +84,12 @@ class EngineLoop:
             self._calls.popleft()[1].cancel()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the engine thread between two steps; returns its result."""
+        """Run ``fn(*args)`` on the engine thread between two steps; returns its result.
+        RuntimeError once the loop has stopped (nothing would run it)."""
         future = asyncio.get_running_loop().create_future()
         with self._wake:
+            if self._stopping:
+                raise RuntimeError("the engine loop stopped")
             self._calls.append((lambda: fn(*args), future))
             self._wake.notify()
         return await future

@@ -1,0 +1,114 @@
+"""EngineLoop with a real engine on the CPU: the engine thread steps while streams, calls and
+aborts come from the event loop. Outputs equal ``Engine.generate``'s token for token across
+churn (staggered joins, different lengths, an abort mid-stream, preemption in a small pool),
+engine calls run on the engine thread, a failed step fails only the streams of that moment,
+and pools are empty afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from services.engine.sampling.params import SamplingParams
+from services.worker.engine_loop import EngineLoop
+from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts, write_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_pair(tmp_path_factory.mktemp("pair"))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def stream(
+    loop: EngineLoop, rid: str, prompt: list[int], sampling: SamplingParams, stop_after: int = 0
+):
+    """The request's final output (None if it was left after ``stop_after`` outputs)."""
+    submit = lambda: loop.engine.add_request(prompt, sampling, rid)  # noqa: E731
+    async with contextlib.aclosing(loop.outputs(rid, submit)) as outputs:
+        seen = 0
+        async for out in outputs:
+            seen += 1
+            if out.finished:
+                return out
+            if stop_after and seen == stop_after:
+                return None
+    raise AssertionError("the stream ended without a finished output")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_streams_equal_generate_across_churn(pair, k):
+    prompts = random_prompts(8, seed=11, min_len=4, max_len=30)
+    lengths = [5, 24, 9, 17, 24, 3, 12, 20]
+    expected = make_engine(pair, k=k).generate(prompts, [greedy(n) for n in lengths])
+    engine = make_engine(pair, k=k, num_pages=(40, 40))  # 160 tokens a group: preemption under load
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+
+        async def one(i: int):
+            await asyncio.sleep(0.003 * i)  # staggered: joins land between and during steps
+            return await stream(loop, f"r{i}", prompts[i], greedy(lengths[i]), stop_after=3 if i == 4 else 0)
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await loop.call(assert_pools_empty, engine)  # the abort's pages too
+        await loop.stop()
+        return results
+
+    results = asyncio.run(scenario())
+    assert engine.scheduler.num_preemptions > 0  # the small pool preempted under load
+    assert results[4] is None  # left mid-stream: aborted in the engine
+    for i, out in enumerate(results):
+        if i != 4:
+            assert out.token_ids == expected[i].token_ids, i
+
+
+def test_engine_calls_run_on_the_engine_thread_and_not_after_stop(pair):
+    engine = make_engine(pair, k=0)
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        name = await loop.call(lambda: threading.current_thread().name)
+        await loop.stop()
+        with pytest.raises(RuntimeError, match="the engine loop stopped"):
+            await loop.call(engine.num_requests)
+        return name
+
+    assert asyncio.run(scenario()) == "engine"
+
+
+def test_a_failed_step_fails_the_streams_of_that_moment_and_the_loop_serves_on(pair, caplog):
+    engine = make_engine(pair, k=2)
+    expected = make_engine(pair, k=2).generate([[3, 1, 4, 1, 5]], greedy(8))[0]
+    step, broken = engine.step, [True]
+
+    def step_once_broken():
+        if broken[0] and engine.num_requests()[0]:  # the first step with a running request
+            broken[0] = False
+            raise RuntimeError("boom")
+        return step()
+
+    engine.step = step_once_broken
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        with pytest.raises(RuntimeError, match="engine step failed: boom"):
+            await stream(loop, "a", [2, 7, 1, 8], greedy(8))
+        after = await stream(loop, "b", [3, 1, 4, 1, 5], greedy(8))
+        await loop.call(assert_pools_empty, engine)
+        await loop.stop()
+        return after
+
+    assert asyncio.run(scenario()).token_ids == expected.token_ids
+    assert [r.message for r in caplog.records if "engine step failed" in r.message] == [
+        "engine step failed; failing its 1 requests"
+    ]
