@@ -47,14 +47,14 @@ def test_streams_equal_generate_across_churn(pair, k):
     prompts = random_prompts(8, seed=11, min_len=4, max_len=30)
     lengths = [5, 24, 9, 17, 24, 3, 12, 20]
     expected = make_engine(pair, k=k).generate(prompts, [greedy(n) for n in lengths])
-    engine = make_engine(pair, k=k, num_pages=(40, 40))  # 160 tokens a group: preemption under load
+    engine = make_engine(pair, k=k, num_pages=(24, 24))  # 96 tokens a group: preemption under load
 
     async def scenario():
         loop = EngineLoop(engine)
         loop.start()
 
         async def one(i: int):
-            await asyncio.sleep(0.003 * i)  # staggered: joins land between and during steps
+            await asyncio.sleep(0.005 * max(0, i - 5))  # six at once, then joins during steps
             return await stream(loop, f"r{i}", prompts[i], greedy(lengths[i]), stop_after=3 if i == 4 else 0)
 
         results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
