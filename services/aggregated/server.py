@@ -51,7 +51,7 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.record_spec_metrics()
-        w.record_finished(stream.last, stream.last.finish_reason or "stop", len(stream.last.token_ids))
+        w.record_finished(stream.last, stream.last.finish_reason or "stop", stream.streamed)
         yield cpb.GenerateResponse(request_id=rid, complete=stream.complete(stream.last.usage.prompt_tokens))
 
     async def Abort(self, request, context) -> cpb.AbortResponse:

@@ -222,17 +222,15 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_prefilled(rid, prompt, aux, sampling, k)  # noqa: E731
-            stream = OutputStream(sent=1)  # the first token came with the prefill's answer
+            stream = OutputStream(skip=1)  # the first token came with the prefill's answer
             try:
                 async for chunk in stream.chunks(w.loop, rid, submit):
                     yield wpb.DecodeResponse(chunk=chunk)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             w.record_spec_metrics()
-            w.record_finished(
-                stream.last, stream.last.finish_reason or "stop", len(stream.last.token_ids) - 1
-            )
-            yield wpb.DecodeResponse(complete=stream.complete(len(prompt), skipped=1, cached=False))
+            w.record_finished(stream.last, stream.last.finish_reason or "stop", stream.streamed)
+            yield wpb.DecodeResponse(complete=stream.complete(len(prompt), cached=False))
         finally:
             self.reserved.pop(rid, None)
             if w.engine.holds_reservation(rid):

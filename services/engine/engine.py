@@ -96,7 +96,10 @@ class Engine:
         )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.out = StepOutputs(
-            self.tokenizer, eos_ids(config.model, self.target.config, self.tokenizer), self.k > 0
+            self.tokenizer,
+            eos_ids(config.model, self.target.config, self.tokenizer),
+            self.k > 0,
+            delta=config.output_kind == "delta",
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size, self.out.eos_ids)
         self.requests: dict[str, Request] = {}

@@ -43,7 +43,9 @@ class TokenLogprob:
 @dataclass(slots=True)
 class RequestOutput:
     """One step's news for one request. ``text`` and ``token_ids`` cover the whole output
-    so far (cut before a matched stop string once finished)."""
+    so far (the text cut before a matched stop string once finished); under the "delta"
+    output kind (config.OUTPUT_KINDS) ``token_ids`` and ``logprobs`` are this step's alone
+    (equal to ``new_token_ids``) and ``text`` is empty."""
 
     request_id: str
     new_token_ids: list[int]

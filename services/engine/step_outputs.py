@@ -9,10 +9,16 @@ from services.tokenization.tokenizer import Tokenizer
 
 
 class StepOutputs:
-    """Holds one Detokenizer per request that has output, dropped once it finishes."""
+    """Holds one Detokenizer per request that has output, dropped once it finishes.
+    ``delta`` (config.OUTPUT_KINDS): each output carries only the step's new token ids and
+    logprobs and no text, and a Detokenizer is kept only for a request with stop strings
+    (their matching needs its text); else outputs carry the whole output so far."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int], speculative: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, eos_ids: frozenset[int], speculative: bool, delta: bool = False
+    ) -> None:
         self.tokenizer, self.eos_ids, self.speculative = tokenizer, eos_ids, speculative
+        self.delta = delta
         self._touched: dict[str, Request] = {}
         self._new: dict[str, list[int]] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -24,7 +30,9 @@ class StepOutputs:
 
     def park(self, req: Request) -> None:
         """A prefill-only request: its one token was appended without stop checks."""
-        self._detokenizer(req).push([req.output_ids[-1]])
+        detok = self._detokenizer(req)
+        if detok is not None:
+            detok.push([req.output_ids[-1]])
         self._touch(req).append(req.output_ids[-1])
 
     def finish(self, req: Request) -> None:
@@ -38,9 +46,9 @@ class StepOutputs:
         self._touched, self._new = {}, {}
         return outs
 
-    def _detokenizer(self, req: Request) -> Detokenizer:
+    def _detokenizer(self, req: Request) -> Detokenizer | None:
         detok = self._detok.get(req.request_id)
-        if detok is None:
+        if detok is None and (not self.delta or req.sampling.stop):
             detok = self._detok[req.request_id] = Detokenizer(self.tokenizer)
         return detok
 
@@ -51,16 +59,23 @@ class StepOutputs:
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         parked = req.status is Status.PARKED
         finished = parked or req.status is Status.FINISHED
-        detok = self._detok.pop(req.request_id, None) if finished else self._detokenizer(req)
-        text = output_text(req, detok, finished) if detok is not None else ""
+        detok = self._detok.pop(req.request_id, None) if finished else self._detok.get(req.request_id)
+        wants_logprobs = req.sampling.logprobs is not None
+        if self.delta:
+            token_ids, text = new, ""
+            logprobs = req.output_logprobs[len(req.output_logprobs) - len(new) :] if wants_logprobs else None
+        else:
+            token_ids = list(req.output_ids)
+            text = output_text(req, detok, finished) if detok is not None else ""
+            logprobs = list(req.output_logprobs) if wants_logprobs else None
         return RequestOutput(
             req.request_id,
             new,
-            list(req.output_ids),
+            token_ids,
             text,
             finished,
             "prefilled" if parked else req.finish_reason,
             req.usage(self.speculative),
             req.aux if parked else None,
-            list(req.output_logprobs) if req.sampling.logprobs is not None else None,
+            logprobs,
         )

@@ -13,16 +13,18 @@ from services.tokenization.detokenizer import Detokenizer
 
 
 def append_tokens(
-    req: Request, token_ids: list[int], detok: Detokenizer, eos_ids: frozenset[int]
+    req: Request, token_ids: list[int], detok: Detokenizer | None, eos_ids: frozenset[int]
 ) -> list[int]:
     """Append tokens until one finishes the request; returns those appended. Sets
-    ``finish_reason`` ("stop" or "length") and, for a stop string, ``stop_text_len``."""
+    ``finish_reason`` ("stop" or "length") and, for a stop string, ``stop_text_len``.
+    ``detok``: the request's text so far, which stop strings need; None when nobody reads
+    the text and the request has no stop strings."""
     sp = req.sampling
     appended = []
     for t in token_ids:
         req.output_ids.append(t)
         appended.append(t)
-        searched = len(detok.stable_text)
+        searched = len(detok.stable_text) if sp.stop else 0
         if sp.stop:
             detok.push([t])
         stoppable = len(req.output_ids) > sp.min_tokens  # min_tokens: the first never stop
@@ -36,7 +38,7 @@ def append_tokens(
             req.stop_search_floor = len(detok.stable_text)
         if req.finish_reason is not None:
             break
-    if not sp.stop:
+    if not sp.stop and detok is not None:
         detok.push(appended)
     return appended
 

@@ -1,10 +1,12 @@
 """Engine outputs as client protos, written once for the prefill, decode and aggregated
 servicers: streamed chunks, usage and the completion.
 
-Token accounting: ``OutputStream.sent`` counts the request's tokens already delivered
-(1 on the decode worker, whose first token came with the prefill's answer); every chunk
-carries only tokens past it, and ``completion_tokens`` counts the tokens this worker
-streamed (the router merges the prefill's and the decode's usage).
+A worker's engine gives "delta" outputs (services/worker/worker_config.py: each carries the
+step's new token ids and logprobs alone). Token accounting: ``OutputStream.skip`` tokens at
+the start of the request were delivered elsewhere (1 on the decode worker, whose first token
+came with the prefill's answer) and are not streamed; ``streamed`` counts the tokens this
+worker streamed, which the completion's ``completion_tokens`` reports (the router merges the
+prefill's and the decode's usage).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ FINISH_REASONS = {
 
 @dataclass(slots=True)
 class OutputStream:
-    """One request's engine outputs as chunks; ``last`` is its final output once done."""
+    """One request's delta outputs as chunks; ``last`` is its final output once done."""
 
-    sent: int = 0
+    skip: int = 0
+    streamed: int = 0
     last: RequestOutput | None = None
 
     async def chunks(
@@ -39,19 +42,19 @@ class OutputStream:
         """Submit the request on the engine thread and yield a chunk per output that adds tokens."""
         async for out in loop.outputs(rid, submit):
             self.last = out
-            if len(out.token_ids) > self.sent:
-                yield cpb.Chunk(
-                    token_ids=out.token_ids[self.sent :],
-                    logprobs=logprobs_to_proto(out.logprobs and out.logprobs[self.sent :]),
-                )
-                self.sent = len(out.token_ids)
+            ids, logprobs = out.token_ids, out.logprobs
+            if self.skip:
+                n = min(self.skip, len(ids))
+                ids, logprobs, self.skip = ids[n:], logprobs and logprobs[n:], self.skip - n
+            if ids:
+                yield cpb.Chunk(token_ids=ids, logprobs=logprobs_to_proto(logprobs))
+                self.streamed += len(ids)
 
-    def complete(self, prompt_tokens: int, skipped: int = 0, cached: bool = True) -> cpb.Complete:
-        """The final message: finish reason and usage (``skipped`` tokens were streamed
-        elsewhere; ``cached``: report the prefix cache's hits, which only the worker that
-        ran the prompt knows)."""
+    def complete(self, prompt_tokens: int, cached: bool = True) -> cpb.Complete:
+        """The final message: finish reason and usage (``cached``: report the prefix
+        cache's hits, which only the worker that ran the prompt knows)."""
         out = self.last
-        usage = speculation_usage(out, prompt_tokens, len(out.token_ids) - skipped)
+        usage = speculation_usage(out, prompt_tokens, self.streamed)
         if cached:
             add_cached_tokens(usage, out.usage.cached_tokens)
         reason = FINISH_REASONS.get(out.finish_reason, cpb.FINISH_REASON_STOP)

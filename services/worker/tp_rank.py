@@ -25,7 +25,7 @@ from services.engine.parallel import TensorParallel, backend_for, init_tensor_pa
 from services.worker.rank_info import engine_rank_info
 from services.worker.tp_check import rank_instance_id
 from services.worker.tp_control import encode_bytes, rank_handlers, serve_rank
-from services.worker.worker_config import WorkerConfig
+from services.worker.worker_config import WorkerConfig, served_engine
 
 
 def run_rank(config: WorkerConfig, rank: int, dist_address: str, control_port: int) -> None:
@@ -33,7 +33,7 @@ def run_rank(config: WorkerConfig, rank: int, dist_address: str, control_port: i
     configure_logging(config.log_level, rank_instance_id(config.instance_id, rank), config.log_format)
     device = config.engine.device
     tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address, backend_for(device), device)
-    engine = Engine(config.engine)
+    engine = Engine(served_engine(config.engine))
     threading.Thread(target=_follow, args=(engine, tp), daemon=True).start()
     asyncio.run(_serve(config, rank, engine, control_port))
 

@@ -23,7 +23,7 @@ from services.worker.engine_loop import EngineLoop
 from services.worker.rank_info import engine_kv_heads, engine_rank_info
 from services.worker.router_links import RouterLinks
 from services.worker.tp_group import RankGroup
-from services.worker.worker_config import ROLES, WorkerConfig
+from services.worker.worker_config import ROLES, WorkerConfig, served_engine
 
 DEFAULT_MAX_TOKENS = 128
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class WorkerBase:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.group = RankGroup.spawn(config) if config.engine.tp_size > 1 else None
-        self.engine = Engine(config.engine)
+        self.engine = Engine(served_engine(config.engine))
         if self.group is not None:
             self.engine.step = _exit_on_failure(self.engine.step)
         self.metrics = Metrics(config.role)

@@ -7,7 +7,7 @@ every field and names the bad one.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.common.log_setup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, check_log_options
@@ -74,3 +74,10 @@ class WorkerConfig:
     def moves_pages(self) -> bool:
         """Whether this worker transfers pages (not aggregated): it runs a transport."""
         return self.role != "both"
+
+
+def served_engine(config: EngineConfig) -> EngineConfig:
+    """A worker's engine config: "delta" outputs (a step's new tokens, no text: its chunks
+    carry token ids and the router detokenizes), so no step copies a whole output or makes
+    text nobody reads."""
+    return replace(config, output_kind="delta")
