@@ -380,7 +380,9 @@ class Engine:
 
 def prefill_spans(prefill: Sequence[tuple[Request, PrefillSpan]]) -> list[Span]:
     """The target spans of a step's prefill chunks (KV written from each one's write start)."""
-    return [Span(r.request_id, s.start, r.tokens[s.start : s.end], r.target_write_start) for r, s in prefill]
+    return [
+        Span(r.request_id, s.start, r.token_range(s.start, s.end), r.target_write_start) for r, s in prefill
+    ]
 
 
 def step_kind(policy: str, decode: bool, prefill: bool) -> str:

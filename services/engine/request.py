@@ -115,7 +115,23 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt then output: a new list, O(length); a step's hot path reads
+        ``last_token`` or ``token_range`` instead."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        """tokens[-1] without building ``tokens`` (O(1): read every decode step)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] (0 <= start <= end) without building ``tokens``."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:

@@ -107,7 +107,7 @@ def device_step(
         first = pending if graphs.chain.catch.fits(pending) else catch_up(runner, decode)  # or g_n
         rows = ChainRows(
             [r.num_computed for r in decode],
-            [r.tokens[-1] for r in decode],
+            [r.last_token for r in decode],
             plan.draft_table,
             plan.target_tables,
         )
@@ -120,7 +120,7 @@ def device_step(
         if runner.drafter is not None and not lagging:
             catch_up(runner, decode)
         drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=runner.device)
-        spans = [Span(r.request_id, r.num_computed, [r.tokens[-1]], r.target_write_start) for r in decode]
+        spans = [Span(r.request_id, r.num_computed, [r.last_token], r.target_write_start) for r in decode]
         run = graphs.run_verify(spans, plan.target_tables)
         if run is None:
             return None

@@ -73,7 +73,7 @@ def verify_spans(requests: list[Request], drafts: Drafts | None) -> list[Span]:
     """[t_n, d_1..d_k] at positions n..n + k for each request, k its num_spec_tokens."""
     ids = drafts.token_ids.tolist() if drafts is not None else [[] for _ in requests]
     return [
-        Span(r.request_id, r.num_computed, [r.tokens[-1], *ids[i][: r.num_spec_tokens]], r.target_write_start)
+        Span(r.request_id, r.num_computed, [r.last_token, *ids[i][: r.num_spec_tokens]], r.target_write_start)
         for i, r in enumerate(requests)
     ]
 
@@ -92,6 +92,6 @@ def draft_prefill(
         )
         hidden += [first[None], run.features[offsets[i] : offsets[i + 1] - 1]]
         spans.append(
-            Span(req.request_id, span.start, req.tokens[span.start : span.end], req.draft_write_start)
+            Span(req.request_id, span.start, req.token_range(span.start, span.end), req.draft_write_start)
         )
     runner.run_drafter(spans, torch.cat(hidden))
