@@ -207,7 +207,7 @@ class KVCacheManager:
         self, request_ids: list[str], group: str, device: str | torch.device = "cpu"
     ) -> torch.Tensor:
         """[batch, max_extent] int32, padded with NULL_PAGE."""
-        return padded_table([self._request(r).rows[group] for r in request_ids], device)
+        return padded_table([self._request(r).table_row(group) for r in request_ids], device)
 
     def held_pages(self, request_id: str) -> dict[str, int]:
         """Per group, leading block-table entries whose KV the request had at ``allocate``:
