@@ -24,7 +24,9 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the decoded window
         self.read_offset = 0  # ids before it have had their text emitted
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []  # everything emitted so far, in pieces (``text`` joins them)
+        self._text = ""  # "".join(self._emitted[: self._joined])
+        self._joined = 0
         self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
         self._held = ""  # text the ids after read_offset add so far (ends in U+FFFD)
 
@@ -41,8 +43,17 @@ class Detokenizer:
         self._prefix_text = self.tokenizer.decode(self.ids[self.read_offset :])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._held = ""
-        self.text += added
+        self._emitted.append(added)
         return added
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far. Joined when read, so a reader that never asks (the
+        router streams what ``push`` returns) pays nothing per token for a long output."""
+        if self._joined < len(self._emitted):
+            self._text += "".join(self._emitted[self._joined :])
+            self._joined = len(self._emitted)
+        return self._text
 
     @property
     def stable_text(self) -> str:
@@ -57,7 +68,7 @@ class Detokenizer:
     def flush(self) -> str:
         """At the end of the request: the held text, as ``decode`` renders it."""
         rest, self._held = self._held, ""
-        self.text += rest
+        self._emitted.append(rest)
         self.prefix_offset = self.read_offset = len(self.ids)
         self._prefix_text = ""
         return rest
