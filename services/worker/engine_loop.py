@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -34,9 +33,9 @@ from services.common.faults import delay
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
-"""The interpreter's GIL switch interval while an engine thread runs (Python's default is
-5 ms). When the engine thread comes back from a GPU wait or a kernel launch (both release
-the GIL) while the event loop runs Python, it waits at most this long for the GIL."""
+"""The GIL switch interval a worker process sets (``run_worker``; Python's default is 5 ms).
+When the engine thread comes back from a GPU wait or a kernel launch (both release the GIL)
+while the event loop runs Python, it waits at most this long for the GIL."""
 
 IDLE_WAIT_S = 0.001
 """How long the engine thread sleeps after a step that ran nothing (every waiting request
@@ -67,7 +66,6 @@ class EngineLoop:
     def start(self) -> None:
         """Start the engine thread (from the event loop the outputs go to)."""
         self._loop = asyncio.get_running_loop()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._thread.start()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import grpc
@@ -22,6 +23,7 @@ from services.common.metrics import serve_metrics
 from services.common.periodic import every
 from services.common.ports import PortInUse
 from services.engine.config import forced_acceptance_banner
+from services.worker.engine_loop import SWITCH_INTERVAL_S
 from services.worker.peering import PeerRegistry
 from services.worker.shutdown import shut_down
 from services.worker.stats_log import WorkerStatsLine
@@ -50,6 +52,7 @@ async def run_worker(
     metrics) stops the engine and raises PortInUse."""
     if config.engine.forced_acceptance >= 0:
         warn_forced_acceptance(config.engine.forced_acceptance)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the engine thread gets the GIL back within it
     worker = WorkerBase(config)
     worker.metrics.model_name = model_name or os.path.basename(os.path.normpath(config.engine.model))
     await worker.start()
