@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -62,6 +63,7 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.on_fatal: Callable[[BaseException], None] = _exit_process
 
     def start(self) -> None:
         """Start the engine thread (from the event loop the outputs go to)."""
@@ -123,6 +125,17 @@ class EngineLoop:
     # ------------------------------------------------------------ the engine thread
 
     def _main(self) -> None:
+        """The thread's body. A step's or a call's exception fails only its requests; any
+        other escapes nothing can serve past, so it ends the process (``on_fatal``), as a
+        broken tensor-parallel step does: the router sees the worker gone and retries its
+        requests elsewhere, instead of a worker that answers Health and serves nothing."""
+        try:
+            self._serve()
+        except BaseException as e:
+            log.critical("the engine thread failed; the worker exits", exc_info=True)
+            self.on_fatal(e)
+
+    def _serve(self) -> None:
         while True:
             calls = self._next_calls()
             if calls is None:
@@ -215,6 +228,11 @@ class EngineLoop:
             self._started.add(out.request_id)
         if first and self.count_prompts:
             self.prompt_tokens += out.usage.prompt_tokens
+
+
+def _exit_process(error: BaseException) -> None:
+    logging.shutdown()
+    os._exit(1)
 
 
 def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:

@@ -112,3 +112,27 @@ def test_a_failed_step_fails_the_streams_of_that_moment_and_the_loop_serves_on(p
     assert [r.message for r in caplog.records if "engine step failed" in r.message] == [
         "engine step failed; failing its 1 requests"
     ]
+
+
+def test_an_engine_thread_that_breaks_outside_a_step_ends_the_worker(pair, caplog):
+    """Not a step's exception (those fail their requests): the thread cannot go on, so the
+    worker must not stay up serving nothing; here ``on_fatal`` records instead of exiting."""
+    engine = make_engine(pair, k=0)
+    fatal: list[BaseException] = []
+
+    def broken() -> bool:
+        raise RuntimeError("lost the scheduler")
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.on_fatal = fatal.append
+        engine.has_unfinished = broken
+        loop.start()
+        await asyncio.to_thread(loop._thread.join, 5)
+        return loop._thread.is_alive()
+
+    assert asyncio.run(scenario()) is False
+    assert [str(e) for e in fatal] == ["lost the scheduler"]
+    assert [r.message for r in caplog.records if r.levelname == "CRITICAL"] == [
+        "the engine thread failed; the worker exits"
+    ]
