@@ -175,17 +175,20 @@ class EngineLoop:
             self._post(self._raise_in_streams, request_ids, RuntimeError(f"engine step failed: {e}"))
             return
         seconds = time.perf_counter() - start
-        if delay("engine.step"):
-            self._sleep(delay("engine.step"))
+        self._stall(delay("engine.step"))
         self._post(self._deliver, outputs, self.engine.last_step, seconds)
         if not outputs and not self.engine.last_step:  # nothing could run: do not spin
-            self._sleep(IDLE_WAIT_S)
+            with self._wake:  # until a call or a stop comes, at most IDLE_WAIT_S
+                if not (self._stopping or self._calls):
+                    self._wake.wait(IDLE_WAIT_S)
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` on the engine thread; a stop ends the wait early."""
+    def _stall(self, seconds: float) -> None:
+        """The ``engine.step`` fault: the step takes ``seconds`` longer, whatever calls come
+        meanwhile; only a stop ends it early."""
+        deadline = time.monotonic() + seconds
         with self._wake:
-            if not self._stopping:
-                self._wake.wait(seconds)
+            while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._wake.wait(left)
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
