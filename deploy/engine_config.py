@@ -44,6 +44,7 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         enable_prefix_cache=options.prefix_cache,
         enforce_eager=not options.cuda_graphs,
         adaptive_k=options.adaptive_k,
+        overlap=options.overlap_decode,
         quantization="" if options.quantization == "none" else options.quantization,
         draft_quantization="" if options.draft_quantization == "none" else options.draft_quantization,
         tp_size=options.tp,

@@ -161,6 +161,12 @@ class EngineOptions:
         "only when its measured cost pays for the running acceptance (fixed K: measuring AL)",
         flags=("--no-adaptive-k",),
     )
+    overlap_decode: bool = _option(
+        False,
+        "launch each decode step before the previous one is read, so the host's bookkeeping runs "
+        "beside the GPU's work (as vLLM's async scheduling); acts on target-only steps (no drafter) "
+        "through CUDA graphs whose requests ask for no logprobs, penalties or grammar",
+    )
     quantization: str = _option(
         "none",
         "fp8: the target's linear weights quantized at load to e4m3 with a scale per output "

@@ -64,6 +64,8 @@ class EngineConfig:
     draft_quantization: str = ""  # "fp8": the drafter's own weights in e4m3 (models/fp8.py); "" = as loaded
     seed: int = 0
     output_kind: str = "cumulative"  # OUTPUT_KINDS: what each RequestOutput carries (request.py)
+    # target-only graphed decode steps: launch step n + 1 before reading step n (device/overlap.py)
+    overlap: bool = False
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
     # Benchmarks only, NOT lossless: the verifier keeps exactly this many drafts per step
     # (at most a request's K), whatever the models say; -1 = off. Refused unless

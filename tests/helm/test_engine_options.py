@@ -56,6 +56,7 @@ CHART_VALUES: dict[str, ChartValue] = {
     "prefix_cache": ChartValue("engine.prefixCache", False),
     "cuda_graphs": ChartValue("engine.cudaGraphs", False),
     "adaptive_k": ChartValue("engine.adaptiveK", False),
+    "overlap_decode": ChartValue("engine.overlapDecode", True),
     "quantization": ChartValue("engine.quantization", "fp8"),
     "draft_quantization": ChartValue("engine.draftQuantization", "fp8"),
     "tp": ChartValue("{role}.tp", by_role(2, 4)),

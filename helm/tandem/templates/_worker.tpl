@@ -143,6 +143,9 @@ spec:
             {{- if not $v.engine.adaptiveK }}
             - --no-adaptive-k
             {{- end }}
+            {{- if $v.engine.overlapDecode }}
+            - --overlap-decode
+            {{- end }}
             {{- if ne $v.engine.quantization "none" }}
             - --quantization
             - {{ $v.engine.quantization | quote }}

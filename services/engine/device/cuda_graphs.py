@@ -194,16 +194,22 @@ class DecodeGraphs:
         batch = self._batch(graphed, padded_spans, padded_hidden)
         return graphed.run(batch)[0][rows] if batch is not None else None
 
-    def run_verify(self, spans: list[Span], tables: Sequence[torch.Tensor] | None = None) -> TargetRun | None:
+    def run_verify(
+        self,
+        spans: list[Span],
+        tables: Sequence[torch.Tensor] | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> TargetRun | None:
         """The target's one-token graph over ``spans`` [t_n] (a step without drafts; a
         drafting step's verify runs inside the chain's graph, :meth:`verified`). ``tables``:
-        the spans' rows of each target group's table, when the caller has them. None when
-        the spans do not fit the graph."""
+        the spans' rows of each target group's table, when the caller has them; ``ids``:
+        the spans' tokens [batch] on the device, in place of their host ``token_ids``. None
+        when the spans do not fit the graph."""
         target = self.target if self.target.q_len == 1 else self.plain
         batch = self._batch(target, spans, tables=tables) if target is not None else None
         if batch is None:
             return None
-        bucket = target.load(batch)
+        bucket = target.load(batch, ids)
         target.replay(bucket)
         return self._target_run(target, batch.num_tokens)
 

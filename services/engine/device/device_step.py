@@ -178,11 +178,31 @@ def sampled_verdict(
 ) -> Verdict:
     """The general path's verdict (``verify.verify``) from logits [batch * (K + 1), V] and
     the chain's drafts [batch, K] and q [batch, K, V], without a host read."""
-    (batch, k), device = drafts.shape, logits.device
-    params = row_params(decode, [[[]] * (k + 1) for _ in decode], logits.shape[-1], frozenset(), device)
-    p = probs_for_rows(logits, params).view(batch, k + 1, -1)  # [batch, K + 1, V]
-    starts = torch.tensor([r.num_computed for r in decode]).to(device)
-    draws = Draws(request_seeds(decode, device), starts)
+    k = drafts.shape[1]
+    p = verify_probs(decode, logits, k)
+    draws = position_draws(decode, 0, logits.device)
     if forced >= 0:
         return forced_verdict(p, drafts, draws, forced)
     return rejection_sample(p, q if q is not None else p[:, :0], drafts, draws)
+
+
+def sampled_next(decode: list[Request], logits: torch.Tensor, shift: int) -> torch.Tensor:
+    """A step without drafts: each request's sampled token [batch] int64 from logits
+    [batch, V], as :func:`sampled_verdict` draws it, for the position num_computed +
+    ``shift`` (1: a step launched before its predecessor was read, ``overlap.py``)."""
+    p = verify_probs(decode, logits, 0)
+    drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=logits.device)
+    return rejection_sample(p, p[:, :0], drafts, position_draws(decode, shift, logits.device)).next_tokens
+
+
+def verify_probs(decode: list[Request], logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[batch, K + 1, V] float32: each row's probabilities under its request's transforms."""
+    extras = [[[]] * (k + 1) for _ in decode]  # no penalties: no earlier drafts to count
+    params = row_params(decode, extras, logits.shape[-1], frozenset(), logits.device)
+    return probs_for_rows(logits, params).view(len(decode), k + 1, -1)
+
+
+def position_draws(decode: list[Request], shift: int, device: torch.device) -> Draws:
+    """The requests' draws for a step verifying from num_computed + ``shift``."""
+    starts = torch.tensor([r.num_computed + shift for r in decode]).to(device)
+    return Draws(request_seeds(decode, device), starts)

@@ -12,8 +12,10 @@ import threading
 
 import pytest
 
+from services.engine import engine as engine_module
 from services.engine.sampling.params import SamplingParams
 from services.worker.engine_loop import EngineLoop
+from tests.services.engine.device.test_cuda_graphs import with_static_path
 from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts, write_pair
 
 
@@ -42,12 +44,19 @@ async def stream(
     raise AssertionError("the stream ended without a finished output")
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_streams_equal_generate_across_churn(pair, k):
+@pytest.mark.parametrize(("k", "overlap"), [(0, False), (2, False), (0, True)])
+def test_streams_equal_generate_across_churn(pair, k, overlap, monkeypatch):
+    """``overlap``: target-only steps through the (uncaptured) graph path, each launched
+    before the previous one is read (device/overlap.py)."""
+    successors = []
+    launch = engine_module.launch
+    monkeypatch.setattr(engine_module, "launch", lambda *a: successors.append(len(a) > 3) or launch(*a))
     prompts = random_prompts(8, seed=11, min_len=4, max_len=30)
     lengths = [5, 24, 9, 17, 24, 3, 12, 20]
     expected = make_engine(pair, k=k).generate(prompts, [greedy(n) for n in lengths])
-    engine = make_engine(pair, k=k, num_pages=(24, 24))  # 96 tokens a group: preemption under load
+    engine = make_engine(pair, k=k, num_pages=(24, 24), overlap=overlap)  # 96 tokens a group: preemption
+    if overlap:
+        with_static_path(engine)
 
     async def scenario():
         loop = EngineLoop(engine)
@@ -65,6 +74,7 @@ def test_streams_equal_generate_across_churn(pair, k):
     results = asyncio.run(scenario())
     assert engine.scheduler.num_preemptions > 0  # the small pool preempted under load
     assert results[4] is None  # left mid-stream: aborted in the engine
+    assert any(successors) == overlap
     for i, out in enumerate(results):
         if i != 4:
             assert out.token_ids == expected[i].token_ids, i

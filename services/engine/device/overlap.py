@@ -1,0 +1,97 @@
+"""Overlapped decode steps: step n + 1 is launched before step n is read.
+
+A target-only step (no drafter) on the graphed one-token forward samples each request's
+next token on the device. Its successor needs only that token as input: its positions,
+slots and block tables follow from the host's state (one token more per request), so the
+host can queue step n + 1 behind step n and read step n while the GPU runs n + 1. The
+host's bookkeeping of step n (stop rules, outputs, the next launch's inputs) then runs
+beside the GPU's work instead of after it.
+
+Per step, in stream order: the graph's upload of positions, slots and tables; for a
+successor, a device copy of its predecessor's tokens over the uploaded ids; the replay;
+the verdict (greedy: the argmax; sampled: the same keyed draws as ``device_step``) into a
+tensor of its own [batch]; its copy to host memory and an event. Reading a step waits on
+that event alone, never on the successor queued behind it.
+
+A request that finishes at step n (a stop token, its length, an abort) was also run by
+step n + 1: that row's token is dropped when n + 1 is read, and the KV it wrote lies past
+the request's cacheable prefix, in pages the request gave back. Pages are handed out again
+only to work queued later on the same stream, or, for transfers written from outside the
+stream, after the engine waited for the device (``Engine.reserve``).
+
+Who takes part: requests whose tokens the device picks alone (``device_step.on_device``)
+and that ask for no logprobs (the logits of step n are overwritten by step n + 1's replay
+before the host could read them). Any other batch runs a step and reads it at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.batch import Span, StepResult, TargetRun
+from services.engine.device.cuda_graphs import DecodeGraphs
+from services.engine.device.device_step import DevicePlan, on_device, sampled_next
+from services.engine.request import Request
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step not yet read: ``decode``'s next tokens, on the device and (once
+    ``ready``) on the host."""
+
+    decode: list[Request]
+    tokens: torch.Tensor  # [batch] int64 on the device: each request's next token
+    host: torch.Tensor  # [batch] int64 host copy (pinned on CUDA), valid once `ready` is reached
+    ready: torch.cuda.Event | None  # recorded after the host copy; None off CUDA (copies are synchronous)
+    run: TargetRun  # the forward's hidden rows (copies); its logits are not kept
+
+
+def overlaps(req: Request) -> bool:
+    """Whether ``req`` may run in an overlapped step: the device picks its tokens alone
+    and it asks for no logprobs."""
+    return on_device(req, 0) and req.sampling.logprobs is None
+
+
+@torch.inference_mode()
+def launch(
+    graphs: DecodeGraphs, plan: DevicePlan, decode: list[Request], after: InFlight | None = None
+) -> InFlight | None:
+    """Queue a target-only step over ``decode`` without reading it. ``after`` None: from
+    each request's last token at position num_computed; else the step after ``after``
+    (same requests, same order), from ``after``'s tokens at num_computed + 1, whose pages
+    the caller has extended. None when the batch does not fit the one-token graph."""
+    shift = 0 if after is None else 1
+    spans = [Span(r.request_id, r.num_computed + shift, [r.last_token], r.target_write_start) for r in decode]
+    run = graphs.run_verify(spans, plan.target_tables, after.tokens if after is not None else None)
+    if run is None:
+        return None
+    tokens = next_tokens(decode, run, shift)
+    cuda = tokens.device.type == "cuda"
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+    host.copy_(tokens, non_blocking=cuda)
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return InFlight(decode, tokens, host, ready, TargetRun(run.hidden, run.features))
+
+
+def next_tokens(decode: list[Request], run: TargetRun, shift: int) -> torch.Tensor:
+    """[batch] int64 on the device: each request's token after the step's one position
+    (num_computed + ``shift``), as ``device_step`` picks it: the graph's argmax for a greedy
+    batch, else the keyed draw from the request's transforms. A copy: the graph's outputs
+    are overwritten by its next replay."""
+    if all(r.sampling.greedy for r in decode):
+        return run.verdict[:, 1].clone()  # [batch]: q_len 1, so row i is request i's
+    return sampled_next(decode, run.logits.float(), shift)  # logits [batch, V]
+
+
+def read(step: InFlight) -> StepResult:
+    """Wait for ``step``'s tokens (not for what was queued after it) and give them as the
+    general path's results: one token per request, no logprobs."""
+    if step.ready is not None:
+        step.ready.synchronize()
+    emitted = [[t] for t in step.host.tolist()]
+    return StepResult(emitted, [[] for _ in emitted], step.run, list(range(len(emitted) + 1)))

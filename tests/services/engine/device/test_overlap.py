@@ -1,0 +1,151 @@
+"""Overlapped decode steps (``device/overlap.py``) on the CPU, through the uncaptured graph
+path: outputs equal the same engine without overlap, and the eager engine, token for token,
+across churn (requests joining mid-run, finishing at different lengths, aborted mid-stream,
+preempted in a small pool), greedy and sampled, aggregated and continued from a transfer;
+pools are empty afterwards. The successor of a step really is launched before that step is
+read: the launch order is recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine import engine as engine_module
+from services.engine.device import overlap
+from services.engine.sampling.params import SamplingParams
+from tests.services.engine.device.test_cuda_graphs import with_static_path
+from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts
+from tests.services.engine.test_engine import transfer
+
+LENGTHS = [5, 24, 9, 17, 24, 3, 12, 20]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def sampled(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.9, top_p=0.95, max_tokens=max_tokens, seed=max_tokens, ignore_eos=True
+    )
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """("launch", batch) for a first step, ("successor", batch) for one launched behind an
+    unread step, ("read", batch) for each read, in order."""
+    events = []
+
+    def launch(graphs, plan, decode, after=None):
+        step = overlap.launch(graphs, plan, decode, after)
+        if step is not None:
+            events.append(("successor" if after is not None else "launch", len(decode)))
+        return step
+
+    def read(step):
+        events.append(("read", len(step.decode)))
+        return overlap.read(step)
+
+    monkeypatch.setattr(engine_module, "launch", launch)
+    monkeypatch.setattr(engine_module, "read", read)
+    return events
+
+
+def churn(engine, prompts, params, abort: int = 4, abort_at: int = 6) -> dict[str, list[int]]:
+    """Run ``prompts`` step by step: six at the start, one more at each of the next steps,
+    request ``abort`` aborted at step ``abort_at``. Final token ids by request id."""
+    ids, final, step = [], {}, 0
+    for i in range(6):
+        ids.append(engine.add_request(prompts[i], params[i], f"r{i}"))
+    while engine.has_unfinished() or len(ids) < len(prompts):
+        if len(ids) < len(prompts) and step >= 2:
+            i = len(ids)
+            ids.append(engine.add_request(prompts[i], params[i], f"r{i}"))
+        if step == abort_at:
+            engine.abort(f"r{abort}")
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        step += 1
+    return final
+
+
+@pytest.mark.parametrize("kind", [greedy, sampled])
+@pytest.mark.parametrize("num_pages", [256, 24])  # 24 pages of 4 tokens: preemption under load
+def test_overlapped_outputs_equal_synchronous_ones_across_churn(pair, kind, num_pages, launches):
+    prompts = random_prompts(len(LENGTHS), seed=11, min_len=4, max_len=30)
+    params = [kind(n) for n in LENGTHS]
+    expected = make_engine(pair, k=0).generate(prompts, params)
+    results = {}
+    for on in (False, True):
+        engine = with_static_path(make_engine(pair, k=0, num_pages=(num_pages,), overlap=on))
+        results[on] = churn(engine, prompts, params)
+        if num_pages == 24:
+            assert engine.scheduler.num_preemptions > 0, "the page budget should force preemptions"
+        assert_pools_empty(engine)
+    for i, out in enumerate(expected):
+        rid = f"r{i}"
+        if i == 4:  # aborted mid-stream: a prefix of its full output, in both
+            assert out.token_ids[: len(results[True][rid])] == results[True][rid]
+            assert out.token_ids[: len(results[False][rid])] == results[False][rid]
+            continue
+        assert results[True][rid] == results[False][rid] == out.token_ids, rid
+    successors = [size for event, size in launches if event == "successor"]
+    assert max(successors) >= (6 if num_pages == 256 else 1)  # under page pressure: once the queue drains
+    for at, (event, size) in enumerate(launches):
+        if event == "successor":  # launched while its predecessor was still unread
+            assert launches[at + 1] == ("read", size), launches[at - 2 : at + 2]
+
+
+def test_the_successor_is_launched_before_the_step_is_read(pair, launches):
+    engine = with_static_path(make_engine(pair, k=0, overlap=True))
+    prompts = random_prompts(2, seed=3, min_len=4, max_len=8)
+    outs = engine.generate(prompts, greedy(6))
+    expected = make_engine(pair, k=0).generate(prompts, greedy(6))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    decode = [e for e in launches if e[1] == 2]
+    # the first token comes from the prefill; five decode steps: the first launched, four
+    # successors each launched before its predecessor's read; the last successor runs
+    # rows that both requests had already finished (read at the next step, dropped)
+    assert decode[:3] == [("launch", 2), ("successor", 2), ("read", 2)]
+    assert decode.count(("successor", 2)) == 5 and decode.count(("read", 2)) == 5
+    assert_pools_empty(engine)
+    engine.step()  # the dropped step is read; nothing changes
+    assert not engine.has_unfinished() and engine._in_flight is None
+    assert_pools_empty(engine)
+
+
+def test_a_request_asking_for_logprobs_runs_synchronously(pair, launches):
+    engine = with_static_path(make_engine(pair, k=0, overlap=True))
+    prompts = random_prompts(2, seed=5, min_len=4, max_len=8)
+    params = [greedy(6), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)]
+    outs = engine.generate(prompts, params)
+    expected = make_engine(pair, k=0).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert [lp.token_id for lp in outs[1].logprobs] == expected[1].token_ids
+    assert not any(e[0] == "successor" and e[1] == 2 for e in launches)
+    assert_pools_empty(engine)
+
+
+def test_a_request_continued_from_a_transfer_overlaps(pair, launches):
+    """The decode side of disaggregated serving: pages reserved, filled by a copy, then
+    continued with ``add_prefilled``; a reservation made while a step is in flight."""
+    prompts = random_prompts(2, seed=18, min_len=9, max_len=20)
+    expected = make_engine(pair, k=0).generate(prompts, greedy(16))
+    prefill = make_engine(pair, k=0)
+    decode = with_static_path(make_engine(pair, k=0, overlap=True))
+    finals = {}
+    for i, prompt in enumerate(prompts):
+        rid = prefill.add_request(prompt, greedy(16), f"p{i}", prefill_only=True)
+        outs = []
+        while not outs:
+            outs = prefill.step()
+        assert decode.reserve(rid, len(prompt), prompt) is not None
+        transfer(prefill, decode, rid, len(prompt))
+        prefill.release(rid)
+        decode.add_prefilled(rid, prompt, outs[0].aux, greedy(16))
+        for _ in range(3):  # the first request decodes (overlapped) before the second arrives
+            finals.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+    while decode.has_unfinished():
+        finals.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+    assert [finals["p0"], finals["p1"]] == [o.token_ids for o in expected]
+    assert ("successor", 1) in launches and ("successor", 2) in launches
+    assert_pools_empty(prefill)
+    assert_pools_empty(decode)
