@@ -323,16 +323,21 @@ class Engine:
         return True
 
     def _successor(self, step: InFlight) -> InFlight | None:
-        """The step after ``step``, launched before ``step`` is read, or None when the next
-        step may differ: a request left, one more may be admitted, a request no longer
-        overlaps, or its pages for one more token do not fit (the scheduler preempts then)."""
-        decode, s = step.decode, self.scheduler
+        """The step after ``step``, launched before ``step`` is read: ``step``'s requests
+        and those that joined the running list after them since (a transfer landed, a
+        prefill ended). None when the next step may differ: a request left, one more may be
+        admitted, a request is not decoding or no longer overlaps, or the pages for one more
+        token do not fit (the scheduler preempts then)."""
+        s, went_on = self.scheduler, len(step.decode)
         if s.waiting and len(s.running) < s.max_num_seqs:
             return None
-        same = len(s.running) == len(decode) and all(a is b for a, b in zip(s.running, decode, strict=False))
-        if not same or not all(r.status is Status.DECODE and overlaps(r) for r in decode):
+        decode = list(s.running)
+        if len(decode) < went_on or any(a is not b for a, b in zip(decode, step.decode, strict=False)):
             return None
-        ids, ends = [r.request_id for r in decode], [r.num_computed + 1 for r in decode]
+        if not all(r.status is Status.DECODE and overlaps(r) for r in decode):
+            return None
+        ids = [r.request_id for r in decode]
+        ends = [r.num_computed + (i < went_on) for i, r in enumerate(decode)]
         if not self.manager.can_extend_batch(ids, ends):
             return None
         self.manager.extend_batch(ids, ends)

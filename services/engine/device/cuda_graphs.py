@@ -203,8 +203,8 @@ class DecodeGraphs:
         """The target's one-token graph over ``spans`` [t_n] (a step without drafts; a
         drafting step's verify runs inside the chain's graph, :meth:`verified`). ``tables``:
         the spans' rows of each target group's table, when the caller has them; ``ids``:
-        the spans' tokens [batch] on the device, in place of their host ``token_ids``. None
-        when the spans do not fit the graph."""
+        the first spans' tokens [m] on the device, in place of their host ``token_ids``.
+        None when the spans do not fit the graph."""
         target = self.target if self.target.q_len == 1 else self.plain
         batch = self._batch(target, spans, tables=tables) if target is not None else None
         if batch is None:

@@ -180,19 +180,19 @@ def sampled_verdict(
     the chain's drafts [batch, K] and q [batch, K, V], without a host read."""
     k = drafts.shape[1]
     p = verify_probs(decode, logits, k)
-    draws = position_draws(decode, 0, logits.device)
+    draws = position_draws(decode, [r.num_computed for r in decode], logits.device)
     if forced >= 0:
         return forced_verdict(p, drafts, draws, forced)
     return rejection_sample(p, q if q is not None else p[:, :0], drafts, draws)
 
 
-def sampled_next(decode: list[Request], logits: torch.Tensor, shift: int) -> torch.Tensor:
+def sampled_next(decode: list[Request], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:
     """A step without drafts: each request's sampled token [batch] int64 from logits
-    [batch, V], as :func:`sampled_verdict` draws it, for the position num_computed +
-    ``shift`` (1: a step launched before its predecessor was read, ``overlap.py``)."""
+    [batch, V], as :func:`sampled_verdict` draws it, for the positions ``starts`` (past
+    num_computed in a step launched before its predecessor was read, ``overlap.py``)."""
     p = verify_probs(decode, logits, 0)
     drafts = torch.zeros(len(decode), 0, dtype=torch.long, device=logits.device)
-    return rejection_sample(p, p[:, :0], drafts, position_draws(decode, shift, logits.device)).next_tokens
+    return rejection_sample(p, p[:, :0], drafts, position_draws(decode, starts, logits.device)).next_tokens
 
 
 def verify_probs(decode: list[Request], logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -202,7 +202,6 @@ def verify_probs(decode: list[Request], logits: torch.Tensor, k: int) -> torch.T
     return probs_for_rows(logits, params).view(len(decode), k + 1, -1)
 
 
-def position_draws(decode: list[Request], shift: int, device: torch.device) -> Draws:
-    """The requests' draws for a step verifying from num_computed + ``shift``."""
-    starts = torch.tensor([r.num_computed + shift for r in decode]).to(device)
-    return Draws(request_seeds(decode, device), starts)
+def position_draws(decode: list[Request], starts: list[int], device: torch.device) -> Draws:
+    """The requests' draws for a step verifying from positions ``starts``."""
+    return Draws(request_seeds(decode, device), torch.tensor(starts).to(device))

@@ -206,8 +206,9 @@ class GraphedForward:
 
     def load(self, batch: UniformBatch, ids: torch.Tensor | None = None) -> int:
         """Fill the static inputs (padding rows included); returns the bucket to replay.
-        ``ids``: [batch.num_tokens] int64 on the device, copied over the host's token ids
-        once they are up (a step whose inputs its predecessor sampled, ``overlap.py``)."""
+        ``ids``: [m <= batch.num_tokens] int64 on the device, copied over the host's first m
+        token ids once they are up (a step whose inputs its predecessor sampled,
+        ``overlap.py``)."""
         bucket = self.bucket_for(batch.batch)
         if bucket is None or not self.fits(
             batch.batch, batch.num_tokens // batch.batch, batch.block_tables[0].shape[1]
@@ -234,7 +235,7 @@ class GraphedForward:
             table[:b, rows.shape[1] :] = NULL_PAGE
         self._upload(bucket)
         if ids is not None:
-            self.dev_i64[:n].copy_(ids)
+            self.dev_i64[: ids.shape[0]].copy_(ids)
         if batch.hidden is not None:
             self.hidden[:n].copy_(batch.hidden)
         return bucket

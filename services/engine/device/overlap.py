@@ -58,16 +58,22 @@ def overlaps(req: Request) -> bool:
 def launch(
     graphs: DecodeGraphs, plan: DevicePlan, decode: list[Request], after: InFlight | None = None
 ) -> InFlight | None:
-    """Queue a target-only step over ``decode`` without reading it. ``after`` None: from
-    each request's last token at position num_computed; else the step after ``after``
-    (same requests, same order), from ``after``'s tokens at num_computed + 1, whose pages
-    the caller has extended. None when the batch does not fit the one-token graph."""
-    shift = 0 if after is None else 1
-    spans = [Span(r.request_id, r.num_computed + shift, [r.last_token], r.target_write_start) for r in decode]
+    """Queue a target-only step over ``decode`` without reading it, each request from its
+    last token at position num_computed. With ``after``, the step after it: ``decode``
+    starts with ``after``'s requests, in its order, which go on from ``after``'s tokens (on
+    the device) at num_computed + 1, in pages the caller has extended; the requests past
+    them joined since (a transfer landed, a prefill ended) start as without ``after``.
+    None when the batch does not fit the one-token graph."""
+    went_on = len(after.decode) if after is not None else 0
+    starts = [r.num_computed + (i < went_on) for i, r in enumerate(decode)]
+    spans = [
+        Span(r.request_id, n, [r.last_token], r.target_write_start)
+        for r, n in zip(decode, starts, strict=True)
+    ]
     run = graphs.run_verify(spans, plan.target_tables, after.tokens if after is not None else None)
     if run is None:
         return None
-    tokens = next_tokens(decode, run, shift)
+    tokens = next_tokens(decode, run, starts)
     cuda = tokens.device.type == "cuda"
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
     host.copy_(tokens, non_blocking=cuda)
@@ -78,14 +84,14 @@ def launch(
     return InFlight(decode, tokens, host, ready, TargetRun(run.hidden, run.features))
 
 
-def next_tokens(decode: list[Request], run: TargetRun, shift: int) -> torch.Tensor:
+def next_tokens(decode: list[Request], run: TargetRun, starts: list[int]) -> torch.Tensor:
     """[batch] int64 on the device: each request's token after the step's one position
-    (num_computed + ``shift``), as ``device_step`` picks it: the graph's argmax for a greedy
-    batch, else the keyed draw from the request's transforms. A copy: the graph's outputs
-    are overwritten by its next replay."""
+    (``starts``), as ``device_step`` picks it: the graph's argmax for a greedy batch, else
+    the keyed draw from the request's transforms. A copy: the graph's outputs are
+    overwritten by its next replay."""
     if all(r.sampling.greedy for r in decode):
         return run.verdict[:, 1].clone()  # [batch]: q_len 1, so row i is request i's
-    return sampled_next(decode, run.logits.float(), shift)  # logits [batch, V]
+    return sampled_next(decode, run.logits.float(), starts)  # logits [batch, V]
 
 
 def read(step: InFlight) -> StepResult:

@@ -29,16 +29,25 @@ def sampled(max_tokens: int) -> SamplingParams:
     )
 
 
+class Launches(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.joins: list[tuple[int, int]] = []
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """("launch", batch) for a first step, ("successor", batch) for one launched behind an
-    unread step, ("read", batch) for each read, in order."""
-    events = []
+    unread step, ("read", batch) for each read, in order; ``joins``: (batch, rows going on
+    from the unread step) of each successor that took requests joined since."""
+    events = Launches()
 
     def launch(graphs, plan, decode, after=None):
         step = overlap.launch(graphs, plan, decode, after)
         if step is not None:
             events.append(("successor" if after is not None else "launch", len(decode)))
+            if after is not None and len(after.decode) < len(decode):
+                events.joins.append((len(decode), len(after.decode)))
         return step
 
     def read(step):
@@ -124,28 +133,36 @@ def test_a_request_asking_for_logprobs_runs_synchronously(pair, launches):
     assert_pools_empty(engine)
 
 
-def test_a_request_continued_from_a_transfer_overlaps(pair, launches):
-    """The decode side of disaggregated serving: pages reserved, filled by a copy, then
-    continued with ``add_prefilled``; a reservation made while a step is in flight."""
-    prompts = random_prompts(2, seed=18, min_len=9, max_len=20)
-    expected = make_engine(pair, k=0).generate(prompts, greedy(16))
+@pytest.mark.parametrize("kind", [greedy, sampled])
+def test_requests_continued_from_transfers_join_overlapped_batches(pair, kind, launches):
+    """The decode side of disaggregated serving: pages reserved (while a step is in
+    flight), filled by a copy, continued with ``add_prefilled`` every two steps; each
+    joins the batch behind its unread step. Different lengths, one aborted mid-stream."""
+    prompts = random_prompts(5, seed=18, min_len=9, max_len=20)
+    params = [kind(n) for n in (16, 7, 20, 12, 16)]
+    expected = make_engine(pair, k=0).generate(prompts, params)
     prefill = make_engine(pair, k=0)
     decode = with_static_path(make_engine(pair, k=0, overlap=True))
-    finals = {}
-    for i, prompt in enumerate(prompts):
-        rid = prefill.add_request(prompt, greedy(16), f"p{i}", prefill_only=True)
-        outs = []
-        while not outs:
-            outs = prefill.step()
-        assert decode.reserve(rid, len(prompt), prompt) is not None
-        transfer(prefill, decode, rid, len(prompt))
-        prefill.release(rid)
-        decode.add_prefilled(rid, prompt, outs[0].aux, greedy(16))
-        for _ in range(3):  # the first request decodes (overlapped) before the second arrives
-            finals.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
-    while decode.has_unfinished():
+    finals, step = {}, 0
+    while step < 2 * len(prompts) or decode.has_unfinished():
+        if step % 2 == 0 and step // 2 < len(prompts):
+            i = step // 2
+            rid = prefill.add_request(prompts[i], params[i], f"p{i}", prefill_only=True)
+            outs = []
+            while not outs:
+                outs = prefill.step()
+            assert decode.reserve(rid, len(prompts[i]), prompts[i]) is not None
+            transfer(prefill, decode, rid, len(prompts[i]))
+            prefill.release(rid)
+            decode.add_prefilled(rid, prompts[i], outs[0].aux, params[i])
+        if step == 7:
+            decode.abort("p3")
         finals.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
-    assert [finals["p0"], finals["p1"]] == [o.token_ids for o in expected]
-    assert ("successor", 1) in launches and ("successor", 2) in launches
+        step += 1
+    for i, out in enumerate(expected):
+        got = finals[f"p{i}"]
+        assert got == (out.token_ids[: len(got)] if i == 3 else out.token_ids), i
+    assert len(finals["p3"]) < len(expected[3].token_ids)  # the abort cut it short
+    assert len(launches.joins) >= 3, launches.joins  # most arrivals joined behind an unread step
     assert_pools_empty(prefill)
     assert_pools_empty(decode)
