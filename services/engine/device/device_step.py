@@ -40,7 +40,7 @@ from services.engine.device.cuda_graphs import DecodeGraphs
 from services.engine.device.draft_chain import ChainRows, ChainSampling
 from services.engine.request import Request
 from services.engine.runner import ModelRunner
-from services.engine.sampling.row_sampling import request_seeds, row_params
+from services.engine.sampling.row_sampling import request_seeds, row_params, to_device
 from services.engine.sampling.sampler import probs_for_rows
 from services.engine.speculation.rejection import (
     Draws,
@@ -204,4 +204,4 @@ def verify_probs(decode: list[Request], logits: torch.Tensor, k: int) -> torch.T
 
 def position_draws(decode: list[Request], starts: list[int], device: torch.device) -> Draws:
     """The requests' draws for a step verifying from positions ``starts``."""
-    return Draws(request_seeds(decode, device), torch.tensor(starts).to(device))
+    return Draws(request_seeds(decode, device), to_device(torch.tensor(starts), device))

@@ -37,7 +37,7 @@ def row_params(
 
     def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
-        return (t.repeat_interleave(repeat) if repeat is not None else t).to(device)
+        return to_device(t.repeat_interleave(repeat) if repeat is not None else t, device)
 
     top_k = per_row([s.top_k for s in sp], torch.long) if any(s.top_k > 0 for s in sp) else None
     min_p = per_row([s.min_p for s in sp]) if any(s.min_p > 0 for s in sp) else None
@@ -66,7 +66,14 @@ def row_params(
 
 def request_seeds(requests: list[Request], device: torch.device) -> torch.Tensor:
     """[batch] int64: each request's seed (0 for greedy ones, whose draws are one-hot)."""
-    return torch.tensor([r.seed or 0 for r in requests], dtype=torch.int64).to(device)
+    return to_device(torch.tensor([r.seed or 0 for r in requests], dtype=torch.int64), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device: a blocking copy
+    (``.to(device)``) synchronizes the stream first, so the host would wait for the
+    forward queued before it (a device step's sampling, an overlapped step's successor)."""
+    return t.to(device, non_blocking=True)
 
 
 def _penalties(rows: list[Row], vocab: int, device: torch.device) -> Penalties | None:
