@@ -324,17 +324,18 @@ class Engine:
 
     def _successor(self, step: InFlight) -> InFlight | None:
         """The step after ``step``, launched before ``step`` is read: ``step``'s requests
-        and those that joined the running list after them since (a transfer landed, a
-        prefill ended). None when the next step may differ: a request left, one more may be
-        admitted, a request is not decoding or no longer overlaps, or the pages for one more
-        token do not fit (the scheduler preempts then)."""
-        s, went_on = self.scheduler, len(step.decode)
+        that still decode and those that joined the running list after them since (a
+        transfer landed). None when the next step may differ: one more may be admitted, a
+        request is not decoding or no longer overlaps, or the pages for one more token do
+        not fit (the scheduler preempts then)."""
+        s = self.scheduler
         if s.waiting and len(s.running) < s.max_num_seqs:
             return None
-        decode = list(s.running)
-        if len(decode) < went_on or any(a is not b for a, b in zip(decode, step.decode, strict=False)):
+        going_on = [step.decode[i] for i in step.going_on()]
+        decode, went_on = list(s.running), len(going_on)
+        if len(decode) < went_on or any(a is not b for a, b in zip(decode, going_on, strict=False)):
             return None
-        if not all(r.status is Status.DECODE and overlaps(r) for r in decode):
+        if not decode or not all(r.status is Status.DECODE and overlaps(r) for r in decode):
             return None
         ids = [r.request_id for r in decode]
         ends = [r.num_computed + (i < went_on) for i, r in enumerate(decode)]

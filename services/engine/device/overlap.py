@@ -33,7 +33,8 @@ import torch
 from services.engine.batch import Span, StepResult, TargetRun
 from services.engine.device.cuda_graphs import DecodeGraphs
 from services.engine.device.device_step import DevicePlan, on_device, sampled_next
-from services.engine.request import Request
+from services.engine.request import Request, Status
+from services.engine.sampling.row_sampling import to_device
 
 
 @dataclass(slots=True)
@@ -46,6 +47,10 @@ class InFlight:
     host: torch.Tensor  # [batch] int64 host copy (pinned on CUDA), valid once `ready` is reached
     ready: torch.cuda.Event | None  # recorded after the host copy; None off CUDA (copies are synchronous)
     run: TargetRun  # the forward's hidden rows (copies); its logits are not kept
+
+    def going_on(self) -> list[int]:
+        """The rows whose request still decodes: not finished or aborted since the launch."""
+        return [i for i, r in enumerate(self.decode) if r.status is Status.DECODE]
 
 
 def overlaps(req: Request) -> bool:
@@ -60,17 +65,17 @@ def launch(
 ) -> InFlight | None:
     """Queue a target-only step over ``decode`` without reading it, each request from its
     last token at position num_computed. With ``after``, the step after it: ``decode``
-    starts with ``after``'s requests, in its order, which go on from ``after``'s tokens (on
-    the device) at num_computed + 1, in pages the caller has extended; the requests past
-    them joined since (a transfer landed, a prefill ended) start as without ``after``.
-    None when the batch does not fit the one-token graph."""
-    went_on = len(after.decode) if after is not None else 0
+    starts with ``after``'s requests that still decode (``going_on``), in its order, which
+    go on from ``after``'s tokens (on the device) at num_computed + 1, in pages the caller
+    has extended; the requests past them joined since (a transfer landed) start as without
+    ``after``. None when the batch does not fit the one-token graph."""
+    ids, went_on = successor_ids(after)
     starts = [r.num_computed + (i < went_on) for i, r in enumerate(decode)]
     spans = [
         Span(r.request_id, n, [r.last_token], r.target_write_start)
         for r, n in zip(decode, starts, strict=True)
     ]
-    run = graphs.run_verify(spans, plan.target_tables, after.tokens if after is not None else None)
+    run = graphs.run_verify(spans, plan.target_tables, ids)
     if run is None:
         return None
     tokens = next_tokens(decode, run, starts)
@@ -82,6 +87,20 @@ def launch(
         ready = torch.cuda.Event()
         ready.record()
     return InFlight(decode, tokens, host, ready, TargetRun(run.hidden, run.features))
+
+
+def successor_ids(after: InFlight | None) -> tuple[torch.Tensor | None, int]:
+    """The input ids [m] (device) of the rows that go on from ``after``, and m: its tokens,
+    less the rows of requests that left since (a gather, its index sent without a wait)."""
+    if after is None:
+        return None, 0
+    keep = after.going_on()
+    if len(keep) == len(after.decode):
+        return after.tokens, len(keep)
+    if not keep:
+        return None, 0
+    index = to_device(torch.tensor(keep), after.tokens.device)
+    return after.tokens.index_select(0, index), len(keep)
 
 
 def next_tokens(decode: list[Request], run: TargetRun, starts: list[int]) -> torch.Tensor:

@@ -33,6 +33,8 @@ class Launches(list):
     def __init__(self) -> None:
         super().__init__()
         self.joins: list[tuple[int, int]] = []
+        self.behind: dict[int, int] = {}  # event index of a successor -> its predecessor's size
+        self.departed = 0  # successors that left out rows of requests gone since
 
 
 @pytest.fixture
@@ -46,8 +48,12 @@ def launches(monkeypatch):
         step = overlap.launch(graphs, plan, decode, after)
         if step is not None:
             events.append(("successor" if after is not None else "launch", len(decode)))
-            if after is not None and len(after.decode) < len(decode):
-                events.joins.append((len(decode), len(after.decode)))
+            if after is not None:
+                events.behind[len(events) - 1] = len(after.decode)
+                went_on = len(after.going_on())
+                events.departed += went_on < len(after.decode)
+                if went_on < len(decode):
+                    events.joins.append((len(decode), went_on))
         return step
 
     def read(step):
@@ -98,9 +104,10 @@ def test_overlapped_outputs_equal_synchronous_ones_across_churn(pair, kind, num_
         assert results[True][rid] == results[False][rid] == out.token_ids, rid
     successors = [size for event, size in launches if event == "successor"]
     assert max(successors) >= (6 if num_pages == 256 else 1)  # under page pressure: once the queue drains
-    for at, (event, size) in enumerate(launches):
-        if event == "successor":  # launched while its predecessor was still unread
-            assert launches[at + 1] == ("read", size), launches[at - 2 : at + 2]
+    for at, behind in launches.behind.items():  # launched while its predecessor was unread
+        assert launches[at + 1] == ("read", behind), launches[at - 2 : at + 2]
+    if num_pages == 256:
+        assert launches.departed  # requests that finished left the next successor
 
 
 def test_the_successor_is_launched_before_the_step_is_read(pair, launches):
