@@ -58,6 +58,7 @@ def check_engine(options: EngineOptions) -> None:
     """The rules between engine options; ValueError starting with the option refused."""
     _check_speculation(options)
     _check_memory(options)
+    _check_overlap(options)
     if options.tp > 1 and options.host_kv_cache_mb:
         raise ValueError(
             "host_kv_cache_mb: the host KV tier's page copies are not mirrored to "
@@ -90,6 +91,24 @@ def _check_speculation(options: EngineOptions) -> None:
             f"unsafe_forced_acceptance: {forced} drafts kept per step, but only "
             f"num_spec_tokens {options.num_spec_tokens} are drafted"
         )
+
+
+def _check_overlap(options: EngineOptions) -> None:
+    """--overlap-decode acts on target-only steps replayed from CUDA graphs: refused where
+    no step of this engine could overlap."""
+    if not options.overlap_decode:
+        return
+    if not is_cuda(options.device):
+        why = f"device {options.device} runs eagerly"
+    elif not options.cuda_graphs:
+        why = "--enforce-eager turns the graphs off"
+    elif options.tp > 1:
+        why = f"tp {options.tp} runs eagerly"
+    elif drafter_of(options) is not None and options.num_spec_tokens > 0:
+        why = f"speculative steps do not overlap yet (drafter {options.drafter!r}); use --drafter none"
+    else:
+        return
+    raise ValueError(f"overlap_decode: overlapped steps are target-only CUDA-graph replays, and {why}")
 
 
 def _check_memory(options: EngineOptions) -> None:
