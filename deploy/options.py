@@ -164,8 +164,9 @@ class EngineOptions:
     overlap_decode: bool = _option(
         False,
         "launch each decode step before the previous one is read, so the host's bookkeeping runs "
-        "beside the GPU's work (as vLLM's async scheduling); acts on target-only steps (no drafter) "
-        "through CUDA graphs whose requests ask for no logprobs, penalties or grammar",
+        "beside the GPU's work (as vLLM's async scheduling): target-only engines (--drafter none) "
+        "replaying CUDA graphs, on CUDA with tp 1; batches with logprobs, penalties or a grammar "
+        "run synchronously",
     )
     quantization: str = _option(
         "none",
