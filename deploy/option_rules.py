@@ -94,8 +94,8 @@ def _check_speculation(options: EngineOptions) -> None:
 
 
 def _check_overlap(options: EngineOptions) -> None:
-    """--overlap-decode acts on target-only steps replayed from CUDA graphs: refused where
-    no step of this engine could overlap."""
+    """--overlap-decode acts on decode steps replayed from CUDA graphs: refused where no
+    step of this engine could overlap."""
     if not options.overlap_decode:
         return
     if not is_cuda(options.device):
@@ -104,11 +104,9 @@ def _check_overlap(options: EngineOptions) -> None:
         why = "--enforce-eager turns the graphs off"
     elif options.tp > 1:
         why = f"tp {options.tp} runs eagerly"
-    elif drafter_of(options) is not None and options.num_spec_tokens > 0:
-        why = f"speculative steps do not overlap yet (drafter {options.drafter!r}); use --drafter none"
     else:
         return
-    raise ValueError(f"overlap_decode: overlapped steps are target-only CUDA-graph replays, and {why}")
+    raise ValueError(f"overlap_decode: overlapped steps are CUDA-graph replays, and {why}")
 
 
 def _check_memory(options: EngineOptions) -> None:

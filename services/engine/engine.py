@@ -38,12 +38,12 @@ from services.engine.config import EngineConfig
 from services.engine.device.adaptive_k import AdaptiveK, greedy_only
 from services.engine.device.cuda_graphs import capture_decode_graphs
 from services.engine.device.device_step import device_step, device_step_fits
-from services.engine.device.overlap import InFlight, launch, overlaps, read
 from services.engine.grammar import GrammarCompiler
 from services.engine.lockstep import attach_lockstep
 from services.engine.memory_budget import MemoryReadings
 from services.engine.memory_profile import derive_kv_bytes, graphs_taken
 from services.engine.models import load_drafter, load_target
+from services.engine.overlapped_steps import OverlappedSteps
 from services.engine.parallel import rank_device, tensor_parallel
 from services.engine.progress import RequestProgress
 from services.engine.request import PrefillSpan, Request, RequestOutput, Status
@@ -109,7 +109,7 @@ class Engine:
         )
         self.stats = self.progress.stats  # speculative counters per origin
         self.last_step = ""  # the last step's forwards: decode, prefill, mixed or decode+prefill
-        self._in_flight: InFlight | None = None  # an overlapped step launched and not yet read
+        self.overlapped = OverlappedSteps(config, self.runner, self.scheduler, self.progress)
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         if self.device.type == "cuda" and self.tp.size == 1:  # TP ranks step in lockstep only once served
@@ -181,8 +181,7 @@ class Engine:
         the prefix cache holds of the prompt is reused (and named held). Refuses what
         :meth:`check_reserve` refuses."""
         self.check_reserve(request_id, prompt_len, prompt_ids)
-        if self._in_flight is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # its rows may still write pages a transfer gets
+        self.overlapped.wait_for_device()  # an unread step may still write pages a transfer gets
         return self.manager.reserve_for_transfer(request_id, prompt_len, prompt_ids)
 
     def holds_reservation(self, request_id: str) -> bool:
@@ -237,7 +236,8 @@ class Engine:
         both phases, so the policy changes the forwards' shapes, never a request's tokens.
         With ``overlap``, a step may end with its successor launched and not yet read: the
         next call reads it (``device/overlap.py``); outputs are never held back by it."""
-        if self._in_flight is not None and self._read_in_flight():
+        if self.overlapped.in_flight is not None and self.overlapped.go_on():
+            self.last_step = "decode"
             return self.out.flush()
         plan = self.scheduler.schedule()
         policy = self.config.scheduling_policy
@@ -289,11 +289,8 @@ class Engine:
             k = min(k, rule.choose(len(decode)))
         start = time.perf_counter()
         plan = device_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
-        if plan is not None and self._may_overlap(decode, k):
-            self._in_flight = launch(plan.graphs, plan, decode)
-            if self._in_flight is not None:
-                self._read_in_flight()
-                return
+        if plan is not None and self.overlapped.start(plan, decode, k):
+            return
         step = device_step(self.runner, plan, decode, k, self.config.forced_acceptance) if plan else None
         if step is None:
             step = self._general_decode(decode, k)
@@ -301,49 +298,6 @@ class Engine:
             rule.record(len(decode), k, time.perf_counter() - start, sum(map(len, step.emitted)))
         for i, req in enumerate(decode):
             self.progress.advance_decode(req, step, i)
-
-    def _may_overlap(self, decode: list[Request], k: int) -> bool:
-        """Whether ``decode`` runs overlapped: asked for, target-only, every request's tokens
-        picked on the device and no logprobs asked (``overlap.overlaps``)."""
-        return self.config.overlap and not k and self.drafter is None and all(map(overlaps, decode))
-
-    def _read_in_flight(self) -> bool:
-        """Read the in-flight step and move its requests along, launching its successor
-        first when the batch goes on unchanged (``_successor``); whether one was launched.
-        A request finished (or aborted) since the step's launch drops its row."""
-        step, self._in_flight = self._in_flight, None
-        self._in_flight = self._successor(step)
-        result = read(step)
-        for i, req in enumerate(step.decode):
-            if req.status is Status.DECODE:
-                self.progress.advance_decode(req, result, i)
-        if self._in_flight is None:
-            return False
-        self.last_step = "decode"
-        return True
-
-    def _successor(self, step: InFlight) -> InFlight | None:
-        """The step after ``step``, launched before ``step`` is read: ``step``'s requests
-        that still decode and those that joined the running list after them since (a
-        transfer landed). None when the next step may differ: one more may be admitted, a
-        request is not decoding or no longer overlaps, or the pages for one more token do
-        not fit (the scheduler preempts then)."""
-        s = self.scheduler
-        if s.waiting and len(s.running) < s.max_num_seqs:
-            return None
-        going_on = [step.decode[i] for i in step.going_on()]
-        decode, went_on = list(s.running), len(going_on)
-        if len(decode) < went_on or any(a is not b for a, b in zip(decode, going_on, strict=False)):
-            return None
-        if not decode or not all(r.status is Status.DECODE and overlaps(r) for r in decode):
-            return None
-        ids = [r.request_id for r in decode]
-        ends = [r.num_computed + (i < went_on) for i, r in enumerate(decode)]
-        if not self.manager.can_extend_batch(ids, ends):
-            return None
-        self.manager.extend_batch(ids, ends)
-        plan = device_step_fits(self.runner, decode, 0)
-        return launch(plan.graphs, plan, decode, step) if plan is not None else None
 
     def _general_decode(
         self, decode: list[Request], k: int, prefill: Sequence[tuple[Request, PrefillSpan]] = ()

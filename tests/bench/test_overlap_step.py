@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 from bench import overlap_step
-from services.engine import engine as engine_module
+from services.engine import overlapped_steps as steps_module
 
 TINY = str(Path(__file__).resolve().parents[2] / "models" / "tiny-target")
 
 
 def test_both_modes_decode_the_same_tokens(capsys, monkeypatch):
     successors = []
-    launch = engine_module.launch
-    monkeypatch.setattr(engine_module, "launch", lambda *a: successors.append(len(a) > 3) or launch(*a))
+    launch = steps_module.launch
+    monkeypatch.setattr(steps_module, "launch", lambda *a: successors.append(len(a) > 3) or launch(*a))
     argv = ["--model", TINY, "--device", "cpu", "--batches", "1,3", "--isl", "20", "--osl", "12"]
     overlap_step.main([*argv, "--repeats", "1", "--kv-mb", "16"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

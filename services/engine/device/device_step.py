@@ -178,9 +178,15 @@ def sampled_verdict(
 ) -> Verdict:
     """The general path's verdict (``verify.verify``) from logits [batch * (K + 1), V] and
     the chain's drafts [batch, K] and q [batch, K, V], without a host read."""
-    k = drafts.shape[1]
-    p = verify_probs(decode, logits, k)
     draws = position_draws(decode, [r.num_computed for r in decode], logits.device)
+    return drawn_verdict(verify_probs(decode, logits, drafts.shape[1]), q, drafts, draws, forced)
+
+
+def drawn_verdict(
+    p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, draws: Draws, forced: int
+) -> Verdict:
+    """The verdict over p [batch, K + 1, V], the drafts [batch, K] and their q [batch, K,
+    V] (None: no drafts), drawn with ``draws``; ``forced`` >= 0: forced acceptance."""
     if forced >= 0:
         return forced_verdict(p, drafts, draws, forced)
     return rejection_sample(p, q if q is not None else p[:, :0], drafts, draws)
@@ -202,6 +208,9 @@ def verify_probs(decode: list[Request], logits: torch.Tensor, k: int) -> torch.T
     return probs_for_rows(logits, params).view(len(decode), k + 1, -1)
 
 
-def position_draws(decode: list[Request], starts: list[int], device: torch.device) -> Draws:
-    """The requests' draws for a step verifying from positions ``starts``."""
-    return Draws(request_seeds(decode, device), to_device(torch.tensor(starts), device))
+def position_draws(decode: list[Request], starts: list[int] | torch.Tensor, device: torch.device) -> Draws:
+    """The requests' draws for a step verifying from positions ``starts`` (host values, or
+    [batch] int64 on the device)."""
+    if not isinstance(starts, torch.Tensor):
+        starts = to_device(torch.tensor(starts), device)
+    return Draws(request_seeds(decode, device), starts)

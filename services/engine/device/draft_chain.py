@@ -155,22 +155,43 @@ class GraphedDraftChain:
         [batch, hidden_size], or the pending spans whose catch-up gives it (which
         ``self.catch.fits``), run in the same graph; ``sampling`` None: greedy. None when
         the batch does not fit the captured shapes."""
+        loaded = self.load(rows, sampling)
+        if loaded is None:
+            return None
+        bucket, draw = loaded
+        catching_up = isinstance(first, PendingSpans)
+        if catching_up:
+            self.catch.load(first, bucket)
+        else:
+            self.g0[: len(rows.starts)].copy_(first)
+        return self.replay(bucket, draw, catching_up, len(rows.starts))
+
+    def load(self, rows: ChainRows, sampling: ChainSampling | None) -> tuple[int, Draw] | None:
+        """Upload ``rows``' n, t_n, tables and draws (the catch-up stage's inputs or g_n
+        are the caller's); (bucket, draw), or None when the batch does not fit."""
         batch, table = len(rows.starts), rows.draft_table
         bucket = self.bucket_for(batch)
         if bucket is None or table.shape[1] > self.shape.max_pages:
             return None
         if not self.verify.fits(batch, rows.target_tables[0].shape[1]):
             return None
-        draw = sampling.draw if sampling is not None else Draw.GREEDY
         self._load(rows.starts, table.cpu().numpy(), bucket, sampling)
         self.verify.load(rows.last_tokens, [t.cpu().numpy() for t in rows.target_tables], bucket)
+        return bucket, sampling.draw if sampling is not None else Draw.GREEDY
+
+    def go_on(self, starts: torch.Tensor, last_tokens: torch.Tensor) -> None:
+        """Device values [m] int64 over the uploaded n and t_n of the first m rows: a step
+        launched before its predecessor was read (``spec_overlap.py``), in stream order."""
+        m, mb = starts.shape[0], self.shape.max_batch
+        self.dev_i64[2 * mb : 2 * mb + m].copy_(starts)
+        self.verify.dev[:m].copy_(last_tokens)  # int64 -> int32
+
+    def replay(
+        self, bucket: int, draw: Draw, catching_up: bool, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the loaded chain (and verify) of ``bucket``; ``run``'s result for ``batch`` rows."""
         self.verify.target.replays[bucket] += 1  # the target's verify forward, in this graph
-        catching_up = isinstance(first, PendingSpans)
-        if catching_up:
-            self.catch.load(first, bucket)
-            self.caught_up += 1
-        else:
-            self.g0[:batch].copy_(first)
+        self.caught_up += catching_up
         self.replays[draw] += 1
         if self.shape.capture:
             self.graphs[draw, bucket, catching_up].replay()

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from services.engine import engine as engine_module
+from services.engine import overlapped_steps as steps_module
 from services.engine.sampling.params import SamplingParams
 from services.worker.engine_loop import EngineLoop
 from tests.services.engine.device.test_cuda_graphs import with_static_path
@@ -44,13 +44,16 @@ async def stream(
     raise AssertionError("the stream ended without a finished output")
 
 
-@pytest.mark.parametrize(("k", "overlap"), [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize(("k", "overlap"), [(0, False), (2, False), (0, True), (2, True)])
 def test_streams_equal_generate_across_churn(pair, k, overlap, monkeypatch):
-    """``overlap``: target-only steps through the (uncaptured) graph path, each launched
-    before the previous one is read (device/overlap.py)."""
+    """``overlap``: decode steps through the (uncaptured) graph path, each launched before
+    the previous one is read (overlapped_steps.py)."""
     successors = []
-    launch = engine_module.launch
-    monkeypatch.setattr(engine_module, "launch", lambda *a: successors.append(len(a) > 3) or launch(*a))
+    launch, launch_spec = steps_module.launch, steps_module.launch_spec
+    monkeypatch.setattr(steps_module, "launch", lambda *a: successors.append(len(a) > 3) or launch(*a))
+    monkeypatch.setattr(
+        steps_module, "launch_spec", lambda *a: successors.append(len(a) > 4) or launch_spec(*a)
+    )
     prompts = random_prompts(8, seed=11, min_len=4, max_len=30)
     lengths = [5, 24, 9, 17, 24, 3, 12, 20]
     expected = make_engine(pair, k=k).generate(prompts, [greedy(n) for n in lengths])

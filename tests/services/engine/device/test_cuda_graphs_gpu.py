@@ -79,16 +79,20 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, seed=3)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED])
-def test_overlapped_steps_equal_synchronous_ones(params):
-    """Each target-only step launched before the previous one is read (device/overlap.py):
-    the same tokens as the synchronous graphed engine, prompts joining mid-run included."""
-    expected = tokens(tiny_engine(0, "bfloat16", enforce_eager=False), PROMPTS, params)
-    engine = tiny_engine(0, "bfloat16", enforce_eager=False, overlap=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
-    final, steps = {}, 0
-    while engine.has_unfinished() or len(ids) < len(PROMPTS):
-        if steps >= 5 and len(ids) < len(PROMPTS):
-            ids.append(engine.add_request(PROMPTS[len(ids)], params))
-        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        steps += 1
-    assert [final[i] for i in ids] == expected
+@pytest.mark.parametrize("k", [0, 4])
+def test_overlapped_steps_equal_synchronous_ones(k, params):
+    """Each decode step launched before the previous one is read (overlapped_steps.py):
+    the same tokens and, drafting, the same acceptance as the synchronous graphed engine,
+    prompts joining mid-run included."""
+    runs = {}
+    for overlap in (False, True):
+        engine = tiny_engine(k, "bfloat16", enforce_eager=False, overlap=overlap, adaptive_k=False)
+        ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+        final, steps = {}, 0
+        while engine.has_unfinished() or len(ids) < len(PROMPTS):
+            if steps >= 5 and len(ids) < len(PROMPTS):
+                ids.append(engine.add_request(PROMPTS[len(ids)], params))
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+            steps += 1
+        runs[overlap] = [(final[i].token_ids, final[i].usage.num_accepted) for i in ids]
+    assert runs[True] == runs[False]
