@@ -1,10 +1,11 @@
-"""Overlapped decode steps against synchronous ones, on one engine: target-only decoding
-of B requests, each step launched before the previous one is read (``--overlap-decode``,
-``services/engine/device/overlap.py``) or read at once.
+"""Overlapped decode steps against synchronous ones, on one engine: decoding B requests,
+each step launched before the previous one is read (``--overlap-decode``,
+``services/engine/overlapped_steps.py``) or read at once.
 
-    python -m bench.overlap_step --model DIR --device cuda --batches 1,8,64 --isl 512 --osl 256
+    python -m bench.overlap_step --model DIR [--drafter DIR -k 4 --forced-accept 3]
+        --device cuda --batches 1,8,64 --isl 512 --osl 256
 
-One ``Engine`` (no drafter, CUDA graphs, prefix cache off) decodes the same B prompts of
+One ``Engine`` (CUDA graphs, prefix cache off, a fixed K when drafting) decodes the same B prompts of
 ISL random ids for OSL tokens each, greedy with EOS ignored, through ``bench.decode_run``
 (time counts only the steps where every request decodes), switching ``config.overlap``
 between runs: "off" then "on", ``--repeats`` times, the fastest run of each kept. The
@@ -29,9 +30,16 @@ MODES = ("off", "on")
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
+    k = args.k if args.drafter else 0
+    forced = args.forced_accept if k and args.forced_accept else -1
     engine = Engine(
         EngineConfig(
             model=args.model,
+            drafter=args.drafter or None,
+            num_spec_tokens=k,
+            adaptive_k=False,  # every step drafts K: the two modes run the same steps
+            forced_acceptance=forced,
+            unsafe_forced_acceptance=forced >= 0,
             device=args.device,
             enable_prefix_cache=False,
             max_num_seqs=max(args.batches),
@@ -42,7 +50,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     )
     if engine.runner.graphs is None:  # the CPU: the same static-buffer path, uncaptured
         engine.runner.graphs = capture_decode_graphs(
-            engine.runner, 1, max(args.batches), engine.max_model_len, capture=False
+            engine.runner, engine.k + 1, max(args.batches), engine.max_model_len, capture=False
         )
     return engine
 
@@ -61,6 +69,7 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace) -> dict:
     best = {m: min(rs, key=lambda r: r["ms_per_step"]) for m, rs in runs.items()}
     tokens = [r["token_ids"] for rs in runs.values() for r in rs]
     row = {"batch": batch, "isl": args.isl, "osl": args.osl, "equal": all(t == tokens[0] for t in tokens)}
+    row["al"] = best["on"]["al"]
     for m in MODES:
         row[f"ms_per_step_{m}"] = best[m]["ms_per_step"]
         row[f"tok_s_{m}"] = best[m]["tok_s"]
@@ -70,7 +79,10 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.overlap_step", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="target folder (no drafter: overlap is target-only)")
+    p.add_argument("--model", required=True, help="target folder")
+    p.add_argument("--drafter", default="", help="EAGLE-3 folder; '' = the target alone")
+    p.add_argument("-k", type=int, default=4, help="drafts per step, with a drafter")
+    p.add_argument("--forced-accept", type=int, default=0, help="drafts kept per step, 0 = natural")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batches", default="1,8,64", help="B,...")
     p.add_argument("--isl", type=int, default=512, help="prompt tokens per request")
@@ -86,11 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     args.batches = parse_numbers(args.batches, "--batches")
     engine = make_engine(args)
     rows = [measure(engine, b, args) for b in args.batches]
-    print(f"{'B':>4} {'ms/step off':>12} {'ms/step on':>11} {'tok/s off':>10} {'tok/s on':>9} {'x':>6} equal")
+    head = f"{'B':>4} {'ms/step off':>12} {'ms/step on':>11} {'tok/s off':>10} {'tok/s on':>9} {'x':>6}"
+    print(f"{head} {'AL':>5} equal")
     for r in rows:
         print(
             f"{r['batch']:>4} {r['ms_per_step_off']:>12.3f} {r['ms_per_step_on']:>11.3f} "
-            f"{r['tok_s_off']:>10.0f} {r['tok_s_on']:>9.0f} {r['speedup']:>6.3f} {r['equal']}"
+            f"{r['tok_s_off']:>10.0f} {r['tok_s_on']:>9.0f} {r['speedup']:>6.3f} {r['al']:>5.2f} {r['equal']}"
         )
     print(json.dumps(rows))
     if not all(r["equal"] for r in rows):
