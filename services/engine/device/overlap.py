@@ -79,14 +79,20 @@ def launch(
     if run is None:
         return None
     tokens = next_tokens(decode, run, starts)
-    cuda = tokens.device.type == "cuda"
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-    host.copy_(tokens, non_blocking=cuda)
-    ready = None
-    if cuda:
-        ready = torch.cuda.Event()
-        ready.record()
-    return InFlight(decode, tokens, host, ready, TargetRun(run.hidden, run.features))
+    return InFlight(decode, tokens, *host_copy(tokens), TargetRun(run.hidden, run.features))
+
+
+def host_copy(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of ``values`` queued in stream order, and the event that says it is
+    there (None off CUDA, where the copy is done on return)."""
+    cuda = values.device.type == "cuda"
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+    host.copy_(values, non_blocking=cuda)
+    if not cuda:
+        return host, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def successor_ids(after: InFlight | None) -> tuple[torch.Tensor | None, int]:

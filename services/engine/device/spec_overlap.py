@@ -42,6 +42,7 @@ from services.engine.device.device_step import (
     verify_probs,
 )
 from services.engine.device.draft_chain import ChainRows
+from services.engine.device.overlap import host_copy
 from services.engine.request import Request, Status
 from services.engine.sampling.row_sampling import to_device
 
@@ -114,15 +115,8 @@ def launch_spec(
     accepted, next_tokens = verdict(decode, run, chained, n, forced)
     drafts = chained[0].clone()  # the chain's `out`: the next replay overwrites it
     packed = torch.cat([drafts, accepted[:, None], next_tokens[:, None]], dim=1)  # [batch, K + 2]
-    cuda = packed.device.type == "cuda"
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=cuda)
-    host.copy_(packed, non_blocking=cuda)
-    ready = None
-    if cuda:
-        ready = torch.cuda.Event()
-        ready.record()
     kept = TargetRun(run.hidden, run.features)
-    return SpecInFlight(decode, n, drafts, accepted, next_tokens, host, ready, kept)
+    return SpecInFlight(decode, n, drafts, accepted, next_tokens, *host_copy(packed), kept)
 
 
 def verdict(
