@@ -82,16 +82,16 @@ class OverlappedSteps:
 
     def _successor(self, step: InFlight | SpecInFlight) -> InFlight | SpecInFlight | None:
         """The step after ``step``, launched before ``step`` is read: ``step``'s requests
-        that still decode and, for target-only steps, those that joined the running list
-        after them since (a transfer landed). None when the next step may differ: one more
-        may be admitted, a request joined a drafting batch, a request is not decoding or no
-        longer overlaps, or the pages for the step do not fit (the scheduler preempts then)."""
+        that still decode and those that joined the running list after them since (a
+        transfer landed). None when the next step may differ: one more may be admitted, a
+        request is not decoding or no longer overlaps, or the pages for the step do not fit
+        (the scheduler preempts then)."""
         s, spec = self.scheduler, isinstance(step, SpecInFlight)
         if s.waiting and len(s.running) < s.max_num_seqs:
             return None
         going_on = [step.decode[i] for i in step.going_on()]
         decode, went_on = list(s.running), len(going_on)
-        if len(decode) < went_on or (spec and len(decode) > went_on):
+        if len(decode) < went_on:
             return None
         if any(a is not b for a, b in zip(decode, going_on, strict=False)):
             return None

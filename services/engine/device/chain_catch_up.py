@@ -84,17 +84,20 @@ class ChainCatchUp:
             self.copied.record()
         self.hidden.index_copy_(0, self.dev[t : t + rows.shape[0]], pending.features)
 
-    def load_device(self, ids: torch.Tensor, padded: torch.Tensor, hidden: torch.Tensor, bucket: int) -> None:
-        """The stage's inputs from the device, for a step launched before its predecessor
-        was read (``spec_overlap.py``): ``ids`` [m, L] int64 (each widened span's tokens,
-        0 in its front padding), ``padded`` [m, 2] int64 (each span's first position and
-        its padding rows), ``hidden`` [m * L, hidden_size]; rows m .. bucket - 1 padding."""
+    def load_device(
+        self, ids: torch.Tensor, padded: torch.Tensor, hidden: torch.Tensor, bucket: int | None
+    ) -> None:
+        """The first m rows' inputs from the device, for a step launched before its
+        predecessor was read (``spec_overlap.py``): ``ids`` [m, L] int64 (each widened
+        span's tokens, 0 in its front padding), ``padded`` [m, 2] int64 (each span's first
+        position and its padding rows), ``hidden`` [m * L, hidden_size]. ``bucket``: rows
+        m .. bucket - 1 made padding; None: they were loaded (:meth:`load`) and stay."""
         L, t, mb, m = self.q_len, self.tokens, self.max_batch, ids.shape[0]
         rows = self.dev[:t].view(mb, L)
-        rows[:m], rows[m:bucket] = ids, 0
         first, pad = self.dev[2 * t : 2 * t + mb], self.dev[2 * t + mb :]
-        first[:m], first[m:bucket] = padded[:, 0], 0
-        pad[:m], pad[m:bucket] = padded[:, 1], L
+        rows[:m], first[:m], pad[:m] = ids, padded[:, 0], padded[:, 1]
+        if bucket is not None:
+            rows[m:bucket], first[m:bucket], pad[m:bucket] = 0, 0, L
         self.hidden[: m * L].copy_(hidden)
 
     def inputs(self, bucket: int, table: torch.Tensor, tokens_per_page: int) -> tuple[torch.Tensor, ...]:

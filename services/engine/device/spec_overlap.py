@@ -17,8 +17,8 @@ drafting step, and the verdict into tensors of its own and to pinned host memory
 step n waits on its event alone.
 
 A request that finished (or was aborted) at step n drops its row of n + 1 and is left out of
-n + 2 (its rows of the carried tensors are gathered away). A request that joins (a transfer
-landed, a prefill ended) waits for a step read at once: its catch-up span comes from the host.
+n + 2 (its rows of the carried tensors are gathered away). A request that joined since (a
+transfer landed) rides n + 1 after them, its catch-up span from the host.
 Who takes part: requests on the device at the chain's K (``device_step.on_device``) that ask
 for no logprobs, at least K - 1 tokens into their context (the widened catch-up span starts
 at n' - K >= 0 for any a).
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.batch import StepResult, TargetRun
+from services.engine.device.chain_catch_up import PendingSpans
 from services.engine.device.cuda_graphs import DecodeGraphs
 from services.engine.device.device_step import (
     DevicePlan,
@@ -84,31 +85,39 @@ def launch_spec(
     after: SpecInFlight | None = None,
 ) -> SpecInFlight | None:
     """Queue a drafting step of the chain's K over ``decode`` without reading it; ``forced``:
-    forced acceptance (benchmarks only), -1 = off. ``after`` None: from the host's state
-    (each request's pending span must fit the chain's catch-up stage). Else the step after
-    ``after``: ``decode`` is ``after``'s requests that still decode, in its order, whose
-    pages the caller has extended by K + 1 more tokens. None when the batch does not fit."""
+    forced acceptance (benchmarks only), -1 = off. ``after`` None: from the host's state.
+    Else the step after ``after``: ``decode`` starts with ``after``'s requests that still
+    decode, in its order, whose pages the caller has extended by K + 1 more tokens; the
+    requests past them joined since (a transfer landed) start from the host's state. None
+    when the batch does not fit, or a pending span from the host does not fit the chain's
+    catch-up stage."""
     chain, batch = graphs.chain, len(decode)
+    went_on = len(after.going_on()) if after is not None else 0
+    joined = decode[went_on:]
+    pending = pending_spans(joined) if joined else None
+    if pending is not None and not chain.catch.fits(pending):
+        return None
     graphs.force_acceptance(forced)
     sampling = chain_sampling(decode, all(r.sampling.greedy for r in decode))
+    starts = [0] * went_on + [r.num_computed for r in joined]
+    lasts = [0] * went_on + [r.last_token for r in joined]
+    rows = ChainRows(starts, lasts, plan.draft_table, plan.target_tables)
     if after is None:
-        pending = pending_spans(decode)
-        if not chain.catch.fits(pending):
-            return None
-        starts = [r.num_computed for r in decode]
-        rows = ChainRows(starts, [r.last_token for r in decode], plan.draft_table, plan.target_tables)
         chained = chain.run(rows, pending, sampling)
         n = to_device(torch.tensor(starts), graphs.runner.device)
     else:
-        rows = ChainRows([0] * batch, [0] * batch, plan.draft_table, plan.target_tables)
         loaded = chain.load(rows, sampling)
         if loaded is None:
             return None
         bucket, draw = loaded
         n, last, ids, padded, hidden = carried(after)
+        if pending is not None:  # the joined rows' spans from the host, the first rows' after
+            chain.catch.load(with_placeholders(pending, went_on, chain.k), bucket)
         chain.go_on(n, last)
-        chain.catch.load_device(ids, padded, hidden, bucket)
+        chain.catch.load_device(ids, padded, hidden, None if pending is not None else bucket)
         chained = chain.replay(bucket, draw, True, batch)
+        if joined:
+            n = torch.cat([n, to_device(torch.tensor(starts[went_on:]), n.device)])
     if chained is None:
         return None
     run = graphs.verified(batch)
@@ -138,6 +147,15 @@ def verdict(
     p = verify_probs(decode, run.logits.float(), k)  # logits [batch * (K + 1), V]
     drawn = drawn_verdict(p, q, drafts, position_draws(decode, n, n.device), forced)
     return drawn.num_accepted, drawn.next_tokens
+
+
+def with_placeholders(pending: PendingSpans, count: int, k: int) -> PendingSpans:
+    """``pending`` after ``count`` placeholder spans (one token at position K, a zero
+    feature), whose catch-up inputs the device writes over (``ChainCatchUp.load_device``)."""
+    zeros = pending.features.new_zeros(count, pending.features.shape[1])
+    return PendingSpans(
+        [k] * count + pending.starts, [[0]] * count + pending.tokens, torch.cat([zeros, pending.features])
+    )
 
 
 def carried(

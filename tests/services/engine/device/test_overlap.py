@@ -159,16 +159,12 @@ def test_a_request_asking_for_logprobs_runs_synchronously(pair, launches):
     assert_pools_empty(engine)
 
 
-@pytest.mark.parametrize("kind", [greedy, sampled])
-def test_requests_continued_from_transfers_join_overlapped_batches(pair, kind, launches):
-    """The decode side of disaggregated serving: pages reserved (while a step is in
-    flight), filled by a copy, continued with ``add_prefilled`` every two steps; each
-    joins the batch behind its unread step. Different lengths, one aborted mid-stream."""
-    prompts = random_prompts(5, seed=18, min_len=9, max_len=20)
-    params = [kind(n) for n in (16, 7, 20, 12, 16)]
-    expected = make_engine(pair, k=0).generate(prompts, params)
-    prefill = make_engine(pair, k=0)
-    decode = with_static_path(make_engine(pair, k=0, overlap=True))
+def decode_side(pair, k: int, prompts, params, overlap: bool) -> dict:
+    """The decode side of disaggregated serving: pages reserved (while a step may be in
+    flight), filled by a copy, continued with ``add_prefilled`` every two steps, request p3
+    aborted at step 7. Final outputs by request id; pools checked empty."""
+    prefill = make_engine(pair, k=k)
+    decode = with_static_path(make_engine(pair, k=k, overlap=overlap))
     finals, step = {}, 0
     while step < 2 * len(prompts) or decode.has_unfinished():
         if step % 2 == 0 and step // 2 < len(prompts):
@@ -183,15 +179,33 @@ def test_requests_continued_from_transfers_join_overlapped_batches(pair, kind, l
             decode.add_prefilled(rid, prompts[i], outs[0].aux, params[i])
         if step == 7:
             decode.abort("p3")
-        finals.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+        finals.update({o.request_id: o for o in decode.step() if o.finished})
         step += 1
-    for i, out in enumerate(expected):
-        got = finals[f"p{i}"]
-        assert got == (out.token_ids[: len(got)] if i == 3 else out.token_ids), i
-    assert len(finals["p3"]) < len(expected[3].token_ids)  # the abort cut it short
-    assert len(launches.joins) >= 3, launches.joins  # most arrivals joined behind an unread step
     assert_pools_empty(prefill)
     assert_pools_empty(decode)
+    return finals
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("kind", [greedy, sampled])
+def test_requests_continued_from_transfers_join_overlapped_batches(pair, k, kind, launches):
+    """Each arrival joins the batch behind its unread step (drafting: its catch-up span
+    from the host, the others' from the device). Outputs equal the aggregated engine's, and
+    with a drafter the same drafts are accepted as on a decode side without overlap."""
+    prompts = random_prompts(5, seed=18, min_len=9, max_len=20)
+    params = [kind(n) for n in (16, 7, 20, 12, 16)]
+    expected = make_engine(pair, k=k).generate(prompts, params)
+    runs = {on: decode_side(pair, k, prompts, params, on) for on in (False, True)}
+    for i, out in enumerate(expected):
+        got = runs[True][f"p{i}"]
+        if i == 3:  # aborted mid-stream
+            assert got.token_ids == out.token_ids[: len(got.token_ids)]
+            assert len(got.token_ids) < len(out.token_ids)
+            continue
+        assert got.token_ids == out.token_ids, i
+        before = runs[False][f"p{i}"].usage
+        assert (got.usage.num_steps, got.usage.num_accepted) == (before.num_steps, before.num_accepted), i
+    assert len(launches.joins) >= 3, launches.joins  # most arrivals joined behind an unread step
 
 
 @pytest.mark.parametrize("kind", [greedy, sampled])
