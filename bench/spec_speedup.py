@@ -11,6 +11,8 @@ ms/step count only the engine steps where every request of the batch decodes. ``
 mode replays CUDA graphs for the decode step (the engine's default on CUDA); ``eager``
 sets ``enforce_eager``. ``--chain off`` turns off the device-resident step
 (``EngineConfig.device_draft_chain``): every step takes the eager draft chain.
+``--overlap on`` launches each graphed step before the previous one is read
+(``EngineConfig.overlap``), in both engines.
 ``--repeats R`` times R runs of each engine, the target-only and speculative engines
 taking turns so that host noise falls on both; each row keeps the median run (and the
 range of ms per step). ``--temperature T`` (> 0) samples instead, request i with seed i:
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="graphs,eager")
     p.add_argument("--kernels", default="on", help="on, off or on,off: fused Triton decoder ops")
     p.add_argument("--chain", default="on", help="on, off or on,off: the device-resident step")
+    p.add_argument(
+        "--overlap", default="off", help="on, off or off,on: each step launched before the last is read"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, request i with seed i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine, taking turns; medians")
@@ -159,13 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     code = held_out_corpora()["code"]
     rows, first_outputs = [], {}
     variants = [
-        (m, kn, c, q)
+        (m, kn, c, q, o)
         for m in a.modes.split(",")
         for kn in a.kernels.split(",")
         for c in a.chain.split(",")
         for q in a.quantizations
+        for o in a.overlap.split(",")
     ]
-    for mode, kernels, chain, quantization in variants:
+    for mode, kernels, chain, quantization, overlap in variants:
         use_kernels(kernels == "on")
         eager = mode == "eager"
         options = dict(
@@ -173,10 +179,11 @@ def main(argv: list[str] | None = None) -> None:
             device_draft_chain=chain == "on",
             adaptive_k=a.adaptive == "on",
             draft_quantization=quantization,
+            overlap=overlap == "on",
         )
         if a.forced_al:  # benchmarks only: the verifier keeps exactly AL - 1 drafts
             options.update(forced_acceptance=a.forced_al - 1, unsafe_forced_acceptance=True)
-        base_options = dict(enforce_eager=eager)
+        base_options = dict(enforce_eager=eager, overlap=overlap == "on")
         engines = {
             k: make_engine(k, max(batches), a.device, **(options if k else base_options)) for k in (0, a.k)
         }
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 "mode": mode,
                 "kernels": kernels,
                 "chain": chain,
+                "overlap": overlap,
                 "adaptive": a.adaptive,
                 "draft_quantization": quantization or "none",
                 "forced_al": a.forced_al,
@@ -219,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
 
 
+def mode_name(row: dict) -> str:
+    return f"{row['mode']} overlapped" if row.get("overlap") == "on" else row["mode"]
+
+
 def ms_cell(row: dict, who: str) -> str:
     """ms per step, with the range over the repeats when there were several."""
     low, high = row[f"{who}_ms_per_step_range"]
@@ -234,7 +246,7 @@ def print_table(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['kernels']} | {r['chain']} | {drafter_name(r)} | {r['batch']} "
+            f"| {mode_name(r)} | {r['kernels']} | {r['chain']} | {drafter_name(r)} | {r['batch']} "
             f"| {r['k']} | {r['al']:.2f} | {r['base_tok_s']:,.0f} "
             f"| {r['spec_tok_s']:,.0f} | {r['speedup']:.2f} | {r['speedup'] / r['al']:.2f} "
             f"| {ms_cell(r, 'base')} | {ms_cell(r, 'spec')} "
@@ -242,7 +254,7 @@ def print_table(rows: list[dict]) -> None:
         )
     print_phases(
         rows,
-        lambda r: f"{r['mode']} kernels {r['kernels']} chain {r['chain']} {drafter_name(r)} B{r['batch']}",
+        lambda r: f"{mode_name(r)} kernels {r['kernels']} chain {r['chain']} {drafter_name(r)} B{r['batch']}",
         lambda r: f" (no-draft steps: {r['plain_steps']} of {r['spec_steps']})",
     )
 

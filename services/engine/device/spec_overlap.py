@@ -142,7 +142,7 @@ def verdict(
     batch, k = drafts.shape
     if q is None and all(r.sampling.greedy for r in decode):
         rows = run.verdict.view(batch, k + 1, 3)  # per verified token: id, argmax, a
-        accepted = rows[:, 0, 2]
+        accepted = rows[:, 0, 2].clone()  # a copy: the graph's outputs are overwritten by its next replay
         return accepted, rows[torch.arange(batch, device=rows.device), accepted, 1]
     p = verify_probs(decode, run.logits.float(), k)  # logits [batch * (K + 1), V]
     drawn = drawn_verdict(p, q, drafts, position_draws(decode, n, n.device), forced)
