@@ -272,7 +272,8 @@ ROWS = (
             Panel(
                 "Engine step time",
                 "Wall time of one engine step by the forwards it ran: decode, prefill, mixed (one "
-                "forward of both) or decode+prefill (two).",
+                "forward of both), decode+prefill (two) or overlapped (a decode step read while "
+                "its successor runs, --overlap-decode).",
                 quantiles("tandem_engine_step_seconds", by="kind"),
                 unit="s",
                 width=12,

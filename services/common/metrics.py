@@ -182,7 +182,8 @@ class Metrics:
         self.step_seconds = Histogram(
             "tandem_engine_step_seconds",
             "Wall time of one engine step (scheduling, forwards, host read, outputs), by the "
-            "forwards it ran: decode, prefill, mixed (one forward of both) or decode+prefill (two)",
+            "forwards it ran: decode, prefill, mixed (one forward of both), decode+prefill (two) or "
+            "overlapped (a decode step read while its successor runs, --overlap-decode)",
             ["kind"],
             buckets=STEP_BUCKETS,
             registry=r,

@@ -108,7 +108,7 @@ class Engine:
             self.manager, self.scheduler, self.out, self.requests, self.drafter is not None
         )
         self.stats = self.progress.stats  # speculative counters per origin
-        self.last_step = ""  # the last step's forwards: decode, prefill, mixed or decode+prefill
+        self.last_step = ""  # the last step's forwards: decode, prefill, mixed, decode+prefill or overlapped
         self.overlapped = OverlappedSteps(config, self.runner, self.scheduler, self.progress)
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
@@ -237,7 +237,7 @@ class Engine:
         With ``overlap``, a step may end with its successor launched and not yet read: the
         next call reads it (``device/overlap.py``); outputs are never held back by it."""
         if self.overlapped.in_flight is not None and self.overlapped.go_on():
-            self.last_step = "decode"
+            self.last_step = "overlapped"
             return self.out.flush()
         plan = self.scheduler.schedule()
         policy = self.config.scheduling_policy
@@ -290,6 +290,7 @@ class Engine:
         start = time.perf_counter()
         plan = device_step_fits(self.runner, decode, k) if self.config.device_draft_chain else None
         if plan is not None and self.overlapped.start(plan, decode, k):
+            self.last_step = "overlapped" if self.last_step == "decode" else self.last_step
             return
         step = device_step(self.runner, plan, decode, k, self.config.forced_acceptance) if plan else None
         if step is None:

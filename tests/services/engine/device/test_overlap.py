@@ -132,9 +132,14 @@ def test_overlapped_outputs_equal_synchronous_ones_across_churn(pair, k, kind, n
 def test_the_successor_is_launched_before_the_step_is_read(pair, launches):
     engine = with_static_path(make_engine(pair, k=0, overlap=True))
     prompts = random_prompts(2, seed=3, min_len=4, max_len=8)
-    outs = engine.generate(prompts, greedy(6))
+    ids = [engine.add_request(p, greedy(6)) for p in prompts]
+    final, kinds = {}, []
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        kinds.append(engine.last_step)
     expected = make_engine(pair, k=0).generate(prompts, greedy(6))
-    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    assert kinds == ["prefill", *["overlapped"] * 5]  # the kind tandem_engine_step_seconds reports
     decode = [e for e in launches if e[1] == 2]
     # the first token comes from the prefill; five decode steps: the first launched, four
     # successors each launched before its predecessor's read; the last successor runs
