@@ -166,7 +166,7 @@ class EngineOptions:
         "launch each decode step before the previous one is read, so the host's bookkeeping runs "
         "beside the GPU's work (as vLLM's async scheduling and SGLang's overlap scheduler): decode "
         "steps replaying CUDA graphs, on CUDA with tp 1, target-only or drafting the full K; "
-        "batches with logprobs, penalties or a grammar run synchronously",
+        "batches with penalties or a grammar run synchronously",
     )
     quantization: str = _option(
         "none",

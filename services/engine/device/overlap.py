@@ -19,9 +19,9 @@ the request's cacheable prefix, in pages the request gave back. Pages are handed
 only to work queued later on the same stream, or, for transfers written from outside the
 stream, after the engine waited for the device (``Engine.reserve``).
 
-Who takes part: requests whose tokens the device picks alone (``device_step.on_device``)
-and that ask for no logprobs (the logits of step n are overwritten by step n + 1's replay
-before the host could read them). Any other batch runs a step and reads it at once.
+Who takes part: requests whose tokens the device picks alone (``device_step.on_device``).
+Logprobs, when asked for, are computed on the device before step n + 1's replay overwrites
+step n's logits (``overlap_logprobs.py``). Any other batch runs a step and reads it at once.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from services.engine.batch import Span, StepResult, TargetRun
 from services.engine.device.cuda_graphs import DecodeGraphs
 from services.engine.device.device_step import DevicePlan, on_device, sampled_next
+from services.engine.device.overlap_logprobs import QueuedLogprobs, pinned_copy, queue_logprobs, step_logprobs
 from services.engine.request import Request, Status
 from services.engine.sampling.row_sampling import to_device
 
@@ -45,8 +46,9 @@ class InFlight:
     decode: list[Request]
     tokens: torch.Tensor  # [batch] int64 on the device: each request's next token
     host: torch.Tensor  # [batch] int64 host copy (pinned on CUDA), valid once `ready` is reached
-    ready: torch.cuda.Event | None  # recorded after the host copy; None off CUDA (copies are synchronous)
+    ready: torch.cuda.Event | None  # recorded after the host copies; None off CUDA (copies are synchronous)
     run: TargetRun  # the forward's hidden rows (copies); its logits are not kept
+    logprobs: QueuedLogprobs | None = None  # of the requests that ask for them
 
     def going_on(self) -> list[int]:
         """The rows whose request still decodes: not finished or aborted since the launch."""
@@ -54,9 +56,8 @@ class InFlight:
 
 
 def overlaps(req: Request) -> bool:
-    """Whether ``req`` may run in an overlapped step: the device picks its tokens alone
-    and it asks for no logprobs."""
-    return on_device(req, 0) and req.sampling.logprobs is None
+    """Whether ``req`` may run in an overlapped step: the device picks its tokens alone."""
+    return on_device(req, 0)
 
 
 @torch.inference_mode()
@@ -79,16 +80,15 @@ def launch(
     if run is None:
         return None
     tokens = next_tokens(decode, run, starts)
-    return InFlight(decode, tokens, *host_copy(tokens), TargetRun(run.hidden, run.features))
+    logprobs = queue_logprobs(decode, run.logits[:, None], tokens[:, None])
+    return InFlight(decode, tokens, *host_copy(tokens), TargetRun(run.hidden, run.features), logprobs)
 
 
 def host_copy(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A host copy of ``values`` queued in stream order, and the event that says it is
-    there (None off CUDA, where the copy is done on return)."""
-    cuda = values.device.type == "cuda"
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
-    host.copy_(values, non_blocking=cuda)
-    if not cuda:
+    """A host copy of ``values`` queued in stream order, and the event that says it (and
+    every copy queued before it) is there (None off CUDA, where copies are done on return)."""
+    host = pinned_copy(values)
+    if values.device.type != "cuda":
         return host, None
     ready = torch.cuda.Event()
     ready.record()
@@ -121,8 +121,9 @@ def next_tokens(decode: list[Request], run: TargetRun, starts: list[int]) -> tor
 
 def read(step: InFlight) -> StepResult:
     """Wait for ``step``'s tokens (not for what was queued after it) and give them as the
-    general path's results: one token per request, no logprobs."""
+    general path's results: one token per request, and its logprobs when asked for."""
     if step.ready is not None:
         step.ready.synchronize()
     emitted = [[t] for t in step.host.tolist()]
-    return StepResult(emitted, [[] for _ in emitted], step.run, list(range(len(emitted) + 1)))
+    logprobs = step_logprobs(step.logprobs, step.decode, emitted)
+    return StepResult(emitted, logprobs, step.run, list(range(len(emitted) + 1)))

@@ -19,9 +19,9 @@ step n waits on its event alone.
 A request that finished (or was aborted) at step n drops its row of n + 1 and is left out of
 n + 2 (its rows of the carried tensors are gathered away). A request that joined since (a
 transfer landed) rides n + 1 after them, its catch-up span from the host.
-Who takes part: requests on the device at the chain's K (``device_step.on_device``) that ask
-for no logprobs, at least K - 1 tokens into their context (the widened catch-up span starts
-at n' - K >= 0 for any a).
+Who takes part: requests on the device at the chain's K (``device_step.on_device``), at
+least K - 1 tokens into their context (the widened catch-up span starts at n' - K >= 0 for
+any a). Logprobs, when asked for, are computed on the device (``overlap_logprobs.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from services.engine.device.device_step import (
 )
 from services.engine.device.draft_chain import ChainRows
 from services.engine.device.overlap import host_copy
+from services.engine.device.overlap_logprobs import QueuedLogprobs, queue_logprobs, step_logprobs
 from services.engine.request import Request, Status
 from services.engine.sampling.row_sampling import to_device
 
@@ -59,8 +60,9 @@ class SpecInFlight:
     accepted: torch.Tensor  # [batch] int64: a
     next_tokens: torch.Tensor  # [batch] int64: t
     host: torch.Tensor  # [batch, K + 2] int64 (pinned on CUDA), valid once `ready` is reached
-    ready: torch.cuda.Event | None  # recorded after the host copy; None off CUDA
+    ready: torch.cuda.Event | None  # recorded after the host copies; None off CUDA
     run: TargetRun  # the verify forward's hidden rows and features (copies), K + 1 rows a request
+    logprobs: QueuedLogprobs | None = None  # of the requests that ask for them
 
     @property
     def k(self) -> int:
@@ -73,7 +75,7 @@ class SpecInFlight:
 
 def spec_overlaps(req: Request, k: int) -> bool:
     """Whether ``req`` may run in an overlapped drafting step of ``k`` drafts."""
-    return on_device(req, k) and req.sampling.logprobs is None and req.num_computed + 1 >= k
+    return on_device(req, k) and req.num_computed + 1 >= k
 
 
 @torch.inference_mode()
@@ -124,8 +126,17 @@ def launch_spec(
     accepted, next_tokens = verdict(decode, run, chained, n, forced)
     drafts = chained[0].clone()  # the chain's `out`: the next replay overwrites it
     packed = torch.cat([drafts, accepted[:, None], next_tokens[:, None]], dim=1)  # [batch, K + 2]
+    chosen = emitted_rows(drafts, accepted, next_tokens)  # [batch, K + 1]
+    logprobs = queue_logprobs(decode, run.logits.view(batch, chosen.shape[1], -1), chosen)
     kept = TargetRun(run.hidden, run.features)
-    return SpecInFlight(decode, n, drafts, accepted, next_tokens, *host_copy(packed), kept)
+    return SpecInFlight(decode, n, drafts, accepted, next_tokens, *host_copy(packed), kept, logprobs)
+
+
+def emitted_rows(drafts: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """[batch, K + 1] int64: each request's emitted tokens [d_1 .. d_a, t] from drafts
+    [batch, K], a and t [batch], then what is left of its drafts (not emitted)."""
+    padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
+    return padded.scatter(1, accepted[:, None], next_tokens[:, None])
 
 
 def verdict(
@@ -172,7 +183,7 @@ def carried(
         tensors = tuple(t.index_select(0, index) for t in tensors)
     n, drafts, a, t, features = tensors
     m, span = n.shape[0], k + 1
-    emitted = torch.cat([drafts, drafts.new_zeros(m, 1)], dim=1).scatter(1, a[:, None], t[:, None])
+    emitted = emitted_rows(drafts, a, t)
     pad = k - a  # [m]: front rows that only widen the span
     j = torch.arange(span, device=n.device)[None, :] - pad[:, None]  # [m, K + 1]: emitted index
     at = j.clamp(min=0)
@@ -185,10 +196,11 @@ def carried(
 
 def read_spec(step: SpecInFlight) -> StepResult:
     """Wait for ``step``'s verdict (not for what was queued after it) and give it as the
-    general path's results: accepted drafts then t per request, no logprobs."""
+    general path's results: accepted drafts then t per request, and their logprobs when
+    asked for."""
     if step.ready is not None:
         step.ready.synchronize()
     k = step.k
     emitted = [row[: row[k]] + [row[k + 1]] for row in step.host.tolist()]
     offsets = [i * (k + 1) for i in range(len(emitted) + 1)]
-    return StepResult(emitted, [[] for _ in emitted], step.run, offsets)
+    return StepResult(emitted, step_logprobs(step.logprobs, step.decode, emitted), step.run, offsets)

@@ -7,6 +7,7 @@ read: the launch order is recorded."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -152,16 +153,23 @@ def test_the_successor_is_launched_before_the_step_is_read(pair, launches):
     assert_pools_empty(engine)
 
 
-def test_a_request_asking_for_logprobs_runs_synchronously(pair, launches):
-    engine = with_static_path(make_engine(pair, k=0, overlap=True))
-    prompts = random_prompts(2, seed=5, min_len=4, max_len=8)
-    params = [greedy(6), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)]
-    outs = engine.generate(prompts, params)
-    expected = make_engine(pair, k=0).generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-    assert [lp.token_id for lp in outs[1].logprobs] == expected[1].token_ids
-    assert not any(e[0] == "successor" and e[1] == 2 for e in launches)
-    assert_pools_empty(engine)
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("kind", [greedy, sampled])
+def test_logprobs_of_overlapped_steps_are_the_synchronous_ones(pair, k, kind, launches):
+    """Logprobs are computed on the device before the successor's replay overwrites the
+    step's logits: the same values and alternatives as the synchronous step gives, for
+    each request's own N, beside requests that ask for none."""
+    prompts = random_prompts(4, seed=5, min_len=4, max_len=12)
+    base = kind(12)
+    params = [base, replace(base, logprobs=2), replace(base, logprobs=0), replace(base, logprobs=5)]
+    runs = {}
+    for on in (False, True):
+        engine = with_static_path(make_engine(pair, k=k, overlap=on))
+        runs[on] = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+        assert_pools_empty(engine)
+    assert runs[True] == runs[False]
+    assert runs[True][0][1] is None and [len(lp[0].top_ids) for _, lp in runs[True][1:]] == [2, 0, 5]
+    assert sum(1 for event, _ in launches if event == "successor") > 5  # they did overlap
 
 
 def decode_side(pair, k: int, prompts, params, overlap: bool) -> dict:
