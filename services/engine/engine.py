@@ -364,6 +364,21 @@ class Engine:
         if c.adaptive_k and self.k:
             self.adaptive = self.new_adaptive_k()
 
+    def forget_warm_up(self) -> None:
+        """Everything finished requests (the warm-up's) left in the engine's state, back to a
+        fresh engine's: the prefix cache and its counters, the speculative and preemption
+        counters, the graphs' replay counters, the adaptive K rule, an unread step."""
+        self.overlapped.settle()
+        self.manager.reset_prefix_cache()
+        self.manager.reset_stats()
+        self.progress.stats.clear()
+        self.scheduler.num_preemptions = 0
+        self.last_step = ""
+        if self.adaptive is not None:
+            self.adaptive = self.new_adaptive_k()
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset_replays()
+
     def new_adaptive_k(self) -> AdaptiveK:
         """The per-step K rule as it starts: no step measured yet."""
         return AdaptiveK(self.k, self.config.max_num_seqs)

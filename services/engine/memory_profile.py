@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from kvcore import CacheConfig, KVCacheManager
 from services.engine.batch import Span
+from services.engine.config import EngineConfig
 from services.engine.memory_budget import (
     MemoryReadings,
     check_free,
@@ -27,17 +28,28 @@ from services.engine.memory_budget import (
     profile_lengths,
     profile_tokens,
 )
+from services.engine.parallel import TensorParallel
 from services.engine.runner import ModelRunner
 from services.engine.setup import build_cache
-
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 PROFILE_ID = "memory-profile-{}"
 
 
-def derive_kv_bytes(engine: Engine, cache: CacheConfig) -> tuple[int, MemoryReadings]:
+class LoadedEngine(Protocol):
+    """An engine whose models are loaded and whose cache is not built yet (``Engine`` in
+    its constructor): what the profile reads of it."""
+
+    config: EngineConfig
+    device: torch.device
+    tp: TensorParallel
+    k: int  # drafts per step
+    max_model_len: int
+    target: Any
+    drafter: Any
+
+
+def derive_kv_bytes(engine: LoadedEngine, cache: CacheConfig) -> tuple[int, MemoryReadings]:
     """The KV cache's bytes on ``engine``'s CUDA device under its config's
     ``gpu_memory_utilization``, and the readings they come from. ``engine``: models loaded,
     cache not built yet; ``cache``: the cache it will build. ValueError naming
@@ -51,7 +63,7 @@ def derive_kv_bytes(engine: Engine, cache: CacheConfig) -> tuple[int, MemoryRead
     return kv, r
 
 
-def profile_step(engine: Engine, cache: CacheConfig) -> int:
+def profile_step(engine: LoadedEngine, cache: CacheConfig) -> int:
     """Run the profile forward over a throwaway KV cache of its own (any device) and drop
     it: no page, request or cached prefix of it outlives the call. Returns the peak bytes
     the forward added on a CUDA device (0 elsewhere)."""
@@ -88,7 +100,7 @@ def graphs_taken(device: torch.device, reserved_before: int, estimate: int) -> N
     )
 
 
-def readings(engine: Engine, cache: CacheConfig) -> MemoryReadings:
+def readings(engine: LoadedEngine, cache: CacheConfig) -> MemoryReadings:
     """This rank's readings on its CUDA device (see memory_budget.py)."""
     device = engine.device
     torch.cuda.synchronize(device)

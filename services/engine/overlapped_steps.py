@@ -56,6 +56,11 @@ class OverlappedSteps:
                 self.progress.advance_decode(req, result, i)
         return self.in_flight is not None
 
+    def settle(self) -> None:
+        """Read the unread steps until none is in flight (the engine is idle after)."""
+        while self.in_flight is not None:
+            self.go_on()
+
     def wait_for_device(self) -> None:
         """Wait until the device ran what was launched: before pages may be written from
         outside the stream's order (a transfer), as an unread step's rows may still write

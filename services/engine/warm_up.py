@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from services.engine.sampling.params import SamplingParams
-
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +30,23 @@ LONG = 300  # the late joiner's prompt: a chunk of its own beside decode rows
 MAX_TOKENS = 4  # tokens each warm-up request decodes (a verify step with drafts included)
 
 
-def warm_up(engine: Engine) -> float:
+class Warmable(Protocol):
+    """What the warm-up asks of an engine (``Engine`` is one)."""
+
+    max_model_len: int
+    target: Any  # its config's vocab_size bounds the prompts' ids
+
+    def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> str: ...
+
+    def step(self) -> list: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def forget_warm_up(self) -> None:
+        """Everything finished requests left in the engine's state, back to a fresh engine's."""
+
+
+def warm_up(engine: Warmable) -> float:
     """Run the warm-up requests to completion and leave no trace; returns its seconds."""
     start = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -46,27 +59,14 @@ def warm_up(engine: Engine) -> float:
     add(engine, prompts[-1], params, f"warm-up-{len(prompts) - 1}")
     while engine.has_unfinished():
         engine.step()
-    forget(engine)
+    engine.forget_warm_up()
     seconds = time.perf_counter() - start
     log.info("warm-up: %d requests of %s prompt tokens in %.2f s", len(prompts), lengths, seconds)
     return seconds
 
 
-def add(engine: Engine, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+def add(engine: Warmable, prompt: list[int], params: SamplingParams, request_id: str) -> None:
     try:
         engine.add_request(prompt, params, request_id=request_id)
     except ValueError as e:  # does not fit this engine's KV pool: not a shape it will serve
         log.debug("warm-up: %d-token prompt left out: %s", len(prompt), e)
-
-
-def forget(engine: Engine) -> None:
-    """Everything the warm-up requests left in the engine's state, back to a fresh engine's."""
-    engine.manager.reset_prefix_cache()
-    engine.manager.reset_stats()
-    engine.progress.stats.clear()
-    engine.scheduler.num_preemptions = 0
-    engine.last_step = ""
-    if engine.adaptive is not None:
-        engine.adaptive = engine.new_adaptive_k()
-    if engine.runner.graphs is not None:
-        engine.runner.graphs.reset_replays()

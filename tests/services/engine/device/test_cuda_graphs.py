@@ -21,6 +21,7 @@ from services.engine.device.cuda_graphs import (
 from services.engine.device.device_step import device_step
 from services.engine.device.draft_chain import Draw
 from services.engine.sampling.params import SamplingParams
+from services.engine.warm_up import warm_up
 from tests.services.engine.helpers import make_engine, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -164,18 +165,16 @@ def test_device_step_catches_up_in_the_chain(pair):
 
 
 def test_the_warm_up_replays_the_graphs_and_leaves_their_counters_at_zero(pair, monkeypatch):
-    from services.engine import warm_up  # noqa: PLC0415 (the module, to wrap its forget)
-
     engine = with_static_path(make_engine(pair, k=3, scheduling_policy="mixed"))
     graphs, seen = engine.runner.graphs, []
-    real_forget = warm_up.forget
+    real_forget = engine.forget_warm_up
 
-    def forget(e):
+    def forget():
         seen.append(sum(graphs.chain.replays.values()) + sum(graphs.target.replays.values()))
-        real_forget(e)
+        real_forget()
 
-    monkeypatch.setattr(warm_up, "forget", forget)
-    warm_up.warm_up(engine)
+    monkeypatch.setattr(engine, "forget_warm_up", forget)
+    warm_up(engine)
     assert seen[0] > 0  # the warm-up's decode steps ran the graphs' path
     assert graphs.chain.caught_up == 0 and not any(graphs.chain.replays.values())
     for graphed in (graphs.target, graphs.plain, graphs.catch_up, graphs.lagged, graphs.drafter):
