@@ -50,16 +50,28 @@ class OverlappedSteps:
         A request finished (or aborted) since the step's launch drops its row."""
         step, self.in_flight = self.in_flight, None
         self.in_flight = self._successor(step)
+        try:
+            self._read(step)
+        except BaseException:
+            self.in_flight = None  # its inputs came from a step not (wholly) applied
+            raise
+        return self.in_flight is not None
+
+    def settle(self) -> None:
+        """Read the unread step, if any, launching nothing after it."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self._read(step)
+
+    def _read(self, step: InFlight | SpecInFlight) -> None:
+        """Read ``step`` and move along its requests that still decode. An unread step
+        dropped instead leaves the host's state at the step before it, which is exact: a
+        request's state only ever moves by a read step, and the next step rewrites the KV
+        the dropped one wrote."""
         result = read_spec(step) if isinstance(step, SpecInFlight) else read(step)
         for i, req in enumerate(step.decode):
             if req.status is Status.DECODE:
                 self.progress.advance_decode(req, result, i)
-        return self.in_flight is not None
-
-    def settle(self) -> None:
-        """Read the unread steps until none is in flight (the engine is idle after)."""
-        while self.in_flight is not None:
-            self.go_on()
 
     def wait_for_device(self) -> None:
         """Wait until the device ran what was launched: before pages may be written from

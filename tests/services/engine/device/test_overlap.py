@@ -259,3 +259,33 @@ def test_the_bundled_pair_accepts_the_same_drafts_overlapped(launches):
     steps, accepted = map(sum, zip(*runs[True][1], strict=True))
     assert accepted / steps > 1.0  # AL above 2
     assert sum(1 for event, _ in launches if event == "successor") > 10
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_read_that_fails_drops_the_successor_and_the_engine_goes_on_exactly(pair, k, launches):
+    """A failure while an overlapped step is read (here: moving a request along, after
+    another) drops the successor launched from it: the requests not moved along stay at the step
+    before, which the next step redoes, so every output is still the synchronous one."""
+    prompts = random_prompts(3, seed=9, min_len=6, max_len=20)
+    expected = make_engine(pair, k=k).generate(prompts, greedy(16))
+    engine = with_static_path(make_engine(pair, k=k, overlap=True))
+    advance, calls = engine.progress.advance_decode, []
+
+    def failing(req, step, i):
+        calls.append(i)
+        if len(calls) == 8:
+            raise RuntimeError("injected")
+        advance(req, step, i)
+
+    engine.progress.advance_decode = failing
+    ids = [engine.add_request(p, greedy(16)) for p in prompts]
+    final, failed = {}, 0
+    while engine.has_unfinished():
+        try:
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError:
+            failed += 1
+            assert engine.overlapped.in_flight is None
+    assert failed == 1 and calls[7] > 0  # an overlapped read with a request moved along before it
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    assert_pools_empty(engine)
