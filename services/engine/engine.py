@@ -181,12 +181,16 @@ class Engine:
         the prefix cache holds of the prompt is reused (and named held). Refuses what
         :meth:`check_reserve` refuses."""
         self.check_reserve(request_id, prompt_len, prompt_ids)
-        self.overlapped.wait_for_device()  # an unread step may still write pages a transfer gets
         return self.manager.reserve_for_transfer(request_id, prompt_len, prompt_ids)
 
     def holds_reservation(self, request_id: str) -> bool:
-        """Whether ``request_id`` holds reserved pages that no :meth:`add_prefilled` took over."""
-        return request_id not in self.requests and self.manager.has_request(request_id)
+        """Whether ``request_id`` holds reserved pages that no :meth:`add_prefilled` took over
+        (not the pages of a finished request an unread step may still write)."""
+        return (
+            request_id not in self.requests
+            and self.manager.has_request(request_id)
+            and not self.overlapped.holds(request_id)
+        )
 
     def release_reservation(self, request_id: str) -> bool:
         """Free the pages of a reservation no :meth:`add_prefilled` took over; whether it did."""

@@ -32,6 +32,9 @@ class OverlappedSteps:
     ) -> None:
         self.config, self.runner, self.scheduler, self.progress = config, runner, scheduler, progress
         self.in_flight: InFlight | SpecInFlight | None = None
+        # frees held until the step (then in flight) that may write their pages is read
+        self.held: list[tuple[InFlight | SpecInFlight, str, list[int]]] = []
+        progress.free_later = self._free_later
 
     def start(self, plan: DevicePlan, decode: list[Request], k: int) -> bool:
         """Run the step ``plan`` was made for overlapped, when it may: launch it, launch
@@ -50,12 +53,15 @@ class OverlappedSteps:
         A request finished (or aborted) since the step's launch drops its row."""
         step, self.in_flight = self.in_flight, None
         self.in_flight = self._successor(step)
+        launched = self.in_flight is not None
         try:
             self._read(step)
         except BaseException:
-            self.in_flight = None  # its inputs came from a step not (wholly) applied
+            self._drop()  # its inputs came from a step not (wholly) applied
             raise
-        return self.in_flight is not None
+        if self.in_flight is not None and not self.in_flight.going_on():
+            self.settle()  # every request it ran has finished: read it now, free their pages
+        return launched
 
     def settle(self) -> None:
         """Read the unread step, if any, launching nothing after it."""
@@ -63,22 +69,46 @@ class OverlappedSteps:
         if step is not None:
             self._read(step)
 
+    def _free_later(self, request_id: str, tokens: list[int]) -> bool:
+        """Hold a finished request's free while a launched step may still write its pages
+        (its row of that step); freed once that step is read (:meth:`_read`)."""
+        if self.in_flight is None:
+            return False
+        self.held.append((self.in_flight, request_id, tokens))
+        return True
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a finished request's pages wait here for a launched step to be read."""
+        return any(rid == request_id for _, rid, _ in self.held)
+
+    def _drop(self) -> None:
+        """Drop the unread step after a failure: wait for the device to pass every launched
+        step, then free every held request's pages."""
+        self.in_flight = None
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        self._free_held(None)
+
+    def _free_held(self, step: InFlight | SpecInFlight | None) -> None:
+        """Free the pages held for ``step`` (None: all)."""
+        manager, kept = self.scheduler.manager, []
+        for held in self.held:
+            if step is None or held[0] is step:
+                manager.free(held[1], held[2])
+            else:
+                kept.append(held)
+        self.held = kept
+
     def _read(self, step: InFlight | SpecInFlight) -> None:
         """Read ``step`` and move along its requests that still decode. An unread step
         dropped instead leaves the host's state at the step before it, which is exact: a
         request's state only ever moves by a read step, and the next step rewrites the KV
         the dropped one wrote."""
         result = read_spec(step) if isinstance(step, SpecInFlight) else read(step)
+        self._free_held(step)  # read: the step writes no more
         for i, req in enumerate(step.decode):
             if req.status is Status.DECODE:
                 self.progress.advance_decode(req, result, i)
-
-    def wait_for_device(self) -> None:
-        """Wait until the device ran what was launched: before pages may be written from
-        outside the stream's order (a transfer), as an unread step's rows may still write
-        pages that requests finished since gave back."""
-        if self.in_flight is not None and self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
 
     def _may_overlap(self, decode: list[Request], k: int) -> bool:
         """Asked for; target-only steps of requests that overlap (``overlap.overlaps``), or

@@ -9,13 +9,16 @@ Per request (positions as in ``request.py``):
   inputs; a step whose catch-up was left for later (``caught_up`` False) appends them to
   the pending ones instead, and the drafter's exact prefix stays where it was;
 - after each, the cache is told how far KV is final, and a request that met a stop rule
-  ends: its pages are freed (offered to the prefix cache) and its final output is queued.
+  ends: its pages are freed (offered to the prefix cache; once no launched step may still
+  write them, with overlapped steps) and its final output is queued.
 A request with a grammar feeds its matcher every token appended (and only those), so the
 matcher's state is always its output's; the grammar's end (an EOS it took, even under
 ``ignore_eos``) or a token it refused ends the request with reason "stop".
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +45,9 @@ class RequestProgress:
         self.manager, self.scheduler, self.out, self.requests = manager, scheduler, out, requests
         self.drafting = drafting
         self.stats: dict[str, SpecStats] = {}  # speculative counters per origin
+        # takes a finished request's free (id, cacheable tokens) while a launched step may
+        # still write its pages, returning True; None or False: free now (overlapped_steps.py)
+        self.free_later: Callable[[str, list[int]], bool] | None = None
 
     def chunks_ran(
         self, prefill: list[tuple[Request, PrefillSpan]], run: TargetRun, offsets: list[int]
@@ -138,7 +144,9 @@ class RequestProgress:
     def finish(self, req: Request) -> None:
         """End ``req``: free its pages (offering its exact prefix to the cache), queue its output."""
         if self.manager.has_request(req.request_id):
-            self.manager.free(req.request_id, req.tokens[: req.cacheable_len])
+            tokens = req.tokens[: req.cacheable_len]
+            if self.free_later is None or not self.free_later(req.request_id, tokens):
+                self.manager.free(req.request_id, tokens)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         self.out.finish(req)

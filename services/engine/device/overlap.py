@@ -15,9 +15,8 @@ that event alone, never on the successor queued behind it.
 
 A request that finishes at step n (a stop token, its length, an abort) was also run by
 step n + 1: that row's token is dropped when n + 1 is read, and the KV it wrote lies past
-the request's cacheable prefix, in pages the request gave back. Pages are handed out again
-only to work queued later on the same stream, or, for transfers written from outside the
-stream, after the engine waited for the device (``Engine.reserve``).
+the request's cacheable prefix. Its pages are freed once n + 1 is read
+(``overlapped_steps.OverlappedSteps.held``), so nothing else gets a page it may still write.
 
 Who takes part: requests whose tokens the device picks alone (``device_step.on_device``).
 Logprobs, when asked for, are computed on the device before step n + 1's replay overwrites

@@ -144,12 +144,11 @@ def test_the_successor_is_launched_before_the_step_is_read(pair, launches):
     decode = [e for e in launches if e[1] == 2]
     # the first token comes from the prefill; five decode steps: the first launched, four
     # successors each launched before its predecessor's read; the last successor runs
-    # rows that both requests had already finished (read at the next step, dropped)
+    # rows that both requests had already finished: read at once (the engine idles clean)
     assert decode[:3] == [("launch", 2), ("successor", 2), ("read", 2)]
-    assert decode.count(("successor", 2)) == 5 and decode.count(("read", 2)) == 5
-    assert_pools_empty(engine)
-    engine.step()  # the dropped step is read; nothing changes
-    assert not engine.has_unfinished() and engine.overlapped.in_flight is None
+    assert decode.count(("successor", 2)) == 5 and decode.count(("read", 2)) == 6
+    assert decode[-2:] == [("read", 2), ("read", 2)]
+    assert engine.overlapped.in_flight is None and not engine.overlapped.held
     assert_pools_empty(engine)
 
 
@@ -288,4 +287,28 @@ def test_a_read_that_fails_drops_the_successor_and_the_engine_goes_on_exactly(pa
             assert engine.overlapped.in_flight is None
     assert failed == 1 and calls[7] > 0  # an overlapped read with a request moved along before it
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    assert_pools_empty(engine)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_pages_a_launched_step_may_write_are_freed_once_it_is_read(pair, k, launches):
+    """A request that finishes (or is aborted) while a launched step still has its row keeps
+    its pages until that step is read: only then may they go to another request or a
+    transfer (written from outside the stream's order). It is no reservation meanwhile."""
+    engine = with_static_path(make_engine(pair, k=k, overlap=True))
+    short, long_ = random_prompts(2, seed=4, min_len=8, max_len=12)
+    a = engine.add_request(short, greedy(5))
+    engine.add_request(long_, greedy(40))
+    c = engine.add_request(long_[:9], greedy(40))
+    seen = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        if any(o.request_id == a and o.finished for o in outs):
+            seen["held"] = engine.manager.has_request(a) and engine.overlapped.holds(a)
+            seen["not reserved"] = not engine.holds_reservation(a)
+            engine.abort(c)  # between two steps, its row in the step in flight
+            seen["abort held"] = engine.manager.has_request(c) and engine.overlapped.holds(c)
+        elif "held" in seen and "freed" not in seen:
+            seen["freed"] = not engine.manager.has_request(a) and not engine.manager.has_request(c)
+    assert seen == {"held": True, "not reserved": True, "abort held": True, "freed": True}
     assert_pools_empty(engine)
