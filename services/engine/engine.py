@@ -109,7 +109,9 @@ class Engine:
         )
         self.stats = self.progress.stats  # speculative counters per origin
         self.last_step = ""  # the last step's forwards: decode, prefill, mixed, decode+prefill or overlapped
-        self.overlapped = OverlappedSteps(config, self.runner, self.scheduler, self.progress)
+        self.overlapped = OverlappedSteps(
+            config, self.runner, self.scheduler, self.progress, lambda: self.adaptive
+        )
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         if self.device.type == "cuda" and self.tp.size == 1:  # TP ranks step in lockstep only once served

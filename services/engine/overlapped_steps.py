@@ -12,9 +12,12 @@ scheduled, so the scheduler never sees an unread step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.engine.config import EngineConfig
+from services.engine.device.adaptive_k import AdaptiveK, greedy_only
 from services.engine.device.device_step import DevicePlan, device_step_fits
 from services.engine.device.overlap import InFlight, launch, overlaps, read
 from services.engine.device.spec_overlap import SpecInFlight, launch_spec, read_spec, spec_overlaps
@@ -28,9 +31,16 @@ class OverlappedSteps:
     """``in_flight``: the step launched and not yet read, if any."""
 
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler, progress: RequestProgress
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        progress: RequestProgress,
+        rule: Callable[[], AdaptiveK | None] = lambda: None,
     ) -> None:
+        """``rule``: the engine's adaptive K rule as it is now (None: K every step)."""
         self.config, self.runner, self.scheduler, self.progress = config, runner, scheduler, progress
+        self.rule = rule
         self.in_flight: InFlight | SpecInFlight | None = None
         # frees held until the step (then in flight) that may write their pages is read
         self.held: list[tuple[InFlight | SpecInFlight, str, list[int]]] = []
@@ -146,6 +156,9 @@ class OverlappedSteps:
         fits = (lambda r: spec_overlaps(r, k)) if spec else overlaps
         if not decode or not all(r.status is Status.DECODE and fits(r) for r in decode):
             return None
+        rule = self.rule() if spec and greedy_only(decode) else None
+        if rule is not None and rule.choose(len(decode)) < k:
+            return None  # the rule would not draft this step: it runs as it says
         manager = self.scheduler.manager
         ids = [r.request_id for r in decode]
         ends = [r.num_computed + (k + 1 if i < went_on else 0) for i, r in enumerate(decode)]

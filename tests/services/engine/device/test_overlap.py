@@ -15,6 +15,7 @@ import pytest
 from services.engine import overlapped_steps as steps_module
 from services.engine.config import EngineConfig
 from services.engine.device import overlap, spec_overlap
+from services.engine.device.adaptive_k import AdaptiveK
 from services.engine.engine import Engine
 from services.engine.sampling.params import SamplingParams
 from tests.services.engine.device.test_cuda_graphs import with_static_path
@@ -312,3 +313,25 @@ def test_pages_a_launched_step_may_write_are_freed_once_it_is_read(pair, k, laun
             seen["freed"] = not engine.manager.has_request(a) and not engine.manager.has_request(c)
     assert seen == {"held": True, "not reserved": True, "abort held": True, "freed": True}
     assert_pools_empty(engine)
+
+
+def test_a_drafting_run_stops_where_the_adaptive_rule_would_not_draft(pair, launches, monkeypatch):
+    """With the adaptive K rule on, a drafting successor is launched only while the rule
+    would pick K for it; where it picks no drafts, that step runs (and is measured) as the
+    rule says, and greedy outputs are unchanged."""
+    prompts = random_prompts(3, seed=2, min_len=8, max_len=16)
+    expected = make_engine(pair, k=3).generate(prompts, greedy(30))
+    engine = with_static_path(make_engine(pair, k=3, overlap=True))
+    engine.adaptive = engine.new_adaptive_k()
+    asked = []
+
+    def choose(rule, batch):
+        asked.append(batch)
+        return 0 if len(asked) in (4, 5, 9, 10) else 3  # asked again by the step that runs
+
+    monkeypatch.setattr(AdaptiveK, "choose", choose)
+    outs = engine.generate(prompts, greedy(30))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert engine.adaptive.costs  # the steps the rule chose were measured
+    successors = [e for e in launches if e[0] == "successor"]
+    assert len(successors) > 5 and len(launches) - len(successors) > 2  # the run stopped and resumed
