@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.ops.checks import check_paged_batch, check_params, check_rotary_write
+from kvcore.ops.check_basics import check_index, fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +96,37 @@ class RotaryWrite:
 
     def __post_init__(self) -> None:
         check_rotary_write(self)
+
+
+def check_paged_batch(batch: PagedBatch) -> None:
+    """A PagedBatch's own invariants (its docstring)."""
+    device = batch.block_table.device
+    check_index(batch.block_table, "block_table", 2, device)
+    if batch.query_start_loc is not None:
+        check_index(batch.query_start_loc, "query_start_loc", 1, device)
+    check_index(batch.seq_lens, "seq_lens", 1, device)
+    size = batch.seq_lens.shape[0]
+    if batch.block_table.shape[0] != size:
+        fail("block_table", f"has {batch.block_table.shape[0]} rows for batch {size}")
+    starts = batch.query_start_loc
+    if starts is not None and starts.shape[0] != size + 1:
+        fail("query_start_loc", f"has {starts.shape[0]} entries, expected batch + 1 = {size + 1}")
+    for name in ("window", "key_start", "max_q_len"):
+        if getattr(batch, name) < 0:
+            fail(name, f"must be >= 0, got {getattr(batch, name)}")
+
+
+def check_params(params: AttentionParams) -> None:
+    """What the ops implement of AttentionParams: no soft cap yet."""
+    if params.softcap != 0:
+        fail("softcap", f"attention logit soft-capping is not implemented, got {params.softcap}")
+
+
+def check_rotary_write(write: RotaryWrite) -> None:
+    """A RotaryWrite's own invariants (its docstring)."""
+    for name, t in (("cos", write.cos), ("sin", write.sin)):
+        if t.dtype != torch.float32:
+            fail(name, f"expected float32, got {t.dtype}")
+        if t.device != write.slot_mapping.device:
+            fail(name, f"on {t.device}, slot_mapping on {write.slot_mapping.device}")
+    check_index(write.slot_mapping, "slot_mapping", 1, write.slot_mapping.device)

@@ -1,7 +1,7 @@
 """Argument checks shared by the reference ops and the GPU kernels.
 
 The values of kvcore.ops.batch check their own invariants once, when built
-(``check_paged_batch``, ``check_params``, ``check_rotary_write``); an op then checks only
+(``batch.py``, with ``check_basics.py``'s helpers); an op then checks only
 how its query, q/k/v and pool relate to them. Only shapes, ranks, dtypes and devices are
 checked: nothing here reads tensor values, so the checks never synchronize a device and
 are safe inside CUDA-graph capture. Every failure is a ValueError naming the offending
@@ -14,15 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcore.ops.check_basics import check_index, fail
+
 if TYPE_CHECKING:
-    from kvcore.ops.batch import AttentionParams, PagedBatch, RotaryWrite
+    from kvcore.ops.batch import PagedBatch, RotaryWrite
 
 POOL_RANK = 6  # [num_pages, num_layers, 2, num_kv_heads, tokens_per_page, head_dim]
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def fail(field: str, msg: str) -> None:
-    raise ValueError(f"{field}: {msg}")
 
 
 def check_pool(kv_pool: torch.Tensor, layer: int | None = None) -> None:
@@ -34,15 +31,6 @@ def check_pool(kv_pool: torch.Tensor, layer: int | None = None) -> None:
         )
     if layer is not None and not 0 <= layer < kv_pool.shape[1]:
         fail("layer", f"must be in [0, {kv_pool.shape[1]}), got {layer}")
-
-
-def check_index(t: torch.Tensor, field: str, rank: int, device: torch.device) -> None:
-    if t.dim() != rank:
-        fail(field, f"expected rank {rank}, got shape {tuple(t.shape)}")
-    if t.dtype not in INDEX_DTYPES:
-        fail(field, f"expected int32 or int64, got {t.dtype}")
-    if t.device != device:
-        fail(field, f"on {t.device}, expected {device}")
 
 
 def check_write(
@@ -58,16 +46,6 @@ def check_write(
     check_index(slot_mapping, "slot_mapping", 1, kv_pool.device)
     if slot_mapping.shape[0] != key.shape[0]:
         fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-
-
-def check_rotary_write(write: RotaryWrite) -> None:
-    """A RotaryWrite's own invariants (see kvcore.ops.batch)."""
-    for name, t in (("cos", write.cos), ("sin", write.sin)):
-        if t.dtype != torch.float32:
-            fail(name, f"expected float32, got {t.dtype}")
-        if t.device != write.slot_mapping.device:
-            fail(name, f"on {t.device}, slot_mapping on {write.slot_mapping.device}")
-    check_index(write.slot_mapping, "slot_mapping", 1, write.slot_mapping.device)
 
 
 def check_write_rotated(
@@ -89,30 +67,6 @@ def check_write_rotated(
         fail("slot_mapping", f"on {slots.device}, expected {kv_pool.device}")
     if slots.shape[0] != qkv.shape[0]:
         fail("slot_mapping", f"has {slots.shape[0]} entries for {qkv.shape[0]} tokens")
-
-
-def check_paged_batch(batch: PagedBatch) -> None:
-    """A PagedBatch's own invariants (see kvcore.ops.batch)."""
-    device = batch.block_table.device
-    check_index(batch.block_table, "block_table", 2, device)
-    if batch.query_start_loc is not None:
-        check_index(batch.query_start_loc, "query_start_loc", 1, device)
-    check_index(batch.seq_lens, "seq_lens", 1, device)
-    size = batch.seq_lens.shape[0]
-    if batch.block_table.shape[0] != size:
-        fail("block_table", f"has {batch.block_table.shape[0]} rows for batch {size}")
-    starts = batch.query_start_loc
-    if starts is not None and starts.shape[0] != size + 1:
-        fail("query_start_loc", f"has {starts.shape[0]} entries, expected batch + 1 = {size + 1}")
-    for name in ("window", "key_start", "max_q_len"):
-        if getattr(batch, name) < 0:
-            fail(name, f"must be >= 0, got {getattr(batch, name)}")
-
-
-def check_params(params: AttentionParams) -> None:
-    """What the ops implement of AttentionParams: no soft cap yet."""
-    if params.softcap != 0:
-        fail("softcap", f"attention logit soft-capping is not implemented, got {params.softcap}")
 
 
 def check_attention(query: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: PagedBatch) -> None:

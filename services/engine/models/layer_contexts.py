@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.engine.models.attention import DenseContext, KVContext
-from services.engine.models.target import KVLayerGroup
 
 
 class NamedLayers(Protocol):
@@ -22,6 +21,12 @@ class NamedLayers(Protocol):
 
     name: str
     layer_ids: tuple[int, ...]
+
+
+class WindowedLayers(NamedLayers, Protocol):
+    """A named layer group with its attention window (a ``KVLayerGroup``): 0 = none."""
+
+    window: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,7 @@ def layer_contexts(groups: Sequence[NamedLayers], contexts: Sequence[KVContext])
     )
 
 
-def dense_contexts(groups: Sequence[KVLayerGroup], batch: int, seq_len: int) -> LayerContexts:
+def dense_contexts(groups: Sequence[WindowedLayers], batch: int, seq_len: int) -> LayerContexts:
     """Dense contexts (training, reference runs) of ``batch`` rows of ``seq_len`` positions:
     one per group, with the group's window."""
     return layer_contexts(groups, [DenseContext(batch, seq_len, window=g.window) for g in groups])
