@@ -7,8 +7,9 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from deploy.option_rules import drafter_of, is_cuda
-from deploy.options import CPU_KV_CACHE_MB, DEFAULT_GPU_MEMORY_UTILIZATION, EngineOptions, check
+from deploy.option_check import check, drafter_of
+from deploy.option_rules import is_cuda
+from deploy.options import CPU_KV_CACHE_MB, DEFAULT_GPU_MEMORY_UTILIZATION, EngineOptions
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig

@@ -3,8 +3,9 @@
 Each option is a field of a dataclass below: its name is the Ray cluster.yaml key (under
 ``model:``, or a worker role for ``TransferOptions``), ``--`` plus the name in kebab case is
 its ``tandem`` flag (``add_engine_args``), and the Helm values map onto the same flags.
-``check`` refuses a bad value with a ValueError that starts with the option's name, without
-loading torch; ``deploy.engine_config`` is the one place the options become an ``EngineConfig``.
+``deploy.option_check.check`` refuses a bad value with a ValueError that starts with the
+option's name, without loading torch; ``deploy.engine_config`` is the one place the options
+become an ``EngineConfig``.
 ``RouterOptions`` are the router's own (deadlines, health polling, HTTP limits); they
 become its parts' configs in ``router_deadlines`` and ``router_http_limits``.
 
@@ -15,7 +16,6 @@ The flags themselves are deploy/option_flags.py's, the value rules deploy/option
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,11 +29,8 @@ from deploy.option_flags import to_argv as to_argv
 from deploy.option_rules import (
     Rule,
     at_least,
-    check_engine,
     fraction_or_zero,
     positive,
-    rule_problem,
-    type_problem,
 )
 from services.common.log_setup import LOG_FORMATS, LOG_LEVELS
 from services.common.process_settings import ProcessSettings
@@ -383,21 +380,6 @@ def router_http_limits(options: RouterOptions) -> HttpLimits:
 def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
     """The flags of EngineOptions (or of the fields ``names``) on ``parser``."""
     add_args(parser, EngineOptions, names)
-
-
-def check(options) -> None:
-    """Each option field's type and rule; for EngineOptions also the rules between fields.
-    Raises ValueError starting with the field's name. Loads no torch. Fields that a
-    launcher's subclass adds (without an option's metadata) are the launcher's to check."""
-    for f in dataclasses.fields(options):
-        if "help" not in f.metadata:
-            continue
-        value = getattr(options, f.name)
-        problem = type_problem(value, f.default) or rule_problem(value, f.metadata)
-        if problem:
-            raise ValueError(f"{f.name}: {problem}")
-    if isinstance(options, EngineOptions):
-        check_engine(options)
 
 
 def served_model_name(model: str, name: str = "") -> str:

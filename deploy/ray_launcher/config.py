@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
+from deploy.option_check import check
 from deploy.option_rules import is_cuda
 from deploy.options import (
     DEFAULT_DRAFTER,
@@ -32,7 +33,6 @@ from deploy.options import (
     TOOL_CALL_PARSERS,
     EngineOptions,
     TransferOptions,
-    check,
 )
 from services.common.log_setup import DEFAULT_LOG_LEVEL, LOG_LEVELS
 from services.common.process_settings import ProcessSettings

@@ -12,12 +12,12 @@ import pytest
 from deploy.cli import build_parser
 from deploy.engine_config import engine_config
 from deploy.local import STOP_MARGIN_S, LocalCluster
+from deploy.option_check import check
 from deploy.options import (
     HOST_WRITE_POLICIES,
     EngineOptions,
     ProcessOptions,
     TransferOptions,
-    check,
     from_args,
     process_settings,
     to_argv,
