@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 
 from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
+from tests.helm.test_aggregated import AGGREGATED, BESIDE_PAIRS
 from tests.helm.test_credentials import NAMED, TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
 from tests.helm.test_operations import OPERATIONS
 from tests.helm.test_pod_values import EXISTING_ACCOUNT, EXTRAS, PDBS
@@ -45,6 +46,8 @@ VALUE_SETS = {
     "disruption budgets": PDBS,
     "existing service account": EXISTING_ACCOUNT,
     "operations": OPERATIONS,
+    "aggregated": AGGREGATED,
+    "aggregated beside pairs": BESIDE_PAIRS,
 }
 # ConfigMap x2 (config, dashboard), Deployment x3, Service x4, the ServiceAccount, the test Pod
 KINDS = Counter({"ConfigMap": 2, "Deployment": 3, "Service": 4, "ServiceAccount": 1, "Pod": 1})
@@ -52,6 +55,8 @@ EXPECTED_KINDS = {
     "disruption budgets": KINDS + Counter({"PodDisruptionBudget": 3}),
     "existing service account": KINDS - Counter({"ServiceAccount": 1}),
     "operations": KINDS + Counter({"HorizontalPodAutoscaler": 2, "Ingress": 1}),
+    "aggregated": KINDS - Counter({"Deployment": 1, "Service": 1}),  # no prefill, no decode: aggregated
+    "aggregated beside pairs": KINDS + Counter({"Deployment": 1, "Service": 1}),
 }
 
 
@@ -95,6 +100,7 @@ def test_every_manifest_validates_strictly(name):
         {**TOKENS, **{c: {**EXTRAS[c], **PDBS[c]} for c in PDBS}},
         EXISTING_ACCOUNT,
         OPERATIONS,
+        AGGREGATED,
     ],
     ids=[
         "defaults",
@@ -106,6 +112,7 @@ def test_every_manifest_validates_strictly(name):
         "tokens, extras, budgets",
         "existing service account",
         "operations",
+        "aggregated",
     ],
 )
 def test_helm_lint_strict_finds_nothing_above_info(values):

@@ -227,7 +227,7 @@ def test_the_alerts_read_only_exported_metrics_and_labels_of_this_release():
         assert selectors <= labels and by <= labels, r["alert"]
         assert (
             f'namespace="{NAMESPACE}"' in r["expr"]
-            and f'pod=~"{FULLNAME}-(router|prefill|decode)-.*"' in r["expr"]
+            and f'pod=~"{FULLNAME}-(router|prefill|decode|aggregated)-.*"' in r["expr"]
         )
     kv = next(r for r in rules if r["alert"] == "TandemKVCacheFull")
     assert kv["expr"].endswith("> 0.95") and kv["for"] == "5m"
@@ -249,6 +249,7 @@ def test_an_alert_can_be_left_out_and_its_threshold_set():
 
 
 POD = f"{FULLNAME}-decode-5d8f-abcde"
+AGGREGATED_POD = f"{FULLNAME}-aggregated-6b7c-klmno"
 ROUTER_POD = f"{FULLNAME}-router-7c9b-fghij"
 
 
@@ -267,8 +268,9 @@ def _expected(rule: dict, **labels: str) -> dict:
 
 
 def _promtool_test(rules: dict[str, dict]) -> dict:
-    """Synthetic series over 12 minutes: a pool held at 0.97, a router whose pairs go at
-    minute 2, transfers failing 6 a minute; nothing slow enough for the TTFT alert."""
+    """Synthetic series over 12 minutes: a decode and an aggregated worker's pools held at 0.97,
+    a router whose pairs go at minute 2, transfers failing 6 a minute; nothing slow enough for
+    the TTFT alert."""
     kv, pairs, failures = (
         rules["TandemKVCacheFull"],
         rules["TandemNoReadyPair"],
@@ -278,6 +280,7 @@ def _promtool_test(rules: dict[str, dict]) -> dict:
         "interval": "1m",
         "input_series": [
             _series("tandem_kv_cache_usage_ratio", POD, "0.97x12", group="target"),
+            _series("tandem_kv_cache_usage_ratio", AGGREGATED_POD, "0.97x12", group="target"),
             _series("tandem_ready_pairs", ROUTER_POD, "1 1 0x10"),
             _series("tandem_kv_transfer_failures_total", POD, "0+6x12", group="target"),
         ],
@@ -286,7 +289,10 @@ def _promtool_test(rules: dict[str, dict]) -> dict:
             {
                 "eval_time": "6m",
                 "alertname": "TandemKVCacheFull",
-                "exp_alerts": [_expected(kv, namespace=NAMESPACE, pod=POD, group="target")],
+                "exp_alerts": [
+                    _expected(kv, namespace=NAMESPACE, pod=pod, group="target")
+                    for pod in (POD, AGGREGATED_POD)
+                ],
             },
             {"eval_time": "3m", "alertname": "TandemNoReadyPair", "exp_alerts": []},
             {

@@ -6,7 +6,8 @@ pod IPs and names, the router Service's address, ports (each pod has its own), t
 /opt/tandem (this checkout). Every process holds the one certificate a Secret would give, with
 SAN DNS:service, DNS:localhost and IP:127.0.0.1. At 127.0.0.1 that address lets the router reach
 the workers; the pods at 127.0.0.2 (an address the certificate does not name, as it names no pod
-IP in a cluster) connect only through tls.serverName: service (docs/deploy.md, Credentials)."""
+IP in a cluster) connect only through tls.serverName: service (docs/deploy.md, Credentials).
+An aggregated-only cluster (the router and one `--role both` worker) serves the same request."""
 
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def values(tls_dir: Path | None, server_name: str = "") -> dict:
             "serverName": server_name,
         }
     return chosen
+
+
+def aggregated_values() -> dict:
+    """values(None) with one aggregated worker (the service secret's) instead of the prefill and
+    decode roles: the chart's aggregated serving."""
+    none = {"replicas": 0}
+    return {**values(None), "prefill": none, "decode": none, "aggregated": {"replicas": 1, "kvCacheMb": 8}}
 
 
 def pod_env(manifests: list[dict], component: str, pod: dict[str, str]) -> dict[str, str]:
@@ -146,6 +154,7 @@ CLUSTERS = {  # pod IP, TLS, tls.serverName
     "TLS at 127.0.0.2 by serverName": ("127.0.0.2", True, "service"),
 }
 BY_NAME = "TLS at 127.0.0.2 by serverName"
+AGGREGATED_POD = f"{FULLNAME}-aggregated-5c6d-a1"
 
 
 @pytest.fixture(scope="module", params=CLUSTERS.values(), ids=CLUSTERS.keys())
@@ -162,6 +171,20 @@ def cluster(request, tmp_path_factory):
     c.start("router", f"{FULLNAME}-router-5d8c-r1")
     c.start("prefill", f"{FULLNAME}-prefill-6f7b-p1")
     c.start("decode", f"{FULLNAME}-decode-7d9f-d1")
+    yield from ready(c)
+
+
+@pytest.fixture(scope="module")
+def aggregated_cluster(tmp_path_factory):
+    """The router and one aggregated worker, from aggregated_values(), on 127.0.0.1."""
+    c = Cluster(aggregated_values(), tmp_path_factory.mktemp("aggregated-logs"), None, "127.0.0.1")
+    c.start("router", f"{FULLNAME}-router-5d8c-r1")
+    c.start("aggregated", AGGREGATED_POD)
+    yield from ready(c)
+
+
+def ready(c: Cluster):
+    """Yields ``c`` once its router's rendered readiness probe passes; stops it afterwards."""
     try:
         deadline = time.monotonic() + 180
         while not c.probe("readinessProbe")[0]:
@@ -222,3 +245,22 @@ def test_at_an_address_the_certificate_does_not_name_only_the_server_name_connec
     assert not passed and "Hostname Verification Check failed" in why, why
     passed, why = cluster.probe("readinessProbe")
     assert passed, why
+
+
+def test_an_aggregated_only_cluster_is_ready_and_serves_helm_test(aggregated_cluster):
+    """No prefill or decode worker: the router is ready on the aggregated worker alone, which
+    registers as role both under its pod name and serves the whole request."""
+    c = aggregated_cluster
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        passed, why = c.probe(probe)
+        assert passed, why
+    done = helm_test(c, SECRETS[("tandem-client", "api-token")])
+    assert done.returncode == 0, f"{done.stderr}\n{c.log_text()}"
+    assert done.stdout.startswith("['chunk'") and done.stdout.endswith("'complete']\n")
+    logs = {f.name: f.read_text() for f in c.logs.iterdir()}
+    assert sorted(logs) == [f"{AGGREGATED_POD}.log", f"{FULLNAME}-router-5d8c-r1.log"]
+    assert re.search(rf"^both {AGGREGATED_POD} grpc=", logs[f"{AGGREGATED_POD}.log"], re.M)
+    served = re.findall(
+        r"request \S+ (?:stop|length): .*, AL [0-9.]+, (\S+)$", logs[f"{FULLNAME}-router-5d8c-r1.log"], re.M
+    )
+    assert served == [AGGREGATED_POD]

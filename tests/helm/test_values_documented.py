@@ -9,8 +9,9 @@ import yaml
 
 from tests.helm.chart import CHART, ROOT
 
-COMPONENTS = ("router", "prefill", "decode")
-PLACEHOLDERS = {"<role>": COMPONENTS, "<worker>": ("prefill", "decode")}
+WORKER_ROLES = ("prefill", "decode", "aggregated")
+COMPONENTS = ("router", *WORKER_ROLES)
+PLACEHOLDERS = {"<role>": COMPONENTS, "<worker>": WORKER_ROLES}
 # Maps whose keys are the user's (labels, resources, a volume source...): documented as one value.
 FREE_FORM = {
     "env",
@@ -38,11 +39,11 @@ def leaves(values: dict, prefix: str = "") -> list[str]:
 
 def documented() -> set[str]:
     """Every value a row of the values table names: `a.b.c`, `.d` (a sibling of the name before
-    it), `<role>.x` (x of every component), `<worker>.x` (of prefill and decode)."""
+    it), `<role>.x` (x of every component), `<worker>.x` (of every worker role)."""
     with open(os.path.join(ROOT, "docs", "deploy.md")) as f:
         text = f.read()
-    table = text[text.index("### Values") :]
-    table = table[: table.index("\n\n", table.index("| value |"))]
+    table = text[text.index("| value |", text.index("### Values")) :]
+    table = table[: table.index("\n\n")]
     names: set[str] = set()
     for row in table.splitlines()[2:]:
         previous = ""

@@ -54,6 +54,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $role.tp }}{{ $role.tp }}{{ else }}{{ .root.Values.engine.tp }}{{ end }}
 {{- end }}
 
+{{/* "true" when a worker role runs pods: replicas above 0, or an autoscaler (which keeps at
+     least minReplicas, 1 or more); else "", and nothing of the role is rendered. */}}
+{{- define "tandem.workerRuns" -}}
+{{- $w := index .root.Values .role }}
+{{- if or (gt (int $w.replicas) 0) $w.autoscaling.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The worker roles that serve: prefill and decode together (a prefill worker serves only
+     paired with a decode worker, and the reverse: one role alone never becomes ready), and
+     aggregated workers alone or beside them. None at all is a parked release. */}}
+{{- define "tandem.validateRoles" -}}
+{{- range $pair := list (list "prefill" "decode") (list "decode" "prefill") }}
+{{- $role := index $pair 0 }}
+{{- $peer := index $pair 1 }}
+{{- if and (include "tandem.workerRuns" (dict "root" $ "role" $role)) (not (include "tandem.workerRuns" (dict "root" $ "role" $peer))) }}
+{{- $w := index $.Values $role }}
+{{- $given := ternary (printf "%s.autoscaling on" $role) (printf "%s.replicas %d" $role (int $w.replicas)) $w.autoscaling.enabled }}
+{{- fail (printf "%s.replicas: 0 (and %s.autoscaling off) with %s: a %s worker serves only paired with a %s worker, so the %s pods would never become ready; give %s.replicas too, or run no %s worker and serve with aggregated.replicas" $peer $peer $given $role $peer $role $peer $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Refuse values the services would refuse, with the reason, before anything is created. */}}
 {{- define "tandem.validate" -}}
 {{- $e := .Values.engine }}
@@ -67,7 +89,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "model.image.repository: required when model.source is image" }}
 {{- end }}
 {{- include "tandem.validateCredentials" . }}
-{{- range $role := list "prefill" "decode" }}
+{{- include "tandem.validateRoles" . }}
+{{- range $role := list "prefill" "decode" "aggregated" }}
 {{- $host := (index $.Values $role).hostKvCache | default dict }}
 {{- $tp := include "tandem.tp" (dict "root" $ "role" $role) | int }}
 {{- if and (gt (int ($host.mb | default 0)) 0) (gt $tp 1) }}
@@ -75,7 +98,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- include "tandem.validateMemory" (dict "root" $ "role" $role) }}
 {{- end }}
-{{- range $component := list "router" "prefill" "decode" }}
+{{- range $component := list "router" "prefill" "decode" "aggregated" }}
 {{- range (index $.Values $component).extraArgs }}
 {{- if hasPrefix "--unsafe-forced-acceptance" . }}
 {{- fail (printf "%s.extraArgs: --unsafe-forced-acceptance is for benchmarks only (the outputs are not the target model's); the chart refuses it: run it with tandem up or tandem worker" $component) }}
@@ -98,7 +121,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* Environment of a component's container (dict "root" $ "component" "router|prefill|decode"):
+{{/* Environment of a component's container (dict "root" $ "component" "router|prefill|decode|aggregated"):
      its pod's IP and name, the credentials from their Secrets, extraEnv, then the ConfigMap. */}}
 {{- define "tandem.env" -}}
 {{- $v := .root.Values }}

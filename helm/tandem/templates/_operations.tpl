@@ -1,6 +1,6 @@
 {{/* What each role's pod adds for operating it: its priority class, topology spread,
      security contexts, the preStop hook and the grace period, and the ops values' checks.
-     Every helper takes (dict "root" $ "component" "router"|"prefill"|"decode"). */}}
+     Every helper takes (dict "root" $ "component" "router"|"prefill"|"decode"|"aggregated"). */}}
 
 {{/* The grace period: preStop sleep + drain + 10 s, unless terminationGracePeriodSeconds
      is set (then at least preStop + drain). */}}
@@ -72,13 +72,13 @@ lifecycle:
 {{- if and .Values.ingress.enabled (kindIs "invalid" .Values.router.httpPort) }}
 {{- fail "ingress.enabled: the Ingress routes to the router's HTTP port, and router.httpPort is null (off): set a port, or leave the Ingress off" }}
 {{- end }}
-{{- range $role := list "prefill" "decode" }}
+{{- range $role := list "prefill" "decode" "aggregated" }}
 {{- $w := index $.Values $role }}
 {{- if and $w.autoscaling.enabled (dig "workerToken" "existingSecret" "" $w) }}
 {{- fail (printf "%s.autoscaling.enabled: a worker token names one instance id, and the autoscaler would add replicas that all register as it; use the service secret alone" $role) }}
 {{- end }}
 {{- end }}
-{{- range $component := list "router" "prefill" "decode" }}
+{{- range $component := list "router" "prefill" "decode" "aggregated" }}
 {{- $hpa := (index $.Values $component).autoscaling }}
 {{- if and $hpa.enabled (gt (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}
 {{- fail (printf "%s.autoscaling: minReplicas %d is above maxReplicas %d" $component (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}

@@ -95,7 +95,7 @@ sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
 {{- if and $t.enabled .Values.test.enabled (not $t.clientSecret) }}
 {{- fail "tls.clientSecret: the helm test pod calls the router's client API, which under mutual TLS needs an OU=client certificate: give a Secret holding one, or set test.enabled false" }}
 {{- end }}
-{{- range $role := list "prefill" "decode" }}
+{{- range $role := list "prefill" "decode" "aggregated" }}
 {{- $w := index $.Values $role }}
 {{- if dig "workerToken" "existingSecret" "" $w }}
 {{- if not $a.serviceToken.existingSecret }}
@@ -106,7 +106,7 @@ sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
 {{- end }}
 {{- end }}
 {{- end }}
-{{- range $component := list "router" "prefill" "decode" }}
+{{- range $component := list "router" "prefill" "decode" "aggregated" }}
 {{- $pdb := (index $.Values $component).podDisruptionBudget | default dict }}
 {{- if and $pdb.enabled (ne $pdb.minAvailable nil) (ne $pdb.maxUnavailable nil) }}
 {{- fail (printf "%s.podDisruptionBudget: give minAvailable or maxUnavailable, not both (set the other null)" $component) }}

@@ -1,9 +1,11 @@
-{{/* A worker role (prefill or decode): its Deployment and a headless Service.
-     Call with (dict "root" $ "role" "prefill"). */}}
+{{/* A worker role (prefill, decode or aggregated): its Deployment and a headless Service.
+     Call with (dict "root" $ "role" "prefill"). The role names its values key, its objects
+     and its component label; aggregated runs `tandem worker --role both`. */}}
 {{- define "tandem.worker" -}}
 {{- $root := .root }}
 {{- $v := $root.Values }}
 {{- $w := index $v .role }}
+{{- $roleFlag := get (dict "aggregated" "both") .role | default .role }}  {{- /* the CLI's name for it */}}
 {{- $m := $v.model }}
 {{- $tp := include "tandem.tp" . | int }}
 {{- $name := printf "%s-%s" (include "tandem.fullname" $root) .role }}
@@ -57,7 +59,7 @@ spec:
           args:
             - worker
             - --role
-            - {{ .role }}
+            - {{ $roleFlag }}
             - --router
             - $(TANDEM_ROUTER)
             - --host
