@@ -9,7 +9,9 @@ One ``Engine`` (CUDA graphs, prefix cache off, a fixed K when drafting) decodes 
 ISL random ids for OSL tokens each, greedy with EOS ignored, through ``bench.decode_run``
 (time counts only the steps where every request decodes), switching ``config.overlap``
 between runs: "off" then "on", ``--repeats`` times, the fastest run of each kept. The
-tokens of every run must be equal (it exits 1 otherwise). On the CPU the uncaptured graph
+tokens of every run must be equal (it exits 1 otherwise); "repeatable" says whether the runs
+of one mode agreed with each other, which tells a mode's difference from run-to-run
+nondeterminism. On the CPU the uncaptured graph
 path runs (the code path, not a speed: CPU work does not overlap itself). Prints a table,
 last one JSON list.
 """
@@ -69,12 +71,22 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace) -> dict:
     best = {m: min(rs, key=lambda r: r["ms_per_step"]) for m, rs in runs.items()}
     tokens = [r["token_ids"] for rs in runs.values() for r in rs]
     row = {"batch": batch, "isl": args.isl, "osl": args.osl, "equal": all(t == tokens[0] for t in tokens)}
+    for m in MODES:  # run to run within a mode: tells a mode's difference from nondeterminism
+        row[f"repeatable_{m}"] = all(r["token_ids"] == runs[m][0]["token_ids"] for r in runs[m])
+    row["first_difference"] = first_difference(runs["off"][0]["token_ids"], runs["on"][0]["token_ids"])
     row["al"] = best["on"]["al"]
     for m in MODES:
         row[f"ms_per_step_{m}"] = best[m]["ms_per_step"]
         row[f"tok_s_{m}"] = best[m]["tok_s"]
     row["speedup"] = row["ms_per_step_off"] / row["ms_per_step_on"]
     return row
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int] | None:
+    """[request, position] of the earliest output position where two runs' tokens differ
+    (the lowest request at that position); None when equal."""
+    found = [(p, i) for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in range(len(x)) if x[p] != y[p]]
+    return [min(found)[1], min(found)[0]] if found else None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,11 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(args)
     rows = [measure(engine, b, args) for b in args.batches]
     head = f"{'B':>4} {'ms/step off':>12} {'ms/step on':>11} {'tok/s off':>10} {'tok/s on':>9} {'x':>6}"
-    print(f"{head} {'AL':>5} equal")
+    print(f"{head} {'AL':>5} equal  repeatable off/on  first difference [request, position]")
     for r in rows:
         print(
             f"{r['batch']:>4} {r['ms_per_step_off']:>12.3f} {r['ms_per_step_on']:>11.3f} "
-            f"{r['tok_s_off']:>10.0f} {r['tok_s_on']:>9.0f} {r['speedup']:>6.3f} {r['al']:>5.2f} {r['equal']}"
+            f"{r['tok_s_off']:>10.0f} {r['tok_s_on']:>9.0f} {r['speedup']:>6.3f} {r['al']:>5.2f} "
+            f"{r['equal']!s:>5} {r['repeatable_off']}/{r['repeatable_on']} {r['first_difference'] or ''}"
         )
     print(json.dumps(rows))
     if not all(r["equal"] for r in rows):
