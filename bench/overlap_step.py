@@ -43,6 +43,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             forced_acceptance=forced,
             unsafe_forced_acceptance=forced >= 0,
             device=args.device,
+            dtype=args.dtype,
             enable_prefix_cache=False,
             max_num_seqs=max(args.batches),
             kv_cache_bytes=args.kv_mb << 20,
@@ -96,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=4, help="drafts per step, with a drafter")
     p.add_argument("--forced-accept", type=int, default=0, help="drafts kept per step, 0 = natural")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="", help="'' = the device's default (bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--batches", default="1,8,64", help="B,...")
     p.add_argument("--isl", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--osl", type=int, default=256, help="tokens decoded per request")
