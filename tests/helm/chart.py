@@ -8,6 +8,7 @@ import re
 from functools import lru_cache
 
 import helm_python
+import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,3 +86,17 @@ def flag(args: list[str], name: str) -> str | None:
     positions = [i for i, a in enumerate(args) if a == name]
     assert len(positions) <= 1, f"{name} given {len(positions)} times: {args}"
     return args[positions[0] + 1] if positions else None
+
+
+def render_refusal(values: dict) -> str:
+    """The message of a template `fail` that ``values`` make the chart raise (fails if none)."""
+    with pytest.raises(helm_python.HelmRenderError) as e:
+        render(values)
+    return str(e.value)
+
+
+def schema_refusal(values: dict) -> str:
+    """The message of values.schema.json's refusal of ``values`` (fails if none)."""
+    with pytest.raises(helm_python.HelmValuesError) as e:
+        render(values)
+    return str(e.value)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 
-import helm_python
 import pytest
 
-from tests.helm.chart import FULLNAME, container, deployment, flag, one, render
+from tests.helm.chart import FULLNAME, container, deployment, flag, one, render, render_refusal
 from tests.helm.test_value_sets import WORKERS
 
 COMPONENTS = ("router", *WORKERS)
@@ -233,9 +232,7 @@ def test_helm_test_pod_can_be_left_out():
     ],
 )
 def test_templates_refuse_credentials_the_services_would_refuse(values, reason):
-    with pytest.raises(helm_python.HelmRenderError) as e:
-        render(values)
-    assert reason in str(e.value)
+    assert reason in render_refusal(values)
 
 
 def test_tls_without_a_test_pod_needs_no_client_certificate():

@@ -11,7 +11,17 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from tests.helm.chart import CHART, FULLNAME, NAMESPACE, ROOT, one, render, render_files
+from tests.helm.chart import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    ROOT,
+    one,
+    render,
+    render_files,
+    render_refusal,
+    schema_refusal,
+)
 from tests.helm.test_aggregated import AGGREGATED, BESIDE_PAIRS
 from tests.helm.test_credentials import NAMED, TLS, TLS_CSI, TOKEN_OVER_TLS, TOKENS, WORKER_TOKEN
 from tests.helm.test_operations import OPERATIONS
@@ -165,9 +175,7 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
     ],
 )
 def test_schema_refuses_values_naming_the_key(values, where, problem):
-    with pytest.raises(helm_python.HelmValuesError) as e:
-        render(values)
-    assert f"at '{where}': {problem}" in str(e.value)
+    assert f"at '{where}': {problem}" in schema_refusal(values)
 
 
 @pytest.mark.parametrize(
@@ -203,9 +211,7 @@ def test_schema_refuses_values_naming_the_key(values, where, problem):
     ],
 )
 def test_templates_refuse_what_the_services_would_refuse(values, reason):
-    with pytest.raises(helm_python.HelmRenderError) as e:
-        render(values)
-    assert reason in str(e.value)
+    assert reason in render_refusal(values)
 
 
 def test_dashboard_configmap_carries_the_sidecar_label_and_the_dashboard():

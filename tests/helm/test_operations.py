@@ -8,12 +8,21 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-import helm_python
 import pytest
 import yaml
 
 from tests.deploy.test_grafana import exported, parse
-from tests.helm.chart import FULLNAME, NAMESPACE, container, deployment, names, one, render
+from tests.helm.chart import (
+    FULLNAME,
+    NAMESPACE,
+    container,
+    deployment,
+    names,
+    one,
+    render,
+    render_refusal,
+    schema_refusal,
+)
 
 COMPONENTS = ("router", "prefill", "decode")
 SPREAD = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
@@ -164,9 +173,7 @@ def test_the_grace_period_covers_the_prestop_sleep_and_the_drain():
     ],
 )
 def test_templates_refuse_operations_values_that_would_not_work(values, reason):
-    with pytest.raises(helm_python.HelmRenderError) as e:
-        render(values)
-    assert reason in str(e.value)
+    assert reason in render_refusal(values)
 
 
 @pytest.mark.parametrize(
@@ -198,9 +205,7 @@ def test_templates_refuse_operations_values_that_would_not_work(values, reason):
     ],
 )
 def test_schema_refuses_operations_values_naming_the_key(values, where, problem):
-    with pytest.raises(helm_python.HelmValuesError) as e:
-        render(values)
-    assert f"at '{where}': {problem}" in str(e.value)
+    assert f"at '{where}': {problem}" in schema_refusal(values)
 
 
 def _rules(values: dict | None = None) -> list[dict]:
