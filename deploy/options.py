@@ -162,8 +162,9 @@ class EngineOptions:
         False,
         "launch each decode step before the previous one is read, so the host's bookkeeping runs "
         "beside the GPU's work (as vLLM's async scheduling and SGLang's overlap scheduler): decode "
-        "steps replaying CUDA graphs, on CUDA with tp 1, target-only or drafting the full K; "
-        "batches with penalties or a grammar run synchronously",
+        "steps replaying CUDA graphs, with tp 1, target-only or drafting the full K; batches with "
+        "penalties or a grammar run synchronously. On a CPU the same path runs uncaptured, with "
+        "nothing beside the host to overlap (slower: a way to run the path without a GPU)",
     )
     quantization: str = _option(
         "none",

@@ -64,7 +64,8 @@ class EngineConfig:
     draft_quantization: str = ""  # "fp8": the drafter's own weights in e4m3 (models/fp8.py); "" = as loaded
     seed: int = 0
     output_kind: str = "cumulative"  # OUTPUT_KINDS: what each RequestOutput carries (request.py)
-    # target-only graphed decode steps: launch step n + 1 before reading step n (device/overlap.py)
+    # graphed decode steps, target-only or drafting: launch step n + 1 before reading step n
+    # (overlapped_steps.py); on a CPU the same static-buffer path runs uncaptured
     overlap: bool = False
     tp_size: int = 1  # tensor-parallel ranks (processes) running the models; see parallel.py
     # Benchmarks only, NOT lossless: the verifier keeps exactly this many drafts per step
@@ -82,6 +83,9 @@ class EngineConfig:
             torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device: {e}") from None
+        if self.overlap and (self.enforce_eager or self.tp_size > 1):
+            why = "enforce_eager runs the step eagerly" if self.enforce_eager else f"tp_size {self.tp_size}"
+            raise ValueError(f"overlap: overlapped steps run the graphs' static-buffer path, and {why}")
         if not self.dtype:
             self.dtype = DEFAULT_DTYPES.get(torch.device(self.device).type, "float32")
         dtype_from_name(self.dtype)
@@ -131,6 +135,13 @@ class EngineConfig:
         """Decode-step forwards replay CUDA graphs: on CUDA, unless ``enforce_eager``
         (or tensor parallelism: every forward must be published to the other ranks)."""
         return not self.enforce_eager and torch.device(self.device).type == "cuda" and self.tp_size == 1
+
+    @property
+    def static_decode(self) -> bool:
+        """Decode steps run the graphs' static-buffer path: captured (``cuda_graphs``), or
+        uncaptured on a CPU for ``overlap``, where nothing runs beside the host (the
+        overlapped path itself, at no speed-up: a way to run it without a GPU)."""
+        return self.cuda_graphs or (self.overlap and torch.device(self.device).type == "cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -87,6 +87,10 @@ class Engine:
         self.adaptive: AdaptiveK | None = None  # the per-step K rule, with graphs and K > 0
         if config.cuda_graphs:
             self._capture_graphs()
+        elif config.static_decode:  # overlap on a CPU: the graphs' path, uncaptured
+            self.runner.graphs = capture_decode_graphs(
+                self.runner, self.k + 1, config.max_num_seqs, self.max_model_len, capture=False
+            )
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,

@@ -129,16 +129,12 @@ def test_the_defaults_size_as_today_on_cpu_and_from_the_gpu_on_cuda():
             "unsafe_forced_acceptance: 5 drafts kept per step, but only num_spec_tokens 4",
         ),
         (
-            {"overlap_decode": True, "drafter": "none", "layout": "separate"},
-            "overlap_decode: overlapped steps are CUDA-graph replays, and device cpu runs",
-        ),
-        (
-            {"overlap_decode": True, "device": "cuda", "drafter": "none", "layout": "separate", "tp": 2},
-            "overlap_decode: overlapped steps are CUDA-graph replays, and tp 2 runs eagerly",
+            {"overlap_decode": True, "drafter": "none", "layout": "separate", "tp": 2},
+            "overlap_decode: overlapped steps run the CUDA graphs' path, and tp 2 runs eagerly",
         ),
         (
             {"overlap_decode": True, "device": "cuda", "drafter": "none", "cuda_graphs": False},
-            "overlap_decode: overlapped steps are CUDA-graph replays, and --enforce-eager",
+            "overlap_decode: overlapped steps run the CUDA graphs' path, and --enforce-eager runs every",
         ),
         ({"layout": "mixed"}, "layout: must be auto, unified or separate, got 'mixed'"),
         ({"host_kv_write_policy": "back"}, "host_kv_write_policy: must be evict or through"),

@@ -1,10 +1,12 @@
 """Every serving mode a user can ask for gives the aggregated target-only engine's greedy
 tokens: {aggregated, disaggregated} x {no drafter, drafter unified, drafter separate} x
-{TP 1, TP 2} (disaggregated: prefill TP 1 or 2 into decode TP 1).
+{TP 1, TP 2} (disaggregated: prefill TP 1 or 2 into decode TP 1), and TP 1 with
+``--overlap-decode`` (aggregated, and on the decode side of a transfer).
 
 One cluster per drafter setting: a router, an aggregated worker of TP 1 and one of TP 2,
-a prefill worker of TP 1 and one of TP 2, one decode worker of TP 1. Aggregated workers
-are called directly (the router sends to a pair while one is ready); each prefill/decode
+a prefill worker of TP 1 and one of TP 2, one decode worker of TP 1, and an aggregated and a
+decode worker of TP 1 with overlapped decode steps (on the CPU, the graphs' path uncaptured).
+Aggregated workers are called directly (the router sends to a pair while one is ready); each prefill/decode
 pair is driven through the worker APIs as the router drives it, then the router serves
 every prompt too. Target-only disaggregated serving (no drafter: an aux state without
 hidden values) failed every request until 2026-12-04 while its pair read ready; no mode
@@ -13,6 +15,7 @@ goes untested again. Pools end empty.
 
 from __future__ import annotations
 
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,21 +28,35 @@ from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling.params import SamplingParams
-from tests.e2e.conftest import ENGINE, K, assert_no_request_holds_pages, cluster_args, generate, run_on_pair
+from tests.e2e.conftest import (
+    ENGINE,
+    K,
+    assert_no_request_holds_pages,
+    cluster_args,
+    generate,
+    metric_sample,
+    run_on_pair,
+)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 LENGTHS = (5, 23, 61)  # past the drafter's 8-token window
 DRAFTERS = ("none", "unified", "separate")
-# decode rows and prompt chunks in one forward (the CUDA default), on a TP 2 worker whose
-# 16-token step budget has the long prompt chunked while the others decode beside it
-MIXED = {"both-1": ["--scheduling-policy", "mixed", "--max-num-batched-tokens", "16"]}
+EXTRA_ARGS = {
+    # decode rows and prompt chunks in one forward (the CUDA default), on a TP 2 worker whose
+    # 16-token step budget has the long prompt chunked while the others decode beside it
+    "both-1": ["--scheduling-policy", "mixed", "--max-num-batched-tokens", "16"],
+    "both-5": ["--overlap-decode"],
+    "decode-6": ["--overlap-decode"],
+}
 ROLES = [  # name in the cluster -> (role, TP size)
     ("both-0", ("both", 1)),
     ("both-1", ("both", 2)),  # and the mixed policy, its prompts in 16-token steps
     ("prefill-2", ("prefill", 1)),
     ("prefill-3", ("prefill", 2)),
     ("decode-4", ("decode", 1)),
+    ("both-5", ("both", 1)),  # overlapped decode steps
+    ("decode-6", ("decode", 1)),  # overlapped decode steps, requests joining by transfer
 ]
 
 
@@ -61,7 +78,7 @@ def cluster(request, tiny_pair, target_only):  # the reference first: idle proce
     worker, router = cluster_args(tiny_pair, "separate" if request.param == "separate" else "unified")
     if request.param == "none":
         worker = _without_drafter(worker)
-    roles = [(role, ["--tp", str(tp), *MIXED.get(name, [])]) for name, (role, tp) in ROLES]
+    roles = [(role, ["--tp", str(tp), *EXTRA_ARGS.get(name, [])]) for name, (role, tp) in ROLES]
     cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
     cluster.start()
     yield cluster
@@ -74,7 +91,7 @@ def _without_drafter(worker: list[str]) -> list[str]:
     return [x for kv in args.items() for x in kv]
 
 
-@pytest.mark.parametrize("name", ["both-0", "both-1"])
+@pytest.mark.parametrize("name", ["both-0", "both-1", "both-5"])
 def test_aggregated_tp1_and_tp2_give_the_target_only_tokens(cluster, target_only, name):
     """The prompts run at once, so steps batch them (both-1: mixed, with chunked prompts)."""
     address = next(p.grpc for p in cluster.processes if p.name == name)
@@ -85,11 +102,13 @@ def test_aggregated_tp1_and_tp2_give_the_target_only_tokens(cluster, target_only
         assert complete.usage.completion_tokens == len(ref)
 
 
-@pytest.mark.parametrize("prefill", ["prefill-2", "prefill-3"])
-def test_disaggregated_prefill_tp1_and_tp2_give_the_target_only_tokens(cluster, target_only, prefill):
+@pytest.mark.parametrize(
+    "prefill, decode", [("prefill-2", "decode-4"), ("prefill-3", "decode-4"), ("prefill-2", "decode-6")]
+)
+def test_disaggregated_prefill_tp1_and_tp2_give_the_target_only_tokens(cluster, target_only, prefill, decode):
     for prompt, ref in zip(prompts(), target_only, strict=True):
-        tokens, prefilled, _ = run_on_pair(cluster, (prefill, "decode-4"), prompt, MAX_TOKENS)
-        assert tokens == ref, (prefill, len(prompt))
+        tokens, prefilled, _ = run_on_pair(cluster, (prefill, decode), prompt, MAX_TOKENS)
+        assert tokens == ref, (prefill, decode, len(prompt))
         moved = {t.group for t in prefilled.transfers}
         drafter = _drafter_of(cluster)
         assert moved == ({"target", "draft"} if drafter == "unified" else {"target"}), drafter
@@ -118,3 +137,19 @@ def test_every_worker_runs_the_mode_it_is_named_for(cluster):
     for w in workers:
         assert (bool(w.drafter_id), w.num_spec_tokens) == ((True, K) if drafter != "none" else (False, 0))
         assert w.kv_layout == layout, w.instance_id
+
+
+def test_the_overlapping_workers_ran_overlapped_steps(cluster):
+    """Their decode steps were launched ahead (``kind="overlapped"``); the others' were not.
+    Runs after the tests above have served through every worker."""
+    for process in cluster.processes:
+        if process.name.startswith(("both", "decode")):
+            text = urllib.request.urlopen(process.metrics, timeout=5).read().decode()
+            name = "tandem_engine_step_seconds_count"
+            overlapped = [
+                line for line in text.splitlines() if line.startswith(name) and "overlapped" in line
+            ]
+            if process.name in EXTRA_ARGS and "--overlap-decode" in EXTRA_ARGS[process.name]:
+                assert metric_sample(text, name, kind="overlapped") > 0, process.name
+            else:
+                assert not overlapped, process.name

@@ -335,3 +335,37 @@ def test_a_drafting_run_stops_where_the_adaptive_rule_would_not_draft(pair, laun
     assert engine.adaptive.costs  # the steps the rule chose were measured
     successors = [e for e in launches if e[0] == "successor"]
     assert len(successors) > 5 and len(launches) - len(successors) > 2  # the run stopped and resumed
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_an_overlapping_engine_on_a_cpu_takes_the_static_path_itself(pair, k):
+    """``overlap`` on a CPU: the engine builds the graphs' static-buffer path uncaptured
+    (what ``--overlap-decode`` gives a CPU worker), its decode steps overlap, and its tokens
+    are the eager engine's."""
+    prompts = random_prompts(3, seed=8, min_len=4, max_len=12)
+    expected = make_engine(pair, k=k).generate(prompts, greedy(10))
+    engine = make_engine(pair, k=k, overlap=True)
+    assert engine.runner.graphs is not None and engine.adaptive is None
+    ids = [engine.add_request(p, greedy(10)) for p in prompts]
+    final, kinds = {}, set()
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        kinds.add(engine.last_step)
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    assert "overlapped" in kinds
+    assert_pools_empty(engine)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"enforce_eager": True},
+            "overlap: overlapped steps run the graphs' static-buffer path, and enforce_eager",
+        ),
+        ({"tp_size": 2}, "overlap: overlapped steps run the graphs' static-buffer path, and tp_size 2"),
+    ],
+)
+def test_an_engine_refuses_overlap_where_its_steps_run_eagerly(pair, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(pair[0]), overlap=True, **options)
