@@ -7,6 +7,11 @@ Invariants:
 - A worker role's engine options are the model section's, with the role's own ``tp``,
   ``gpu_memory_utilization`` and ``kv_cache_mb`` where it gives them (None = the model's):
   prefill and decode may differ in TP where the heads divide (registration checks it).
+- The worker roles are prefill, decode and aggregated (``tandem worker --role both``).
+  Prefill and decode run one replica each unless told otherwise, aggregated none, so a
+  file without the aggregated section places what it always did. Prefill and decode are
+  given together or not at all (neither serves without the other), and at least one worker
+  is placed; aggregated workers may run alone or beside the pairs.
 - Secrets never sit in the file: the security section names the launcher's environment
   variables that hold the client token and the service secret, read once at parse time
   (an unset one is refused); TLS files are paths as every node sees them.
@@ -115,6 +120,20 @@ class WorkerOptions(TransferOptions):
     kv_cache_mb: int | None = None
 
 
+@dataclass(slots=True)
+class AggregatedOptions(WorkerOptions):
+    """An aggregated worker's placement and sizing: a prefill/decode worker's keys (its
+    transfer deadlines are unused: it moves no pages), but none is placed unless asked."""
+
+    replicas: int = 0
+
+
+WORKER_SECTIONS = ("prefill", "decode", "aggregated")
+"""The worker roles of cluster.yaml, in the order ``up`` places them."""
+
+TANDEM_WORKER_ROLE = {"prefill": "prefill", "decode": "decode", "aggregated": "both"}
+"""The ``tandem worker --role`` each worker section's actors run."""
+
 ROLE_ENGINE_KEYS = ("tp", "gpu_memory_utilization", "kv_cache_mb")
 """Engine options a worker role may set for itself, over the model section's."""
 
@@ -148,8 +167,9 @@ class ClusterConfig:
     router: RouterPlacement = field(default_factory=RouterPlacement)
     prefill: WorkerOptions = field(default_factory=WorkerOptions)
     decode: WorkerOptions = field(default_factory=WorkerOptions)
+    aggregated: AggregatedOptions = field(default_factory=AggregatedOptions)
     security: SecurityOptions = field(default_factory=SecurityOptions)
-    ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY
+    ready_timeout_s: float = 300.0  # seconds to wait for every pair to be READY and every aggregated worker
     log_level: str = DEFAULT_LOG_LEVEL  # every actor's Python logging (tandem --log-level)
     log_format: str = "text"  # text or json (tandem --log-format)
     log_requests: bool = True  # a line per finished request (tandem --disable-log-requests)
@@ -211,7 +231,7 @@ def parse_config(data: dict) -> ClusterConfig:
         "shutdown_timeout_s",
     )
     config = ClusterConfig(**{k: v for k, v in data.items() if k in top})
-    for name in ("ray", "model", "router", "prefill", "decode", "security"):
+    for name in ("ray", "model", "router", *WORKER_SECTIONS, "security"):
         section = {} if data.get(name) is None else data[name]
         if not isinstance(section, dict):
             raise ConfigError(f"{name}: must be a mapping")
@@ -231,22 +251,16 @@ def _refuse_unknown(section: dict, kind: type, prefix: str) -> None:
 
 
 def _check(config: ClusterConfig) -> None:
-    for role in ("prefill", "decode"):
-        options = getattr(config, role)
-        if not isinstance(options.replicas, int) or options.replicas < 1:
-            raise ConfigError(f"{role}.replicas: must be an integer >= 1, got {options.replicas!r}")
+    _check_replicas(config)
     for path, value in _resources(config):
         if not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{path}: must be a number >= 0, got {value!r}")
     if not config.ray.start_local and not config.ray.address:
         raise ConfigError("ray.address: empty; give a cluster address or set ray.start_local")
-    for section, options in (
-        ("model", config.model.engine_options()),
-        ("prefill", config.prefill),
-        ("decode", config.decode),
-        ("prefill", config.role_engine_options("prefill")),
-        ("decode", config.role_engine_options("decode")),
-    ):
+    sections = [("model", config.model.engine_options())]
+    sections += [(role, getattr(config, role)) for role in WORKER_SECTIONS]
+    sections += [(role, config.role_engine_options(role)) for role in WORKER_SECTIONS]
+    for section, options in sections:
         try:
             check(options)
         except ValueError as e:
@@ -279,6 +293,28 @@ def _check(config: ClusterConfig) -> None:
     if config.log_level not in LOG_LEVELS:
         raise ConfigError(
             f"log_level: must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}, got {config.log_level!r}"
+        )
+
+
+def _check_replicas(config: ClusterConfig) -> None:
+    """Every role's replicas an integer >= 0; prefill and decode both or neither (a lone
+    role never becomes ready: ``up`` would hold its GPUs and time out); some worker at all."""
+    for role in WORKER_SECTIONS:
+        replicas = getattr(config, role).replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ConfigError(f"{role}.replicas: must be an integer >= 0, got {replicas!r}")
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        given = getattr(config, role).replicas
+        if given and not getattr(config, peer).replicas:
+            raise ConfigError(
+                f"{peer}.replicas: 0 with {role}.replicas {given}: a {role} worker serves only "
+                f"paired with a {peer} worker; give {peer}.replicas too, or run no {role} worker "
+                "and serve with aggregated.replicas"
+            )
+    if not any(getattr(config, role).replicas for role in WORKER_SECTIONS):
+        raise ConfigError(
+            "prefill.replicas, decode.replicas, aggregated.replicas: all 0, so `up` would place no "
+            "worker; give prefill.replicas and decode.replicas, or aggregated.replicas"
         )
 
 
@@ -319,7 +355,7 @@ def _from_tree(path: str) -> str:
 
 
 def _resources(config: ClusterConfig):
-    for role in ("router", "prefill", "decode"):
+    for role in ("router", *WORKER_SECTIONS):
         options = getattr(config, role)
         yield f"{role}.num_cpus", options.num_cpus
         yield f"{role}.num_gpus", options.num_gpus

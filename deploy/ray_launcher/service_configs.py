@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deploy.engine_config import engine_config
-from deploy.ray_launcher.config import ClusterConfig
+from deploy.ray_launcher.config import TANDEM_WORKER_ROLE, ClusterConfig
 from services.common.security import TlsConfig, tls_from
 from services.router.api import RouterSettings
 
@@ -51,14 +51,16 @@ def router_settings(cluster: ClusterConfig) -> RouterSettings:
 def worker_config(
     cluster: ClusterConfig, role: str, instance_id: str, router: str, listen: Listen
 ) -> WorkerConfig:
-    """A ``role`` worker's config: its role's engine options (its own tp and KV sizing over
-    the model section's), deadlines, the service secret and TLS; it registers with
-    ``router`` (host:port) and serves at ``listen``. Loads torch (the engine's config)."""
+    """The config of a worker of cluster.yaml's ``role`` section, as ``tandem worker --role``
+    builds it (the aggregated section's runs ``--role both``): its role's engine options (its
+    own tp and KV sizing over the model section's), deadlines, the service secret and TLS;
+    it registers with ``router`` (host:port) and serves at ``listen``. Loads torch (the
+    engine's config)."""
     from services.worker.worker_config import WorkerConfig  # noqa: PLC0415 (torch: the router stays light)
 
     options = getattr(cluster, role)
     return WorkerConfig(
-        role=role,
+        role=TANDEM_WORKER_ROLE[role],
         engine=engine_config(cluster.worker_engine_options(role)),
         host=listen.host,
         port=listen.port,

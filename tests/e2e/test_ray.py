@@ -40,6 +40,7 @@ def test_the_example_config_parses_with_its_documented_defaults():
     assert (config.ray.address, config.ray.namespace, config.ray.start_local) == ("auto", "tandem", False)
     assert (config.router.port, config.router.http_port) == (50051, 8000)
     assert (config.prefill.replicas, config.decode.num_gpus, config.expected_pairs) == (1, 1, 1)
+    assert (config.aggregated.replicas, config.aggregated.num_gpus) == (0, 1)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +48,7 @@ def test_the_example_config_parses_with_its_documented_defaults():
     [
         ({"router": {"prot": 1}}, "router.prot: unknown key"),
         ({"routr": {}}, "routr: unknown key"),
-        ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1"),
+        ({"decode": {"replicas": 0}}, "decode.replicas: 0 with prefill.replicas 1: a prefill worker"),
         ({"prefill": {"num_gpus": -1}}, "prefill.num_gpus: must be a number >= 0"),
         ({"prefill": {"resources": {"tpu": "x"}}}, "prefill.resources.tpu: must be a number"),
         ({"model": {"layout": "mixed"}}, "model.layout: must be auto, unified or separate"),
@@ -105,17 +106,28 @@ def test_ray_up_serves_a_request_and_down_stops_every_actor(tiny_pair, tmp_path)
     assert report["worker_log_lines"] == 1  # the decode actor logs as `decode-0` at log_level INFO
     assert report["down_rc"] == 0 and "stopped 3 actors" in report["down_output"]
     assert report["actors_down"] == []
+    aggregated = report["aggregated"]  # the second `up`: one aggregated worker, no pair
+    assert aggregated["up_rc"] == 0, aggregated["up_output"]
+    assert "): 1 aggregated\n" in aggregated["up_output"]
+    assert re.search(r"^aggregated-0 grpc=127\.0\.0\.1:\d+", aggregated["up_output"], re.M)
+    assert aggregated["actors_up"] == ["tandem-aggregated-0", "tandem-router"]
+    assert len(aggregated["tokens"]) == MAX_TOKENS
+    assert aggregated["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert aggregated["down_rc"] == 0 and "stopped 2 actors" in aggregated["down_output"]
+    assert aggregated["actors_down"] == []
 
 
 def scenario(target: str, drafter: str, workdir: Path) -> dict:
-    """Start Ray, `tandem ray up`, serve one request over gRPC and one over HTTP, then
-    `tandem ray down`. Runs inside the private network namespace."""
+    """Start Ray, `tandem ray up` a prefill/decode pair, serve one request over gRPC and one
+    over HTTP, `tandem ray down`; then the same with one aggregated worker only, serving one
+    request over gRPC. Runs inside the private network namespace."""
     import ray
     import yaml
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = workdir / "cluster.yaml"
-    config.write_text(yaml.safe_dump(_config(ray.get_runtime_context().gcs_address, target, drafter)))
+    settings = _config(ray.get_runtime_context().gcs_address, target, drafter)
+    config.write_text(yaml.safe_dump(settings))
     report = {"node_ip": ray.util.get_node_ip_address()}
     up = _tandem("up", config)
     report.update(up_rc=up.returncode, up_output=up.stdout + up.stderr, actors_up=_actors(ray))
@@ -129,6 +141,22 @@ def scenario(target: str, drafter: str, workdir: Path) -> dict:
         report["worker_log_lines"] = _worker_log_lines(
             ray, "INFO decode-0 services.engine.setup: KV cache group target:"
         )
+    down = _tandem("down", config)
+    report.update(down_rc=down.returncode, down_output=down.stdout + down.stderr, actors_down=_actors(ray))
+    aggregated = workdir / "aggregated.yaml"
+    aggregated.write_text(yaml.safe_dump(_aggregated_only(settings)))
+    report["aggregated"] = _aggregated_scenario(ray, aggregated)
+    return report
+
+
+def _aggregated_scenario(ray, config: Path) -> dict:
+    """`tandem ray up` with one aggregated worker and no pair, one request over gRPC, `down`."""
+    up = _tandem("up", config)
+    report = {"up_rc": up.returncode, "up_output": up.stdout + up.stderr, "actors_up": _actors(ray)}
+    if up.returncode == 0:
+        endpoint = re.search(r"router endpoint: (\S+)", up.stdout).group(1)
+        tokens, complete = _generate(endpoint)
+        report.update(tokens=tokens, finish_reason=cpb.FinishReason.Name(complete.finish_reason))
     down = _tandem("down", config)
     report.update(down_rc=down.returncode, down_output=down.stdout + down.stderr, actors_down=_actors(ray))
     return report
@@ -157,6 +185,13 @@ def _config(address: str, target: str, drafter: str) -> dict:
         "ready_timeout_s": 90,
         "log_level": "INFO",
     }
+
+
+def _aggregated_only(settings: dict) -> dict:
+    """``settings`` with the pair replaced by one aggregated worker (`--role both`)."""
+    worker = settings["decode"]
+    none = worker | {"replicas": 0}
+    return settings | {"prefill": none, "decode": none, "aggregated": worker}
 
 
 def _generate(endpoint: str):
