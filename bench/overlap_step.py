@@ -87,7 +87,10 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int] | None
     """[request, position] of the earliest output position where two runs' tokens differ
     (the lowest request at that position); None when equal."""
     found = [(p, i) for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in range(len(x)) if x[p] != y[p]]
-    return [min(found)[1], min(found)[0]] if found else None
+    if not found:
+        return None
+    position, request = min(found)
+    return [request, position]
 
 
 def parser() -> argparse.ArgumentParser:

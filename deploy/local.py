@@ -206,7 +206,7 @@ class LocalCluster:
                 health = stub.Health(cpb.HealthRequest(), timeout=5)
                 if (
                     health.num_ready_pairs >= pairs
-                    and health.num_decode_workers >= aggregated
+                    and health.num_aggregated_workers >= aggregated
                     and health.status == cpb.SERVING_STATUS_SERVING
                 ):
                     return

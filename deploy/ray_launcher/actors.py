@@ -18,9 +18,7 @@ from deploy.options import served_model_name
 from deploy.ray_launcher.config import ClusterConfig
 from deploy.ray_launcher.service_configs import Listen, router_settings, worker_config
 from proto.tandem.v1 import client_pb2 as cpb
-from proto.tandem.v1 import rank_info_pb2 as rpb
 from services.common.log_setup import configure_logging
-from services.router.api import RouterAPI
 from services.router.chat_template import load_chat_template
 from services.router.main import RouterConfig, model_limits, openai_options, run_router
 from services.tokenization.tokenizer import load_tokenizer
@@ -158,9 +156,16 @@ class ServiceActor:
         }
 
     def health(self) -> dict:
-        """The router's Health, as a dict, with the aggregated workers it serves through
-        (router actors only)."""
-        return self.service.call(_health(self.bound["router"]))
+        """The router's Health, as a dict (router actors only)."""
+        h = self.service.call(self.bound["router"].health())
+        return {
+            "serving": h.status == cpb.SERVING_STATUS_SERVING,
+            "num_ready_pairs": h.num_ready_pairs,
+            "num_prefill_workers": h.num_prefill_workers,
+            "num_decode_workers": h.num_decode_workers,
+            "num_aggregated_workers": h.num_aggregated_workers,
+            "message": h.message,
+        }
 
     def stop(self) -> bool:
         return self.service.stop() if self.service is not None else True
@@ -170,20 +175,6 @@ class ServiceActor:
             raise RuntimeError(f"{name}: this actor already runs {self.service.name}")
         self.service = ServiceThread(name, serve)
         self.service.start(timeout_s)
-
-
-async def _health(router: RouterAPI) -> dict:
-    """The router's Health and its live aggregated workers, which Health counts only inside
-    its prefill and decode numbers. On the router's loop: the registry is not thread-safe."""
-    h = await router.health()
-    return {
-        "serving": h.status == cpb.SERVING_STATUS_SERVING,
-        "num_ready_pairs": h.num_ready_pairs,
-        "num_prefill_workers": h.num_prefill_workers,
-        "num_decode_workers": h.num_decode_workers,
-        "num_aggregated_workers": len(router.cluster.registry.live_ids(rpb.ROLE_BOTH)),
-        "message": h.message,
-    }
 
 
 def _free_port(host: str) -> int:

@@ -60,5 +60,8 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
 
     async def Health(self, request, context) -> cpb.HealthResponse:
         return cpb.HealthResponse(
-            status=cpb.SERVING_STATUS_SERVING, num_prefill_workers=1, num_decode_workers=1
+            status=cpb.SERVING_STATUS_SERVING,
+            num_prefill_workers=1,
+            num_decode_workers=1,
+            num_aggregated_workers=1,
         )

@@ -136,6 +136,7 @@ def health_response(registry: Registry) -> cpb.HealthResponse:
         num_prefill_workers=len(registry.live_ids(rpb.ROLE_PREFILL)) + both,
         num_decode_workers=len(registry.live_ids(rpb.ROLE_DECODE)) + both,
         num_ready_pairs=len(registry.ready_pairs()),
+        num_aggregated_workers=both,
         message=("" if serving else "no ready prefill/decode pair. ") + "; ".join(refused),
         pairs=pair_statuses(registry),
     )

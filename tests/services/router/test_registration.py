@@ -219,7 +219,9 @@ def test_health_names_every_refused_or_failed_pair_and_counts_aggregated_workers
     registry.set_pair("p1", "d0", PairState.READY)
     health = health_response(registry)
     assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (3, 2, 1)
+    assert health.num_aggregated_workers == 1
     registry.workers["a0"].healthy = False  # lost: no longer counted
     health = health_response(registry)
     assert (health.num_prefill_workers, health.num_decode_workers, health.num_ready_pairs) == (2, 1, 1)
+    assert health.num_aggregated_workers == 0
     assert health.message == "p0->d0: d0 refused p0: kv_layout: local A vs peer B"
