@@ -97,7 +97,8 @@ class ModelEndpoints:
         }
 
     async def health(self, http: Request) -> Response:
-        """200 while at least one prefill/decode pair is ready, else 503."""
+        """200 while the router can serve (a ready prefill/decode pair, or a live aggregated
+        worker), else 503; the body is its Health as JSON."""
         h = await self.router.health()
         serving = h.status == cpb.SERVING_STATUS_SERVING
         body = {
@@ -105,6 +106,7 @@ class ModelEndpoints:
             "num_prefill_workers": h.num_prefill_workers,
             "num_decode_workers": h.num_decode_workers,
             "num_ready_pairs": h.num_ready_pairs,
+            "num_aggregated_workers": h.num_aggregated_workers,
             "message": h.message,
         }
         return Response.json(body, 200 if serving else 503)

@@ -196,6 +196,7 @@ def test_health_is_503_without_a_ready_pair():
         "num_prefill_workers": 0,
         "num_decode_workers": 1,
         "num_ready_pairs": 0,
+        "num_aggregated_workers": 0,
         "message": "no ready prefill/decode pair. ",
     }
 
