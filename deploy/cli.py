@@ -263,6 +263,7 @@ def run_router_command(args: argparse.Namespace) -> int:
 def run_worker_command(args: argparse.Namespace) -> int:
     # the worker runs an engine: torch and its models load here, never in the router
     from services.worker.serve import run_worker  # noqa: PLC0415 (torch: `tandem router` and `up` stay light)
+    from services.worker.step_profile import profile_from_env  # noqa: PLC0415
     from services.worker.worker import WorkerConfig  # noqa: PLC0415
     from services.worker_roles import WORKER_ROLES  # noqa: PLC0415
 
@@ -284,6 +285,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             log_format=args.log_format,
             process=process_settings(from_args(ProcessOptions, args)),
+            step_profile=profile_from_env(os.environ),
         )
     except ValueError as e:
         raise SystemExit(f"tandem: {e}") from None

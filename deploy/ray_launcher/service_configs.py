@@ -54,8 +54,10 @@ def worker_config(
     """The config of a worker of cluster.yaml's ``role`` section, as ``tandem worker --role``
     builds it (the aggregated section's runs ``--role both``): its role's engine options (its
     own tp and KV sizing over the model section's), deadlines, the service secret and TLS;
-    it registers with ``router`` (host:port) and serves at ``listen``. Loads torch (the
+    it registers with ``router`` (host:port) and serves at ``listen``; its step profile from
+    the actor's environment (``ray.env``), as ``tandem worker`` reads it. Loads torch (the
     engine's config)."""
+    from services.worker.step_profile import profile_from_env  # noqa: PLC0415 (torch, as below)
     from services.worker.worker_config import WorkerConfig  # noqa: PLC0415 (torch: the router stays light)
 
     options = getattr(cluster, role)
@@ -74,4 +76,5 @@ def worker_config(
         process=cluster.process_settings(),
         service_secret=cluster.security.service_token,
         tls=tls_config(cluster),
+        step_profile=profile_from_env(os.environ),
     )

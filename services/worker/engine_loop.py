@@ -27,9 +27,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.faults import delay
+
+if TYPE_CHECKING:
+    from services.worker.step_profile import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +50,20 @@ _Call = tuple[Callable[[], Any], asyncio.Future]
 
 class EngineLoop:
     def __init__(
-        self, engine: Any, on_step: Callable[[str, float], None] | None = None, count_prompts: bool = True
+        self,
+        engine: Any,
+        on_step: Callable[[str, float], None] | None = None,
+        count_prompts: bool = True,
+        profiler: StepProfiler | None = None,
     ) -> None:
         """``on_step(kind, seconds)``: told each step's forwards (``engine.last_step``) and
-        wall time, on the event-loop thread."""
+        wall time, on the event-loop thread. ``profiler``: runs each step in place of
+        ``engine.step()`` on the engine thread, profiling a window of them
+        (services/worker/step_profile.py); what it holds is written when the thread stops."""
         self.engine = engine
         self.on_step = on_step
         self.count_prompts = count_prompts
+        self.profiler = profiler
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self._started: set[str] = set()  # requests whose first output came and that run on
@@ -139,6 +149,8 @@ class EngineLoop:
         while True:
             calls = self._next_calls()
             if calls is None:
+                if self.profiler is not None:  # stopped inside its window: keep what it profiled
+                    self.profiler.finish()
                 return
             self._run_calls(calls)
             if self.engine.has_unfinished():
@@ -167,7 +179,7 @@ class EngineLoop:
     def _step(self) -> None:
         start = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step() if self.profiler is None else self.profiler.run(self.engine)
         except Exception as e:  # a broken step fails its requests, not the server
             request_ids = list(self._streams)  # one C-level copy: atomic under the GIL
             log.exception("engine step failed; failing its %d requests", len(request_ids))

@@ -22,6 +22,7 @@ from services.grammar import constraint_from_proto
 from services.worker.engine_loop import EngineLoop
 from services.worker.rank_info import engine_kv_heads, engine_rank_info
 from services.worker.router_links import RouterLinks
+from services.worker.step_profile import StepProfiler
 from services.worker.tp_group import RankGroup
 from services.worker.worker_config import ROLES, WorkerConfig, served_engine
 
@@ -42,7 +43,12 @@ class WorkerBase:
             self.engine.step = _exit_on_failure(self.engine.step)
         self.metrics = Metrics(config.role)
         self.metrics.start_groups(self.engine.manager.groups)
-        self.loop = EngineLoop(self.engine, self.metrics.observe_step, count_prompts=config.role != "decode")
+        self.loop = EngineLoop(
+            self.engine,
+            self.metrics.observe_step,
+            count_prompts=config.role != "decode",
+            profiler=_step_profiler(config, self.engine),
+        )
         e = self.engine
         self.agent = TransferAgent(
             e.manager,
@@ -225,6 +231,13 @@ def _group_stats(name: str, usage: GroupUsage, prefix: GroupStats) -> wpb.GroupS
             num_hit_tokens=prefix.hit_tokens,
         ),
     )
+
+
+def _step_profiler(config: WorkerConfig, engine: Engine) -> StepProfiler | None:
+    """The profiler of ``config.step_profile``'s window of engine steps; None when off."""
+    if config.step_profile is None:
+        return None
+    return StepProfiler(config.step_profile, config.instance_id, engine.device)
 
 
 def _exit_on_failure(step: Callable[[], list]) -> Callable[[], list]:

@@ -14,6 +14,7 @@ from services.common.log_setup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, che
 from services.common.process_settings import ProcessSettings
 from services.common.security import TlsConfig, worker_token
 from services.engine.config import EngineConfig
+from services.worker.step_profile import StepProfile
 
 ROLES = {"prefill": rpb.ROLE_PREFILL, "decode": rpb.ROLE_DECODE, "both": rpb.ROLE_BOTH}
 
@@ -38,6 +39,9 @@ class WorkerConfig:
     log_format: str = DEFAULT_LOG_FORMAT  # text or json, as log_level
     # request lines, the stats line's interval, the shutdown timeout (process_settings.py)
     process: ProcessSettings = field(default_factory=ProcessSettings)
+    # profile a window of rank 0's engine steps (TANDEM_TORCH_PROFILER_DIR, read by the entry
+    # point: services/worker/step_profile.py); None = off. The other ranks ignore it
+    step_profile: StepProfile | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
