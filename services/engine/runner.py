@@ -93,7 +93,7 @@ class ModelRunner:
 
         @torch.inference_mode()
         def greedy(g: torch.Tensor) -> torch.Tensor:
-            best = argmax_rows(self.drafter.own_logits(g, self.target))  # [b] draft ids
+            best = argmax_rows(self.drafter.own_head(g, self.target))  # [b] draft ids
             return best if ids is None else ids[best]
 
         return greedy

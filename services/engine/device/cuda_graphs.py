@@ -27,7 +27,7 @@ from kvcore.spec import cdiv
 from services.engine.batch import Span, TargetRun
 from services.engine.device.chain_catch_up import pad_fits
 from services.engine.device.chain_verify import ChainVerify
-from services.engine.device.draft_chain import ChainHead, ChainShape, GraphedDraftChain
+from services.engine.device.draft_chain import ChainDrafter, ChainHead, ChainShape, GraphedDraftChain
 from services.engine.device.graphed_forward import (
     BATCH_BUCKETS,
     GraphedForward,
@@ -251,7 +251,8 @@ class DecodeGraphs:
             r.target.config.vocab_size,
             capture,
         )
-        drafter = lambda ids, hidden, positions, ctx: r.drafter(ids, hidden, positions, ctx, r.target)
+        forward = lambda ids, hidden, rope, ctx: r.drafter.rotated(ids, hidden, rope, ctx, r.target)  # noqa: E731
+        drafter = ChainDrafter(forward, r.drafter.rotary)
         head = ChainHead(r.draft_logits, r.draft_greedy())
         verify = ChainVerify(self.target, r.manager.tokens_per_page)
         return GraphedDraftChain(drafter, head, r.kv_pools.tensor(DRAFT_GROUP), shape, verify)

@@ -47,10 +47,21 @@ from services.engine.device.graphed_forward import UniformContext
 from services.engine.sampling.noise import DRAFT
 from services.engine.sampling.sampler import RowParams, argmax_rows, probs_for_rows, sample
 
-# (input_ids [b], hidden [b, hidden_size], positions [b], ctx) -> g [b, hidden_size]
-DrafterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, UniformContext], torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, 1, head_dim] float32
+# (input_ids [b], hidden [b, hidden_size], the rope of their positions, ctx) -> g [b, hidden_size]
+DrafterFn = Callable[[torch.Tensor, torch.Tensor, Rope, UniformContext], torch.Tensor]
+RotaryFn = Callable[[torch.Tensor], Rope]  # positions [b] -> their rope
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # g [b, hidden_size] -> logits [b, vocab] float32
 GreedyFn = Callable[[torch.Tensor], torch.Tensor]  # g [b, hidden_size] -> argmax of HeadFn's [b] int64
+
+
+@dataclass(frozen=True, slots=True)
+class ChainDrafter:
+    """The drafter's forward and its RoPE, apart: the chain computes the rope of all its
+    K - 1 steps in one go (the same values each step's forward would compute)."""
+
+    forward: DrafterFn
+    rotary: RotaryFn
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +125,7 @@ class GraphedDraftChain:
 
     def __init__(
         self,
-        drafter: DrafterFn,
+        drafter: ChainDrafter,
         head: ChainHead,
         kv_pool: torch.Tensor,
         shape: ChainShape,
@@ -229,8 +240,8 @@ class GraphedDraftChain:
         drafts = []
         for s in range(self.k):
             if s:
-                positions, ctx = inputs[s - 1]
-                g = self.drafter(drafts[-1], g, positions, ctx)
+                rope, ctx = inputs[s - 1]
+                g = self.drafter.forward(drafts[-1], g, rope, ctx)
             if draw is Draw.GREEDY:
                 drafts.append(self.head.argmax(g))
                 continue
@@ -249,7 +260,8 @@ class GraphedDraftChain:
         ids, positions, slots, seq_lens, hidden = self.catch.inputs(bucket, table, self.shape.tokens_per_page)
         L = self.catch.q_len
         ctx = self._context(table, seq_lens, slots, L)
-        g = self.drafter(ids, hidden, positions, ctx)  # [bucket * L, hidden_size]
+        rope = self.drafter.rotary(positions)
+        g = self.drafter.forward(ids, hidden, rope, ctx)  # [bucket * L, hidden_size]
         return g.view(bucket, L, -1)[:, -1].contiguous()
 
     def _row_params(self, bucket: int, draw: Draw) -> RowParams:
@@ -273,15 +285,19 @@ class GraphedDraftChain:
         at = i * self.shape.max_batch
         return self.dev_i64[at : at + bucket]
 
-    def _step_inputs(self, bucket: int) -> list[tuple[torch.Tensor, UniformContext]]:
-        """(positions [bucket], context) of chain steps 1..K-1 (step s: position n + s, its
-        slot, seq_len n + s + 1), derived on the device from the uploaded n and table rows."""
+    def _step_inputs(self, bucket: int) -> list[tuple[Rope, UniformContext]]:
+        """(rope, context) of chain steps 1..K-1 (step s: the rope of position n + s, its
+        slot, seq_len n + s + 1), derived on the device from the uploaded n and table rows;
+        the rope of every step from one call."""
         n = self._i64_row(2, bucket)  # [bucket], -1 on padding rows
         positions = n + self.step_offsets  # [K - 1, bucket]
         table, shape = self._table(bucket), self.shape
         slots = slots_at(table, self.row_ids[:bucket], positions, shape.tokens_per_page)  # [K - 1, bucket]
         seq_lens = ((positions + 1) * (n >= 0)).to(torch.int32)  # [K - 1, bucket]
-        return [(positions[s], self._context(table, seq_lens[s], slots[s], 1)) for s in range(self._steps)]
+        ropes = self.drafter.rotary(positions.reshape(-1))  # cos, sin [(K - 1) * bucket, 1, head_dim]
+        cos, sin = (r.view(self._steps, bucket, *r.shape[1:]) for r in ropes)
+        contexts = [self._context(table, seq_lens[s], slots[s], 1) for s in range(self._steps)]
+        return [((cos[s], sin[s]), ctx) for s, ctx in enumerate(contexts)]
 
     def _context(
         self, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, q_len: int

@@ -112,7 +112,18 @@ class Eagle3Drafter(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [num_tokens]; hidden [num_tokens, hidden_size] (the h_j of
         the module docstring). Returns g [num_tokens, hidden_size], before the final norm."""
-        rope = self.rotary(positions)
+        return self.rotated(input_ids, hidden, self.rotary(positions), ctx, target)
+
+    def rotated(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: KVContext,
+        target: TargetModel,
+    ) -> torch.Tensor:
+        """``forward`` given its positions' ``rotary`` (cos, sin [num_tokens, 1, head_dim]),
+        which the draft chain computes for all its steps at once."""
         embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None else target.embed(input_ids)
         x, residual = self.midlayer(embeds, hidden.to(embeds.dtype), rope, ctx)
         for i, layer in enumerate(self.layers):
@@ -149,10 +160,15 @@ class Eagle3Drafter(nn.Module):
     def own_logits(self, g: torch.Tensor, target: TargetModel) -> torch.Tensor:
         """g [num_rows, hidden_size] -> [num_rows, draft_vocab_size] float32: the logits over
         the drafter's own vocabulary, draft id i being target id ``target_ids()[i]``."""
+        return self.own_head(g, target).float()
+
+    def own_head(self, g: torch.Tensor, target: TargetModel) -> torch.Tensor:
+        """``own_logits`` in the head's dtype, before the float32 cast (which is exact, so
+        their argmax is the same)."""
         h = self.norm(g)
         if self.lm_head is None:
-            return target.head(h).float()
-        return linear(h, self.lm_head.weight, self.lm_head.bias).float()
+            return target.head(h)
+        return linear(h, self.lm_head.weight, self.lm_head.bias)
 
     def target_ids(self) -> torch.Tensor | None:
         """[draft_vocab_size] int64: each draft id's target id (i + d2t[i]); None when the
