@@ -69,6 +69,8 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace) -> dict:
         for mode in MODES:
             engine.config.overlap = mode == "on"
             runs[mode].append(decode_run(engine, ids, args.osl))
+            ms = runs[mode][-1]["ms_per_step"]
+            print(f"B{batch} overlap {mode}: {ms:.3f} ms/step", file=sys.stderr, flush=True)
     best = {m: min(rs, key=lambda r: r["ms_per_step"]) for m, rs in runs.items()}
     tokens = [r["token_ids"] for rs in runs.values() for r in rs]
     row = {"batch": batch, "isl": args.isl, "osl": args.osl, "equal": all(t == tokens[0] for t in tokens)}
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.batches = parse_numbers(args.batches, "--batches")
     engine = make_engine(args)
+    print(f"engine ready ({args.model})", file=sys.stderr, flush=True)  # a cut-short run says how far it came
     rows = [measure(engine, b, args) for b in args.batches]
     head = f"{'B':>4} {'ms/step off':>12} {'ms/step on':>11} {'tok/s off':>10} {'tok/s on':>9} {'x':>6}"
     print(f"{head} {'AL':>5} equal  repeatable off/on  first difference [request, position]")
