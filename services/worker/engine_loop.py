@@ -187,6 +187,8 @@ class EngineLoop:
             self._post(self._raise_in_streams, request_ids, RuntimeError(f"engine step failed: {e}"))
             return
         seconds = time.perf_counter() - start
+        if self.profiler is not None:  # the step alone: not the profiler's start or its files
+            seconds = self.profiler.step_seconds
         self._stall(delay("engine.step"))
         self._post(self._deliver, outputs, self.engine.last_step, seconds)
         if not outputs and not self.engine.last_step:  # nothing could run: do not spin

@@ -109,16 +109,20 @@ class StepProfiler:
         self.steps: list[ProfiledStep] = []  # the profiled ones
         self.written: tuple[str, str] | None = None  # the files (json, txt), once written
         self.started = False  # the profiler was started (or failed to start): never again
+        self.step_seconds = 0.0  # the last run's engine.step() alone: no profiler start or files
         self._torch: torch.profiler.profile | None = None  # while profiling
         _init_kineto()
 
     def run(self, engine: Any) -> list:
         """``engine.step()``'s outputs; its step profiled when its number is in the window.
-        The profiler starts before step START and stops, writing its files, after STOP-1."""
+        The profiler starts before step START and stops, writing its files, after STOP-1;
+        ``step_seconds`` is the step's own wall time, without either."""
         number = self.counted
         if number == self.profile.start and not self.started:
             self._start()
+        start = time.perf_counter()
         outputs = engine.step() if self._torch is None else self._profiled(engine, number)
+        self.step_seconds = time.perf_counter() - start
         if engine.last_step:
             self.counted += 1
             if self.counted == self.profile.stop:

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,24 @@ def test_steps_that_ran_nothing_are_not_counted(tmp_path):
         profiler.run(engine)
     assert profiler.counted == 6 and [s.number for s in profiler.steps] == [2, 3, 4]
     assert profiler.written is not None and profiler.written[1].endswith("d-steps-2-5.txt")
+
+
+def test_the_step_time_leaves_out_writing_the_files(tmp_path, monkeypatch):
+    """The engine loop reports ``step_seconds`` as the step's time: the last profiled step's
+    must not carry the files' writing (a trace of many steps takes seconds to export)."""
+    written = StepProfiler._write
+
+    def slow_write(self, profiler):
+        time.sleep(0.5)
+        return written(self, profiler)
+
+    monkeypatch.setattr(StepProfiler, "_write", slow_write)
+    profiler = StepProfiler(StepProfile(str(tmp_path), 0, 2), "d", torch.device("cpu"))
+    engine = CountingEngine()
+    for _ in range(2):
+        profiler.run(engine)
+    assert profiler.written is not None  # the second run wrote the files, slowly
+    assert profiler.step_seconds < 0.25
 
 
 def test_a_profiler_that_fails_to_start_leaves_the_steps_unprofiled(tmp_path, monkeypatch, caplog):
