@@ -120,10 +120,13 @@ class StepProfiler:
         number = self.counted
         if number == self.profile.start and not self.started:
             self._start()
+        profiling = self._torch is not None
         start = time.perf_counter()
-        outputs = engine.step() if self._torch is None else self._profiled(engine, number)
+        outputs = self._profiled(engine, number) if profiling else engine.step()
         self.step_seconds = time.perf_counter() - start
         if engine.last_step:
+            if profiling:
+                self.steps.append(ProfiledStep(number, engine.last_step, self.step_seconds * 1000))
             self.counted += 1
             if self.counted == self.profile.stop:
                 self.finish()
@@ -175,15 +178,10 @@ class StepProfiler:
         self._torch = profiler
 
     def _profiled(self, engine: Any, number: int) -> list:
-        """One step in an ``engine step <number>`` range; listed if it ran forwards (one
-        that ran nothing leaves a range of that number with no forwards in the trace)."""
-        start = time.perf_counter()
+        """One step in an ``engine step <number>`` range (``run`` lists it if it ran
+        forwards; one that ran nothing leaves a range of that number with no forwards)."""
         with torch.profiler.record_function(f"engine step {number}"):
-            outputs = engine.step()
-        if engine.last_step:
-            wall_ms = (time.perf_counter() - start) * 1000
-            self.steps.append(ProfiledStep(number, engine.last_step, wall_ms))
-        return outputs
+            return engine.step()
 
     def _write(self, profiler: torch.profiler.profile) -> tuple[str, str]:
         """The .json and .txt, named by the profiled steps' range (the window's unless the
