@@ -151,15 +151,20 @@ class StepProfiler:
         log.info("engine steps %d..%d profiled: %s and %s", first, last, *self.written)
 
     def summary(self, profiler: torch.profiler.profile) -> str:
-        """The .txt: a line per step, the mean wall ms per kind, then the ops table."""
+        """The .txt: a line per step, the mean wall ms per kind, then the ops tables: by
+        self CUDA time (on a GPU), then by self CPU time."""
         lines = [f"engine steps of {self.instance_id}: number, kind, wall ms on the host (profiled)"]
         lines += [f"step {s.number} {s.kind} {s.wall_ms:.3f} ms" for s in self.steps]
         lines.append("mean wall ms per kind:")
         for kind in dict.fromkeys(s.kind for s in self.steps):
             walls = [s.wall_ms for s in self.steps if s.kind == kind]
             lines.append(f"{kind} {statistics.fmean(walls):.3f} ms over {len(walls)} steps")
-        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        lines += ["", profiler.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)]
+        averages = profiler.key_averages()
+        if self.cuda:  # the GPU's time first, then the host's: a host-bound step shows in the second
+            by_gpu = averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS)
+            lines += ["", "ops by self CUDA time:", by_gpu]
+        by_host = averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)
+        lines += ["", "ops by self CPU time:", by_host]
         return "\n".join(lines) + "\n"
 
     def _start(self) -> None:
