@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvcore import DRAFT_GROUP, TARGET_GROUP, KVCacheManager, KVPools, Owner
@@ -104,26 +105,31 @@ class ModelRunner:
         return layer_contexts(groups, [self.context(g.name, spans, g.window) for g in groups])
 
     def context(self, group: str, spans: list[Span], window: int, key_start: int = 0) -> PagedContext:
-        lengths = [len(s.token_ids) for s in spans]
-        starts = [s.start for s in spans]
-        block_table = self.manager.block_tables([s.request_id for s in spans], group, self.device)
-        slots = slot_mapping_for(block_table, starts, lengths, self.manager.tokens_per_page)
-        write_start = torch.tensor([s.write_start for s in spans], device=self.device)
-        lens = torch.tensor(lengths, device=self.device)
-        positions = self._positions(spans)
-        slots = torch.where(positions >= write_start.repeat_interleave(lens), slots, -1)
-        qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(lengths).cumsum(0)
-        seq_lens = torch.tensor([s.start + n for s, n in zip(spans, lengths, strict=True)], dtype=torch.int32)
+        """``group``'s paged context over ``spans``. Its index tensors (block table, slots,
+        sequence lengths, query starts) are computed on the host in numpy and uploaded one
+        copy each: on a GPU, small device ops and the reads they need would cost an eager
+        forward (a prompt's) more host time than its kernels take."""
+        lengths = np.array([len(s.token_ids) for s in spans], dtype=np.int64)
+        starts = np.array([s.start for s in spans], dtype=np.int64)
+        table = self.manager.block_tables([s.request_id for s in spans], group)  # host [batch, width]
+        slots = slot_mapping_for(table, starts, lengths, self.manager.tokens_per_page).numpy()
+        positions = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(slots.shape[0])
+        write_start = np.repeat(np.array([s.write_start for s in spans], dtype=np.int64), lengths)
+        slots = np.where(positions >= write_start, slots, -1)  # [num_tokens]: before write_start, kept
+        query_start_loc = np.zeros(len(spans) + 1, dtype=np.int32)
+        query_start_loc[1:] = np.cumsum(lengths)
         batch = PagedBatch(
-            block_table,
-            seq_lens.to(self.device),
-            max(lengths, default=0),
-            qsl.to(self.device),
+            table.to(self.device),
+            self._upload((starts + lengths).astype(np.int32)),
+            int(lengths.max(initial=0)),
+            self._upload(query_start_loc),
             window,
             key_start,
         )
-        return PagedContext(self.kv_pools.tensor(group), batch, slots)
+        return PagedContext(self.kv_pools.tensor(group), batch, self._upload(slots))
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(self.device)
 
     def _inputs(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long)
