@@ -23,7 +23,7 @@ DEVICE_DEFAULTS = {
         worker_args="--max-num-seqs 128 --max-model-len 16384",
         aggregated_args="--gpu-memory-utilization 0.9",
         prefill_args="--gpu-memory-utilization 0.3", decode_args="--gpu-memory-utilization 0.6",
-        client_procs=4, ceiling_kv_mb=65536, ceiling_repeats=1, start_timeout_s=900.0,
+        client_procs=4, ceiling_kv_mb=0, ceiling_repeats=1, start_timeout_s=900.0,
     ),
     "cpu": dict(
         grid="128/32", concurrency="1,4", rates="", forced_accept=0, worker_args="", aggregated_args="",
@@ -118,7 +118,11 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--client-procs", type=int, help="client processes sharing each point's streams (cuda 4, cpu 1)")
     add("--ceiling", default="on", choices=("on", "off"), help="the engine's own decode ceiling per batch")
-    add("--ceiling-kv-mb", type=int, help="the ceiling engine's KV memory, MiB (cuda 65536, cpu 256)")
+    add(
+        "--ceiling-kv-mb",
+        type=int,
+        help="the ceiling engine's KV memory, MiB; 0 = what 0.9 of the GPU leaves (cuda 0, cpu 256)",
+    )
     add("--ceiling-repeats", type=int, help="timed runs per batch, the fastest kept (cuda 1, cpu 3)")
     add("--request-timeout-s", type=float, default=600.0)
     add("--start-timeout-s", type=float, help="cluster start deadline (cuda 900, cpu 180)")

@@ -2,7 +2,7 @@
 served-load sweep's "served / ceiling" column.
 
     python -m bench.serve_ceiling --model DIR [--drafter DIR|none] [-k 4] [--forced-accept N]
-        --device cuda|cpu --max-num-seqs 128 --kv-mb 65536 --grid 512/128 --batches 1,8
+        --device cuda|cpu --max-num-seqs 128 [--kv-mb MiB] --grid 512/128 --batches 1,8
 
 One ``Engine`` in this process (the served workers' engine, with their K, forced acceptance
 and batch limit; prefix cache off), no router, no RPC, no transfer: for each ISL/OSL and
@@ -30,6 +30,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 
 CHUNK = 4096  # tokens per prefill chunk and step: the prompts' prefill only, not the decode timed
+GPU_FRACTION = 0.9  # --kv-mb 0 (CUDA): the KV cache is what this fraction of the GPU leaves, as a worker's
 
 
 def make_engine(spec: CeilingSpec) -> Engine:
@@ -42,7 +43,8 @@ def make_engine(spec: CeilingSpec) -> Engine:
             device=spec.device,
             enable_prefix_cache=False,
             max_num_seqs=spec.max_num_seqs,
-            kv_cache_bytes=spec.kv_mb << 20,
+            kv_cache_bytes=(spec.kv_mb or 256) << 20,
+            gpu_memory_utilization=0.0 if spec.kv_mb else GPU_FRACTION,
             max_num_batched_tokens=CHUNK,
             max_prefill_chunk=CHUNK,
             forced_acceptance=spec.forced if k and spec.forced else -1,
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--forced-accept", type=int, default=0, help="drafts kept per step; 0 = natural")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kv-mb", type=int, default=65536)
+    p.add_argument(
+        "--kv-mb", type=int, default=0, help=f"KV cache MiB; 0 = what {GPU_FRACTION} of the GPU leaves"
+    )
     p.add_argument("--grid", required=True, help="ISL/OSL,...")
     p.add_argument("--batches", required=True, help="B,...")
     p.add_argument("--seed", type=int, default=0)
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         "--quantization", default="none", help="the target's, as the workers' flag; 'none' = as loaded"
     )
     a = p.parse_args(argv)
+    if a.kv_mb <= 0 and not a.device.startswith("cuda"):
+        p.error(f"--kv-mb: 0 sizes the KV cache from a GPU's memory; on {a.device} give MiB")
     drafter = "" if a.drafter == "none" else a.drafter
     spec = CeilingSpec(
         a.model,
