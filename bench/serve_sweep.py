@@ -106,7 +106,9 @@ class Sweep:
             )
             self.ceilings[spec], error = ceilings(a, spec)
             if error:
-                self.payload["ceiling_errors"]["spec" if spec else "target-only"] = error
+                name = "spec" if spec else "target-only"
+                self.payload["ceiling_errors"][name] = error
+                print(f"the engine's ceiling ({name}) failed: {last_line(error)}", file=sys.stderr)
         if a.client_procs > 1:
             self.pool = multiprocessing.get_context("spawn").Pool(a.client_procs)
         try:
@@ -211,10 +213,15 @@ def report(payload: dict, a: argparse.Namespace) -> str:
     text = f"{title}\n{note}" + tables(payload["points"], (a.slo_ttft_ms, a.slo_tpot_ms))
     failed = {**payload["ceiling_errors"], **{f["config"]: f["error"] for f in payload["failures"]}}
     for name, error in failed.items():
-        text += f"\n{name} failed: {error.strip().splitlines()[-1] if error.strip() else '?'}\n"
+        text += f"\n{name} failed: {last_line(error)}\n"
     (out / "sweep.md").write_text(text)
     serve_svg.write(str(out / "sweep.svg"), payload["points"], title)
     return text
+
+
+def last_line(error: str) -> str:
+    """A failure's last line (a traceback's exception), '?' for none."""
+    return error.strip().splitlines()[-1] if error.strip() else "?"
 
 
 def main(argv: list[str] | None = None) -> dict:
