@@ -104,18 +104,30 @@ class EngineLoop:
             self._wake.notify()
         return await future
 
-    async def outputs(self, request_id: str, submit: Callable[[], Any]) -> AsyncIterator[Any]:
+    async def outputs(
+        self, request_id: str, submit: Callable[[], Any], merge: Callable[[Any, Any], Any] | None = None
+    ) -> AsyncIterator[Any]:
         """Submit a request (``submit`` runs between steps) and yield its outputs until the
-        finished one. Cancelling the iteration aborts the request in the engine."""
+        finished one. Cancelling the iteration aborts the request in the engine. With
+        ``merge``, outputs that queued while the reader was away come as one,
+        ``merge(earlier, later)``: a reader that falls behind the engine (a busy event loop)
+        writes once for several steps instead of once a step; none waits for a merge."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        finished = False
+        finished, pending = False, None
         try:
             await self.call(submit)
             while True:
-                out = await queue.get()
+                out = pending if pending is not None else await queue.get()
+                pending = None
                 if isinstance(out, BaseException):
                     raise out
+                while merge is not None and not out.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later  # raised once the outputs before it are out
+                        break
+                    out = merge(out, later)
                 yield out
                 if out.finished:
                     finished = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from services.engine import overlapped_steps as steps_module
 from services.engine.sampling.params import SamplingParams
 from services.worker.engine_loop import EngineLoop
+from services.worker.outputs import merged_deltas
 from tests.services.engine.device.test_cuda_graphs import with_static_path
 from tests.services.engine.helpers import assert_pools_empty, make_engine, random_prompts, write_pair
 
@@ -149,3 +151,60 @@ def test_an_engine_thread_that_breaks_outside_a_step_ends_the_worker(pair, caplo
     assert [r.message for r in caplog.records if r.levelname == "CRITICAL"] == [
         "the engine thread failed; the worker exits"
     ]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_outputs_queued_while_the_reader_is_away_come_merged(pair, k):
+    """A reader that falls behind (here: it waits for the request to finish before its second
+    read) gets the queued delta outputs as one, with every token and logprob in order."""
+    prompt = random_prompts(1, seed=5, min_len=9, max_len=9)[0]
+    sampling = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    expected = make_engine(pair, k=k).generate([prompt], [sampling])[0]
+    engine = make_engine(pair, k=k, output_kind="delta")
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        submit = lambda: engine.add_request(prompt, sampling, "r")  # noqa: E731
+        reads = []
+        async with contextlib.aclosing(loop.outputs("r", submit, merge=merged_deltas)) as outputs:
+            async for out in outputs:
+                reads.append(out)
+                while await loop.call(lambda: "r" in engine.requests):
+                    await asyncio.sleep(0.01)  # the engine steps on: the rest queues
+        await loop.call(assert_pools_empty, engine)
+        await loop.stop()
+        return reads
+
+    reads = asyncio.run(scenario())
+    assert len(reads) <= 2  # the first output, then the other steps' as one
+    assert reads[-1].finished and reads[-1].finish_reason == "length"
+    assert [t for out in reads for t in out.token_ids] == expected.token_ids
+    assert [t for out in reads for t in out.new_token_ids] == expected.token_ids
+    logprobs = [e.logprob for out in reads for e in out.logprobs]
+    assert logprobs == [e.logprob for e in expected.logprobs]
+    untimed = lambda usage: dataclasses.replace(usage, queue_s=0.0)  # noqa: E731
+    assert untimed(reads[-1].usage) == untimed(expected.usage)
+
+
+def test_an_error_queued_after_outputs_is_raised_after_them(pair):
+    engine = make_engine(pair, k=0, output_kind="delta")
+    prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        submit = lambda: engine.add_request(prompt, greedy(50), "r")  # noqa: E731
+        tokens = []
+        with pytest.raises(RuntimeError, match="worker draining"):
+            async with contextlib.aclosing(loop.outputs("r", submit, merge=merged_deltas)) as outputs:
+                async for out in outputs:
+                    tokens += out.token_ids
+                    if len(tokens) >= 3:
+                        await loop.fail_all(RuntimeError("worker draining"))
+        await loop.call(assert_pools_empty, engine)
+        await loop.stop()
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    assert 3 <= len(tokens) < 50
