@@ -293,6 +293,15 @@ ROWS = (
                 unit="s",
                 width=12,
             ),
+            Panel(
+                "Thread CPU",
+                "CPU each process's threads use (1 = a core): a worker's event loop (gRPC streams, "
+                "relay, transfers) and its engine thread need the same GIL, so the loop's share "
+                "is time the engine's steps may wait for it.",
+                ((rate("tandem_thread_cpu_seconds_total", "instance, thread"), "{{instance}} {{thread}}"),),
+                unit="percentunit",
+                width=24,
+            ),
         ),
     ),
 )

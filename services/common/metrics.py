@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from services.common.metrics_http import serve_registry
+from services.common.thread_cpu import ThreadCPU
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -195,6 +196,8 @@ class Metrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.thread_cpu = ThreadCPU()  # tandem_thread_cpu_seconds_total: event_loop, engine (a worker's)
+        r.register(self.thread_cpu)
         self.ready_pairs = None  # the router's alone
         if self.role == "router":
             self.ready_pairs = Gauge(

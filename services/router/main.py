@@ -150,6 +150,7 @@ async def run_router(
         bound.update(port=port, metrics_port=metrics_port, router=router, http_port=http_port)
     poll = asyncio.ensure_future(router.health_monitor.poll_forever())
     watch = asyncio.ensure_future(watch_loop(metrics.loop_lag.observe))
+    metrics.thread_cpu.watch("event_loop")
     stats = asyncio.ensure_future(every(c.process.stats_interval_s, RouterStatsLine(router).tick))
     if ready is not None:
         ready.set()

@@ -81,6 +81,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The engine thread, while started."""
+        return self._thread
+
     async def stop(self) -> None:
         """Stop the engine thread after its current step; calls it never ran are cancelled."""
         if self._thread is None:

@@ -75,6 +75,8 @@ class WorkerBase:
         if self.group is not None:
             await self.group.join(self.rank_info())
         self.loop.start()
+        self.metrics.thread_cpu.watch("event_loop")  # start runs on the event loop's thread
+        self.metrics.thread_cpu.watch("engine", self.loop.thread)
 
     async def stop(self) -> None:
         await self.loop.stop()

@@ -10,6 +10,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from deploy.grafana import dashboard
 from services.common.metrics import Metrics
+from services.common.thread_cpu import NAME as THREAD_CPU
 
 ROWS = [
     "Traffic",
@@ -34,11 +35,13 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 def exported() -> dict[str, set[str]]:
     """Every series name a service exports -> its label names (``le`` on buckets)."""
     metrics = Metrics("router", "tiny-target")  # the registry adds model_name to every sample
+    metrics.thread_cpu.watch("event_loop")  # a collector's series exist once it watches a thread
     labels = {
         m._name: set(m._labelnames) | {"model_name"}
         for m in vars(metrics).values()
         if isinstance(m, MetricWrapperBase)
     }
+    labels[THREAD_CPU] = {"thread", "model_name"}
     names = {}
     for family in metrics.registry.collect():
         if family.name.startswith("process_"):  # prometheus_client's ProcessCollector: not ours
@@ -81,7 +84,7 @@ def test_rows_are_the_ones_the_issue_lists():
 
 def test_every_panel_has_a_query_and_fits_the_grid():
     ids = [p["id"] for p in panels()]
-    assert len(ids) == len(set(ids)) == 27
+    assert len(ids) == len(set(ids)) == 28
     for p in panels():
         assert p["targets"], p["title"]
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]

@@ -150,3 +150,14 @@ def test_the_overlapping_workers_ran_overlapped_steps(cluster):
                 assert metric_sample(text, name, kind="overlapped") > 0, process.name
             else:
                 assert 'kind="overlapped"' not in text, process.name
+
+
+def test_every_process_exports_its_threads_cpu_seconds(cluster):
+    """The router's event loop, and each worker's event loop and engine thread, have used CPU
+    (``tandem_thread_cpu_seconds_total``): the tests above have served through all of them."""
+    for process in cluster.processes:
+        text = urllib.request.urlopen(process.metrics, timeout=5).read().decode()
+        worker = not process.name.startswith("router")
+        for thread in ["event_loop", "engine"] if worker else ["event_loop"]:
+            assert metric_sample(text, "tandem_thread_cpu_seconds_total", thread=thread) > 0, process.name
+        assert ('thread="engine"' in text) == worker, process.name  # a router has no engine
