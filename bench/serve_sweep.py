@@ -177,7 +177,8 @@ class Sweep:
         workers = {p.name: p.metrics for p in cluster.processes[cluster.num_routers :]}
         before = serve_steps.scrape(workers)
         records = self.send(split(replace(load, start=time.monotonic() + START_DELAY_S), self.a.client_procs))
-        steps = serve_steps.step_means(before, serve_steps.scrape(workers))
+        after = serve_steps.scrape(workers)
+        steps, cpu = serve_steps.step_means(before, after), serve_steps.thread_cpu_per_step(before, after)
         stats = summarize(records, Slo(self.a.slo_ttft_ms, self.a.slo_tpot_ms), config.gpus)
         (mode, value), (isl, osl) = kind, (lengths.isl, lengths.osl)
         base = {
@@ -187,10 +188,12 @@ class Sweep:
             "rate": float(value) if mode == "poisson" else 0.0,
         }  # fmt: skip
         ceiling = self.ceilings.get(config.spec, {}).get((isl, osl, value)) if mode == "closed" else None
-        self.payload["points"].append({**point(base, stats, ceiling), "engine_steps": steps})
+        self.payload["points"].append(
+            {**point(base, stats, ceiling), "engine_steps": steps, "thread_cpu_ms_per_step": cpu}
+        )
         write_json(Path(self.a.out) / "sweep.json", self.payload)
         print(progress(self.payload["points"][-1]), flush=True)
-        print(f"  engine steps: {serve_steps.describe(steps)}", flush=True)
+        print(f"  engine steps: {serve_steps.describe(steps, cpu)}", flush=True)
 
 
 def progress(p: dict) -> str:
