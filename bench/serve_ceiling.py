@@ -35,6 +35,7 @@ GPU_FRACTION = 0.9  # --kv-mb 0 (CUDA): the KV cache is what this fraction of th
 
 def make_engine(spec: CeilingSpec) -> Engine:
     k = spec.k if spec.drafter else 0
+    memory = {"kv_cache_bytes": spec.kv_mb << 20} if spec.kv_mb else {"gpu_memory_utilization": GPU_FRACTION}
     return Engine(
         EngineConfig(
             model=spec.model,
@@ -43,8 +44,7 @@ def make_engine(spec: CeilingSpec) -> Engine:
             device=spec.device,
             enable_prefix_cache=False,
             max_num_seqs=spec.max_num_seqs,
-            kv_cache_bytes=(spec.kv_mb or 256) << 20,
-            gpu_memory_utilization=0.0 if spec.kv_mb else GPU_FRACTION,
+            **memory,
             max_num_batched_tokens=CHUNK,
             max_prefill_chunk=CHUNK,
             forced_acceptance=spec.forced if k and spec.forced else -1,
