@@ -113,7 +113,7 @@ class ModelRunner:
         starts = np.array([s.start for s in spans], dtype=np.int64)
         table = self.manager.block_tables([s.request_id for s in spans], group)  # host [batch, width]
         slots = slot_mapping_for(table, starts, lengths, self.manager.tokens_per_page).numpy()
-        positions = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(slots.shape[0])
+        positions = span_positions(starts, lengths)
         write_start = np.repeat(np.array([s.write_start for s in spans], dtype=np.int64), lengths)
         slots = np.where(positions >= write_start, slots, -1)  # [num_tokens]: before write_start, kept
         query_start_loc = np.zeros(len(spans) + 1, dtype=np.int32)
@@ -136,5 +136,11 @@ class ModelRunner:
         return ids.to(self.device), self._positions(spans)
 
     def _positions(self, spans: list[Span]) -> torch.Tensor:
-        pos = [p for s in spans for p in range(s.start, s.start + len(s.token_ids))]
-        return torch.tensor(pos, dtype=torch.long, device=self.device)
+        lengths = np.array([len(s.token_ids) for s in spans], dtype=np.int64)
+        return self._upload(span_positions(np.array([s.start for s in spans], dtype=np.int64), lengths))
+
+
+def span_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[sum(lengths)] int64: positions starts[b] .. starts[b] + lengths[b] - 1 of every span b,
+    concatenated."""
+    return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
