@@ -9,7 +9,9 @@
 - every rank publishes its transport's :class:`EndpointInfo`, which names its backend
   (:data:`BACKENDS`, :func:`new_transport`); the transports behind it are
   :class:`Transport`\\ s, and their failures :class:`TransferError`\\ s;
-- :func:`heads_of_rank` is the KV-head split both the transfer and the model sharding use.
+- :func:`heads_of_rank` is the KV-head split both the transfer and the model sharding use;
+- :func:`yield_while` tells the process's transfers when another thread wants the GIL, so
+  that their waits give it up (:mod:`kvcore.transfer.pacing`).
 
 Everything else in this package (the UCX backend, tags, page runs) is its own.
 """
@@ -22,6 +24,7 @@ from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClos
 from kvcore.transfer.fanout import RankLinks
 from kvcore.transfer.head_routes import HeadRoute, heads_of_rank
 from kvcore.transfer.jobs import LinkTest, PeerRank, RecvJob, SendJob, TransferUsage
+from kvcore.transfer.pacing import yield_while
 from kvcore.transfer.rank import RankTransfer
 from kvcore.transfer.side_channel import PairingMessage
 from kvcore.transfer.target import ReservedGroup, TransferTarget
@@ -50,4 +53,5 @@ __all__ = [
     "TransportClosed",
     "heads_of_rank",
     "new_transport",
+    "yield_while",
 ]

@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from kvcore.transfer.pacing import next_turn
+
 T = TypeVar("T")
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per CUDA device
@@ -66,7 +68,7 @@ async def settle(future: asyncio.Future | None) -> None:
 
 async def _when_fired(done: torch.cuda.Event, result: T) -> T:
     while not done.query():
-        await asyncio.sleep(0)
+        await next_turn()
     return result
 
 

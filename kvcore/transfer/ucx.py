@@ -41,6 +41,7 @@ from typing import Any
 from kvcore.transfer.buffers import as_ucx_array
 from kvcore.transfer.endpoint import EndpointInfo
 from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClosed
+from kvcore.transfer.pacing import next_turn
 from kvcore.transfer.tags import check_tag
 from kvcore.transfer.transport import POLL_S, SPIN_S
 from kvcore.transfer.ucx_progress import install as install_progress
@@ -296,13 +297,17 @@ class UcxTransport:
             now = loop.time()
             if now >= deadline:
                 raise TransferTimeout(f"recv of tag {tag:#x}: no message within {timeout_s} s")
-            await asyncio.sleep(0 if now < spin_until else min(POLL_S, deadline - now))
+            if now < spin_until:
+                await next_turn()
+            else:
+                await asyncio.sleep(min(POLL_S, deadline - now))
 
     async def _drive(self, request: asyncio.Task, timeout_s: float | None) -> None:
         """Await ``request``, progressing the worker every loop turn meanwhile; TimeoutError
         after ``timeout_s`` seconds (None = never). UCX's shared-memory transports raise no
         wakeup event when a message moves, so an armed worker left to its epoll descriptor
-        would stall a transfer; an idle worker, driven by nobody, sleeps."""
+        would stall a transfer; an idle worker, driven by nobody, sleeps. Each turn yields the
+        GIL first while the engine thread wants it (:mod:`kvcore.transfer.pacing`)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         worker = self._context.worker
@@ -310,7 +315,7 @@ class UcxTransport:
             worker.progress()
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError
-            await asyncio.sleep(0)
+            await next_turn()
         request.result()
 
     async def _discard(self, probe: Any) -> None:

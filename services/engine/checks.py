@@ -56,7 +56,7 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer, vocab: int) -> 
     ids = list(prompt)
     if not ids:
         raise ValueError("prompt: must not be empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+    if not set(map(type, ids)) <= {int, bool} or not 0 <= min(ids) <= max(ids) < vocab:  # C loops
         raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
     return ids
 

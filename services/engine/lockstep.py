@@ -133,10 +133,26 @@ def replay(plan: ForwardPlan, runner) -> None:
         runner.drafter(ids, to(plan.hidden), positions, ctx.only(), runner.target)
 
 
-def follow(runner, tp: TensorParallel) -> None:
+@dataclass(slots=True)
+class Following:
+    """What a following thread is doing, read by the rank's event loop: ``replaying`` is
+    true while it runs a forward (and so wants the GIL back often), false while it waits
+    for the next plan."""
+
+    replaying: bool = False
+
+
+def follow(runner, tp: TensorParallel, state: Following | None = None) -> None:
     """Ranks 1..: run rank 0's forwards, one after another, forever (on any thread: the
-    rank's GPU becomes this thread's current device, which kernels launch on)."""
+    rank's GPU becomes this thread's current device, which kernels launch on); ``state``
+    says when it replays one."""
     if runner.device.type == "cuda":
         torch.cuda.set_device(runner.device)
+    state = state or Following()
     while True:
-        replay(receive_plan(tp), runner)
+        plan = receive_plan(tp)
+        state.replaying = True
+        try:
+            replay(plan, runner)
+        finally:
+            state.replaying = False

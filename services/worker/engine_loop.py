@@ -73,6 +73,7 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.stepping = False  # the engine thread is inside a step: it wants the GIL back often
         self.on_fatal: Callable[[BaseException], None] = _exit_process
 
     def start(self) -> None:
@@ -195,6 +196,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         start = time.perf_counter()
+        self.stepping = True
         try:
             outputs = self.engine.step() if self.profiler is None else self.profiler.run(self.engine)
         except Exception as e:  # a broken step fails its requests, not the server
@@ -203,6 +205,8 @@ class EngineLoop:
             self._abort(request_ids)
             self._post(self._raise_in_streams, request_ids, RuntimeError(f"engine step failed: {e}"))
             return
+        finally:
+            self.stepping = False
         seconds = time.perf_counter() - start
         if self.profiler is not None:  # the step alone: not the profiler's start or its files
             seconds = self.profiler.step_seconds

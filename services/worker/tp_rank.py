@@ -17,10 +17,10 @@ import os
 import sys
 import threading
 
-from kvcore.transfer import RankTransfer
+from kvcore.transfer import RankTransfer, yield_while
 from services.common.log_setup import configure_logging
 from services.engine.engine import Engine
-from services.engine.lockstep import follow
+from services.engine.lockstep import Following, follow
 from services.engine.parallel import TensorParallel, backend_for, init_tensor_parallel
 from services.worker.rank_info import engine_rank_info
 from services.worker.tp_check import rank_instance_id
@@ -34,13 +34,15 @@ def run_rank(config: WorkerConfig, rank: int, dist_address: str, control_port: i
     device = config.engine.device
     tp = init_tensor_parallel(config.engine.tp_size, rank, dist_address, backend_for(device), device)
     engine = Engine(served_engine(config.engine))
-    threading.Thread(target=_follow, args=(engine, tp), daemon=True).start()
+    following = Following()
+    threading.Thread(target=_follow, args=(engine, tp, following), daemon=True).start()
+    yield_while(lambda: following.replaying)  # transfers give the GIL up while a forward runs
     asyncio.run(_serve(config, rank, engine, control_port))
 
 
-def _follow(engine: Engine, tp: TensorParallel) -> None:
+def _follow(engine: Engine, tp: TensorParallel, following: Following) -> None:
     try:
-        follow(engine.runner, tp)
+        follow(engine.runner, tp, following)
     except Exception as e:  # rank 0 gone mid-collective, or a broken forward: no way on
         print(f"tensor-parallel rank {tp.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from kvcore import GroupStats, GroupUsage, KVLayout
-from kvcore.transfer import TransferAgent
+from kvcore.transfer import TransferAgent, yield_while
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import worker_pb2 as wpb
@@ -75,11 +75,13 @@ class WorkerBase:
         if self.group is not None:
             await self.group.join(self.rank_info())
         self.loop.start()
+        yield_while(lambda: self.loop.stepping)  # transfers give the GIL up while a step runs
         self.metrics.thread_cpu.watch("event_loop")  # start runs on the event loop's thread
         self.metrics.thread_cpu.watch("engine", self.loop.thread)
 
     async def stop(self) -> None:
         await self.loop.stop()
+        yield_while(None)
         if self.config.moves_pages:
             await self.agent.close()
         if self.group is not None:

@@ -79,6 +79,9 @@ def test_preempted_sampled_requests_still_complete(pair):
         ("", None, "prompt"),
         ([], None, "prompt"),
         ([1, 99], None, "prompt"),  # token id outside the vocabulary
+        ([1, -1], None, "prompt"),  # negative
+        ([1, 2.0], None, "prompt"),  # not an integer
+        ([1, "2"], None, "prompt"),
         ([1] * 512, None, "prompt"),  # as long as the context
         ([1] * 500, SamplingParams(max_tokens=13), "max_tokens"),
         ([1, 2], "greedy", "sampling"),

@@ -208,3 +208,26 @@ def test_an_error_queued_after_outputs_is_raised_after_them(pair):
 
     tokens = asyncio.run(scenario())
     assert 3 <= len(tokens) < 50
+
+
+def test_stepping_is_true_inside_a_step_only(pair):
+    """What the transfers read to give the GIL up (kvcore.transfer.pacing)."""
+    engine = make_engine(pair, k=0)
+    step, seen = engine.step, []
+
+    async def scenario():
+        loop = EngineLoop(engine)
+
+        def step_and_look():
+            seen.append(loop.stepping)
+            return step()
+
+        engine.step = step_and_look
+        loop.start()
+        await stream(loop, "a", [2, 7, 1, 8], greedy(3))
+        idle = loop.stepping
+        await loop.stop()
+        return idle
+
+    assert asyncio.run(scenario()) is False
+    assert seen and all(seen)

@@ -1,0 +1,58 @@
+"""How a transfer in flight waits for the event loop's next turn: at once while no other
+thread of the process needs the GIL, or after giving the GIL up for ``YIELD_S`` while one
+does.
+
+A send or receive in flight progresses its transport, or polls a copy's CUDA event, every
+loop turn (docs/transfer.md, "Progress and the event loop"). Each turn the loop releases the
+GIL in its selector and takes it straight back. A thread that gives the GIL up often (the
+engine thread: every Triton launch and every GPU wait) then loses the race for it on nearly
+every turn. CPython's switch interval does not help: the waiting thread asks the holder
+to drop the GIL only when no switch happened within the interval, and the spinning loop
+switches on every turn. Measured on the CPU (docs/performance.md, 2026-12-06): a thread of
+40x40 matmuls ran 3.3x slower beside a loop spinning ``asyncio.sleep(0)``, and 1.18x slower
+beside one that first sleeps 20 us a turn, while that loop still turned every 0.11 ms.
+
+So a process registers what says its GIL is wanted (:func:`yield_while`: the worker's
+engine thread is inside a step); while it says so, :func:`next_turn` blocks the loop's
+thread in ``time.sleep(YIELD_S)`` (which releases the GIL) once per loop turn, however
+many transfers wait in that turn. While it does not, transfers spin as before: an idle
+worker's transfer (a prompt at C=1) keeps its latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+YIELD_S = 2e-5
+"""Seconds the loop's thread sleeps, GIL released, once per loop turn in which a transfer
+waits while the GIL is wanted."""
+
+_wanted: Callable[[], bool] | None = None
+_yielded_in: asyncio.AbstractEventLoop | None = None  # the loop whose current turn yielded
+
+
+def yield_while(wanted: Callable[[], bool] | None) -> None:
+    """Register the process's test of whether another thread wants the GIL now (None: no
+    thread does). Called on the loop's thread; the test is called there every turn a
+    transfer waits, so it must be cheap and must not block."""
+    global _wanted
+    _wanted = wanted
+
+
+async def next_turn() -> None:
+    """Wait for the event loop's next turn, first giving the GIL up for ``YIELD_S`` if it
+    is wanted and no other waiter gave it up in this turn."""
+    global _yielded_in
+    loop = asyncio.get_running_loop()
+    if _wanted is not None and _yielded_in is not loop and _wanted():
+        time.sleep(YIELD_S)
+        _yielded_in = loop
+        loop.call_soon(_new_turn)  # queued before this waiter's own resumption
+    await asyncio.sleep(0)
+
+
+def _new_turn() -> None:
+    global _yielded_in
+    _yielded_in = None
