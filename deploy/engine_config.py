@@ -41,6 +41,7 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         host_kv_write_policy=options.host_kv_write_policy,
         host_kv_recall_min_pages=options.host_kv_recall_min_pages,
         max_num_seqs=options.max_num_seqs,
+        stream_interval=options.stream_interval,
         layout=KVLayout("unified" if options.layout == "auto" else options.layout),
         enable_prefix_cache=options.prefix_cache,
         enforce_eager=not options.cuda_graphs,

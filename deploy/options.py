@@ -148,6 +148,14 @@ class EngineOptions:
         at_least(1),
     )
     max_num_seqs: int = _option(64, "requests a worker batches at once", at_least(1))
+    stream_interval: int = _option(
+        1,
+        "tokens a running request's output gathers before the worker streams it (its first token "
+        "goes at once, its last with the finish): larger values write fewer messages per step, for "
+        "throughput at high concurrency, at the cost of burstier streams (as vLLM's and SGLang's "
+        "--stream-interval); a prefill worker streams nothing",
+        at_least(1),
+    )
     prefix_cache: bool = _option(True, "turn the radix prefix cache off", flags=("--no-prefix-cache",))
     cuda_graphs: bool = _option(
         True, "run the decode step eagerly, without CUDA graphs (as vLLM's)", flags=("--enforce-eager",)

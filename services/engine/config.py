@@ -48,6 +48,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 << 20
     gpu_memory_utilization: float = 0.0  # > 0: the KV cache from this fraction of the GPU instead
     max_num_seqs: int = 64
+    stream_interval: int = 1  # tokens a running request's output gathers first (step_outputs.py)
     max_num_batched_tokens: int = 1024
     max_prefill_chunk: int = 512
     scheduling_policy: str = ""  # SCHEDULING_POLICIES; "" = mixed on CUDA, decode-first on CPU
@@ -101,6 +102,7 @@ class EngineConfig:
             "tokens_per_page",
             "kv_cache_bytes",
             "max_num_seqs",
+            "stream_interval",
             "max_num_batched_tokens",
             "max_prefill_chunk",
         ):

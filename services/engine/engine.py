@@ -105,6 +105,7 @@ class Engine:
             eos_ids(config.model, self.target.config, self.tokenizer),
             self.k > 0,
             delta=config.output_kind == "delta",
+            interval=config.stream_interval,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size, self.out.eos_ids)
         self.requests: dict[str, Request] = {}

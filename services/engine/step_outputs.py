@@ -12,15 +12,26 @@ class StepOutputs:
     """Holds one Detokenizer per request that has output, dropped once it finishes.
     ``delta`` (config.OUTPUT_KINDS): each output carries only the step's new token ids and
     logprobs and no text, and a Detokenizer is kept only for a request with stop strings
-    (their matching needs its text); else outputs carry the whole output so far."""
+    (their matching needs its text); else outputs carry the whole output so far.
+
+    ``interval`` (EngineConfig.stream_interval): a running request's tokens are held back
+    until at least that many gathered since its last output; its first token (no output came
+    before) and its finish are never held. A held request's tokens join its next step's, so
+    outputs (delta ones included) are the same tokens in fewer, larger pieces."""
 
     def __init__(
-        self, tokenizer: Tokenizer, eos_ids: frozenset[int], speculative: bool, delta: bool = False
+        self,
+        tokenizer: Tokenizer,
+        eos_ids: frozenset[int],
+        speculative: bool,
+        delta: bool = False,
+        interval: int = 1,
     ) -> None:
         self.tokenizer, self.eos_ids, self.speculative = tokenizer, eos_ids, speculative
-        self.delta = delta
+        self.delta, self.interval = delta, interval
         self._touched: dict[str, Request] = {}
         self._new: dict[str, list[int]] = {}
+        self._held: dict[str, list[int]] = {}  # running requests' tokens since their last output
         self._detok: dict[str, Detokenizer] = {}
 
     def append(self, req: Request, token_ids: list[int]) -> None:
@@ -42,9 +53,21 @@ class StepOutputs:
         return bool(self._touched)
 
     def flush(self) -> list[RequestOutput]:
-        outs = [self._output(req, self._new[rid]) for rid, req in self._touched.items()]
+        outs = []
+        for rid, req in self._touched.items():
+            new = self._new[rid]
+            if self._holds(req, new):
+                self._held[rid] = new
+            else:
+                outs.append(self._output(req, new))
         self._touched, self._new = {}, {}
         return outs
+
+    def _holds(self, req: Request, new: list[int]) -> bool:
+        """Whether ``new`` waits for more: too few, the request running, and not its first."""
+        if len(new) >= self.interval or req.status in (Status.PARKED, Status.FINISHED):
+            return False
+        return len(req.output_ids) > len(new)
 
     def _detokenizer(self, req: Request) -> Detokenizer | None:
         detok = self._detok.get(req.request_id)
@@ -53,8 +76,11 @@ class StepOutputs:
         return detok
 
     def _touch(self, req: Request) -> list[int]:
-        self._touched[req.request_id] = req
-        return self._new.setdefault(req.request_id, [])
+        rid = req.request_id
+        self._touched[rid] = req
+        if rid not in self._new:
+            self._new[rid] = self._held.pop(rid, [])
+        return self._new[rid]
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         parked = req.status is Status.PARKED

@@ -1,7 +1,8 @@
 """Every serving mode a user can ask for gives the aggregated target-only engine's greedy
 tokens: {aggregated, disaggregated} x {no drafter, drafter unified, drafter separate} x
 {TP 1, TP 2} (disaggregated: prefill TP 1 or 2 into decode TP 1), and TP 1 with
-``--overlap-decode`` (aggregated, and on the decode side of a transfer).
+``--overlap-decode`` (aggregated, and on the decode side of a transfer). The aggregated and
+the decode worker of TP 1 stream with ``--stream-interval 3``: the same tokens, in fewer chunks.
 
 One cluster per drafter setting: a router, an aggregated worker of TP 1 and one of TP 2,
 a prefill worker of TP 1 and one of TP 2, one decode worker of TP 1, and an aggregated and a
@@ -18,6 +19,7 @@ from __future__ import annotations
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 
@@ -43,6 +45,8 @@ MAX_TOKENS = 12
 LENGTHS = (5, 23, 61)  # past the drafter's 8-token window
 DRAFTERS = ("none", "unified", "separate")
 EXTRA_ARGS = {
+    "both-0": ["--stream-interval", "3"],
+    "decode-4": ["--stream-interval", "3"],
     # decode rows and prompt chunks in one forward (the CUDA default), on a TP 2 worker whose
     # 16-token step budget has the long prompt chunked while the others decode beside it
     "both-1": ["--scheduling-policy", "mixed", "--max-num-batched-tokens", "16"],
@@ -112,6 +116,18 @@ def test_disaggregated_prefill_tp1_and_tp2_give_the_target_only_tokens(cluster, 
         moved = {t.group for t in prefilled.transfers}
         drafter = _drafter_of(cluster)
         assert moved == ({"target", "draft"} if drafter == "unified" else {"target"}), drafter
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_at_least_it(cluster):
+    address = next(p.grpc for p in cluster.processes if p.name == "both-0")
+    request = cpb.GenerateRequest(
+        token_ids=cpb.TokenIds(ids=prompts()[0]), sampling=cpb.SamplingParams(max_tokens=MAX_TOKENS)
+    )
+    with grpc.insecure_channel(address) as channel:
+        messages = list(cpb_grpc.TandemStub(channel).Generate(request, timeout=60))
+    sizes = [len(m.chunk.token_ids) for m in messages if m.WhichOneof("payload") == "chunk"]
+    assert sum(sizes) == MAX_TOKENS and sizes[0] == 1, sizes
+    assert all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 1 + -(-(MAX_TOKENS - 1) // 3), sizes
 
 
 def test_the_router_serves_every_prompt_and_no_page_stays_held(cluster, target_only):

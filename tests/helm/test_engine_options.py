@@ -53,6 +53,7 @@ CHART_VALUES: dict[str, ChartValue] = {
     "host_kv_write_policy": ChartValue("{role}.hostKvCache.writePolicy", by_role("through", "through")),
     "host_kv_recall_min_pages": ChartValue("{role}.hostKvCache.recallMinPages", by_role(3, 5)),
     "max_num_seqs": ChartValue("engine.maxNumSeqs", 128),
+    "stream_interval": ChartValue("engine.streamInterval", 8),
     "prefix_cache": ChartValue("engine.prefixCache", False),
     "cuda_graphs": ChartValue("engine.cudaGraphs", False),
     "adaptive_k": ChartValue("engine.adaptiveK", False),
@@ -142,8 +143,9 @@ def test_the_chart_defaults_are_the_options_defaults_where_it_passes_no_flag():
     d = {n: f.default for n, f in FIELDS.items()}
     e = chart["engine"]
     assert (e["prefixCache"], e["tp"]) == (d["prefix_cache"], d["tp"])
-    assert (e["maxNumSeqs"], e["maxNumBatchedTokens"], e["maxModelLen"]) == (
+    assert (e["maxNumSeqs"], e["streamInterval"], e["maxNumBatchedTokens"], e["maxModelLen"]) == (
         d["max_num_seqs"],
+        d["stream_interval"],
         d["max_num_batched_tokens"],
         d["max_model_len"],
     )

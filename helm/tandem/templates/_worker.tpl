@@ -96,6 +96,8 @@ spec:
             - $(TANDEM_DTYPE)
             - --max-num-seqs
             - $(TANDEM_MAX_NUM_SEQS)
+            - --stream-interval
+            - $(TANDEM_STREAM_INTERVAL)
             - --max-num-batched-tokens
             - $(TANDEM_MAX_NUM_BATCHED_TOKENS)
             - --scheduling-policy

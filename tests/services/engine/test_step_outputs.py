@@ -75,3 +75,50 @@ def test_an_engines_deltas_joined_equal_its_cumulative_outputs(tmp_path, logprob
 def test_an_unknown_output_kind_is_refused(tmp_path):
     with pytest.raises(ValueError, match="output_kind: must be one of"):
         make_engine(write_pair(tmp_path), k=0, output_kind="final")
+
+
+@pytest.mark.parametrize(("k", "interval"), [(0, 4), (2, 5)])
+def test_a_stream_interval_gathers_the_same_tokens_into_fewer_outputs(tmp_path, k, interval):
+    """The first token at once, then outputs of at least ``interval`` tokens but the last,
+    joined equal to the interval-1 stream, logprobs included, and an abort mid-hold keeps
+    its held tokens."""
+    pair = write_pair(tmp_path)
+    prompts = random_prompts(3, seed=7)
+    sampling = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=1)
+    expected = make_engine(pair, k=k).generate(prompts, sampling)
+    engine = make_engine(pair, k=k, output_kind="delta", stream_interval=interval)
+    ids = [engine.add_request(p, sampling) for p in prompts]
+    pieces: dict[str, list[list[int]]] = {i: [] for i in ids}
+    logprobs: dict[str, list] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces[out.request_id].append(out.new_token_ids)
+            logprobs[out.request_id].extend(out.logprobs)
+    for i, want in zip(ids, expected, strict=True):
+        assert [t for p in pieces[i] for t in p] == want.token_ids
+        assert logprobs[i] == want.logprobs
+        first, *middle, last = pieces[i]
+        assert len(first) == 1 and all(len(p) >= interval for p in middle) and last
+        assert len(pieces[i]) < len(want.token_ids)
+
+
+def test_an_abort_returns_the_tokens_a_stream_interval_held(tmp_path):
+    pair = write_pair(tmp_path)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = make_engine(pair, k=0).generate([[3, 1, 4, 1, 5]], sampling)[0].token_ids
+    engine = make_engine(pair, k=0, output_kind="delta", stream_interval=8)
+    rid = engine.add_request([3, 1, 4, 1, 5], sampling)
+    got: list[int] = []
+    for _ in range(6):  # the first token, then five held
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    assert got == expected[:1]
+    engine.abort(rid)
+    final = engine.step()
+    assert [o.finished for o in final] == [True] and final[0].finish_reason == "abort"
+    assert got + final[0].new_token_ids == expected[:6]
+    assert not engine.has_unfinished()
+
+
+def test_a_stream_interval_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="^stream_interval: must be > 0"):
+        make_engine(write_pair(tmp_path), k=0, stream_interval=0)
