@@ -8,9 +8,10 @@ GIL in its selector and takes it straight back. A thread that gives the GIL up o
 engine thread: every Triton launch and every GPU wait) then loses the race for it on nearly
 every turn. CPython's switch interval does not help: the waiting thread asks the holder
 to drop the GIL only when no switch happened within the interval, and the spinning loop
-switches on every turn. Measured on the CPU (docs/performance.md, 2026-12-06): a thread of
-40x40 matmuls ran 3.3x slower beside a loop spinning ``asyncio.sleep(0)``, and 1.18x slower
-beside one that first sleeps 20 us a turn, while that loop still turned every 0.11 ms.
+switches on every turn. Measured on the CPU (``python -m bench.gil_contention``,
+docs/performance.md, 2026-12-06): a thread of small matmuls ran 4.1-4.3x slower beside a
+loop spinning ``asyncio.sleep(0)``, and 1.2-1.27x slower beside a paced one, which still
+turned about 9 times a millisecond. On an H100 the 1P+1D tiny pair served 1.20x the tokens.
 
 So a process registers what says its GIL is wanted (:func:`yield_while`: the worker's
 engine thread is inside a step); while it says so, :func:`next_turn` blocks the loop's

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
 """The GIL switch interval a worker process sets (``run_worker``; Python's default is 5 ms).
 When the engine thread comes back from a GPU wait or a kernel launch (both release the GIL)
-while the event loop runs Python, it waits at most this long for the GIL."""
+while the event loop runs Python, it asks for the GIL after this long, unless the loop
+released and retook it meanwhile (a loop spinning turn by turn does, so transfers waiting
+on the loop give the GIL up while a step runs: ``kvcore.transfer.pacing``)."""
 
 IDLE_WAIT_S = 0.001
 """How long the engine thread sleeps after a step that ran nothing (every waiting request
