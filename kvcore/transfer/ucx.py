@@ -81,6 +81,7 @@ class UcxTransport:
         self._known: dict[str, tuple[EndpointInfo, UcxPath]] = {}  # peer id -> how to reach it
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
         self._retired: list[Any] = []  # endpoints replaced or forgotten; never closed before close()
+        self._progressed_in: asyncio.AbstractEventLoop | None = None  # the loop whose turn progressed
         self._started = self._closed = False
 
     async def start(self) -> None:
@@ -290,7 +291,7 @@ class UcxTransport:
         spin_until = loop.time() + spin_s
         while True:
             self._check_open()
-            self._context.worker.progress()
+            self._progress()
             probe = self._context.tag_probe(tag, remove=True)
             if probe.matched:
                 return probe
@@ -310,13 +311,26 @@ class UcxTransport:
         GIL first while the engine thread wants it (:mod:`kvcore.transfer.pacing`)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        worker = self._context.worker
         while not request.done():
-            worker.progress()
+            self._progress()
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError
             await next_turn()
         request.result()
+
+    def _progress(self) -> None:
+        """Progress the worker once per loop turn, however many transfers wait in the turn:
+        one call moves every request in flight, so each waiter's own call only cost the
+        loop's thread (and the GIL) more as transfers overlapped."""
+        loop = asyncio.get_running_loop()
+        if self._progressed_in is loop:
+            return
+        self._context.worker.progress()
+        self._progressed_in = loop
+        loop.call_soon(self._new_turn)  # queued before the waiters' resumptions
+
+    def _new_turn(self) -> None:
+        self._progressed_in = None
 
     async def _discard(self, probe: Any) -> None:
         """Drain a dequeued message that will not be delivered (UCX requires it)."""

@@ -213,3 +213,56 @@ def test_an_idle_worker_sleeps_after_a_message(monkeypatch):
     idle_calls, total = run(body())
     assert total == 1 << 20
     assert idle_calls <= 2
+
+
+class _CountingWorker:
+    def __init__(self, worker):
+        self.worker, self.calls = worker, 0
+
+    def progress(self):
+        self.calls += 1
+        return self.worker.progress()
+
+
+class _Context:
+    """The transport's ucxx context with its worker's progress calls counted."""
+
+    def __init__(self, context):
+        self._context, self.worker = context, _CountingWorker(context.worker)
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def test_overlapping_transfers_progress_the_worker_once_a_loop_turn():
+    async def body():
+        transport = await started()
+        context = transport._context = _Context(transport._context)
+        turns = [0]
+        done = asyncio.Event()
+
+        async def count_turns():
+            while not done.is_set():
+                turns[0] += 1
+                await asyncio.sleep(0)
+
+        async def round_trip(i):
+            sent = torch.full((1 << 20,), i, dtype=torch.uint8)
+            got = torch.empty_like(sent)
+            tag = make_tag("local-once-a-turn", i, 1)
+            await asyncio.gather(transport.send("self", sent, tag, 5), transport.recv(got, tag, 5))
+            return torch.equal(sent, got)
+
+        counter = asyncio.create_task(count_turns())
+        try:
+            landed = await asyncio.gather(*(round_trip(i) for i in range(6)))
+        finally:
+            done.set()
+            await counter
+            transport._context = context._context
+            await transport.close()
+        return landed, context.worker.calls, turns[0]
+
+    landed, calls, turns = run(body())
+    assert all(landed)
+    assert 0 < calls <= turns + 1  # twelve waiters, one progress a turn
