@@ -213,6 +213,7 @@ def report(payload: dict, a: argparse.Namespace) -> str:
     note = f"\n{FORCED_NOTE}\n" if any(p["forced_al"] for p in payload["points"]) else ""
     if a.structured_regex:
         note += f"\nEvery request's output constrained to the regular expression `{a.structured_regex}`.\n"
+    note += flags_note(a)
     text = f"{title}\n{note}" + tables(payload["points"], (a.slo_ttft_ms, a.slo_tpot_ms))
     failed = {**payload["ceiling_errors"], **{f["config"]: f["error"] for f in payload["failures"]}}
     for name, error in failed.items():
@@ -220,6 +221,22 @@ def report(payload: dict, a: argparse.Namespace) -> str:
     (out / "sweep.md").write_text(text)
     serve_svg.write(str(out / "sweep.svg"), payload["points"], title)
     return text
+
+
+def flags_note(a: argparse.Namespace) -> str:
+    """The workers' own flags the sweep was given (they change what a row measures, e.g.
+    ``--stream-interval``), one line; "" when none."""
+    given = [
+        f"{who} `{flags}`"
+        for who, flags in (
+            ("every worker", a.worker_args),
+            ("aggregated", a.aggregated_args),
+            ("prefill", a.prefill_args),
+            ("decode", a.decode_args),
+        )
+        if flags.strip()
+    ]
+    return f"\nWorker flags: {'; '.join(given)}.\n" if given else ""
 
 
 def last_line(error: str) -> str:

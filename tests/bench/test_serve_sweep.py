@@ -160,3 +160,10 @@ def test_forced_acceptance_through_the_launcher_gives_exactly_n_plus_one(tmp_pat
     ]
     assert [p["acceptance_length"] for p in payload["points"]] == [3.0, 3.0]  # 9 decode tokens: 3 steps of 3
     assert serve_sweep.FORCED_NOTE in (tmp_path / "sweep.md").read_text()
+
+
+def test_the_report_names_the_workers_own_flags():
+    a = parse(["--device", "cpu", "--worker-args", "--stream-interval 8", "--decode-args", "--tp 2"])
+    want = "\nWorker flags: every worker `--stream-interval 8`; decode `--tp 2`.\n"
+    assert serve_sweep.flags_note(a) == want
+    assert serve_sweep.flags_note(parse(["--device", "cpu"])) == ""
