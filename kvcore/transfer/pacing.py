@@ -30,8 +30,28 @@ YIELD_S = 2e-5
 """Seconds the loop's thread sleeps, GIL released, once per loop turn in which a transfer
 waits while the GIL is wanted."""
 
+
+class OncePerTurn:
+    """Says yes to the first asker of each event-loop turn, no to the rest of that turn: for
+    work that one waiter does for all (a yield of the GIL, a progress of the UCX worker)."""
+
+    def __init__(self) -> None:
+        self._in: asyncio.AbstractEventLoop | None = None  # the loop whose current turn asked
+
+    def first(self) -> bool:
+        loop = asyncio.get_running_loop()
+        if self._in is loop:
+            return False
+        self._in = loop
+        loop.call_soon(self._new_turn)  # queued before the asking waiter's own resumption
+        return True
+
+    def _new_turn(self) -> None:
+        self._in = None
+
+
 _wanted: Callable[[], bool] | None = None
-_yielded_in: asyncio.AbstractEventLoop | None = None  # the loop whose current turn yielded
+_yield_turn = OncePerTurn()
 
 
 def yield_while(wanted: Callable[[], bool] | None) -> None:
@@ -45,15 +65,6 @@ def yield_while(wanted: Callable[[], bool] | None) -> None:
 async def next_turn() -> None:
     """Wait for the event loop's next turn, first giving the GIL up for ``YIELD_S`` if it
     is wanted and no other waiter gave it up in this turn."""
-    global _yielded_in
-    loop = asyncio.get_running_loop()
-    if _wanted is not None and _yielded_in is not loop and _wanted():
+    if _wanted is not None and _wanted() and _yield_turn.first():
         time.sleep(YIELD_S)
-        _yielded_in = loop
-        loop.call_soon(_new_turn)  # queued before this waiter's own resumption
     await asyncio.sleep(0)
-
-
-def _new_turn() -> None:
-    global _yielded_in
-    _yielded_in = None

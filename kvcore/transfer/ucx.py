@@ -41,7 +41,7 @@ from typing import Any
 from kvcore.transfer.buffers import as_ucx_array
 from kvcore.transfer.endpoint import EndpointInfo
 from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClosed
-from kvcore.transfer.pacing import next_turn
+from kvcore.transfer.pacing import OncePerTurn, next_turn
 from kvcore.transfer.tags import check_tag
 from kvcore.transfer.transport import POLL_S, SPIN_S
 from kvcore.transfer.ucx_progress import install as install_progress
@@ -81,7 +81,7 @@ class UcxTransport:
         self._known: dict[str, tuple[EndpointInfo, UcxPath]] = {}  # peer id -> how to reach it
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
         self._retired: list[Any] = []  # endpoints replaced or forgotten; never closed before close()
-        self._progressed_in: asyncio.AbstractEventLoop | None = None  # the loop whose turn progressed
+        self._progress_turn = OncePerTurn()  # the worker is progressed once a loop turn
         self._started = self._closed = False
 
     async def start(self) -> None:
@@ -322,15 +322,8 @@ class UcxTransport:
         """Progress the worker once per loop turn, however many transfers wait in the turn:
         one call moves every request in flight, so each waiter's own call only cost the
         loop's thread (and the GIL) more as transfers overlapped."""
-        loop = asyncio.get_running_loop()
-        if self._progressed_in is loop:
-            return
-        self._context.worker.progress()
-        self._progressed_in = loop
-        loop.call_soon(self._new_turn)  # queued before the waiters' resumptions
-
-    def _new_turn(self) -> None:
-        self._progressed_in = None
+        if self._progress_turn.first():
+            self._context.worker.progress()
 
     async def _discard(self, probe: Any) -> None:
         """Drain a dequeued message that will not be delivered (UCX requires it)."""
