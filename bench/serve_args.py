@@ -99,6 +99,11 @@ def parser() -> argparse.ArgumentParser:
         "a prefill worker on 0.3 of an 80 GB card cannot hold an 8B model's 131072 tokens; cpu none)",
     )
     add(
+        "--router-args",
+        default="",
+        help="more flags for the router, one string (e.g. --router-args=--no-step-streams)",
+    )
+    add(
         "--aggregated-args",
         help="more flags for the aggregated worker (default: cuda '--gpu-memory-utilization 0.9')",
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shlex
 import subprocess
 import sys
 import time
@@ -132,7 +133,7 @@ class Sweep:
         """Start the cluster, warm it, measure every point, stop it."""
         a = self.a
         common, roles = worker_roles(config, a)
-        router = ["--model", a.model, "-k", str(config.k if config.spec else 0)]
+        router = ["--model", a.model, "-k", str(config.k if config.spec else 0), *shlex.split(a.router_args)]
         cluster = LocalCluster(common, router, roles, http_port=-1, start_timeout_s=a.start_timeout_s)
         cluster.start()
         try:
@@ -224,11 +225,12 @@ def report(payload: dict, a: argparse.Namespace) -> str:
 
 
 def flags_note(a: argparse.Namespace) -> str:
-    """The workers' own flags the sweep was given (they change what a row measures, e.g.
-    ``--stream-interval``), one line; "" when none."""
+    """The router's and the workers' own flags the sweep was given (they change what a row
+    measures, e.g. ``--stream-interval``), one line; "" when none."""
     given = [
         f"{who} `{flags}`"
         for who, flags in (
+            ("router", a.router_args),
             ("every worker", a.worker_args),
             ("aggregated", a.aggregated_args),
             ("prefill", a.prefill_args),
@@ -236,7 +238,7 @@ def flags_note(a: argparse.Namespace) -> str:
         )
         if flags.strip()
     ]
-    return f"\nWorker flags: {'; '.join(given)}.\n" if given else ""
+    return f"\nFlags: {'; '.join(given)}.\n" if given else ""
 
 
 def last_line(error: str) -> str:

@@ -254,6 +254,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         router_deadlines(router),
         openai,
         process_settings(from_args(ProcessOptions, args)),
+        step_streams=router.step_streams,
     )
     with exit_on_busy_port("router"):
         asyncio.run(run_router(config))

@@ -340,6 +340,13 @@ class RouterOptions:
         "longest wait between two messages of a Decode stream (then: UNAVAILABLE)",
         positive,
     )
+    step_streams: bool = _option(
+        True,
+        "each decode or aggregated worker streams its tokens as one message per engine step per "
+        "router (one Steps stream per worker), not one message per request per step: the per-request "
+        "stream, the A/B baseline of the served-speed benchmark",
+        flags=("--no-step-streams",),
+    )
     http_max_connections: int = _option(
         _HTTP.max_connections,
         "open HTTP connections at most (fewer if the open-file limit leaves fewer); a new one "

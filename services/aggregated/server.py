@@ -14,6 +14,7 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import write_stream
 from services.worker.outputs import OutputStream
 from services.worker.request_rpc import request_rpc
+from services.worker.step_streams import StepsClosed, StepStreams
 from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
 
@@ -28,8 +29,10 @@ class AggregatedStats(wpb_grpc.PrefillWorkerServicer):
 
 
 class AggregatedServicer(cpb_grpc.TandemServicer):
-    def __init__(self, worker: WorkerBase) -> None:
+    def __init__(self, worker: WorkerBase, steps: StepStreams | None = None) -> None:
+        """``steps``: the worker's Steps streams, which a Generate's metadata may name."""
         self.worker = worker
+        self.steps = steps or StepStreams()
 
     @request_rpc(new_work=True)
     async def Generate(self, request: cpb.GenerateRequest, context) -> None:
@@ -43,13 +46,19 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
         stream = OutputStream()
+        outbox = self.steps.bound(context)
         try:
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_request(prompt, sampling, rid, num_spec_tokens=k)  # noqa: E731
             async for chunk in stream.chunks(w.loop, rid, submit):
-                yield cpb.GenerateResponse(request_id=rid, chunk=chunk)
+                if outbox is None:
+                    yield cpb.GenerateResponse(request_id=rid, chunk=chunk)
+                else:
+                    outbox.put(rid, chunk)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StepsClosed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         w.record_spec_metrics()
         w.record_finished(stream.last, stream.last.finish_reason or "stop", stream.streamed)
         yield cpb.GenerateResponse(request_id=rid, complete=stream.complete(stream.last.usage.prompt_tokens))

@@ -30,6 +30,7 @@ from services.common.transfer_failure import describe_landing
 from services.engine.checks import RequestExists
 from services.worker.outputs import OutputStream
 from services.worker.request_rpc import request_rpc
+from services.worker.step_streams import StepsClosed, StepStreams
 from services.worker.transfer_proto import endpoint_to_proto
 from services.worker.worker import WorkerBase, sampling_from_proto, spec_tokens_from_proto
 
@@ -51,8 +52,10 @@ class _Reservation:
 
 
 class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: WorkerBase) -> None:
+    def __init__(self, worker: WorkerBase, steps: StepStreams | None = None) -> None:
+        """``steps``: the worker's Steps streams, which a Decode's metadata may name."""
         self.worker = worker
+        self.steps = steps or StepStreams()
         self.reserved: dict[str, _Reservation] = {}
         self.reserving: dict[str, asyncio.Future] = {}  # Reserve calls still taking pages
         self.expired: dict[str, float] = {}  # request id -> the lease it outlived (s), latest last
@@ -223,11 +226,17 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_prefilled(rid, prompt, aux, sampling, k)  # noqa: E731
             stream = OutputStream(skip=1)  # the first token came with the prefill's answer
+            outbox = self.steps.bound(context)
             try:
                 async for chunk in stream.chunks(w.loop, rid, submit):
-                    yield wpb.DecodeResponse(chunk=chunk)
+                    if outbox is None:
+                        yield wpb.DecodeResponse(chunk=chunk)
+                    else:
+                        outbox.put(rid, chunk)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except StepsClosed as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             w.record_spec_metrics()
             w.record_finished(stream.last, stream.last.finish_reason or "stop", stream.streamed)
             yield wpb.DecodeResponse(complete=stream.complete(len(prompt), cached=False))

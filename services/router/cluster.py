@@ -3,6 +3,8 @@
 Invariants:
 - ``channels`` has one open channel per registered worker id (``connect`` replaces an
   older one, ``disconnect`` closes it); a worker absent from ``channels`` gets no calls.
+- ``links`` has a Steps stream (step_links.py) per registered decode or aggregated worker,
+  closed with its channel, unless ``step_streams`` is off.
 - Background work (pair tests, releases) runs as tasks ``spawn`` keeps alive until they
   end; ``close`` cancels them and closes every channel.
 - Every unary call to a worker has a deadline from ``deadlines`` (set from the router's
@@ -28,6 +30,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.security import TlsConfig, aio_channel, worker_token
 from services.router.registry import Registry, Worker
+from services.router.step_links import Attached, StepsLink
 
 CALL_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 120.0
@@ -63,6 +66,8 @@ class Cluster:
         self.tls = tls
         self.service_secret = service_secret  # calls to worker X carry X's worker token
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.step_streams = True  # chunks come on Steps streams (the router's --step-streams)
+        self.links: dict[str, StepsLink] = {}  # worker id -> its Steps stream
         self._tasks: set[asyncio.Task] = set()
         self._salt, self._serials = secrets.token_hex(3), itertools.count(1)
         self.started = time.monotonic()  # requests may wait a while for the first workers
@@ -74,15 +79,31 @@ class Cluster:
         return f"{self._salt}{next(self._serials)}"
 
     async def connect(self, info: rpb.RankInfo) -> None:
-        """Open the channel to a (re-)registering worker, closing the one it had."""
+        """Open the channel to a (re-)registering worker, closing the one it had, and its
+        Steps stream when it streams tokens (a decode or aggregated worker)."""
         await self.disconnect(info.instance_id)
         token = worker_token(self.service_secret, info.instance_id) if self.service_secret else ""
-        self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, token)
+        channel = self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, token)
+        if self.step_streams and info.role in (rpb.ROLE_DECODE, rpb.ROLE_BOTH):
+            self.links[info.instance_id] = StepsLink(channel, info.instance_id)
 
     async def disconnect(self, worker_id: str) -> None:
+        link = self.links.pop(worker_id, None)
+        if link is not None:
+            link.close()
         channel = self.channels.pop(worker_id, None)
         if channel is not None:
             await channel.close()
+
+    def attach_steps(self, worker_id: str, attempt: str) -> Attached:
+        """Where ``attempt``'s chunks from ``worker_id`` will come, and its call's metadata:
+        (None, None) when they come on the call itself (no Steps stream ready)."""
+        link = self.links.get(worker_id)
+        return link.attach(attempt) if link is not None else (None, None)
+
+    def detach_steps(self, worker_id: str, attempt: str) -> None:
+        if (link := self.links.get(worker_id)) is not None:
+            link.detach(attempt)
 
     def decode_stub(self, worker_id: str) -> wpb_grpc.DecodeWorkerStub:
         return wpb_grpc.DecodeWorkerStub(self.channels[worker_id])
@@ -136,6 +157,9 @@ class Cluster:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()

@@ -53,8 +53,9 @@ from services.router.step_failures import (
     prefill_failure,
     reserve_failure,
 )
+from services.router.step_links import Mailbox
 from services.router.stream_text import StreamText
-from services.router.streams import StreamStalled, idle_bounded
+from services.router.streams import StreamStalled, idle_bounded, steps_relayed
 
 MAX_ATTEMPTS = 3  # workers excluded after failing before a request gives up
 QUEUE_TIMEOUT_S = 120.0  # how long a request waits for free pages
@@ -62,6 +63,10 @@ QUEUE_BACKOFF_S, QUEUE_BACKOFF_MAX_S = 0.02, 0.5
 NO_PAIR = "no ready prefill/decode pair"
 
 Messages = AsyncIterator[cpb.GenerateResponse]
+
+
+def _decode_chunk(chunk: cpb.Chunk) -> wpb.DecodeResponse:
+    return wpb.DecodeResponse(chunk=chunk)
 
 
 @dataclass(eq=False)
@@ -242,19 +247,22 @@ class RequestFlow:
             yield msg.complete(self.rid, reason, self.usage.merged())
             return
         decode.inflight += 1
+        box, metadata = self.cluster.attach_steps(decode.id, self.attempt)
         call = self.cluster.decode_stub(decode.id).Decode(
-            msg.decode_request(self.attempt, self.token_ids, self.request, self.first.first_token_id)
+            msg.decode_request(self.attempt, self.token_ids, self.request, self.first.first_token_id),
+            metadata=metadata,
         )
         # reserved_on stays set until the stream completes: a Decode call cancelled before the
         # worker saw it would otherwise orphan the reservation until its lease ran out
         self.call, self.workers = call, (decode.id,)
         try:
-            async for message in self._relay(call, decode):
+            async for message in self._relay(self._messages(call, box, decode.id, _decode_chunk), decode):
                 yield message
         except (grpc.aio.AioRpcError, asyncio.CancelledError, StreamStalled) as e:
             for message in decode_failure(self, e, decode.id):
                 yield message
         finally:
+            self.cluster.detach_steps(decode.id, self.attempt)
             self.call, self.workers = None, ()
             decode.inflight -= 1
             if not call.done():
@@ -265,19 +273,23 @@ class RequestFlow:
         self._mark_scheduled()  # the worker's engine queues it from here
         self.attempts += 1
         self.served_by = worker.id
+        box, metadata = self.cluster.attach_steps(worker.id, self.attempt)
         call = self.cluster.tandem_stub(worker.id).Generate(
-            msg.forward_request(self.attempt, self.token_ids, self.request)
+            msg.forward_request(self.attempt, self.token_ids, self.request), metadata=metadata
         )
         self.call, self.workers, self.lost = call, (worker.id,), ""
         worker.inflight += 1
+        attempt = self.attempt
+        as_message = lambda chunk: cpb.GenerateResponse(request_id=attempt, chunk=chunk)  # noqa: E731
         try:
-            async for message in self._forwarded(call):
+            async for message in self._forwarded(self._messages(call, box, worker.id, as_message)):
                 yield message
             self.cluster.registry.index.record(worker.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError, StreamStalled) as e:
             for message in forward_failure(self, e, worker.id):
                 yield message
         finally:
+            self.cluster.detach_steps(worker.id, attempt)
             self.call, self.workers = None, ()
             worker.inflight -= 1
 
@@ -317,11 +329,19 @@ class RequestFlow:
             waiting.dec()
         return min(2 * backoff, QUEUE_BACKOFF_MAX_S)
 
-    async def _relay(self, call, decode: Worker) -> Messages:
+    def _messages(self, call, box: Mailbox | None, worker_id: str, as_message) -> AsyncIterator:
+        """A worker's stream under its idle deadline, its chunks from the worker's Steps
+        stream when ``box`` is attached to it (``as_message``: a chunk as the call's message)."""
+        idle_s = self.cluster.deadlines.stream_idle_s
+        if box is None:
+            return idle_bounded(call, idle_s)
+        return steps_relayed(call, box, idle_s, as_message, worker_id)
+
+    async def _relay(self, messages: AsyncIterator, decode: Worker) -> Messages:
         """Decode's messages as this request's; at its complete, what decode now caches."""
         last = time.monotonic()
         tokens = [*self.token_ids, self.first.first_token_id]  # what decode's cache will hold
-        async for message in idle_bounded(call, self.cluster.deadlines.stream_idle_s):
+        async for message in messages:
             kind = message.WhichOneof("payload")
             if kind == "chunk":
                 ids = list(message.chunk.token_ids)
@@ -339,10 +359,10 @@ class RequestFlow:
                 yield msg.complete(self.rid, message.complete.finish_reason, self.usage.merged())
                 return
 
-    async def _forwarded(self, call) -> Messages:
+    async def _forwarded(self, messages: AsyncIterator) -> Messages:
         """An aggregated worker's messages, their chunks given text."""
         first, last = True, time.monotonic()
-        async for message in idle_bounded(call, self.cluster.deadlines.stream_idle_s):
+        async for message in messages:
             if message.WhichOneof("payload") == "chunk":
                 now = time.monotonic()
                 if first:

@@ -102,6 +102,7 @@ class RouterConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)  # of the calls to workers
     openai: OpenAIOptions = field(default_factory=OpenAIOptions)
     process: ProcessSettings = field(default_factory=ProcessSettings)
+    step_streams: bool = True  # workers' chunks come on Steps streams (services/router/step_links.py)
 
 
 async def run_router(
@@ -120,6 +121,7 @@ async def run_router(
     router = RouterAPI(c.limits, metrics, c.options, c.tokenizer)
     router.log_requests = c.process.log_requests
     router.cluster.deadlines = c.deadlines
+    router.cluster.step_streams = c.step_streams
     opts = c.options
     server, health, port = await start_server(
         lambda s: add_router_servicers(s, router),

@@ -162,8 +162,10 @@ def test_forced_acceptance_through_the_launcher_gives_exactly_n_plus_one(tmp_pat
     assert serve_sweep.FORCED_NOTE in (tmp_path / "sweep.md").read_text()
 
 
-def test_the_report_names_the_workers_own_flags():
+def test_the_report_names_the_router_and_workers_own_flags():
     a = parse(["--device", "cpu", "--worker-args", "--stream-interval 8", "--decode-args", "--tp 2"])
-    want = "\nWorker flags: every worker `--stream-interval 8`; decode `--tp 2`.\n"
+    want = "\nFlags: every worker `--stream-interval 8`; decode `--tp 2`.\n"
     assert serve_sweep.flags_note(a) == want
+    a = parse(["--device", "cpu", "--router-args=--no-step-streams"])
+    assert serve_sweep.flags_note(a) == "\nFlags: router `--no-step-streams`.\n"
     assert serve_sweep.flags_note(parse(["--device", "cpu"])) == ""

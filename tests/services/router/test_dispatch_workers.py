@@ -12,10 +12,12 @@ import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
+from services.common import faults
 from services.engine.config import EngineConfig
 from services.router.api import RouterSettings
 from services.router.errors import ErrorCode, RouterError
 from services.router.main import RouterConfig, model_limits, run_router
+from services.router.step_links import Mailbox
 from services.worker.serve import run_worker
 from services.worker.worker import WorkerConfig
 from services.worker_roles import WORKER_ROLES
@@ -201,6 +203,63 @@ def test_losing_the_decode_worker_after_the_first_token_fails_the_request_unavai
     assert (error.code, error.message) == (ErrorCode.UNAVAILABLE, "decode worker decode-0 is unavailable")
     assert _requests(api, "unavailable") == before + 1
     assert held == 0  # the cancelled Decode call freed the worker's pages
+
+
+def _decoded(messages) -> list[list[int]]:
+    return [list(m.chunk.token_ids) for m in messages if m.WhichOneof("payload") == "chunk"]
+
+
+def test_decode_chunks_come_on_the_steps_stream_token_for_token_as_on_the_call(cluster, monkeypatch):
+    api = cluster.bound["router"]
+    link = api.cluster.links["decode-0"]
+    relayed = []
+    put = Mailbox.put
+    monkeypatch.setattr(Mailbox, "put", lambda box, item: (relayed.append(item), put(box, item))[1])
+
+    async def scenario():
+        on_steps = [m async for m in api.generate(_request("steps", max_tokens=12))]
+        counted = len([c for c in relayed if isinstance(c, cpb.Chunk)])
+        link.ready = False  # attach() says no: the Decode call streams its own chunks
+        try:
+            on_call = [m async for m in api.generate(_request("call", max_tokens=12))]
+        finally:
+            link.ready = True
+        after = len([c for c in relayed if isinstance(c, cpb.Chunk)])
+        return on_steps, counted, on_call, after, link.mailboxes
+
+    on_steps, counted, on_call, counted_after, attached = cluster.run(scenario())
+    tokens = sum(_decoded(on_steps), [])
+    assert len(tokens) == 12 and tokens == sum(_decoded(on_call), [])
+    assert counted >= 1 and counted_after == counted  # the second request's chunks came on its call
+    assert on_steps[-1].complete.usage.completion_tokens == 12
+    assert attached == {}
+
+
+def test_a_steps_stream_that_ends_mid_request_ends_it_unavailable_and_frees_its_pages(cluster, monkeypatch):
+    api = cluster.bound["router"]
+    link = api.cluster.links["decode-0"]
+    monkeypatch.setitem(faults.FAULTS, "engine.step", 0.02)  # 64 tokens take over a second
+
+    async def scenario():
+        messages = api.generate(_request("cut", max_tokens=64))
+        await anext(messages)
+        await anext(messages)  # the Decode stream is running, its chunks on the Steps stream
+        link.call.cancel()
+        with pytest.raises(RouterError) as e:
+            async for _ in messages:
+                pass
+        held = await _until_no_pages_held(api)
+        while not link.ready:  # a new stream opens RETRY_S later
+            await asyncio.sleep(0.05)
+        after = [m async for m in api.generate(_request("after-cut", max_tokens=4))]
+        return e.value, held, after
+
+    error, held, after = cluster.run(scenario())
+    assert error.code == ErrorCode.UNAVAILABLE
+    assert error.message.startswith("decode worker decode-0 is unavailable: the router's steps stream ")
+    assert error.message.endswith(" ended")
+    assert held == 0
+    assert after[-1].complete.usage.completion_tokens == 4
 
 
 HOG_TOKENS = 60  # a reservation holding most of the decode worker's 96 tokens

@@ -75,7 +75,7 @@ class _Stubs:
         reservation = wpb.Reservation(request_id="r", decode_instance_id=worker_id)
         stub.Reserve = lambda request, timeout: _answer(wpb.ReserveResponse(reservation=reservation))
         stub.Release = lambda request, timeout: _answer(wpb.ReleaseResponse(released=False))
-        stub.Decode = lambda request: self.stream
+        stub.Decode = lambda request, metadata=None: self.stream
         return stub
 
     def prefill(self, worker_id: str):
@@ -128,7 +128,7 @@ def test_an_aggregated_workers_stream_past_its_idle_deadline_ends_unavailable():
     async def setup(api):
         await api.registration.register(reg.RegisterRequest(rank_info=rank_info("both-0", rpb.ROLE_BOTH)))
         tandem = type("Tandem", (), {})()
-        tandem.Generate = lambda request: stream
+        tandem.Generate = lambda request, metadata=None: stream
         api.cluster.tandem_stub = lambda worker_id: tandem
 
     error, tokens = _stalled(setup)
