@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 
 import grpc
@@ -50,11 +51,11 @@ class AggregatedServicer(cpb_grpc.TandemServicer):
         try:
             k = spec_tokens_from_proto(request.speculative)
             submit = lambda: w.engine.add_request(prompt, sampling, rid, num_spec_tokens=k)  # noqa: E731
-            async for chunk in stream.chunks(w.loop, rid, submit):
-                if outbox is None:
+            if outbox is None:
+                async for chunk in stream.chunks(w.loop, rid, submit):
                     yield cpb.GenerateResponse(request_id=rid, chunk=chunk)
-                else:
-                    outbox.put(rid, chunk)
+            else:
+                await stream.send(w.loop, rid, submit, functools.partial(outbox.put, rid))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StepsClosed as e:

@@ -14,6 +14,7 @@ The receive waits for the transfer's first message for as long as the reservatio
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -228,11 +229,11 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             stream = OutputStream(skip=1)  # the first token came with the prefill's answer
             outbox = self.steps.bound(context)
             try:
-                async for chunk in stream.chunks(w.loop, rid, submit):
-                    if outbox is None:
+                if outbox is None:
+                    async for chunk in stream.chunks(w.loop, rid, submit):
                         yield wpb.DecodeResponse(chunk=chunk)
-                    else:
-                        outbox.put(rid, chunk)
+                else:
+                    await stream.send(w.loop, rid, submit, functools.partial(outbox.put, rid))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except StepsClosed as e:

@@ -50,6 +50,15 @@ is blocked, e.g. on pages), unless a call or a stop wakes it sooner."""
 _Call = tuple[Callable[[], Any], asyncio.Future]
 
 
+class _Sink:
+    """A request's outputs to a function, where a reader's queue would take them."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, take: Callable[[Any], None]) -> None:
+        self.put_nowait = take
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -69,7 +78,7 @@ class EngineLoop:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self._started: set[str] = set()  # requests whose first output came and that run on
-        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._streams: dict[str, asyncio.Queue | _Sink] = {}  # event-loop thread only
         self._calls: deque[_Call] = deque()  # appended by the event loop, taken by the engine thread
         self._wake = threading.Condition()  # guards _calls and _stopping
         self._stopping = False
@@ -140,6 +149,40 @@ class EngineLoop:
                 if out.finished:
                     finished = True
                     return
+        finally:
+            self._streams.pop(request_id, None)
+            self._started.discard(request_id)
+            if not finished:
+                await asyncio.shield(self.call(self.engine.abort, request_id))
+
+    async def delivered(self, request_id: str, submit: Callable[[], Any], sink: Callable[[Any], None]) -> Any:
+        """Submit a request and call ``sink(output)`` with each of its outputs as the step's
+        outputs come (in the callback that delivers them, with no task woken per output);
+        returns the finished output. An exception from ``sink`` or the step ends the request
+        and is raised here; so does cancelling the wait. Either aborts it in the engine."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def take(out: Any) -> None:
+            if done.done():
+                return
+            if isinstance(out, BaseException):
+                done.set_exception(out)
+                return
+            try:
+                sink(out)
+            except Exception as e:
+                done.set_exception(e)
+                return
+            if out.finished:
+                done.set_result(out)
+
+        self._streams[request_id] = _Sink(take)
+        finished = False
+        try:
+            await self.call(submit)
+            out = await done
+            finished = True
+            return out
         finally:
             self._streams.pop(request_id, None)
             self._started.discard(request_id)

@@ -42,14 +42,34 @@ class OutputStream:
     ) -> AsyncIterator[cpb.Chunk]:
         """Submit the request on the engine thread and yield a chunk per output that adds tokens."""
         async for out in loop.outputs(rid, submit, merge=merged_deltas):
-            self.last = out
-            ids, logprobs = out.token_ids, out.logprobs
-            if self.skip:
-                n = min(self.skip, len(ids))
-                ids, logprobs, self.skip = ids[n:], logprobs and logprobs[n:], self.skip - n
-            if ids:
-                yield cpb.Chunk(token_ids=ids, logprobs=logprobs_to_proto(logprobs))
-                self.streamed += len(ids)
+            if (chunk := self._chunk(out)) is not None:
+                yield chunk
+
+    async def send(
+        self, loop: EngineLoop, rid: str, submit: Callable[[], object], send: Callable[[cpb.Chunk], None]
+    ) -> None:
+        """Submit the request and ``send`` a chunk per output that adds tokens, as each
+        step's outputs are delivered (no task woken per step: for a Steps stream's outbox,
+        services/worker/step_streams.py); returns once the request finished. An exception
+        from ``send`` ends the request and is raised here."""
+
+        def sink(out: RequestOutput) -> None:
+            if (chunk := self._chunk(out)) is not None:
+                send(chunk)
+
+        await loop.delivered(rid, submit, sink)
+
+    def _chunk(self, out: RequestOutput) -> cpb.Chunk | None:
+        """``out``'s tokens past ``skip`` as a chunk (None: it adds none); counts them."""
+        self.last = out
+        ids, logprobs = out.token_ids, out.logprobs
+        if self.skip:
+            n = min(self.skip, len(ids))
+            ids, logprobs, self.skip = ids[n:], logprobs and logprobs[n:], self.skip - n
+        if not ids:
+            return None
+        self.streamed += len(ids)
+        return cpb.Chunk(token_ids=ids, logprobs=logprobs_to_proto(logprobs))
 
     def complete(self, prompt_tokens: int, cached: bool = True) -> cpb.Complete:
         """The final message: finish reason and usage (``cached``: report the prefix

@@ -231,3 +231,52 @@ def test_stepping_is_true_inside_a_step_only(pair):
 
     assert asyncio.run(scenario()) is False
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_delivered_outputs_equal_generate_across_churn_and_a_failing_sink_aborts(pair, k):
+    """``delivered`` hands each delta output to a sink in the delivering callback: the
+    tokens equal ``Engine.generate``'s across staggered joins and preemption; a sink that
+    raises mid-request ends it with that error and frees its pages, as a cancelled wait does."""
+    prompts = random_prompts(6, seed=12, min_len=4, max_len=30)
+    lengths = [5, 24, 9, 17, 24, 12]
+    expected = make_engine(pair, k=k).generate(prompts, [greedy(n) for n in lengths])
+    engine = make_engine(pair, k=k, num_pages=(24, 24), output_kind="delta")
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+        def sink(i: int, out) -> None:
+            tokens[i] += out.new_token_ids
+            if i == 4 and len(tokens[i]) >= 3:
+                raise ValueError("the stream closed")
+
+        async def one(i: int):
+            await asyncio.sleep(0.005 * max(0, i - 3))
+            submit = lambda: engine.add_request(prompts[i], greedy(lengths[i]), f"r{i}")  # noqa: E731
+            try:
+                return await loop.delivered(f"r{i}", submit, lambda out: sink(i, out))
+            except ValueError as e:
+                return e
+
+        async def cancelled():
+            submit = lambda: engine.add_request(prompts[0], greedy(60), "c")  # noqa: E731
+            task = asyncio.ensure_future(loop.delivered("c", submit, lambda out: None))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))), cancelled())
+        await loop.call(assert_pools_empty, engine)  # the failed and the cancelled ones' pages too
+        await loop.stop()
+        return results[: len(prompts)], tokens
+
+    results, tokens = asyncio.run(scenario())
+    assert engine.scheduler.num_preemptions > 0
+    assert str(results[4]) == "the stream closed" and 3 <= len(tokens[4]) < lengths[4]
+    for i, out in enumerate(results):
+        if i != 4:
+            assert out.finished and tokens[i] == expected[i].token_ids, i
