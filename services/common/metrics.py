@@ -198,12 +198,23 @@ class Metrics:
         )
         self.thread_cpu = ThreadCPU()  # tandem_thread_cpu_seconds_total: event_loop, engine (a worker's)
         r.register(self.thread_cpu)
-        self.ready_pairs = None  # the router's alone
+        self.ready_pairs = self.step_streams = self.step_stream_chunks = None  # the router's alone
         if self.role == "router":
             self.ready_pairs = Gauge(
                 "tandem_ready_pairs",
                 "Prefill/decode pairs ready to take requests, an aggregated worker counting one; "
                 "the router's: 0 = it serves nothing",
+                registry=r,
+            )
+            self.step_streams = Gauge(
+                "tandem_step_streams",
+                "Steps streams open from decode and aggregated workers, each carrying every "
+                "request's chunks of an engine step in one message (0 with --no-step-streams)",
+                registry=r,
+            )
+            self.step_stream_chunks = Counter(
+                "tandem_step_stream_chunks",
+                "Request chunks that came on Steps streams (the others came on their own calls)",
                 registry=r,
             )
 

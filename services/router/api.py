@@ -102,6 +102,8 @@ class RouterAPI:
         self.flows: dict[tuple[str, str], RequestFlow] = {}
         if metrics.ready_pairs is not None:  # read when scraped
             metrics.ready_pairs.set_function(lambda: self.cluster.registry.num_serving())
+            metrics.step_streams.set_function(lambda: sum(link.ready for link in self.cluster.links.values()))
+            self.cluster.count_step_chunks = metrics.step_stream_chunks.inc
         self.health_monitor = HealthMonitor(
             self.cluster, self.flows, options.health_timeout_s, options.health_misses, self.registration.heal
         )

@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +68,7 @@ class Cluster:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.step_streams = True  # chunks come on Steps streams (the router's --step-streams)
         self.links: dict[str, StepsLink] = {}  # worker id -> its Steps stream
+        self.count_step_chunks: Callable[[int], None] = lambda n: None  # chunks that came on them
         self._tasks: set[asyncio.Task] = set()
         self._salt, self._serials = secrets.token_hex(3), itertools.count(1)
         self.started = time.monotonic()  # requests may wait a while for the first workers
@@ -85,7 +86,7 @@ class Cluster:
         token = worker_token(self.service_secret, info.instance_id) if self.service_secret else ""
         channel = self.channels[info.instance_id] = aio_channel(info.grpc_address, self.tls, token)
         if self.step_streams and info.role in (rpb.ROLE_DECODE, rpb.ROLE_BOTH):
-            self.links[info.instance_id] = StepsLink(channel, info.instance_id)
+            self.links[info.instance_id] = StepsLink(channel, info.instance_id, self.count_step_chunks)
 
     async def disconnect(self, worker_id: str) -> None:
         link = self.links.pop(worker_id, None)

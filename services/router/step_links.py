@@ -21,6 +21,7 @@ import itertools
 import logging
 import secrets
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -65,8 +66,12 @@ class StepsLink:
     _ids = itertools.count(1)
     _salt = secrets.token_hex(3)
 
-    def __init__(self, channel: grpc.aio.Channel, worker_id: str) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, worker_id: str, count: Callable[[int], None] = lambda n: None
+    ) -> None:
+        """``count(n)``: told the chunks of each message (the router's metric)."""
         self.worker_id = worker_id
+        self.count = count
         self.stub = wpb_grpc.WorkerStreamsStub(channel)
         self.stream_id = ""  # of the stream open now; "" while none is
         self.call: grpc.aio.UnaryStreamCall | None = None  # the stream's call, once opened
@@ -110,6 +115,7 @@ class StepsLink:
         try:
             async for message in self.call:
                 self.ready = True
+                self.count(len(message.chunks))
                 for item in message.chunks:
                     if (box := self.mailboxes.get(item.request_id)) is not None:
                         box.put(item.chunk)

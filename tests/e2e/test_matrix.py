@@ -3,6 +3,8 @@ tokens: {aggregated, disaggregated} x {no drafter, drafter unified, drafter sepa
 {TP 1, TP 2} (disaggregated: prefill TP 1 or 2 into decode TP 1), and TP 1 with
 ``--overlap-decode`` (aggregated, and on the decode side of a transfer). The aggregated and
 the decode worker of TP 1 stream with ``--stream-interval 3``: the same tokens, in fewer chunks.
+The router relays the decode and aggregated workers' chunks on Steps streams, one per worker,
+except in the separate-drafter cluster, whose router runs ``--no-step-streams``.
 
 One cluster per drafter setting: a router, an aggregated worker of TP 1 and one of TP 2,
 a prefill worker of TP 1 and one of TP 2, one decode worker of TP 1, and an aggregated and a
@@ -53,6 +55,7 @@ EXTRA_ARGS = {
     "both-5": ["--overlap-decode"],
     "decode-6": ["--overlap-decode"],
 }
+ROUTER_ARGS = {"separate": ["--no-step-streams"]}  # its calls carry their own chunks, per request
 ROLES = [  # name in the cluster -> (role, TP size)
     ("both-0", ("both", 1)),
     ("both-1", ("both", 2)),  # and the mixed policy, its prompts in 16-token steps
@@ -83,7 +86,7 @@ def cluster(request, tiny_pair, target_only):  # the reference first: idle proce
     if request.param == "none":
         worker = _without_drafter(worker)
     roles = [(role, ["--tp", str(tp), *EXTRA_ARGS.get(name, [])]) for name, (role, tp) in ROLES]
-    cluster = LocalCluster(worker, router, roles, start_timeout_s=120)
+    cluster = LocalCluster(worker, router + ROUTER_ARGS.get(request.param, []), roles, start_timeout_s=120)
     cluster.start()
     yield cluster
     cluster.stop()
@@ -136,6 +139,20 @@ def test_the_router_serves_every_prompt_and_no_page_stays_held(cluster, target_o
         assert tokens == ref, len(prompt)
         assert {t.group for t in complete.usage.transfers} >= {"target"}
     assert_no_request_holds_pages(cluster)
+
+
+def test_the_router_relayed_on_steps_streams_unless_told_not_to(cluster):
+    """One Steps stream per decode and aggregated worker carried the chunks of the requests
+    above; a router with ``--no-step-streams`` opened none, its calls carrying their own."""
+    router = next(p for p in cluster.processes if p.name == "router")
+    text = urllib.request.urlopen(router.metrics, timeout=5).read().decode()
+    streams = metric_sample(text, "tandem_step_streams")
+    chunks = metric_sample(text, "tandem_step_stream_chunks_total")
+    if "--no-step-streams" in cluster.router_args:
+        assert (streams, chunks) == (0, 0)
+    else:
+        assert streams == len([n for n, (role, _) in ROLES if role in ("both", "decode")])
+        assert chunks > 0
 
 
 def _drafter_of(cluster: LocalCluster) -> str:
