@@ -45,6 +45,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: WorkerBase, peers: PeerRegistry) -> None:
         self.worker = worker
         self.peers = peers
+        self._releases: set[asyncio.Task] = set()  # releases of parked requests, running
 
     @request_rpc(new_work=True)
     async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
@@ -69,11 +70,27 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
             usage = await self._transfer(request, target, final, context)
-        finally:  # shielded: a second cancel (the router gone) must not drop the release
+        finally:  # whatever ends the call (a cancel too), the parked request is released
             if final is not None and final.finish_reason == "prefilled":
-                await asyncio.shield(w.loop.call(w.engine.release, rid))
+                self._release(rid)
         w.record_finished(final, "ok", generated=1)  # the first token
         return _response(final, usage)
+
+    def _release(self, rid: str) -> None:
+        """Give a parked request's pages to the prefix cache, in the background: the engine
+        thread runs it between two steps, and the router's answer (the first token) need
+        not wait for the step it is in (half a prefill step on average under load). Engine
+        calls run in the order asked, so a later request's submit comes after it; a
+        worker's pages are counted free once it ran (``busy_pages``, which shutdown waits
+        for)."""
+        task = asyncio.ensure_future(self.worker.loop.call(self.worker.engine.release, rid))
+        self._releases.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the loop stopped first
+            log.warning("release of a prefilled request failed: %s", task.exception())
 
     def _target(self, request: wpb.PrefillRequest) -> TransferTarget:
         """Where ``request``'s pages go, once the request is valid and its reservation names a

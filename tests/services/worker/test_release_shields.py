@@ -1,7 +1,8 @@
 """Release paths that a second cancel must not skip: the prefill worker's release of a
 parked request after its transfer, and the decode worker's freeing of a dropped
 reservation. Each is cancelled once in its work and again while its release waits for
-the engine thread; the release must still run."""
+the engine thread; the release must still run. The prefill worker's answer does not wait
+for its release."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ class _PrefilledLoop(EngineLoop):
 
     async def outputs(self, rid, submit):
         usage = SimpleNamespace(cached_tokens={})
-        yield SimpleNamespace(finish_reason="prefilled", finished=True, usage=usage)
+        yield SimpleNamespace(
+            finish_reason="prefilled", finished=True, usage=usage, token_ids=[7], logprobs=None
+        )
 
 
 async def _cancel_twice(task: asyncio.Task, started: asyncio.Event, loop: EngineLoop) -> None:
@@ -100,3 +103,41 @@ def test_the_decode_workers_freeing_of_a_dropped_reservation_survives_a_second_c
 
     asyncio.run(scenario())
     assert engine.freed == ["r"]
+
+
+def test_the_prefill_answer_does_not_wait_for_the_engine_thread_to_release():
+    """The first token goes back while the engine thread is busy (here: not started); the
+    parked request's release runs once the engine thread takes calls again."""
+    engine = _Engine()
+
+    async def scenario():
+        loop = _PrefilledLoop(engine)
+        finished = []
+        worker = SimpleNamespace(
+            engine=engine,
+            loop=loop,
+            metrics=Metrics("prefill"),
+            draining="",
+            in_flight=0,
+            record_finished=lambda *a, **k: finished.append(a[1]),
+        )
+        servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+
+        async def transferred(request, target, final, context):
+            return wpb.PrefillResponse().usage
+
+        servicer._transfer = transferred
+        reservation = wpb.Reservation(decode_instance_id="d0", groups=[wpb.GroupPages(group="target")])
+        request = wpb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], reservation=reservation)
+        answer = await asyncio.wait_for(servicer.Prefill(request, None), 5)
+        freed_before = list(engine.freed)
+        loop.start()
+        for _ in range(100):
+            if engine.freed:
+                break
+            await asyncio.sleep(0.01)
+        await loop.stop()
+        return answer, freed_before, finished
+
+    answer, freed_before, finished = asyncio.run(scenario())
+    assert (answer.first_token_id, freed_before, engine.freed, finished) == (7, [], ["r"], ["ok"])
