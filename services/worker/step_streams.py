@@ -7,10 +7,10 @@ opens one ``WorkerStreams.Steps`` stream per worker and names it in its calls' m
 writer sends everything put since its last write as one ``StepChunks``.
 
 Invariants:
-- One write per event-loop turn at most: the engine thread delivers a step's outputs in one
-  callback, every request's handler puts its chunk in that turn, and the writer (woken by
-  the first put) runs after them. A writer still busy with the last write takes everything
-  put meanwhile in its next one.
+- One write per event-loop turn at most (more only past MESSAGE_BYTES): the engine thread
+  delivers a step's outputs in one callback, which puts every bound request's chunk, and
+  the writer (woken by the first put) runs after it. A writer still busy with the last
+  write takes everything put meanwhile in its next one.
 - A request's chunks leave in the order it put them. A closed outbox (its stream ended,
   or another stream took its id) refuses puts with ``StepsClosed``: a request bound to it
   ends UNAVAILABLE, since its remaining chunks have no way to the router.
@@ -29,6 +29,11 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.steps_metadata import STEPS_METADATA
 
 log = logging.getLogger(__name__)
+
+MESSAGE_BYTES = 1 << 20
+"""A StepChunks message holds chunks up to about this size (one larger chunk goes alone):
+a router's default limit on a received message is 4 MiB, and a stream that fell behind
+(a busy router) may have many steps of many requests, with logprobs, to send at once."""
 
 
 class StepsClosed(RuntimeError):
@@ -87,12 +92,26 @@ class StepStreams(wpb_grpc.WorkerStreamsServicer):
         try:
             await context.write(wpb.StepChunks())
             while not outbox.closed:
-                chunks = await outbox.take()
-                if chunks:
-                    await context.write(wpb.StepChunks(chunks=chunks))
+                for batch in batches(await outbox.take()):
+                    await context.write(wpb.StepChunks(chunks=batch))
         finally:
             if not outbox.closed:
                 outbox.close("ended")
             if self.outboxes.get(outbox.stream_id) is outbox:
                 del self.outboxes[outbox.stream_id]
             log.info("steps stream %r %s", outbox.stream_id, outbox.closed)
+
+
+def batches(chunks: list[wpb.RequestChunk], limit: int = MESSAGE_BYTES) -> list[list[wpb.RequestChunk]]:
+    """``chunks`` in order, cut into runs of at most ``limit`` serialized bytes (a chunk
+    larger than that alone); [] for none."""
+    out: list[list[wpb.RequestChunk]] = []
+    size = limit
+    for chunk in chunks:
+        n = chunk.ByteSize()
+        if size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(chunk)
+        size += n
+    return out

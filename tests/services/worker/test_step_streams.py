@@ -12,7 +12,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.steps_metadata import STEPS_METADATA
-from services.worker.step_streams import Outbox, StepsClosed, StepStreams
+from services.worker.step_streams import Outbox, StepsClosed, StepStreams, batches
 
 
 def _chunk(*ids: int) -> cpb.Chunk:
@@ -122,3 +122,13 @@ def test_a_steps_stream_without_an_id_is_refused():
             await server.stop(None)
 
     assert asyncio.run(scenario()) == (grpc.StatusCode.INVALID_ARGUMENT, "stream_id: empty")
+
+
+def test_chunks_are_cut_into_messages_under_the_size_limit_in_order():
+    lengths = (30, 30, 200, 5)
+    chunks = [wpb.RequestChunk(request_id=f"r{i}", chunk=_chunk(*range(n))) for i, n in enumerate(lengths)]
+    sizes = [c.ByteSize() for c in chunks]
+    limit = sizes[0] + sizes[1]  # the first two fit together; the third is over on its own
+    cut = batches(chunks, limit)
+    assert [[c.request_id for c in batch] for batch in cut] == [["r0", "r1"], ["r2"], ["r3"]]
+    assert sizes[2] > limit and batches([], limit) == []
