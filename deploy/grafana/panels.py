@@ -300,7 +300,18 @@ ROWS = (
                 "is time the engine's steps may wait for it.",
                 ((rate("tandem_thread_cpu_seconds_total", "instance, thread"), "{{instance}} {{thread}}"),),
                 unit="percentunit",
-                width=24,
+                width=12,
+            ),
+            Panel(
+                "Steps streams",
+                "Per router: the Steps streams open from decode and aggregated workers (one each; "
+                "0 with --no-step-streams), and the request chunks per second they carry, every "
+                "request's chunks of an engine step in one message.",
+                (
+                    (f"sum by (instance) (tandem_step_streams{{{JOB}}})", "open {{instance}}"),
+                    (rate("tandem_step_stream_chunks_total", "instance"), "chunks/s {{instance}}"),
+                ),
+                width=12,
             ),
         ),
     ),

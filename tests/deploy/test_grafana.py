@@ -84,7 +84,7 @@ def test_rows_are_the_ones_the_issue_lists():
 
 def test_every_panel_has_a_query_and_fits_the_grid():
     ids = [p["id"] for p in panels()]
-    assert len(ids) == len(set(ids)) == 28
+    assert len(ids) == len(set(ids)) == 29
     for p in panels():
         assert p["targets"], p["title"]
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
