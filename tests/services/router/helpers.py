@@ -1,4 +1,5 @@
-"""Shared pieces of the router's tests: workers that cannot be reached, waiting for state."""
+"""Shared pieces of the router's tests: workers that cannot be reached, a worker's stream
+call, waiting for state."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import socket
 import time
 from collections.abc import Callable
 
+import grpc
+
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
 from services.common.metrics import Metrics
@@ -14,6 +17,32 @@ from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.registry import PairState
 
 PAGE = 4
+
+
+class StreamCall:
+    """A worker's server-stream call: sends ``messages`` (an exception among them is
+    raised), then ends (``end``) or sends nothing more."""
+
+    def __init__(self, messages: list, end: bool = False) -> None:
+        self.messages, self.end, self.cancelled = list(messages), end, False
+
+    async def read(self):
+        await asyncio.sleep(0)
+        if self.messages:
+            item = self.messages.pop(0)
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        if self.end:
+            return grpc.aio.EOF
+        await asyncio.sleep(60)
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def done(self) -> bool:
+        return self.cancelled
 
 
 def dead_address() -> str:

@@ -17,29 +17,7 @@ from services.common.steps_metadata import STEPS_METADATA
 from services.router.step_links import LINK_DOWN, Mailbox, StepsLink
 from services.router.streams import StepsLost, StreamStalled, steps_relayed
 from services.worker.step_streams import StepStreams
-
-
-class _Call:
-    """A worker's Decode call: ``messages`` (an exception is raised), then its end, or
-    nothing more when ``end`` is False."""
-
-    def __init__(self, messages: list, end: bool = True) -> None:
-        self.messages, self.end, self.cancelled = list(messages), end, False
-
-    async def read(self):
-        await asyncio.sleep(0)
-        if self.messages:
-            item = self.messages.pop(0)
-            if isinstance(item, BaseException):
-                raise item
-            return item
-        if self.end:
-            return grpc.aio.EOF
-        await asyncio.sleep(60)
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
+from tests.services.router.helpers import StreamCall
 
 
 def _complete(tokens: int) -> wpb.DecodeResponse:
@@ -60,13 +38,13 @@ def _shown(message) -> object:
     return f"complete: {message.complete.usage.completion_tokens}"
 
 
-async def _relayed(call: _Call, box: Mailbox, idle_s: float = 5.0) -> list:
+async def _relayed(call: StreamCall, box: Mailbox, idle_s: float = 5.0) -> list:
     return [_shown(m) async for m in steps_relayed(call, box, idle_s, _as_message, "d0")]
 
 
 def test_a_complete_that_overtakes_its_last_chunks_waits_for_them():
     async def scenario():
-        box, call = Mailbox(), _Call([_complete(3)])
+        box, call = Mailbox(), StreamCall([_complete(3)], end=True)
         box.put(cpb.Chunk(token_ids=[1]))
 
         async def late():
@@ -86,7 +64,7 @@ def test_chunks_that_queued_come_as_one_but_never_the_first():
         box = Mailbox()
         for token in (1, 2, 3, 4):
             box.put(cpb.Chunk(token_ids=[token], logprobs=[cpb.TokenLogprobs(token_id=token)]))
-        out = [m async for m in steps_relayed(_Call([_complete(4)]), box, 5.0, _as_message, "d0")]
+        out = [m async for m in steps_relayed(StreamCall([_complete(4)]), box, 5.0, _as_message, "d0")]
         return [([*m.chunk.token_ids], [lp.token_id for lp in m.chunk.logprobs]) for m in out[:-1]]
 
     assert asyncio.run(scenario()) == [([1], [1]), ([2, 3, 4], [2, 3, 4])]
@@ -96,7 +74,7 @@ def test_an_error_and_the_complete_come_after_every_chunk():
     async def scenario():
         box = Mailbox()
         error = wpb.DecodeResponse(error=cpb.Error(message="grammar"))
-        call = _Call([error, _complete(2)])
+        call = StreamCall([error, _complete(2)])
 
         async def late():
             await asyncio.sleep(0.05)
@@ -114,7 +92,7 @@ def test_an_error_and_the_complete_come_after_every_chunk():
 
 def test_a_call_that_streams_its_own_chunks_is_relayed_as_it_comes():
     chunk = wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=[7, 8]))
-    assert asyncio.run(_relayed(_Call([chunk, _complete(2)]), Mailbox())) == [[7, 8], "complete: 2"]
+    assert asyncio.run(_relayed(StreamCall([chunk, _complete(2)]), Mailbox())) == [[7, 8], "complete: 2"]
 
 
 def test_a_stream_that_ends_with_a_completed_calls_chunks_missing_raises_steps_lost():
@@ -124,7 +102,8 @@ def test_a_stream_that_ends_with_a_completed_calls_chunks_missing_raises_steps_l
         box.put(LINK_DOWN)
         seen = []
         with pytest.raises(StepsLost, match="its steps stream of worker d0 ended"):
-            async for message in steps_relayed(_Call([_complete(3)]), box, 5.0, _as_message, "d0"):
+            call = StreamCall([_complete(3)], end=True)
+            async for message in steps_relayed(call, box, 5.0, _as_message, "d0"):
                 seen.append(_shown(message))
         return seen
 
@@ -139,7 +118,7 @@ def test_a_stream_that_ends_under_a_running_call_waits_for_the_calls_own_end():
         box = Mailbox()
         box.put(LINK_DOWN)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await _relayed(_Call([error]), box)
+            await _relayed(StreamCall([error]), box)
         return raised.value.code()
 
     assert asyncio.run(scenario()) == grpc.StatusCode.UNAVAILABLE
@@ -147,7 +126,7 @@ def test_a_stream_that_ends_under_a_running_call_waits_for_the_calls_own_end():
 
 def test_nothing_from_either_stream_within_the_idle_deadline_cancels_the_call():
     async def scenario():
-        call = _Call([], end=False)
+        call = StreamCall([], end=False)
         with pytest.raises(StreamStalled):
             await _relayed(call, Mailbox(), idle_s=0.1)
         return call.cancelled

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from proto.tandem.v1 import client_pb2 as cpb
@@ -15,30 +14,9 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Deadlines
 from services.router.errors import ErrorCode, RouterError
 from services.router.streams import StreamStalled, idle_bounded
-from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
+from tests.services.router.helpers import StreamCall, rank_info, router, unreachable_ready_pairs
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-class _Stream:
-    """A stream call that sends ``messages``, then ends (``end``) or sends nothing more."""
-
-    def __init__(self, messages: list, end: bool = False) -> None:
-        self.messages, self.end, self.cancelled = list(messages), end, False
-
-    async def read(self):
-        if self.messages:
-            return self.messages.pop(0)
-        if self.end:
-            return grpc.aio.EOF
-        await asyncio.sleep(60)
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
-
-    def done(self) -> bool:
-        return self.cancelled
 
 
 async def _all(messages) -> list:
@@ -46,13 +24,13 @@ async def _all(messages) -> list:
 
 
 def test_a_stream_that_ends_yields_all_its_messages():
-    stream = _Stream(["a", "b"], end=True)
+    stream = StreamCall(["a", "b"], end=True)
     assert asyncio.run(_all(idle_bounded(stream, 0.2))) == ["a", "b"]
     assert not stream.cancelled
 
 
 def test_a_stream_that_stops_sending_is_cancelled_at_its_idle_deadline():
-    stream, seen = _Stream(["a"]), []
+    stream, seen = StreamCall(["a"]), []
 
     async def read_all():
         async for message in idle_bounded(stream, 0.2):
@@ -68,7 +46,7 @@ class _Stubs:
     prefill worker that answers the first token."""
 
     def __init__(self) -> None:
-        self.stream = _Stream([wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=[8]))])
+        self.stream = StreamCall([wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=[8]))])
 
     def decode(self, worker_id: str):
         stub = type("Decode", (), {})()
@@ -123,7 +101,7 @@ def test_a_decode_stream_past_its_idle_deadline_ends_the_request_unavailable():
 
 
 def test_an_aggregated_workers_stream_past_its_idle_deadline_ends_unavailable():
-    stream = _Stream([cpb.GenerateResponse(request_id="r", chunk=cpb.Chunk(token_ids=[7]))])
+    stream = StreamCall([cpb.GenerateResponse(request_id="r", chunk=cpb.Chunk(token_ids=[7]))])
 
     async def setup(api):
         await api.registration.register(reg.RegisterRequest(rank_info=rank_info("both-0", rpb.ROLE_BOTH)))
