@@ -342,9 +342,9 @@ class RouterOptions:
     )
     step_streams: bool = _option(
         True,
-        "each decode or aggregated worker streams its tokens as one message per engine step per "
-        "router (one Steps stream per worker), not one message per request per step: the per-request "
-        "stream, the A/B baseline of the served-speed benchmark",
+        "each Decode or Generate call carries its own tokens, one message per request per step (the "
+        "served-speed benchmark's A/B baseline); by default one Steps stream per decode or aggregated "
+        "worker carries every request's chunks of an engine step in one message",
         flags=("--no-step-streams",),
     )
     http_max_connections: int = _option(
