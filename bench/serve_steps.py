@@ -9,6 +9,7 @@ C=64 the decode (or mixed) step's mean against the served TPOT says the same of 
 Each worker also exports ``tandem_thread_cpu_seconds_total{thread}``: over the same
 interval, its event loop's and its engine thread's CPU ms per step (all kinds) say how much
 of a step the loop's Python (streams, relay, transfers) took from the GIL the engine needs.
+A router's event loop, over the point's wall time, says whether the router bounds it.
 """
 
 from __future__ import annotations
@@ -53,11 +54,27 @@ def thread_cpu_per_step(before: Totals, after: Totals) -> dict[str, dict[str, fl
     return out
 
 
+def loop_share(before: Totals, after: Totals, seconds: float) -> dict[str, float]:
+    """Per process (a router: no engine steps), its event loop's CPU over ``seconds`` of
+    wall time: 1.0 is a core, which one Python event loop cannot pass (the router then
+    bounds the point)."""
+    out: dict[str, float] = {}
+    key = CPU + "event_loop"
+    for name, totals in after.items():
+        if key in totals and seconds > 0:
+            spent = totals[key][0] - before.get(name, {}).get(key, (0.0, 0.0))[0]
+            out[name] = round(spent / seconds, 3)
+    return out
+
+
 Means = dict[str, dict[str, dict[str, float]]]  # worker -> kind -> {"steps", "mean_ms"}
 
 
-def describe(means: Means, cpu: dict[str, dict[str, float]] | None = None) -> str:
-    """One line: worker kind mean x steps, ...; then each worker's threads' CPU ms a step."""
+def describe(
+    means: Means, cpu: dict[str, dict[str, float]] | None = None, loops: dict[str, float] | None = None
+) -> str:
+    """One line: worker kind mean x steps, ...; each worker's threads' CPU ms a step; then
+    each router's event loop as a share of a core."""
     parts = [
         f"{name} {kind} {m['mean_ms']:.2f} ms x{m['steps']}"
         for name, kinds in means.items()
@@ -67,6 +84,7 @@ def describe(means: Means, cpu: dict[str, dict[str, float]] | None = None) -> st
         f"{name} CPU a step: " + ", ".join(f"{thread} {ms:.2f} ms" for thread, ms in sorted(threads.items()))
         for name, threads in (cpu or {}).items()
     ]
+    parts += [f"{name} event loop {share:.0%} of a core" for name, share in (loops or {}).items()]
     return "; ".join(parts)
 
 

@@ -176,10 +176,14 @@ class Sweep:
         with the workers' engine steps over it (bench/serve_steps.py), rewrite sweep.json,
         print a line."""
         workers = {p.name: p.metrics for p in cluster.processes[cluster.num_routers :]}
-        before = serve_steps.scrape(workers)
+        routers = {p.name: p.metrics for p in cluster.processes[: cluster.num_routers]}
+        before, routers_before = serve_steps.scrape(workers), serve_steps.scrape(routers)
+        start = time.monotonic()
         records = self.send(split(replace(load, start=time.monotonic() + START_DELAY_S), self.a.client_procs))
-        after = serve_steps.scrape(workers)
+        wall_s = time.monotonic() - start
+        after, routers_after = serve_steps.scrape(workers), serve_steps.scrape(routers)
         steps, cpu = serve_steps.step_means(before, after), serve_steps.thread_cpu_per_step(before, after)
+        loops = serve_steps.loop_share(routers_before, routers_after, wall_s)
         stats = summarize(records, Slo(self.a.slo_ttft_ms, self.a.slo_tpot_ms), config.gpus)
         (mode, value), (isl, osl) = kind, (lengths.isl, lengths.osl)
         base = {
@@ -190,11 +194,16 @@ class Sweep:
         }  # fmt: skip
         ceiling = self.ceilings.get(config.spec, {}).get((isl, osl, value)) if mode == "closed" else None
         self.payload["points"].append(
-            {**point(base, stats, ceiling), "engine_steps": steps, "thread_cpu_ms_per_step": cpu}
+            {
+                **point(base, stats, ceiling),
+                "engine_steps": steps,
+                "thread_cpu_ms_per_step": cpu,
+                "router_loop_share": loops,
+            }
         )
         write_json(Path(self.a.out) / "sweep.json", self.payload)
         print(progress(self.payload["points"][-1]), flush=True)
-        print(f"  engine steps: {serve_steps.describe(steps, cpu)}", flush=True)
+        print(f"  engine steps: {serve_steps.describe(steps, cpu, loops)}", flush=True)
 
 
 def progress(p: dict) -> str:

@@ -50,3 +50,17 @@ def test_thread_cpu_per_step_divides_each_threads_cpu_by_the_steps_of_every_kind
     assert "cpu:event_loop" not in serve_steps.step_means(before, after)["both-0"]
     line = serve_steps.describe({}, cpu)
     assert line == f"both-0 CPU a step: event_loop {cpu['both-0']['event_loop']:.2f} ms"
+
+
+@pytest.mark.skipif(not ThreadCPU.available(), reason="no per-thread CPU clock here")
+def test_a_routers_event_loop_is_its_cpu_over_the_wall_time():
+    metrics = Metrics("router", "tiny-target")
+    urls = {"router": f"http://127.0.0.1:{serve_metrics(metrics, '127.0.0.1', 0)}/metrics"}
+    metrics.thread_cpu.watch("event_loop")
+    before = serve_steps.scrape(urls)
+    sum(range(3_000_000))
+    after = serve_steps.scrape(urls)
+    spent = after["router"]["cpu:event_loop"][0] - before["router"]["cpu:event_loop"][0]
+    share = serve_steps.loop_share(before, after, 2.0)
+    assert spent > 0 and share == {"router": round(spent / 2.0, 3)}
+    assert serve_steps.describe({}, None, {"router": 0.874}) == "router event loop 87% of a core"
