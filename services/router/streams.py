@@ -1,8 +1,12 @@
-"""Reading a worker's stream under an idle deadline.
+"""Reading a worker's stream under an idle deadline, its chunks on the call itself or on
+the worker's Steps stream.
 
-Invariant: ``idle_bounded`` yields the stream's messages until its end (raising its error
+Invariants: ``idle_bounded`` yields the stream's messages until its end (raising its error
 status as iterating the call would); a message that does not come within ``idle_s`` of the
 previous one, or of the start, cancels the call and raises ``StreamStalled``.
+``steps_relayed`` yields the same messages in the same order for a call bound to a Steps
+stream (services/router/step_links.py): every chunk before the call's error and complete,
+the chunks' tokens adding up to the complete's ``completion_tokens``, or ``StepsLost``.
 """
 
 from __future__ import annotations
