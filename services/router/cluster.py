@@ -66,7 +66,7 @@ class Cluster:
         self.tls = tls
         self.service_secret = service_secret  # calls to worker X carry X's worker token
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self.step_streams = True  # chunks come on Steps streams (the router's --step-streams)
+        self.step_streams = True  # chunks come on Steps streams (off: the router's --no-step-streams)
         self.links: dict[str, StepsLink] = {}  # worker id -> its Steps stream
         self.count_step_chunks: Callable[[int], None] = lambda n: None  # chunks that came on them
         self._tasks: set[asyncio.Task] = set()

@@ -50,15 +50,6 @@ is blocked, e.g. on pages), unless a call or a stop wakes it sooner."""
 _Call = tuple[Callable[[], Any], asyncio.Future]
 
 
-class _Sink:
-    """A request's outputs to a function, where a reader's queue would take them."""
-
-    __slots__ = ("put_nowait",)
-
-    def __init__(self, take: Callable[[Any], None]) -> None:
-        self.put_nowait = take
-
-
 class EngineLoop:
     def __init__(
         self,
@@ -78,7 +69,7 @@ class EngineLoop:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self._started: set[str] = set()  # requests whose first output came and that run on
-        self._streams: dict[str, asyncio.Queue | _Sink] = {}  # event-loop thread only
+        self._streams: dict[str, Callable[[Any], None]] = {}  # takes a request's outputs, errors (loop only)
         self._calls: deque[_Call] = deque()  # appended by the event loop, taken by the engine thread
         self._wake = threading.Condition()  # guards _calls and _stopping
         self._stopping = False
@@ -130,7 +121,7 @@ class EngineLoop:
         ``merge(earlier, later)``: a reader that falls behind the engine (a busy event loop)
         writes once for several steps instead of once a step; none waits for a merge."""
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        self._streams[request_id] = queue.put_nowait
         finished, pending = False, None
         try:
             await self.call(submit)
@@ -150,10 +141,7 @@ class EngineLoop:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
-            self._started.discard(request_id)
-            if not finished:
-                await asyncio.shield(self.call(self.engine.abort, request_id))
+            await self._forget(request_id, finished)
 
     async def delivered(self, request_id: str, submit: Callable[[], Any], sink: Callable[[Any], None]) -> Any:
         """Submit a request and call ``sink(output)`` with each of its outputs as the step's
@@ -176,7 +164,7 @@ class EngineLoop:
             if out.finished:
                 done.set_result(out)
 
-        self._streams[request_id] = _Sink(take)
+        self._streams[request_id] = take
         finished = False
         try:
             await self.call(submit)
@@ -184,10 +172,15 @@ class EngineLoop:
             finished = True
             return out
         finally:
-            self._streams.pop(request_id, None)
-            self._started.discard(request_id)
-            if not finished:
-                await asyncio.shield(self.call(self.engine.abort, request_id))
+            await self._forget(request_id, finished)
+
+    async def _forget(self, request_id: str, finished: bool) -> None:
+        """A reader is done with a request: no more outputs go to it, and an unfinished
+        request is aborted in the engine (shielded: a second cancel must not skip it)."""
+        self._streams.pop(request_id, None)
+        self._started.discard(request_id)
+        if not finished:
+            await asyncio.shield(self.call(self.engine.abort, request_id))
 
     async def fail_all(self, error: Exception) -> None:
         """End every request streaming now with ``error`` (raised from its ``outputs``) and
@@ -291,15 +284,15 @@ class EngineLoop:
             self.on_step(kind, seconds)
         for out in outputs:
             self._count(out)
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            take = self._streams.get(out.request_id)
+            if take is not None:
+                take(out)
 
     def _raise_in_streams(self, request_ids: list[str], error: Exception) -> list[str]:
         for rid in request_ids:
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(error)
+            take = self._streams.get(rid)
+            if take is not None:
+                take(error)
         return request_ids
 
     def _count(self, out: Any) -> None:
