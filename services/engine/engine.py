@@ -131,15 +131,22 @@ class Engine:
         request_id: str | None = None,
         prefill_only: bool = False,
         num_spec_tokens: int | None = None,
+        first_token_id: int | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError naming the bad field.
-        ``num_spec_tokens``: drafts verified per step for this request, 0..K (None = K)."""
+        ``num_spec_tokens``: drafts verified per step for this request, 0..K (None = K).
+        ``first_token_id``: the token its prefill emits instead of a sampled one (a retried
+        prefill whose first token a client already has); None = sampled."""
         sampling = check_sampling(sampling)
         k = check_spec_tokens(num_spec_tokens, self.k)
-        prompt_ids = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size)
+        vocab = self.target.config.vocab_size
+        prompt_ids = encode_prompt(prompt, self.tokenizer, vocab)
+        if first_token_id is not None and not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id: {first_token_id} is outside the vocabulary [0, {vocab})")
         request_id = self._new_id(request_id)
         check_fits(len(prompt_ids), sampling.max_tokens, self.max_model_len, self.manager)
         req = Request(request_id, prompt_ids, sampling, self._seed(sampling), prefill_only, num_spec_tokens=k)
+        req.forced_first = first_token_id
         self._constrain(req)
         self.requests[request_id] = req
         self.scheduler.add(req)

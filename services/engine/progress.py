@@ -64,6 +64,7 @@ class RequestProgress:
     def start_decode(self, req: Request, token: int, logprobs: list[TokenLogprob]) -> None:
         """A finished prefill sampled ``token`` (t_n): decode, or park a prefill-only request."""
         n = req.num_computed
+        req.forced_first = None  # a re-prefill after a preemption samples its next token
         req.pending_start, req.pending_tokens = n, [token]
         if req.last_feature is not None:
             req.pending_features = [req.last_feature[None]]

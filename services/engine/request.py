@@ -87,6 +87,7 @@ class Request:
         self.sampling = sampling
         self.seed = seed  # keys every draw (noise.py); None for greedy requests
         self.prefill_only = prefill_only
+        self.forced_first: int | None = None  # the first token, when not sampled (a retried prefill)
         self.origin = origin
         self.status = Status.WAITING
         self.finish_reason: str | None = None

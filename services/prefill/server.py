@@ -1,11 +1,14 @@
-"""The prefill worker: runs prompts, pushes their pages of every group to the decode
-worker that reserved them, and returns the first token.
+"""The prefill worker: runs prompts, answers with their first token, then pushes their
+pages of every group to the decode worker that reserved them.
 
-Prefill(request, reservation): the reservation checked once as a transfer target ->
-prefill-only run in the engine (pages parked) -> transfer of target and draft pages plus
-aux state over the worker's transport (UCX), acknowledged -> pages released to the prefix
-cache, whatever happened: a cancel mid-run aborts the request in the engine, one
-mid-transfer releases it; both shielded, so a cancel landing again cannot skip them.
+Prefill(request, reservation), a stream of two messages: the reservation checked once as a
+transfer target -> prefill-only run in the engine (pages parked) -> the first token, sent
+before any page moves (the client's first token does not wait for the transfer) ->
+transfer of target and draft pages plus aux state over the worker's transport (UCX),
+acknowledged -> the usage, and the call ends OK. The pages go to the prefix cache whatever
+happened: a cancel mid-run aborts the request in the engine, one mid-transfer releases it;
+both shielded, so a cancel landing again cannot skip them. ``first_token_id`` (a retry
+whose first token the client already has) replaces the sampled token.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -22,6 +26,7 @@ from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.faults import delay
+from services.common.grpc_server import write_stream
 from services.common.transfer_failure import describe
 from services.engine.request import RequestOutput
 from services.worker.outputs import FINISH_REASONS, add_cached_tokens, logprobs_to_proto
@@ -48,7 +53,11 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         self._releases: set[asyncio.Task] = set()  # releases of parked requests, running
 
     @request_rpc(new_work=True)
-    async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
+    async def Prefill(self, request: wpb.PrefillRequest, context) -> None:
+        """Written, not yielded (as Decode): a cancel lands here and the request is freed at once."""
+        await write_stream(self._prefill(request, context), context)
+
+    async def _prefill(self, request: wpb.PrefillRequest, context) -> AsyncIterator[wpb.PrefillResponse]:
         w, rid = self.worker, request.request_id
         try:
             target = self._target(request)
@@ -59,22 +68,26 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
         prompt = list(request.prompt_token_ids)
+        first = request.first_token_id if request.HasField("first_token_id") else None
         start = time.monotonic()
         final = None
         try:
-            submit = lambda: w.engine.add_request(prompt, sampling, rid, prefill_only=True)  # noqa: E731
+            submit = lambda: w.engine.add_request(  # noqa: E731
+                prompt, sampling, rid, prefill_only=True, first_token_id=first
+            )
             async for out in w.loop.outputs(rid, submit):
                 final = out
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         w.metrics.ttft.labels("prefill").observe(time.monotonic() - start)
         try:
+            yield _first_token(final, _prompt_usage(request, final))
             usage = await self._transfer(request, target, final, context)
         finally:  # whatever ends the call (a cancel too), the parked request is released
             if final is not None and final.finish_reason == "prefilled":
                 self._release(rid)
         w.record_finished(final, "ok", generated=1)  # the first token
-        return _response(final, usage)
+        yield wpb.PrefillResponse(usage=usage)
 
     def _release(self, rid: str) -> None:
         """Give a parked request's pages to the prefix cache, in the background: the engine
@@ -118,7 +131,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         """Send the parked request's pages and aux state to ``target``, the decode worker that
         reserved them (not when it finished at its first token); the usage, transfers included."""
         w, n = self.worker, len(request.prompt_token_ids)
-        usage = add_cached_tokens(cpb.Usage(prompt_tokens=n), final.usage.cached_tokens)
+        usage = _prompt_usage(request, final)
         if final.finish_reason != "prefilled":  # finished at its first token: nothing to move
             return usage
         decode_id = target.peer_id
@@ -176,7 +189,15 @@ def _transfers(moved: TransferUsage) -> list[cpb.GroupTransfer]:
     ]
 
 
-def _response(final: RequestOutput, usage: cpb.Usage) -> wpb.PrefillResponse:
+def _prompt_usage(request: wpb.PrefillRequest, final: RequestOutput) -> cpb.Usage:
+    """The prompt's tokens and, per group, those its prefix cache held."""
+    usage = cpb.Usage(prompt_tokens=len(request.prompt_token_ids))
+    return add_cached_tokens(usage, final.usage.cached_tokens)
+
+
+def _first_token(final: RequestOutput, usage: cpb.Usage) -> wpb.PrefillResponse:
+    """The stream's first message: the first token, its logprobs, whether it ended the
+    request, and the prompt's usage."""
     response = wpb.PrefillResponse(
         first_token_id=final.token_ids[0],
         finish_reason=FINISH_REASONS.get(final.finish_reason, 0),

@@ -2,14 +2,18 @@
 or forward() to an aggregated worker when no prefill/decode pair serves.
 
 1. ``run`` picks a READY pair (``Registry.choose_pair``), ``reserve``s the prompt's pages on
-   its decode worker, has its prefill worker ``prefill`` the prompt (which pushes the pages
-   over UCX and returns the first token), then streams the rest from ``decode``.
-2. A failed step before any token is classified (failures.py): Busy queues the request
+   its decode worker, has its prefill worker ``prefill`` the prompt (which answers with the
+   first token, streamed to the client at once, then pushes the pages over UCX and ends
+   when they landed), then streams the rest from ``decode``.
+2. A failed Reserve or Prefill is classified (failures.py): Busy queues the request
    (backoff 20 ms doubling to 0.5 s) until pages free up, ``queue_timeout_s`` passes or it
    is aborted; Retry tries the next pair, at most MAX_ATTEMPTS workers excluded in all;
-   Abort and Fail end it; a failed transfer degrades its pair (step_failures.py). After
-   tokens streamed, a decode worker found dead ends the request with
-   ``RouterError(UNAVAILABLE)``; any other error is an error message.
+   Abort and Fail end it; a failed transfer degrades its pair (step_failures.py). A
+   Prefill that fails after its first token went out is retried the same way, the retry
+   told that token (``first_token_id``), so the text goes on from it; such a request is
+   not forwarded to an aggregated worker. After decode tokens streamed, a decode worker
+   found dead ends the request with ``RouterError(UNAVAILABLE)``; any other error is an
+   error message.
 
 Invariants:
 - The messages are chunks, at most one error, then one complete (unless RouterError is
@@ -157,7 +161,8 @@ class RequestFlow:
                 if pair is None:  # only a degraded pair may serve it: wait for it as for pages
                     raise Busy("")
                 prefill, decode = pair
-                await self.prefill(prefill, decode, await self.reserve(decode))
+                async for message in self.prefill(prefill, decode, await self.reserve(decode)):
+                    yield message
             except Busy:  # no free pages yet: queue, as an engine queues its admissions
                 if ending := self._queue_ending():
                     for message in ending:
@@ -169,7 +174,7 @@ class RequestFlow:
                 excluded.add(e.worker_id)
                 continue
             except (Abort, Fail) as e:
-                for message in ending_of(self.rid, e):
+                for message in ending_of(self.rid, e, self._usage_so_far()):
                     yield message
                 return
             async for message in self.decode(decode):
@@ -198,25 +203,35 @@ class RequestFlow:
         self._mark_scheduled()
         return reserved.reservation
 
-    async def prefill(self, prefill: Worker, decode: Worker, reservation: wpb.Reservation) -> None:
-        """Prefill the prompt on ``prefill`` into ``decode``'s reservation; sets ``first``.
-        On failure the reservation is released before the failure is classified (in the
-        background when ``decode`` was lost)."""
+    async def prefill(self, prefill: Worker, decode: Worker, reservation: wpb.Reservation) -> Messages:
+        """Prefill the prompt on ``prefill`` into ``decode``'s reservation: the first token's
+        chunk as soon as the prefill worker sends it (not again on a retry, which is given
+        that token), then the wait for the pages to land; sets ``first``. On failure the
+        reservation is released before the failure is classified (in the background when
+        ``decode`` was lost)."""
         prefill.inflight += 1
         decode.inflight += 1
         self.workers, self.lost = (prefill.id, decode.id), ""
         lease = self.cluster.spawn(
             self.cluster.keep_reserved(decode.id, self.attempt, reservation.lease_deadline_unix_ms)
         )
+        forced = self.first.first_token_id if self.first is not None else None
         try:
             self.call = self.cluster.prefill_stub(prefill.id).Prefill(
-                msg.prefill_request(self.attempt, self.token_ids, self.request, reservation),
+                msg.prefill_request(self.attempt, self.token_ids, self.request, reservation, forced),
                 timeout=self.cluster.deadlines.prefill_for(len(self.token_ids)),
             )
-            self.first = await self.call
-            self.usage.prefill = self.first.usage
+            received = 0
+            async for message in self.call:  # the first token, then the usage once the pages landed
+                received += 1
+                self.usage.prefill = message.usage
+                if received == 1 and self.first is None:
+                    self.first = message
+                    yield self._first_chunk()
+            if received != 2:
+                raise Fail(f"prefill worker {prefill.id} sent {received} Prefill messages, not 2")
             self.prefilled_by = prefill.id
-            if self.first.usage.transfers:
+            if self.usage.prefill.transfers:
                 self.cluster.registry.transfer_ok(prefill.id, decode.id)
             self.cluster.registry.index.record(prefill.id, self.token_ids)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -227,7 +242,9 @@ class RequestFlow:
                 await release
             self.reserved_on = ""
             raise prefill_failure(self, e, prefill.id, decode.id) from None
-        finally:
+        finally:  # a client gone at the first chunk leaves the call running: cancel it
+            if self.call is not None and not self.call.done():
+                self.call.cancel()
             lease.cancel()
             self.call, self.workers = None, ()
             prefill.inflight -= 1
@@ -237,9 +254,6 @@ class RequestFlow:
         """The first token, then ``decode``'s stream of the rest (unless the first ended it,
         or the client aborted meanwhile: then the reservation is released, no Decode sent)."""
         self.decoded_by = decode.id
-        self.first_token_at = time.monotonic()
-        yield self._first_chunk()
-        self.metrics.ttft.labels("router").observe(time.monotonic() - self.start)
         if self.aborted or self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
             await self.cluster.release(decode.id, self.attempt)
             self.reserved_on = ""
@@ -296,13 +310,16 @@ class RequestFlow:
     # ------------------------------------------------------------------ helpers
 
     async def _without_pair(self, excluded: set[str]) -> Messages:
-        """No pair left: an aggregated worker serves it, or the request fails naming why."""
-        worker = self.cluster.registry.choose_aggregated(self.token_ids, excluded)
+        """No pair left: an aggregated worker serves it, or the request fails naming why. Not
+        once the client has a first token: an aggregated worker would sample its own."""
+        registry = self.cluster.registry
+        worker = None if self.first is not None else registry.choose_aggregated(self.token_ids, excluded)
         if worker is not None:
             async for message in self.forward(worker):
                 yield message
             return
-        for message in msg.failed(self.rid, NO_PAIR + (f" (tried {sorted(excluded)})" if excluded else "")):
+        why = NO_PAIR + (f" (tried {sorted(excluded)})" if excluded else "")
+        for message in msg.failed(self.rid, why, self._usage_so_far()):
             yield message
 
     def _mark_scheduled(self) -> None:
@@ -314,10 +331,15 @@ class RequestFlow:
     def _queue_ending(self) -> list[cpb.GenerateResponse]:
         """How a queued request ends now (aborted, or waited too long); [] = keep waiting."""
         if self.aborted:
-            return msg.aborted(self.rid)
+            return msg.aborted(self.rid, self._usage_so_far())
         if time.monotonic() - self.start > self.queue_timeout_s:
-            return msg.failed(self.rid, f"no free KV pages within {self.queue_timeout_s} s")
+            why = f"no free KV pages within {self.queue_timeout_s} s"
+            return msg.failed(self.rid, why, self._usage_so_far())
         return []
+
+    def _usage_so_far(self) -> cpb.Usage | None:
+        """The usage of a request that ends before Decode: its first token's, once sent."""
+        return self.usage.merged() if self.first is not None else None
 
     async def _wait_queued(self, backoff: float) -> float:
         """Wait ``backoff`` seconds, counted as waiting; returns the next backoff."""
@@ -376,6 +398,9 @@ class RequestFlow:
             yield message
 
     def _first_chunk(self) -> cpb.GenerateResponse:
+        """The prefill's first token as this request's first chunk (its TTFT observed)."""
+        self.first_token_at = time.monotonic()
+        self.metrics.ttft.labels("router").observe(self.first_token_at - self.start)
         first = self.first
         logprobs = [first.first_token_logprobs] if first.HasField("first_token_logprobs") else []
         ids = [first.first_token_id]

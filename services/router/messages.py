@@ -70,14 +70,20 @@ def reserve_request(rid: str, token_ids: list[int]) -> wpb.ReserveRequest:
 
 
 def prefill_request(
-    rid: str, token_ids: list[int], request: cpb.GenerateRequest, reservation: wpb.Reservation
+    rid: str,
+    token_ids: list[int],
+    request: cpb.GenerateRequest,
+    reservation: wpb.Reservation,
+    first_token_id: int | None = None,
 ) -> wpb.PrefillRequest:
+    """``first_token_id``: the token a retry must emit first (the client has it); None = sampled."""
     return wpb.PrefillRequest(
         request_id=rid,
         prompt_token_ids=token_ids,
         sampling=request.sampling,
         speculative=request.speculative,
         reservation=reservation,
+        first_token_id=first_token_id,
     )
 
 

@@ -139,8 +139,9 @@ def decode_failure(flow: RequestFlow, error: BaseException, decode_id: str) -> l
     return msg.failed(flow.rid, message, flow.usage.merged())
 
 
-def ending_of(rid: str, outcome: Abort | Fail) -> list[cpb.GenerateResponse]:
-    """The messages ending a request that was aborted or failed before its first token."""
+def ending_of(rid: str, outcome: Abort | Fail, usage: cpb.Usage | None = None) -> list[cpb.GenerateResponse]:
+    """The messages ending a request that was aborted or failed before Decode (``usage``:
+    its first token's, once the client has it)."""
     if isinstance(outcome, Abort):
-        return msg.aborted(rid)
-    return msg.failed(rid, outcome.message)
+        return msg.aborted(rid, usage)
+    return msg.failed(rid, outcome.message, usage)

@@ -113,7 +113,7 @@ def run_on_pair(
             ),
             timeout=30,
         ).reservation
-        first = wpb_grpc.PrefillWorkerStub(p).Prefill(
+        first, landed = wpb_grpc.PrefillWorkerStub(p).Prefill(  # the first token, then the usage
             wpb.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation
             ),
@@ -133,7 +133,7 @@ def run_on_pair(
                 tokens += list(message.chunk.token_ids)
             elif message.HasField("complete"):
                 usage = message.complete.usage
-    return tokens, first.usage, usage
+    return tokens, landed.usage, usage
 
 
 def metric_sample(text: str, name: str, **labels: str) -> float:

@@ -169,7 +169,7 @@ def test_a_reserved_prompt_is_checked_and_decode_must_send_the_same(mixed):
     )
     with grpc.insecure_channel(prefill.grpc) as channel:
         with pytest.raises(grpc.RpcError) as raised:
-            wpb_grpc.PrefillWorkerStub(channel).Prefill(bad, timeout=10)
+            list(wpb_grpc.PrefillWorkerStub(channel).Prefill(bad, timeout=10))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details() == "reservation.groups[0].num_held: 2 of 1 pages"
     assert_no_request_holds_pages(mixed)

@@ -129,7 +129,7 @@ def test_random_prefill_worker_calls(cluster, rid, ids, decode_id, groups):
         try:
             # a well-formed one for decode-1 prefills, then waits for an acknowledgement that
             # never comes (nothing was reserved there): the deadline ends it
-            wpb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=3)
+            list(wpb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=3))
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 assert_named_refusal(e)

@@ -65,11 +65,12 @@ def rest_of(responses) -> tuple[int, str, cpb.Complete | None]:
 
 
 def started(stub) -> tuple[object, int]:
-    """A 40-token stream, once its first chunk came: (the rest of it, tokens so far)."""
+    """A 40-token stream, once its second chunk came (the first is the prefill's, sent
+    before the pages move; the second the decode stream's): (the rest of it, tokens so far)."""
     responses = stub.Generate(request(40), timeout=60)
-    first = next(responses)
-    assert first.WhichOneof("payload") == "chunk", first
-    return responses, len(first.chunk.token_ids)
+    head = [next(responses), next(responses)]
+    assert [m.WhichOneof("payload") for m in head] == ["chunk", "chunk"], head
+    return responses, sum(len(m.chunk.token_ids) for m in head)
 
 
 def not_serving(address: str) -> bool:

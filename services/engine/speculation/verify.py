@@ -24,13 +24,14 @@ def sample_first(
     runner: ModelRunner, reqs: list[Request], hidden: torch.Tensor, eos_ids: frozenset[int]
 ) -> tuple[list[int], list[list[TokenLogprob]]]:
     """The token after each finished prefill (``hidden`` [batch, hidden_size]: its last
-    position's), and its logprobs."""
+    position's), and its logprobs: a request's ``forced_first`` when set, else sampled."""
     logits = runner.target_logits(hidden)  # [batch, V]
     params = row_params(reqs, [[[]] for _ in reqs], logits.shape[-1], eos_ids, runner.device)
     positions = torch.tensor([r.num_tokens for r in reqs]).to(runner.device)  # the new token's
     seeds = request_seeds(reqs, runner.device)
     sampled = not all(r.sampling.greedy for r in reqs)
     tokens = sample(probs_for_rows(logits, params), seeds, positions, TARGET, sampled).tolist()
+    tokens = [t if r.forced_first is None else r.forced_first for r, t in zip(reqs, tokens, strict=True)]
     return tokens, emitted_logprobs(logits, [[t] for t in tokens], reqs)
 
 

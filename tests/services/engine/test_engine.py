@@ -243,3 +243,28 @@ def test_generate_is_all_or_nothing_on_bad_input(pair):
     assert {o.finish_reason for o in engine.step()} == {"abort"}
     assert not engine.has_unfinished()
     assert_pools_empty(engine)
+
+
+def test_a_given_first_token_replaces_the_sampled_one_and_the_rest_continues_from_it(pair):
+    """A retried prefill keeps the token a client already has: with ``first_token_id`` the
+    first token is that one (its logprobs with it), and greedy decoding goes on as for the
+    prompt followed by it; outside the vocabulary it is refused naming the field."""
+    prompt = random_prompts(1, seed=21, min_len=12, max_len=12)[0]
+    sampled = make_engine(pair, k=3).generate([prompt], LONG)[0].token_ids
+    forced = (sampled[0] + 1) % 31  # not the sampled token, nor EOS (31)
+    continued = (
+        make_engine(pair, k=3)
+        .generate([[*prompt, forced]], SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True))[0]
+        .token_ids
+    )
+    engine = make_engine(pair, k=3)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    rid = engine.add_request(prompt, with_logprobs, first_token_id=forced)
+    final = []
+    while engine.has_unfinished():
+        final += [o for o in engine.step() if o.finished and o.request_id == rid]
+    assert final[0].token_ids == [forced, *continued]
+    assert final[0].logprobs[0].token_id == forced
+    with pytest.raises(ValueError, match=r"first_token_id: 32 is outside the vocabulary \[0, 32\)"):
+        engine.add_request(prompt, LONG, first_token_id=32)
+    assert_pools_empty(engine)

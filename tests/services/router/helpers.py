@@ -1,5 +1,5 @@
 """Shared pieces of the router's tests: workers that cannot be reached, a worker's stream
-call, waiting for state."""
+call (a Prefill's among them), waiting for state."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import grpc
 
+from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
 from proto.tandem.v1 import registration_pb2 as reg
+from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
 from services.router.api import ModelLimits, RouterAPI, RouterSettings
 from services.router.registry import PairState
@@ -23,11 +25,20 @@ class StreamCall:
     """A worker's server-stream call: sends ``messages`` (an exception among them is
     raised), then ends (``end``) or sends nothing more."""
 
-    def __init__(self, messages: list, end: bool = False) -> None:
-        self.messages, self.end, self.cancelled = list(messages), end, False
+    def __init__(self, messages: list, end: bool = False, delay_s: float = 0.0) -> None:
+        """``delay_s``: before the first message, as a call whose worker is busy."""
+        self.messages, self.end, self.cancelled, self.delay_s = list(messages), end, False, delay_s
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        while (message := await self.read()) is not grpc.aio.EOF:
+            yield message
 
     async def read(self):
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = 0.0
         if self.messages:
             item = self.messages.pop(0)
             if isinstance(item, BaseException):
@@ -43,6 +54,15 @@ class StreamCall:
 
     def done(self) -> bool:
         return self.cancelled
+
+
+def prefill_answer(
+    first_token_id: int = 7, finish_reason: int = cpb.FINISH_REASON_UNSPECIFIED, end: bool = True
+) -> StreamCall:
+    """A Prefill stream whose pages landed: the first token, then the usage (``end``: then
+    the call ends; else it sends nothing more)."""
+    first = wpb.PrefillResponse(first_token_id=first_token_id, finish_reason=finish_reason)
+    return StreamCall([first, wpb.PrefillResponse(usage=cpb.Usage(prompt_tokens=1))], end=end)
 
 
 def dead_address() -> str:

@@ -13,7 +13,13 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Cluster
 from services.router.health import HealthMonitor, health_response
 from services.router.registry import PairState, Registry
-from tests.services.router.helpers import rank_info, router, unreachable_ready_pairs
+from tests.services.router.helpers import (
+    StreamCall,
+    prefill_answer,
+    rank_info,
+    router,
+    unreachable_ready_pairs,
+)
 
 PROMPT = [5, 6, 7, 8, 9]
 TRANSFER_FAILED = "transfer failed to d0: send of tag 0x1 to 'd0' not taken within 1.0 s"
@@ -89,12 +95,11 @@ class _Stubs:
         stub.Prefill = lambda request, timeout: self._prefill(worker_id)
         return stub
 
-    def _prefill(self, worker_id: str) -> _Call:
+    def _prefill(self, worker_id: str) -> StreamCall:
         self.prefills.append(worker_id)
         if len(self.prefills) == 1:
-            return _Call(error=_unavailable(TRANSFER_FAILED))
-        done = wpb.PrefillResponse(first_token_id=7, finish_reason=cpb.FINISH_REASON_LENGTH)
-        return _Call(done)
+            return StreamCall([_unavailable(TRANSFER_FAILED)])
+        return prefill_answer(finish_reason=cpb.FINISH_REASON_LENGTH)
 
 
 def _request() -> cpb.GenerateRequest:
@@ -179,3 +184,59 @@ def test_a_failed_pairing_is_retried_after_its_delay_like_a_degraded_pair():
 
     assert asyncio.run(scenario()) == []
     assert healed == [("p0", "d0")] and registry.pairs[("p0", "d0")].state == PairState.READY
+
+
+class _FailAfterFirstToken(_Stubs):
+    """The first Prefill sends its first token, then fails its transfer; the retry answers
+    with the token it is told to keep; Decode sends one more token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forced: list[int | None] = []
+        self.decoded_after: list[int] = []
+
+    def decode(self, worker_id: str):
+        stub = super().decode(worker_id)
+        stub.Decode = lambda request, metadata=None: self._decode(request)
+        return stub
+
+    def prefill(self, worker_id: str):
+        stub = type("Prefill", (), {})()
+        stub.Prefill = lambda request, timeout: self._prefill_told(worker_id, request)
+        return stub
+
+    def _prefill_told(self, worker_id: str, request: wpb.PrefillRequest) -> StreamCall:
+        self.prefills.append(worker_id)
+        self.forced.append(request.first_token_id if request.HasField("first_token_id") else None)
+        if len(self.prefills) == 1:
+            return StreamCall([wpb.PrefillResponse(first_token_id=7), _unavailable(TRANSFER_FAILED)])
+        return prefill_answer(first_token_id=request.first_token_id)
+
+    def _decode(self, request: wpb.DecodeRequest) -> StreamCall:
+        self.decoded_after.append(request.first_token_id)
+        done = cpb.Complete(finish_reason=cpb.FINISH_REASON_LENGTH, usage=cpb.Usage(completion_tokens=1))
+        return StreamCall(
+            [wpb.DecodeResponse(chunk=cpb.Chunk(token_ids=[8])), wpb.DecodeResponse(complete=done)], end=True
+        )
+
+
+def test_a_transfer_that_fails_after_the_first_token_is_retried_keeping_that_token():
+    """The client has token 7 before the pages move; the pair's transfer fails; the retry on
+    the other pair is told to emit 7 first, and the client gets 7 once, then the rest."""
+    api, stubs = router(), _FailAfterFirstToken()
+
+    async def scenario():
+        await unreachable_ready_pairs(api, ["p0", "p1"], ["d0"])
+        api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
+        request = _request()
+        request.sampling.max_tokens = 2
+        messages = [m async for m in api.generate(request)]
+        await api.close()
+        return messages
+
+    messages = asyncio.run(scenario())
+    chunks = [list(m.chunk.token_ids) for m in messages if m.WhichOneof("payload") == "chunk"]
+    assert (chunks, stubs.forced, stubs.decoded_after) == ([[7], [8]], [None, 7], [7])
+    assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
+    assert messages[-1].complete.usage.completion_tokens == 2
+    assert api.cluster.registry.pairs[(stubs.prefills[0], "d0")].state == PairState.DEGRADED

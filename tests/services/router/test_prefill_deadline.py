@@ -14,7 +14,7 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.api import RouterSettings
 from services.router.cluster import Deadlines
 from services.router.step_failures import STARTUP_WAIT_S
-from tests.services.router.helpers import router, unreachable_ready_pairs
+from tests.services.router.helpers import StreamCall, prefill_answer, router, unreachable_ready_pairs
 
 PROMPT = [1 + i % 200 for i in range(2000)]
 LEASE_S = 0.9  # the decode worker's lease: shorter than the prefill below
@@ -57,14 +57,16 @@ class _Stubs:
         self.releases.append(request.request_id)
         return wpb.ReleaseResponse(released=True)
 
-    async def _prefill(self, timeout: float):
+    def _prefill(self, timeout: float) -> StreamCall:
         self.prefill_timeouts.append(timeout)
-        await asyncio.sleep(self.prefill_s)
         if self.error is not None:
-            raise grpc.aio.AioRpcError(
+            error = grpc.aio.AioRpcError(
                 self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded"
             )
-        return wpb.PrefillResponse(first_token_id=7, finish_reason=cpb.FINISH_REASON_LENGTH)
+            return StreamCall([error], delay_s=self.prefill_s)
+        call = prefill_answer(finish_reason=cpb.FINISH_REASON_LENGTH)
+        call.delay_s = self.prefill_s
+        return call
 
 
 def _run(stubs: _Stubs) -> list[cpb.GenerateResponse]:

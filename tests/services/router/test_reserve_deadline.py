@@ -11,7 +11,7 @@ import grpc
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Deadlines
-from tests.services.router.helpers import router, unreachable_ready_pairs, until
+from tests.services.router.helpers import StreamCall, prefill_answer, router, unreachable_ready_pairs, until
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -65,9 +65,9 @@ class _Stubs:
         self.releases.append((worker_id, request.request_id))
         return _Pending(wpb.ReleaseResponse(released=True))
 
-    def _prefill(self, timeout: float) -> _Pending:
+    def _prefill(self, timeout: float) -> StreamCall:
         self.prefill_timeouts.append(timeout)
-        return _Pending(wpb.PrefillResponse(first_token_id=7, finish_reason=cpb.FINISH_REASON_LENGTH))
+        return prefill_answer(finish_reason=cpb.FINISH_REASON_LENGTH)
 
 
 def _request() -> cpb.GenerateRequest:

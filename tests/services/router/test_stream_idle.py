@@ -14,7 +14,13 @@ from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Deadlines
 from services.router.errors import ErrorCode, RouterError
 from services.router.streams import StreamStalled, idle_bounded
-from tests.services.router.helpers import StreamCall, rank_info, router, unreachable_ready_pairs
+from tests.services.router.helpers import (
+    StreamCall,
+    prefill_answer,
+    rank_info,
+    router,
+    unreachable_ready_pairs,
+)
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -58,7 +64,7 @@ class _Stubs:
 
     def prefill(self, worker_id: str):
         stub = type("Prefill", (), {})()
-        stub.Prefill = lambda request, timeout: _answer(wpb.PrefillResponse(first_token_id=7))
+        stub.Prefill = lambda request, timeout: prefill_answer()
         return stub
 
 

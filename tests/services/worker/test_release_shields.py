@@ -2,13 +2,14 @@
 parked request after its transfer, and the decode worker's freeing of a dropped
 reservation. Each is cancelled once in its work and again while its release waits for
 the engine thread; the release must still run. The prefill worker's answer does not wait
-for its release."""
+for its release, nor does its first token wait for the transfer."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.common.metrics import Metrics
 from services.decode.server import DecodeServicer, _Reservation
@@ -46,6 +47,16 @@ class _PrefilledLoop(EngineLoop):
         )
 
 
+class _Context:
+    """A Prefill call's server side: what was written to the stream."""
+
+    def __init__(self) -> None:
+        self.written: list[wpb.PrefillResponse] = []
+
+    async def write(self, message: wpb.PrefillResponse) -> None:
+        self.written.append(message)
+
+
 async def _cancel_twice(task: asyncio.Task, started: asyncio.Event, loop: EngineLoop) -> None:
     """Cancel ``task`` in its work, and again while its release waits for the engine loop
     (not yet started); then start the loop and let the release run, if it is still asked."""
@@ -78,7 +89,7 @@ def test_the_prefill_workers_release_survives_a_second_cancel():
         servicer._transfer = stalled_transfer
         reservation = wpb.Reservation(decode_instance_id="d0", groups=[wpb.GroupPages(group="target")])
         request = wpb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], reservation=reservation)
-        task = asyncio.ensure_future(servicer.Prefill(request, None))
+        task = asyncio.ensure_future(servicer.Prefill(request, _Context()))
         await _cancel_twice(task, started, loop)
 
     asyncio.run(scenario())
@@ -129,7 +140,9 @@ def test_the_prefill_answer_does_not_wait_for_the_engine_thread_to_release():
         servicer._transfer = transferred
         reservation = wpb.Reservation(decode_instance_id="d0", groups=[wpb.GroupPages(group="target")])
         request = wpb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], reservation=reservation)
-        answer = await asyncio.wait_for(servicer.Prefill(request, None), 5)
+        context = _Context()
+        await asyncio.wait_for(servicer.Prefill(request, context), 5)
+        answer = context.written[0]
         freed_before = list(engine.freed)
         loop.start()
         for _ in range(100):
@@ -141,3 +154,46 @@ def test_the_prefill_answer_does_not_wait_for_the_engine_thread_to_release():
 
     answer, freed_before, finished = asyncio.run(scenario())
     assert (answer.first_token_id, freed_before, engine.freed, finished) == (7, [], ["r"], ["ok"])
+
+
+def test_the_first_token_goes_out_before_the_transfer_and_the_usage_after_it():
+    """The stream's first message (the first token) is written while the transfer still
+    waits for the decode worker's acknowledgement; the usage comes once it landed."""
+    engine = _Engine()
+
+    async def scenario():
+        loop = _PrefilledLoop(engine)
+        worker = SimpleNamespace(
+            engine=engine,
+            loop=loop,
+            metrics=Metrics("prefill"),
+            draining="",
+            in_flight=0,
+            record_finished=lambda *a, **k: None,
+        )
+        servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+        acked, context = asyncio.Event(), _Context()
+        written_during = []
+
+        async def transfer(request, target, final, context_):
+            written_during.extend(context.written)
+            await acked.wait()
+            return cpb.Usage(prompt_tokens=3, transfers=[cpb.GroupTransfer(group="target")])
+
+        servicer._transfer = transfer
+        reservation = wpb.Reservation(decode_instance_id="d0", groups=[wpb.GroupPages(group="target")])
+        request = wpb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], reservation=reservation)
+        call = asyncio.ensure_future(servicer.Prefill(request, context))
+        for _ in range(100):
+            if written_during:
+                break
+            await asyncio.sleep(0.01)
+        during = [(m.first_token_id, len(m.usage.transfers)) for m in written_during]
+        acked.set()
+        await asyncio.wait_for(call, 5)
+        loop.start()
+        await loop.stop()
+        return during, [(m.first_token_id, len(m.usage.transfers)) for m in context.written]
+
+    during, written = asyncio.run(scenario())
+    assert (during, written) == ([(7, 0)], [(7, 0), (0, 1)])
