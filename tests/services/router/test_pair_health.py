@@ -9,6 +9,7 @@ import grpc
 
 from proto.tandem.v1 import client_pb2 as cpb
 from proto.tandem.v1 import rank_info_pb2 as rpb
+from proto.tandem.v1 import registration_pb2 as reg
 from proto.tandem.v1 import worker_pb2 as wpb
 from services.router.cluster import Cluster
 from services.router.health import HealthMonitor, health_response
@@ -240,3 +241,35 @@ def test_a_transfer_that_fails_after_the_first_token_is_retried_keeping_that_tok
     assert messages[-1].complete.finish_reason == cpb.FINISH_REASON_LENGTH
     assert messages[-1].complete.usage.completion_tokens == 2
     assert api.cluster.registry.pairs[(stubs.prefills[0], "d0")].state == PairState.DEGRADED
+
+
+def test_a_prefill_lost_after_the_first_token_with_no_pair_left_fails_and_is_not_forwarded():
+    """The client has token 7; the only pair's prefill worker fails (not its transfer); an
+    aggregated worker would sample a first token of its own, so the request ends with an
+    error naming why, its usage counting the one token, and nothing is forwarded."""
+    api, stubs, forwarded = router(), _Stubs(), []
+
+    async def scenario():
+        await unreachable_ready_pairs(api, ["p0"], ["d0"])
+        both = rank_info("both-0", rpb.ROLE_BOTH)
+        await api.registration.register(reg.RegisterRequest(rank_info=both))
+        api.cluster.decode_stub = stubs.decode
+        prefill = type("Prefill", (), {})()
+        prefill.Prefill = lambda request, timeout: StreamCall(
+            [wpb.PrefillResponse(first_token_id=7), _unavailable("prefill worker p0 is shutting down")]
+        )
+        api.cluster.prefill_stub = lambda worker_id: prefill
+        tandem = type("Tandem", (), {})()
+        tandem.Generate = lambda request, metadata=None: forwarded.append(request)
+        api.cluster.tandem_stub = lambda worker_id: tandem
+        request = _request()
+        request.sampling.max_tokens = 4
+        messages = [m async for m in api.generate(request)]
+        await api.close()
+        return messages
+
+    messages = asyncio.run(scenario())
+    assert [m.WhichOneof("payload") for m in messages] == ["chunk", "error", "complete"]
+    assert list(messages[0].chunk.token_ids) == [7] and forwarded == []
+    assert messages[1].error.message == "no ready prefill/decode pair (tried ['p0'])"
+    assert messages[2].complete.usage.completion_tokens == 1
