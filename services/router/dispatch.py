@@ -251,8 +251,9 @@ class RequestFlow:
             decode.inflight -= 1
 
     async def decode(self, decode: Worker) -> Messages:
-        """The first token, then ``decode``'s stream of the rest (unless the first ended it,
-        or the client aborted meanwhile: then the reservation is released, no Decode sent)."""
+        """``decode``'s stream of the tokens after the first (which went out with the
+        prefill), unless the first ended the request or the client aborted meanwhile: then
+        the reservation is released and no Decode sent."""
         self.decoded_by = decode.id
         if self.aborted or self.first.finish_reason != cpb.FINISH_REASON_UNSPECIFIED:
             await self.cluster.release(decode.id, self.attempt)
