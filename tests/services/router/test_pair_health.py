@@ -108,6 +108,15 @@ def _request() -> cpb.GenerateRequest:
     return cpb.GenerateRequest(request_id="r", token_ids=cpb.TokenIds(ids=PROMPT), sampling=sampling)
 
 
+async def _generate(api, max_tokens: int) -> list[cpb.GenerateResponse]:
+    """One request's messages, then the router closed."""
+    request = _request()
+    request.sampling.max_tokens = max_tokens
+    messages = [m async for m in api.generate(request)]
+    await api.close()
+    return messages
+
+
 def test_a_failed_transfer_degrades_its_pair_and_the_request_completes_on_another():
     api, stubs = router(), _Stubs()
 
@@ -229,11 +238,7 @@ def test_a_transfer_that_fails_after_the_first_token_is_retried_keeping_that_tok
     async def scenario():
         await unreachable_ready_pairs(api, ["p0", "p1"], ["d0"])
         api.cluster.decode_stub, api.cluster.prefill_stub = stubs.decode, stubs.prefill
-        request = _request()
-        request.sampling.max_tokens = 2
-        messages = [m async for m in api.generate(request)]
-        await api.close()
-        return messages
+        return await _generate(api, max_tokens=2)
 
     messages = asyncio.run(scenario())
     chunks = [list(m.chunk.token_ids) for m in messages if m.WhichOneof("payload") == "chunk"]
@@ -262,11 +267,7 @@ def test_a_prefill_lost_after_the_first_token_with_no_pair_left_fails_and_is_not
         tandem = type("Tandem", (), {})()
         tandem.Generate = lambda request, metadata=None: forwarded.append(request)
         api.cluster.tandem_stub = lambda worker_id: tandem
-        request = _request()
-        request.sampling.max_tokens = 4
-        messages = [m async for m in api.generate(request)]
-        await api.close()
-        return messages
+        return await _generate(api, max_tokens=4)
 
     messages = asyncio.run(scenario())
     assert [m.WhichOneof("payload") for m in messages] == ["chunk", "error", "complete"]

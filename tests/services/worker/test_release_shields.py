@@ -57,6 +57,19 @@ class _Context:
         self.written.append(message)
 
 
+def _prefill_servicer(engine: _Engine, loop: EngineLoop, record_finished) -> PrefillServicer:
+    """A prefill servicer over ``engine`` and ``loop``, paired with decode worker d0."""
+    worker = SimpleNamespace(
+        engine=engine,
+        loop=loop,
+        metrics=Metrics("prefill"),
+        draining="",
+        in_flight=0,
+        record_finished=record_finished,
+    )
+    return PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+
+
 async def _cancel_twice(task: asyncio.Task, started: asyncio.Event, loop: EngineLoop) -> None:
     """Cancel ``task`` in its work, and again while its release waits for the engine loop
     (not yet started); then start the loop and let the release run, if it is still asked."""
@@ -122,17 +135,8 @@ def test_the_prefill_answer_does_not_wait_for_the_engine_thread_to_release():
     engine = _Engine()
 
     async def scenario():
-        loop = _PrefilledLoop(engine)
-        finished = []
-        worker = SimpleNamespace(
-            engine=engine,
-            loop=loop,
-            metrics=Metrics("prefill"),
-            draining="",
-            in_flight=0,
-            record_finished=lambda *a, **k: finished.append(a[1]),
-        )
-        servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+        loop, finished = _PrefilledLoop(engine), []
+        servicer = _prefill_servicer(engine, loop, lambda *a, **k: finished.append(a[1]))
 
         async def transferred(request, target, final, context):
             return wpb.PrefillResponse().usage
@@ -163,15 +167,7 @@ def test_the_first_token_goes_out_before_the_transfer_and_the_usage_after_it():
 
     async def scenario():
         loop = _PrefilledLoop(engine)
-        worker = SimpleNamespace(
-            engine=engine,
-            loop=loop,
-            metrics=Metrics("prefill"),
-            draining="",
-            in_flight=0,
-            record_finished=lambda *a, **k: None,
-        )
-        servicer = PrefillServicer(worker, SimpleNamespace(peers={"d0": None}))
+        servicer = _prefill_servicer(engine, loop, lambda *a, **k: None)
         acked, context = asyncio.Event(), _Context()
         written_during = []
 
