@@ -32,7 +32,7 @@ from tests.services.common.proto_samples import full_rank_info
         (worker_pb2, "DecodeWorker", "Release", False),
         (worker_pb2, "DecodeWorker", "Decode", True),
         (worker_pb2, "DecodeWorker", "Stats", False),
-        (worker_pb2, "PrefillWorker", "Prefill", False),
+        (worker_pb2, "PrefillWorker", "Prefill", True),
         (worker_pb2, "PrefillWorker", "Stats", False),
     ],
 )
