@@ -82,8 +82,13 @@ def test_mixed_without_pressure_matches_generate_alone(pair):
     assert_pools_empty(engine)
 
 
-def test_policy_defaults_by_device_and_refuses_unknown(pair):
-    assert EngineConfig(model=str(pair[0])).scheduling_policy == "decode-first"
+def test_policy_defaults_by_device_and_drafter_and_refuses_unknown(pair):
+    target, drafter = str(pair[0]), str(pair[1])
+    assert EngineConfig(model=target).scheduling_policy == "decode-first"
+    assert EngineConfig(model=target, device="cuda").scheduling_policy == "mixed"
+    assert EngineConfig(model=target, drafter=drafter, device="cuda").scheduling_policy == "decode-first"
+    alone = EngineConfig(model=target, drafter=drafter, num_spec_tokens=0, device="cuda")
+    assert alone.scheduling_policy == "mixed"
     with pytest.raises(ValueError, match="^scheduling_policy:"):
         EngineConfig(model=str(pair[0]), scheduling_policy="fifo")
 
