@@ -87,6 +87,7 @@ def test_a_request_at_the_context_is_served(cluster):
     body = {"model": "tiny-target", "prompt": [65] * 100, "max_tokens": 4, "temperature": 0}
     status, answer = _http(cluster, "/v1/completions", body)
     assert status == 200 and answer["usage"]["completion_tokens"] <= 4, answer
-    status, _ = _http(cluster, "/v1/completions", body | {"max_tokens": CONTEXT - 100})
-    assert status == 200
+    at_context = {"prompt": [65] * (CONTEXT - 4), "max_tokens": 4, "ignore_eos": True}
+    status, answer = _http(cluster, "/v1/completions", body | at_context)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
     assert_no_request_holds_pages(cluster)
