@@ -127,9 +127,9 @@ class EngineOptions:
         "auto",
         "how a step's decode rows and prompt chunks share the target: mixed = one forward (the "
         "decode rows ride on the prompt's weight reads, as vLLM's chunked prefill); decode-first / "
-        "prefill-first = two forwards in that order; auto = mixed for a target alone on CUDA, "
-        "decode-first with a drafter (its drafting step stays one CUDA graph) and on CPU "
-        "(the CPU attention pads every query block to the longest)",
+        "prefill-first = two forwards in that order; auto = decode-first on CPU (its attention pads "
+        "every query block to the longest) and with a drafter whose steps replay CUDA graphs (a "
+        "mixed step would run the drafting eagerly), else mixed",
         choices=("auto", "mixed", "decode-first", "prefill-first"),
     )
     host_kv_cache_mb: int = _option(

@@ -12,8 +12,7 @@ from kvcore.spec import dtype_from_name
 DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 # How a step's decode rows and prefill chunks share the target: "mixed" runs them in one
 # forward (the decode rows ride on the prefill's weight reads); "decode-first" and
-# "prefill-first" run two forwards in that order. The default (``default_policy``) is mixed
-# only for a target alone on CUDA.
+# "prefill-first" run two forwards in that order. The default is ``default_policy``'s.
 SCHEDULING_POLICIES = ("mixed", "decode-first", "prefill-first")
 # What a RequestOutput carries: "cumulative", the output so far (token ids, text, logprobs);
 # "delta", only what this step added (token ids and logprobs, no text: a served worker's,
@@ -22,19 +21,22 @@ SCHEDULING_POLICIES = ("mixed", "decode-first", "prefill-first")
 OUTPUT_KINDS = ("cumulative", "delta")
 
 
-def default_policy(device_type: str, speculative: bool) -> str:
-    """The scheduling policy when none is given: "mixed" for a target alone on CUDA, else
-    "decode-first".
+def default_policy(device_type: str, speculative: bool, cuda_graphs: bool) -> str:
+    """The scheduling policy when none is given: "decode-first" on the CPU, and with a
+    drafter whose steps replay CUDA graphs; else "mixed".
 
     - A mixed step is one eager forward: it saves the decode rows' weight read (the 8B-shaped
       target alone on an H100: +24% output tok/s at C=64 on the engine alone).
     - With a drafter it also gives up the graphed drafting step (the catch-up, the draft chain
       and the verify in one replay) for the eager ones, which cost more than the read saved:
       decode-first +35% for the 8B-shaped pair, +27-74% served for the tiny pair
-      (docs/performance.md, thirteenth session).
+      (docs/performance.md, "The scheduling policy by model"). Without graphs
+      (``enforce_eager``, tensor parallelism) both run eagerly, and mixed saves the read.
     - The CPU reference attention pads every query block to the longest, so mixing costs it.
     """
-    return "mixed" if device_type == "cuda" and not speculative else "decode-first"
+    if device_type != "cuda" or (speculative and cuda_graphs):
+        return "decode-first"
+    return "mixed"
 
 
 @dataclass(slots=True)
@@ -65,7 +67,7 @@ class EngineConfig:
     stream_interval: int = 1  # tokens a running request's output gathers first (step_outputs.py)
     max_num_batched_tokens: int = 1024
     max_prefill_chunk: int = 512
-    scheduling_policy: str = ""  # SCHEDULING_POLICIES; "" = default_policy(device, speculative)
+    scheduling_policy: str = ""  # SCHEDULING_POLICIES; "" = default_policy's
     max_model_len: int = 0  # 0 = the target's max_position_embeddings
     layout: KVLayout = KVLayout.UNIFIED
     enable_prefix_cache: bool = True
@@ -105,7 +107,8 @@ class EngineConfig:
             self.dtype = DEFAULT_DTYPES.get(torch.device(self.device).type, "float32")
         dtype_from_name(self.dtype)
         if not self.scheduling_policy:
-            self.scheduling_policy = default_policy(torch.device(self.device).type, self.speculative)
+            device_type = torch.device(self.device).type
+            self.scheduling_policy = default_policy(device_type, self.speculative, self.cuda_graphs)
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

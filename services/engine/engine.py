@@ -294,9 +294,8 @@ class Engine:
 
     # ------------------------------------------------------------ step phases
     # Prefill chunks and verify blocks share one target forward only under the mixed
-    # policy (a target alone on CUDA, config.default_policy): a varlen batch padded to its
-    # longest query (the CPU reference attention) would make every verify block as costly
-    # as a prefill chunk.
+    # policy (config.default_policy): a varlen batch padded to its longest query (the CPU
+    # reference attention) would make every verify block as costly as a prefill chunk.
 
     def _decode(self, decode: list[Request]) -> None:
         if not decode:

@@ -89,6 +89,9 @@ def test_policy_defaults_by_device_and_drafter_and_refuses_unknown(pair):
     assert EngineConfig(model=target, drafter=drafter, device="cuda").scheduling_policy == "decode-first"
     alone = EngineConfig(model=target, drafter=drafter, num_spec_tokens=0, device="cuda")
     assert alone.scheduling_policy == "mixed"
+    eager = dict(model=target, drafter=drafter, device="cuda")  # no graphed drafting step to keep
+    assert EngineConfig(**eager, enforce_eager=True).scheduling_policy == "mixed"
+    assert EngineConfig(**eager, tp_size=2).scheduling_policy == "mixed"
     with pytest.raises(ValueError, match="^scheduling_policy:"):
         EngineConfig(model=str(pair[0]), scheduling_policy="fifo")
 
