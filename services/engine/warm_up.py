@@ -6,7 +6,7 @@ integer arguments on being 1 or a multiple of 16; CUDA graphs are captured at en
 compile on first use. :func:`warm_up` runs a few greedy requests through the ordinary step
 before the engine serves: prompts of 1, 16, 17 and a longer chunk's tokens, the last one
 joining while the others decode, so prefill and decode steps run, and the step that has
-both (mixed, under CUDA's default policy). A prompt the KV pool or context cannot take is
+both (one mixed forward or two, by the scheduling policy). A prompt the KV pool or context cannot take is
 left out, never an error at start.
 
 Invariant: nothing of it stays. Afterwards no request is held, every pool is empty, the

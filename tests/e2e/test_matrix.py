@@ -49,7 +49,7 @@ DRAFTERS = ("none", "unified", "separate")
 EXTRA_ARGS = {
     "both-0": ["--stream-interval", "3"],
     "decode-4": ["--stream-interval", "3"],
-    # decode rows and prompt chunks in one forward (the CUDA default), on a TP 2 worker whose
+    # decode rows and prompt chunks in one forward (CUDA's default at TP 2), on a TP 2 worker whose
     # 16-token step budget has the long prompt chunked while the others decode beside it
     "both-1": ["--scheduling-policy", "mixed", "--max-num-batched-tokens", "16"],
     "both-5": ["--overlap-decode"],

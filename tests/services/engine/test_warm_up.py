@@ -18,7 +18,7 @@ def test_a_warmed_up_engine_is_a_fresh_engine(pair, k):
     prompts = random_prompts(9, seed=41, min_len=5, max_len=40)
     params = params_for(len(prompts))
     params[4] = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)  # its seed: the engine's
-    fresh = make_engine(pair, k=k, seed=5, scheduling_policy="mixed")  # CUDA's default
+    fresh = make_engine(pair, k=k, seed=5, scheduling_policy="mixed")  # CUDA's, for a target alone
     warmed = make_engine(pair, k=k, seed=5, scheduling_policy="mixed")
     ran = []
     warmed.step = spy(warmed.step, ran)
