@@ -51,7 +51,7 @@ from services.engine.runner import ModelRunner
 from services.engine.sampling.noise import SEED_BITS, request_seed
 from services.engine.sampling.params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.setup import build_cache, cache_config, log_groups
+from services.engine.setup import build_cache, cache_config, log_groups, log_scheduling
 from services.engine.speculation.speculative import draft, draft_prefill, verify_spans
 from services.engine.speculation.verify import sample_first, verify
 from services.engine.step_outputs import StepOutputs
@@ -80,6 +80,7 @@ class Engine:
             cache = replace(cache, memory_bytes=kv_bytes)
         self.manager, self.kv_pools = build_cache(cache, self.target, self.drafter, self.device, self.tp)
         log_groups(self.manager)
+        log_scheduling(config.scheduling_policy, config.max_num_batched_tokens, config.max_num_seqs)
         if config.max_model_len:  # asked for: one request of it must fit, every group
             check_context_fits(config.max_model_len, self.manager)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.kv_pools, self.device)

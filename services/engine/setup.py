@@ -100,6 +100,13 @@ def group_kv_heads(target: TargetModel, drafter: Eagle3Drafter | None) -> dict[s
     return totals
 
 
+def log_scheduling(policy: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """One INFO line: the scheduling policy the engine runs (``auto`` resolved) and its limits."""
+    log.info(
+        "scheduling: %s steps, %d tokens a step, %d sequences", policy, max_num_batched_tokens, max_num_seqs
+    )
+
+
 def log_groups(manager: KVCacheManager) -> None:
     """One INFO line per layer group: its pages, the tokens they hold, their MiB (this rank's)."""
     p = manager.tokens_per_page
