@@ -23,11 +23,12 @@ def test_the_profile_forward_leaves_no_page_request_or_prefix_behind(pair):
     assert engine.generate([[1, 2, 3, 4, 5]], GREEDY)[0].token_ids == before
 
 
-def test_each_layer_group_is_logged_at_start(pair, caplog):
+def test_each_layer_group_and_the_scheduling_are_logged_at_start(pair, caplog):
     with caplog.at_level(logging.INFO, logger="services.engine.setup"):
         make_engine(pair, k=2, num_pages=(256, 64))
     # random pair: 3 target layers, 1 drafter layer, 2 KV heads of 16, float32, 4-token pages
     assert [r.getMessage() for r in caplog.records] == [
         "KV cache group target: 256 pages, 1024 tokens, 0.8 MiB",
         "KV cache group draft: 64 pages, 256 tokens, 0.1 MiB",
+        "scheduling: decode-first steps, 64 tokens a step, 16 sequences",  # auto on the CPU
     ]
