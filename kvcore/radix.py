@@ -12,16 +12,20 @@ Invariants:
   only unlocked leaves are evicted, least recently used first;
 - when only OPTIONAL groups are short, their pages are dropped from unlocked nodes (least
   recently used first) before any node is evicted: the REQUIRED groups' pages stay cached;
-- ``evictable[group]`` counts the real pages held by unlocked nodes.
+- ``evictable[group]`` counts the real pages held by unlocked nodes, ``cached[group]`` those
+  held by every node;
+- nothing on a request's path walks the whole tree: eviction and drops pop the least
+  recently used candidates from heaps (``radix_lru.py``), and a partial-page match looks
+  only at the children that start with the same token.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcore.page_allocator import PageAllocator
+from kvcore.radix_lru import AccessHeap
 from kvcore.spec import NULL_PAGE
 
 
@@ -30,7 +34,8 @@ class TreeNode:
     key: tuple[int, ...]
     pages: dict[str, list[int]]  # per group, one entry per page of key
     parent: TreeNode | None = field(default=None, repr=False)
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict, repr=False)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict, repr=False)  # by first page
+    by_first: dict[int, dict[tuple[int, ...], TreeNode]] = field(default_factory=dict, repr=False)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -70,7 +75,12 @@ class RadixCache:
         self.root = TreeNode(key=(), pages={g: [] for g in allocators})
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable = {g: 0 for g in allocators}
+        self.cached = {g: 0 for g in allocators}
         self._clock = 0
+        self._num_nodes = 1
+        count = lambda: self._num_nodes  # noqa: E731
+        self._leaves = AccessHeap(self._is_evictable_leaf, self.nodes, count)
+        self._holders = AccessHeap(self._holds_optional, self.nodes, count)
 
     # ---------------------------------------------------------------- public API
 
@@ -129,41 +139,44 @@ class RadixCache:
         if short and short <= self.optional:
             self._drop_optional(needed, freed)
             return freed
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        while heap and any(freed[g] < needed.get(g, 0) for g in freed):
-            _, _, node = heapq.heappop(heap)
+        while any(freed[g] < needed.get(g, 0) for g in freed) and (node := self._leaves.pop()) is not None:
             if self.on_evict is not None:
                 self.on_evict(node)
             for g, ps in node.pages.items():
                 real = [p for p in ps if p != NULL_PAGE]
                 self.allocators[g].decref(real)
                 self.evictable[g] -= len(real)
+                self.cached[g] -= len(real)
                 freed[g] += len(real)
             parent = node.parent
-            del parent.children[node.key[: self.page]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._unlink(parent, node)
+            node.parent = None  # detached: its heap entries are stale
+            self._num_nodes -= 1
+            if not parent.children:
+                self._leaves.push(parent)  # a leaf now; a candidate unless locked or the root
         return freed
 
     def _drop_optional(self, needed: dict[str, int], freed: dict[str, int]) -> None:
         """Drop whole runs of optional groups' pages from unlocked nodes, least recently
         used first, until ``freed`` covers ``needed``: a group's window in a node is useful
         only whole, and later matches recompute it."""
-        nodes = sorted(
-            (n for n in self.nodes() if n.lock_ref == 0 and n is not self.root), key=lambda n: n.last_access
-        )
-        for node in nodes:
-            short = [g for g in needed if freed[g] < needed[g]]
-            if not short:
-                return
+        kept = []  # nodes that still hold pages of another optional group, pushed again after
+        while short := [g for g in needed if freed[g] < needed[g]]:
+            node = self._holders.pop()
+            if node is None:
+                break
             for g in short:
                 real = [p for p in node.pages[g] if p != NULL_PAGE]
                 if real:
                     self.allocators[g].decref(real)
                     node.pages[g] = [NULL_PAGE] * len(node.pages[g])
                     self.evictable[g] -= len(real)
+                    self.cached[g] -= len(real)
                     freed[g] += len(real)
+            if self._holds_optional(node):
+                kept.append(node)
+        for node in kept:
+            self._holders.push(node)
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (one lock per request)."""
@@ -180,16 +193,14 @@ class RadixCache:
                 raise RuntimeError("unlock of an unlocked node")
             if node.lock_ref == 0:
                 self._count_evictable(node, +1)
+                self._became_candidate(node)
             node = node.parent
 
     # ---------------------------------------------------------------- helpers
 
     def num_cached_pages(self) -> dict[str, int]:
-        counts = {g: 0 for g in self.allocators}
-        for node in self.nodes():
-            for g, ps in node.pages.items():
-                counts[g] += sum(p != NULL_PAGE for p in ps)
-        return counts
+        """Real pages the tree holds, per group (kept as they change: no walk)."""
+        return dict(self.cached)
 
     @staticmethod
     def prefix_of(node: TreeNode) -> tuple[int, ...]:
@@ -201,6 +212,7 @@ class RadixCache:
         return tuple(t for key in reversed(keys) for t in key)
 
     def nodes(self) -> list[TreeNode]:
+        """Every node, the root first: a walk of the whole tree (tests, heap rebuilds)."""
         out, stack = [], [self.root]
         while stack:
             node = stack.pop()
@@ -208,12 +220,29 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
-    def _leaves(self) -> list[TreeNode]:
-        return [n for n in self.nodes() if not n.children and n is not self.root]
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return node.parent is not None and not node.children and node.lock_ref == 0
+
+    def _holds_optional(self, node: TreeNode) -> bool:
+        """Unlocked, in the tree, and holding a real page of an optional group."""
+        if node.parent is None or node.lock_ref:
+            return False
+        return any(p != NULL_PAGE for g in self.optional for p in node.pages.get(g, ()))
+
+    def _became_candidate(self, node: TreeNode) -> None:
+        """``node``'s last access or lock changed: it may be a candidate of either heap."""
+        if node.parent is None:
+            return  # the root, or detached
+        if not node.children:
+            self._leaves.push(node)
+        if self.optional:
+            self._holders.push(node)
 
     def _touch(self, node: TreeNode) -> None:
         self._clock += 1
         node.last_access = self._clock
+        if node.lock_ref == 0:
+            self._became_candidate(node)
 
     def _match_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
         """Number of whole pages of ``key`` equal to ``tokens[start:]``."""
@@ -230,10 +259,8 @@ class RadixCache:
         rest = tokens[match.num_tokens : match.num_tokens + self.page - 1]
         if not rest:
             return
-        best, best_len, first = None, 0, rest[0]
-        for child in match.node.children.values():
-            if child.key[0] != first:
-                continue
+        best, best_len = None, 0
+        for child in match.node.by_first.get(rest[0], {}).values():
             n = _common_prefix_len(child.key[: self.page], rest)
             if n > best_len:
                 best, best_len = child, n
@@ -252,20 +279,38 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
-        node.parent.children[upper.key[: self.page]] = upper
+        self._link(node.parent, upper)  # in node's place: the same first page
         node.key = node.key[cut:]
         node.pages = {g: ps[num_pages:] for g, ps in node.pages.items()}
         node.parent = upper
-        upper.children[node.key[: self.page]] = node
-        return upper
+        self._link(upper, node)
+        self._num_nodes += 1
+        return upper  # the caller touches it, which enters it in the heaps
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: dict[str, list[int]]) -> None:
         node = TreeNode(key=key, pages={g: list(ps) for g, ps in pages.items()}, parent=parent)
         for g, ps in node.pages.items():
-            self.allocators[g].incref([p for p in ps if p != NULL_PAGE])
-        parent.children[key[: self.page]] = node
+            real = [p for p in ps if p != NULL_PAGE]
+            self.allocators[g].incref(real)
+            self.cached[g] += len(real)
+        self._link(parent, node)
+        self._num_nodes += 1
         self._touch(node)
         self._count_evictable(node, +1)
+
+    def _link(self, parent: TreeNode, child: TreeNode) -> None:
+        """Hang ``child`` under ``parent`` by its first page (replacing a node of the same)."""
+        first = child.key[: self.page]
+        parent.children[first] = child
+        parent.by_first.setdefault(first[0], {})[first] = child
+
+    def _unlink(self, parent: TreeNode, child: TreeNode) -> None:
+        first = child.key[: self.page]
+        del parent.children[first]
+        same = parent.by_first[first[0]]
+        del same[first]
+        if not same:
+            del parent.by_first[first[0]]
 
     def _fill_missing(self, node: TreeNode, pages: dict[str, list[int]], first: int) -> None:
         """Take pages the node lacks (NULL, any group) where the inserted sequence has them."""
@@ -275,6 +320,7 @@ class RadixCache:
                 if held[i] == NULL_PAGE and p != NULL_PAGE:
                     held[i] = p
                     self.allocators[g].incref([p])
+                    self.cached[g] += 1
                     if node.lock_ref == 0:
                         self.evictable[g] += 1
 

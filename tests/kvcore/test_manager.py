@@ -158,6 +158,20 @@ def test_draft_pressure_drops_only_draft_pages_and_keeps_the_target_cached():
     assert_empty(manager)
 
 
+def test_draft_pressure_drops_the_least_recently_used_windows_first():
+    manager = make_manager(draft_pages=8)
+    a, b, c, d, e = (list(range(start, start + 8)) for start in (0, 100, 200, 300, 400))
+    for name, tokens in (("a", a), ("b", b), ("c", c)):
+        run_request(manager, name, tokens)  # each caches 2 draft pages: 6 of 8 held
+    manager.match_prefix(a + [7])  # a becomes the most recently used
+    run_request(manager, "d", d)  # short of draft pages: b's go, the least recently used
+    run_request(manager, "e", e)  # then c's; a's stay, touched after c was cached
+    starts = [manager.match_prefix(t + [7]).compute_start for t in (a, b, c, d, e)]
+    assert [s["draft"] for s in starts] == [8, 1, 1, 8, 8]
+    assert [s["target"] for s in starts] == [8] * 5  # the target's pages all stay cached
+    assert_empty(manager)
+
+
 def test_locked_prefix_is_not_evicted():
     manager = make_manager(target_pages=8, draft_pages=8)
     a = list(range(8))

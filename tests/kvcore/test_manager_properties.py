@@ -161,6 +161,25 @@ class ManagerMachine(RuleBasedStateMachine):
                     expected[g] += sum(p != NULL_PAGE for p in ps)
         assert {g: expected.get(g, 0) for g in store(m).tree.evictable} == store(m).tree.evictable
 
+    @invariant()
+    def cached_counts_add_up_and_every_candidate_is_in_its_heap(self):
+        """The counts kept without a walk equal a walk's, and each node that eviction or a
+        drop may take has a current entry in its heap (``kvcore/radix_lru.py``)."""
+        m = self.manager
+        if m is None or store(m).tree is None:
+            return
+        tree, held = store(m).tree, Counter()
+        for node in tree.nodes():
+            for g, ps in node.pages.items():
+                held[g] += sum(p != NULL_PAGE for p in ps)
+        assert tree.num_cached_pages() == {g: held.get(g, 0) for g in tree.cached}
+        for node in tree.nodes():  # the partial match's index mirrors the children
+            assert {k: c for same in node.by_first.values() for k, c in same.items()} == node.children
+            assert all(k[0] == first for first, same in node.by_first.items() for k in same)
+        for heap in (tree._leaves, tree._holders):
+            current = {id(n) for stamp, _, n in heap._heap if stamp == n.last_access}
+            assert all(id(n) in current for n in tree.nodes() if heap.is_candidate(n))
+
     def teardown(self):
         m = self.manager
         if m is None:
