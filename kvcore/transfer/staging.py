@@ -6,8 +6,9 @@ and returns an asyncio future of its result:
 
 - CUDA pool: the copy is launched on a side stream that first waits for the current one
   (so it sees every write the caller queued before it); the future completes when the
-  stream's event has fired, polled once per loop turn. The result tensor is held until
-  then, so its memory cannot be reused while the GPU still reads or writes it.
+  stream's event has fired, polled once per loop turn (``polled.POLLER``). The result
+  tensor is held until then, so its memory cannot be reused while the GPU still reads or
+  writes it.
 - CPU pool: the copy runs in the loop's default thread pool (torch releases the GIL), so
   the loop keeps driving the transport meanwhile.
 
@@ -23,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from kvcore.transfer.pacing import next_turn
+from kvcore.transfer.polled import POLLER
 
 T = TypeVar("T")
 
@@ -67,8 +68,8 @@ async def settle(future: asyncio.Future | None) -> None:
 
 
 async def _when_fired(done: torch.cuda.Event, result: T) -> T:
-    while not done.query():
-        await next_turn()
+    if not done.query():
+        await POLLER.until(done.query)
     return result
 
 

@@ -28,8 +28,12 @@ unchanged; one of a peer at a new address (a restart), or one ``disconnect`` for
 retired: kept referenced (ucxx's finalizer would close it, waiting) until ``close``.
 
 One transport per process (``ucxx`` keeps one UCX worker per process), progressed in
-ucxx's "blocking" mode by the event loop, and by every send or receive in flight each loop
-turn (docs/transfer.md, "Progress and the event loop"): long compute belongs off the loop.
+ucxx's "blocking" mode by the event loop, and once a loop turn while a send or receive is in
+flight (docs/transfer.md, "Progress and the event loop"): long compute belongs off the loop.
+A request in flight is ucxx's own (``tag_send``, ``tag_recv_with_handle``), not its
+coroutine: the process's poller (:mod:`kvcore.transfer.polled`) reads every request's
+completion flag once a turn, where each request's coroutine resumed every turn to read its
+own.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kvcore.transfer.buffers import as_ucx_array
 from kvcore.transfer.endpoint import EndpointInfo
 from kvcore.transfer.errors import TransferError, TransferTimeout, TransportClosed
 from kvcore.transfer.pacing import OncePerTurn, next_turn
+from kvcore.transfer.polled import POLLER
 from kvcore.transfer.tags import check_tag
 from kvcore.transfer.transport import POLL_S, SPIN_S
 from kvcore.transfer.ucx_progress import install as install_progress
@@ -81,6 +86,7 @@ class UcxTransport:
         self._known: dict[str, tuple[EndpointInfo, UcxPath]] = {}  # peer id -> how to reach it
         self._accepted: list[Any] = []  # endpoints peers opened through the listener
         self._retired: list[Any] = []  # endpoints replaced or forgotten; never closed before close()
+        self._unfinished: list[tuple[Any, Any]] = []  # (request, buffer) given up on, kept till done
         self._progress_turn = OncePerTurn()  # the worker is progressed once a loop turn
         self._started = self._closed = False
 
@@ -217,8 +223,7 @@ class UcxTransport:
         if endpoint is None:
             raise ValueError(f"peer_id: {peer_id!r} is not connected")
         try:
-            request = _background(endpoint.send(array, tag=tag, force_tag=True))
-            await self._drive(request, timeout_s)
+            await self._drive(_tag_send(endpoint, array, tag), array, timeout_s)
         except TimeoutError:  # the request finishes in the background, if ever
             raise TransferTimeout(
                 f"send of tag {tag:#x} to {peer_id!r} not taken within {timeout_s} s"
@@ -272,8 +277,8 @@ class UcxTransport:
     async def _land(self, array: Any, probe: Any, tag: int, deadline: float, timeout_s: float) -> None:
         """Receive the matched message ``probe`` into ``array`` by ``deadline``."""
         try:
-            request = _background(self._context.recv_with_handle(array, probe))
-            await self._drive(request, max(deadline - asyncio.get_running_loop().time(), 0))
+            request = self._context.worker.tag_recv_with_handle(array, probe)
+            await self._drive(request, array, max(deadline - asyncio.get_running_loop().time(), 0))
         except TimeoutError:
             raise TransferTimeout(
                 f"recv of tag {tag:#x}: message matched but its data did not land within {timeout_s} s"
@@ -303,20 +308,31 @@ class UcxTransport:
             else:
                 await asyncio.sleep(min(POLL_S, deadline - now))
 
-    async def _drive(self, request: asyncio.Task, timeout_s: float | None) -> None:
-        """Await ``request``, progressing the worker every loop turn meanwhile; TimeoutError
+    async def _drive(self, request: Any, buffer: Any, timeout_s: float | None) -> None:
+        """Wait for the ucxx ``request`` (which reads or writes ``buffer``), progressing the
+        worker once a loop turn meanwhile, then raise its failure if it failed; TimeoutError
         after ``timeout_s`` seconds (None = never). UCX's shared-memory transports raise no
         wakeup event when a message moves, so an armed worker left to its epoll descriptor
         would stall a transfer; an idle worker, driven by nobody, sleeps. Each turn yields the
-        GIL first while the engine thread wants it (:mod:`kvcore.transfer.pacing`)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        while not request.done():
+        GIL first while the engine thread wants it (:mod:`kvcore.transfer.pacing`). A request
+        given up on (timeout, cancellation) is kept, with its buffer, until it completes."""
+
+        def completed() -> bool:
             self._progress()
-            if deadline is not None and loop.time() >= deadline:
-                raise TimeoutError
-            await next_turn()
-        request.result()
+            return request.completed
+
+        try:
+            if not request.completed:
+                await asyncio.wait_for(POLLER.until(completed), timeout_s)
+        except BaseException:
+            self._keep_unfinished(request, buffer)
+            raise
+        request.check_error()
+
+    def _keep_unfinished(self, request: Any, buffer: Any) -> None:
+        self._unfinished = [(r, b) for r, b in self._unfinished if not r.completed]
+        if not request.completed:
+            self._unfinished.append((request, buffer))
 
     def _progress(self) -> None:
         """Progress the worker once per loop turn, however many transfers wait in the turn:
@@ -353,8 +369,12 @@ def _status(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-def _background(coro: Any) -> asyncio.Task:
-    """Run ``coro`` as a task whose late failure (after a timeout) is not reported."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
+def _tag_send(endpoint: Any, array: Any, tag: int) -> Any:
+    """ucxx's ``Endpoint.send`` with ``force_tag``, less its wait: the request in flight."""
+    from ucxx._lib.libucxx import UCXCloseError  # noqa: PLC0415 (as buffers.py)
+    from ucxx.types import Tag  # noqa: PLC0415
+
+    endpoint._ep.raise_on_error()
+    if endpoint.closed:
+        raise UCXCloseError("Endpoint closed")
+    return endpoint._ep.tag_send(array, Tag(tag))

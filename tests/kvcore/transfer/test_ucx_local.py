@@ -223,6 +223,9 @@ class _CountingWorker:
         self.calls += 1
         return self.worker.progress()
 
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
 
 class _Context:
     """The transport's ucxx context with its worker's progress calls counted."""
