@@ -18,6 +18,7 @@ cancellation) cancels it, and its check is dropped on the next turn.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 
 from kvcore.transfer.pacing import next_turn
@@ -29,29 +30,39 @@ class Poller:
     """Completes futures when their checks come true, one coroutine per event loop."""
 
     def __init__(self) -> None:
-        self._checks: list[tuple[Check, asyncio.Future[None]]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopChecks] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def until(self, check: Check) -> asyncio.Future[None]:
         """A future completed on the first turn, from the next one on, where ``check()`` is
         true, or failed with what it raises."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # a new loop: the old one's checks went with it
-            self._checks, self._loop, self._task = [], loop, None
+        mine = self._loops.get(loop)
+        if mine is None:
+            mine = self._loops[loop] = _LoopChecks()
         future = loop.create_future()
-        self._checks.append((check, future))
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
+        mine.checks.append((check, future))
+        if mine.task is None or mine.task.done():
+            mine.task = loop.create_task(mine.run())
         return future
 
     def __len__(self) -> int:
-        return len(self._checks)
+        """Checks waiting, every loop together."""
+        return sum(len(mine.checks) for mine in self._loops.values())
 
-    async def _run(self) -> None:
-        while self._checks:
+
+class _LoopChecks:
+    """One event loop's checks and the coroutine that runs them."""
+
+    def __init__(self) -> None:
+        self.checks: list[tuple[Check, asyncio.Future[None]]] = []
+        self.task: asyncio.Task | None = None
+
+    async def run(self) -> None:
+        while self.checks:
             await next_turn()
-            checks, self._checks = self._checks, []
+            checks, self.checks = self.checks, []
             for check, future in checks:
                 if future.done():
                     continue  # its waiter gave up
@@ -63,7 +74,7 @@ class Poller:
                 if done:
                     future.set_result(None)
                 else:
-                    self._checks.append((check, future))
+                    self.checks.append((check, future))
 
 
 POLLER = Poller()

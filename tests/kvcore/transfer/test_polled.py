@@ -5,6 +5,7 @@ alone; a waiter that gives up is checked no more."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -86,3 +87,23 @@ def test_a_new_event_loop_after_a_closed_one_is_served():
 
     asyncio.run(main())
     assert flag.calls == 2
+
+
+def test_two_event_loops_in_two_threads_are_polled_apart():
+    poller, results = Poller(), {}
+
+    def run(name: str, after: int) -> None:
+        flag = Flag(after)
+
+        async def main() -> None:
+            await poller.until(flag)
+
+        asyncio.run(main())
+        results[name] = flag.calls
+
+    threads = [threading.Thread(target=run, args=(n, a)) for n, a in (("a", 3), ("b", 40))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"a": 3, "b": 40}
