@@ -79,8 +79,8 @@ class RadixCache:
         self._clock = 0
         self._num_nodes = 1
         count = lambda: self._num_nodes  # noqa: E731
-        self._leaves = AccessHeap(self._is_evictable_leaf, self.nodes, count)
-        self._holders = AccessHeap(self._holds_optional, self.nodes, count)
+        self._leaves: AccessHeap[TreeNode] = AccessHeap(self._is_evictable_leaf, self.nodes, count)
+        self._holders: AccessHeap[TreeNode] = AccessHeap(self._holds_optional, self.nodes, count)
 
     # ---------------------------------------------------------------- public API
 

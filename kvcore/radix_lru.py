@@ -17,37 +17,43 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvcore.radix import TreeNode
+from typing import Generic, Protocol, TypeVar
 
 
-class AccessHeap:
+class Stamped(Protocol):
+    """What the heap reads of a node: the clock value of its last access."""
+
+    last_access: int
+
+
+Node = TypeVar("Node", bound=Stamped)
+
+
+class AccessHeap(Generic[Node]):
     """Candidates of one kind (leaves to evict, nodes holding optional pages), oldest first."""
 
     def __init__(
         self,
-        is_candidate: Callable[[TreeNode], bool],
-        all_nodes: Callable[[], Iterable[TreeNode]],
+        is_candidate: Callable[[Node], bool],
+        all_nodes: Callable[[], Iterable[Node]],
         num_nodes: Callable[[], int],
     ) -> None:
         """``all_nodes``: every node of the tree (for a rebuild); ``num_nodes``: how many."""
         self.is_candidate, self._all_nodes, self._num_nodes = is_candidate, all_nodes, num_nodes
-        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._heap: list[tuple[int, int, Node]] = []
         self._pushed = 0
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, node: TreeNode) -> None:
+    def push(self, node: Node) -> None:
         """``node`` may be a candidate from now on, at its current ``last_access``."""
         heapq.heappush(self._heap, (node.last_access, self._pushed, node))
         self._pushed += 1
         if len(self._heap) > 2 * self._num_nodes() + 64:
             self.rebuild()
 
-    def pop(self) -> TreeNode | None:
+    def pop(self) -> Node | None:
         """The least recently used current candidate, taken out; None when there is none."""
         while self._heap:
             stamp, _, node = heapq.heappop(self._heap)
