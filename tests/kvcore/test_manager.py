@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcore import KVLayout
+from kvcore.radix import RadixCache
 from tests.kvcore.conftest import (
     N,
     assert_empty,
@@ -169,6 +170,29 @@ def test_draft_pressure_drops_the_least_recently_used_windows_first():
     starts = [manager.match_prefix(t + [7]).compute_start for t in (a, b, c, d, e)]
     assert [s["draft"] for s in starts] == [8, 1, 1, 8, 8]
     assert [s["target"] for s in starts] == [8] * 5  # the target's pages all stay cached
+    assert_empty(manager)
+
+
+@pytest.mark.parametrize("target_pages", [2048, 64])  # the drafter's pool short, then the target's too
+def test_a_full_cache_is_not_walked_per_request(monkeypatch, target_pages):
+    """Drops, evictions and the usage counts take the least recently used candidates from
+    heaps: 400 requests through a full cache walk the whole tree a few times (a heap
+    rebuild), not once or twice per request as a sort of every node did."""
+    walks = [0]
+    walk = RadixCache.nodes
+
+    def counted(tree):
+        walks[0] += 1
+        return walk(tree)
+
+    monkeypatch.setattr(RadixCache, "nodes", counted)
+    manager = make_manager(target_pages=target_pages, draft_pages=16)
+    for i in range(400):
+        run_request(manager, str(i), [i % 250, *range(1000 + 8 * i, 1007 + 8 * i)])
+        manager.usage()
+    usage = manager.usage()
+    assert (usage["draft"].cached, usage["target"].cached) == (14, min(800, target_pages - 14))
+    assert walks[0] <= 8
     assert_empty(manager)
 
 
