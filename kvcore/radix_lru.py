@@ -1,7 +1,7 @@
 """The radix tree's eviction order without a walk of the tree.
 
 A heap of ``(last_access, push number, node)`` entries. The tree pushes a node whenever it
-may have become a candidate (it was touched, unlocked, split off, or left a leaf), and the
+may have become a candidate (it was touched, unlocked, or left a leaf), and the
 caller's ``is_candidate`` test runs only when an entry is popped.
 
 Invariant: every node that is a candidate now has an entry stamped with its current
@@ -42,9 +42,6 @@ class AccessHeap(Generic[Node]):
         self.is_candidate, self._all_nodes, self._num_nodes = is_candidate, all_nodes, num_nodes
         self._heap: list[tuple[int, int, Node]] = []
         self._pushed = 0
-
-    def __len__(self) -> int:
-        return len(self._heap)
 
     def push(self, node: Node) -> None:
         """``node`` may be a candidate from now on, at its current ``last_access``."""
