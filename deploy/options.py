@@ -118,10 +118,12 @@ class EngineOptions:
         at_least(0),
     )
     max_num_batched_tokens: int = _option(
-        2048,
+        0,
         "tokens one engine step runs: a decode step's K + 1 per request, then prompt chunks up to "
-        "this budget (one prompt's chunk may take all of it, as in vLLM's chunked prefill)",
-        at_least(1),
+        "this budget (one prompt's chunk may take all of it, as in vLLM's chunked prefill); "
+        "default 0 = derived: on CUDA a step of about the prompt work of 2048 tokens of an 8B "
+        "model per GPU (2048 for an 8B, up to 8192 for small models), 2048 elsewhere",
+        at_least(0),
     )
     scheduling_policy: str = _option(
         "auto",

@@ -48,7 +48,8 @@ class EngineConfig:
     fraction of the device's memory leaves after the weights, a profile forward's
     activations and the CUDA graphs (services/engine/memory_profile.py). Token counts are
     per step: decode takes K + 1 per request, prefill chunks take the rest of
-    ``max_num_batched_tokens``, at most ``max_prefill_chunk`` per request.
+    ``max_num_batched_tokens``, at most ``max_prefill_chunk`` per request; 0 = derived
+    from the target and the device (``step_budget.py``), and a chunk of 0 = the step's budget.
     ``max_model_len`` > 0 must fit the KV cache (one request of that many tokens, every
     layer group) or the engine refuses to start; 0 takes the model's
     ``max_position_embeddings`` unchecked (requests are still checked)."""
@@ -120,11 +121,12 @@ class EngineConfig:
             "kv_cache_bytes",
             "max_num_seqs",
             "stream_interval",
-            "max_num_batched_tokens",
-            "max_prefill_chunk",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be > 0, or 0 for derived, got {getattr(self, name)}")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes: must be >= 0, got {self.host_kv_cache_bytes}")
         if self.max_model_len < 0:

@@ -54,6 +54,7 @@ from services.engine.scheduler import Scheduler
 from services.engine.setup import build_cache, cache_config, log_groups, log_scheduling
 from services.engine.speculation.speculative import draft, draft_prefill, verify_spans
 from services.engine.speculation.verify import sample_first, verify
+from services.engine.step_budget import with_step_budget
 from services.engine.step_outputs import StepOutputs
 from services.engine.warm_up import warm_up
 from services.tokenization.tokenizer import load_tokenizer
@@ -65,6 +66,7 @@ class Engine:
         self.tp = tensor_parallel(config.tp_size)
         self.device = rank_device(config.device, self.tp)
         self.target = load_target(config.model, self.device, config.torch_dtype, self.tp, config.quantization)
+        config = self.config = with_step_budget(config, self.target.config, self.device.type)
         self.drafter = None
         if config.speculative:
             self.drafter = load_drafter(config.drafter, self.device, config.torch_dtype, self.tp)

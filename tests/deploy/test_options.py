@@ -85,7 +85,7 @@ def test_the_defaults_size_as_today_on_cpu_and_from_the_gpu_on_cuda():
     cpu = engine_config(EngineOptions())
     assert (cpu.kv_cache_bytes, cpu.gpu_memory_utilization) == (256 << 20, 0.0)
     assert cpu.max_model_len == 32768  # the bundled target's max_position_embeddings
-    assert (cpu.max_num_batched_tokens, cpu.max_prefill_chunk) == (2048, 2048)
+    assert (cpu.max_num_batched_tokens, cpu.max_prefill_chunk) == (0, 0)  # derived by the engine
     assert (cpu.forced_acceptance, cpu.unsafe_forced_acceptance) == (-1, False)
     assert engine_config(EngineOptions(device="cuda")).gpu_memory_utilization == 0.9
     assert (
@@ -113,7 +113,7 @@ def test_the_defaults_size_as_today_on_cpu_and_from_the_gpu_on_cuda():
             "gpu_memory_utilization: 0.5 sizes the KV cache from the GPU's memory, and kv_cache_mb 64",
         ),
         ({"max_model_len": -1}, "max_model_len: must be >= 0, got -1"),
-        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens: must be >= 1, got 0"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens: must be >= 0, got -1"),
         ({"model": "/nowhere"}, "model: cannot read max_position_embeddings from /nowhere/config.json"),
         ({"unsafe_forced_acceptance": -2}, "unsafe_forced_acceptance: must be >= -1, got -2"),
         (
