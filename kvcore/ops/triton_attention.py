@@ -21,14 +21,12 @@ import triton
 import triton.language as tl
 
 from kvcore.ops.batch import AttentionParams, PagedBatch
-from kvcore.ops.launch import fast_launch
 
 LOG2E = 1.4426950408889634
 TINY = tl.constexpr(1e-30)
 NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, so masked rows stay NaN-free
 
 
-@fast_launch
 @triton.jit
 def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     out_ptr,
@@ -154,7 +152,6 @@ def _attention_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides an
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
 
 
-@fast_launch
 @triton.jit
 def _combine_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     out_ptr,

@@ -13,13 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.launch import fast_launch
 from kvcore.ops.pages import as_bits
 
 BLOCK = 4096  # elements per program
 
 
-@fast_launch
 @triton.jit
 def _copy_runs_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     src_ptr,

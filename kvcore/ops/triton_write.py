@@ -11,10 +11,8 @@ import triton
 import triton.language as tl
 
 from kvcore.ops.batch import RotaryWrite
-from kvcore.ops.launch import fast_launch
 
 
-@fast_launch
 @triton.jit
 def _write_kv_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     kv_ptr,
@@ -91,7 +89,6 @@ def launch_write_kv(
     )
 
 
-@fast_launch
 @triton.jit
 def _write_rotated_kernel(  # noqa: PLR0913 (a kernel takes its pointers, strides and constants flat)
     kv_ptr,

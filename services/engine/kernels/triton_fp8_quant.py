@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.launch import fast_launch
 from services.engine.kernels.fp8_reference import FP8, FP8_MAX
 
 BLOCK = 1024
@@ -53,7 +52,6 @@ def to_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
     return tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT).to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
-@fast_launch
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, data_ptr, scale_ptr, K, stride_xm, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr

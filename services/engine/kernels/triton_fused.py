@@ -14,10 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.launch import fast_launch
 
-
-@fast_launch
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
@@ -83,7 +80,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return add_rms_norm(x, None, weight, eps)[0]
 
 
-@fast_launch
 @triton.jit
 def _rotate_kernel(
     x_ptr,
@@ -136,7 +132,6 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
-@fast_launch
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

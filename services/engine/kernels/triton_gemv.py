@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.launch import fast_launch
 from services.engine.kernels.fp8_reference import FP8_MAX, Fp8Rows
 from services.engine.kernels.triton_fp8_quant import row_scale, to_e4m3
 
@@ -45,7 +44,6 @@ DENSE_TILES: dict[tuple[int, int], GemvTiles] = {
 DENSE_ROWS = 16  # up to one padded dot block: a row's result does not depend on the others
 
 
-@fast_launch
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -126,7 +124,6 @@ def gemv(
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 
-@fast_launch
 @triton.jit
 def _fp8_row_kernel(
     x_ptr,

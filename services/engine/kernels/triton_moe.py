@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.launch import fast_launch
 from services.engine.kernels import reference
 from services.engine.kernels.moe_align import align
 from services.engine.kernels.reference import Experts
@@ -81,7 +80,6 @@ def _slot_ids(sorted_ids_ptr, rm, block, num_slots, ONE_TOKEN: tl.constexpr, BLO
     return tl.load(sorted_ids_ptr + rm)
 
 
-@fast_launch
 @triton.jit
 def _gate_up_kernel(
     x_ptr,
@@ -151,7 +149,6 @@ def _gate_up_kernel(
     tl.store(out, act.to(dtype), mask=n_ok[None, :])
 
 
-@fast_launch
 @triton.jit
 def _down_kernel(
     act_ptr,
@@ -204,7 +201,6 @@ def _down_kernel(
     tl.store(out, product.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
-@fast_launch
 @triton.jit
 def _sum_slots_kernel(slots_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
