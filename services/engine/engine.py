@@ -66,6 +66,7 @@ class Engine:
         self.tp = tensor_parallel(config.tp_size)
         self.device = rank_device(config.device, self.tp)
         self.target = load_target(config.model, self.device, config.torch_dtype, self.tp, config.quantization)
+        derived = config.max_num_batched_tokens == 0
         config = self.config = with_step_budget(config, self.target.config, self.device.type)
         self.drafter = None
         if config.speculative:
@@ -82,7 +83,7 @@ class Engine:
             cache = replace(cache, memory_bytes=kv_bytes)
         self.manager, self.kv_pools = build_cache(cache, self.target, self.drafter, self.device, self.tp)
         log_groups(self.manager)
-        log_scheduling(config.scheduling_policy, config.max_num_batched_tokens, config.max_num_seqs)
+        log_scheduling(config.scheduling_policy, config.max_num_batched_tokens, config.max_num_seqs, derived)
         if config.max_model_len:  # asked for: one request of it must fit, every group
             check_context_fits(config.max_model_len, self.manager)
         self.runner = ModelRunner(self.target, self.drafter, self.manager, self.kv_pools, self.device)

@@ -100,10 +100,18 @@ def group_kv_heads(target: TargetModel, drafter: Eagle3Drafter | None) -> dict[s
     return totals
 
 
-def log_scheduling(policy: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-    """One INFO line: the scheduling policy the engine runs (``auto`` resolved) and its limits."""
+def log_scheduling(
+    policy: str, max_num_batched_tokens: int, max_num_seqs: int, derived: bool = False
+) -> None:
+    """One INFO line: the scheduling policy the engine runs (``auto`` resolved) and its limits
+    (``derived``: the step's tokens were derived from the model, ``step_budget.py``)."""
+    how = " (derived from the model)" if derived else ""
     log.info(
-        "scheduling: %s steps, %d tokens a step, %d sequences", policy, max_num_batched_tokens, max_num_seqs
+        "scheduling: %s steps, %d tokens a step%s, %d sequences",
+        policy,
+        max_num_batched_tokens,
+        how,
+        max_num_seqs,
     )
 
 

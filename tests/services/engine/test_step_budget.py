@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,10 @@ def test_zero_is_derived_and_given_counts_are_kept():
         EngineConfig(str(TINY_TARGET), max_num_batched_tokens=-1)
 
 
-def test_an_engine_asked_for_no_budget_schedules_with_the_derived_one(tmp_path):
+def test_an_engine_asked_for_no_budget_schedules_with_the_derived_one(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="services.engine.setup")
     engine = make_engine(write_pair(tmp_path), max_num_batched_tokens=0, max_prefill_chunk=0)
+    assert "2048 tokens a step (derived from the model), 16 sequences" in caplog.text
     assert (engine.config.max_num_batched_tokens, engine.config.max_prefill_chunk) == (2048, 2048)
     assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.max_prefill_chunk) == (2048, 2048)
     assert engine.manager.config.max_prefill_chunk == 2048
