@@ -164,7 +164,7 @@ def test_helm_lint_strict_finds_nothing_above_info(values):
         ({"decode": {"gpuMemoryUtilization": 0}}, "/decode/gpuMemoryUtilization", "exclusiveMinimum: got 0"),
         ({"prefill": {"gpuMemoryUtilization": 1.5}}, "/prefill/gpuMemoryUtilization", "maximum: got 1.5"),
         ({"prefill": {"kvCacheMb": -1}}, "/prefill/kvCacheMb", "minimum: got -1, want 0"),
-        ({"engine": {"maxNumBatchedTokens": 0}}, "/engine/maxNumBatchedTokens", "minimum: got 0, want 1"),
+        ({"engine": {"maxNumBatchedTokens": -1}}, "/engine/maxNumBatchedTokens", "minimum: got -1, want 0"),
         ({"engine": {"maxModelLen": -1}}, "/engine/maxModelLen", "minimum: got -1, want 0"),
         ({"logLevel": "LOUD"}, "/logLevel", "value must be one of"),
         (  # benchmarks only: no value of the chart turns it on
