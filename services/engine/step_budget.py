@@ -8,10 +8,11 @@ within ``[REFERENCE_TOKENS, LARGEST]``.
 
 Why (docs/performance.md, "The step budget, served"): the 8B-shaped target at C=64 served
 +1% tokens at 8,192 against 2,048 and a TTFT p50 3.4x longer (each mixed step's prompts wait
-for all of them). The 9.6 MB tiny pair, whose prompt forwards are bound by the host's
-launches, served +36% at 8,192 with a shorter TTFT: a larger step brings more prompts to one
-forward at almost no GPU cost. Not below 2,048: smaller budgets lost the 8B 13-43% of its
-tokens. A CPU's forward is bound by its arithmetic at any size: ``CPU_BUDGET`` there.
+for all of them). The 9.6 MB tiny pair, whose prompt forwards are bound by the host (the
+model's Python and torch's dispatch), served +36% at 8,192 with a shorter TTFT (+11-17% on
+an H200): a larger step brings more prompts to one forward at almost no GPU cost. Not below
+2,048: smaller budgets lost the 8B 13-43% of its tokens. A CPU's forward is bound by its
+arithmetic at any size: ``CPU_BUDGET`` there.
 
 Weights per token count the target's linear layers only (attention projections, the MLP, a
 routed layer's ``num_experts_per_tok`` experts); embeddings and the head are left out (the
