@@ -45,7 +45,8 @@ def _text(x: float, y: float, text: str, size: int = 11, anchor: str = "middle")
 
 
 def _value(v: float) -> str:
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
+    """Whole above 100, one decimal above 10, else two."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 def _bar(x: float, width: float, y0: float, height: float, color: str) -> str:
